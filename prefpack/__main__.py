@@ -1,0 +1,3 @@
+from prefpack.cli import main
+
+raise SystemExit(main())

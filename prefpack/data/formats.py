@@ -1,0 +1,244 @@
+"""Input layouts: detect them, and turn one raw row into a checked, text-level example.
+
+Layouts:
+- `pairs`: prompt / chosen / rejected strings.
+- `text-pairs`: text / chosen / rejected strings (the Fast-LLM naming); the same as `pairs` otherwise.
+- `messages`: prompt is a list of {role, content}; chosen / rejected are assistant message lists,
+  rendered later through the tokenizer's chat template.
+- `implicit`: only chosen / rejected, each a whole conversation (a string such as hh-rlhf's
+  "\\n\\nHuman: ...\\n\\nAssistant: ..." or a message list); the prompt is their shared prefix cut back
+  to the last assistant-turn boundary.
+- `unpaired`: prompt / completion / label (KTO); prompt and completion are strings or message lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+LAYOUTS = ("pairs", "text-pairs", "messages", "implicit", "unpaired")
+
+# Where an assistant reply starts in a whole-conversation string; the implicit prompt ends right after one.
+ASSISTANT_MARKERS = ("\n\nAssistant:", "<|im_start|>assistant\n", "[/INST]", "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+class InvalidRow(ValueError):
+    """A row that cannot become an example; `reason` is a stable code used to count skips."""
+
+    def __init__(self, reason: str, field_name: str | None, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.field = field_name
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Fields:
+    prompt: str = "prompt"
+    chosen: str = "chosen"
+    rejected: str = "rejected"
+    completion: str = "completion"
+    label: str = "label"
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def resolve_fields(layout: str, overrides: dict[str, str | None]) -> Fields:
+    """Default field names for a layout, with the user's overrides applied."""
+    base = {"prompt": "text" if layout == "text-pairs" else "prompt"}
+    base.update({k: v for k, v in overrides.items() if v})
+    return Fields(**base)
+
+
+def detect_layout(row: dict, overrides: dict[str, str | None]) -> tuple[str, str]:
+    """Pick a layout from the keys and value types of one row; return it and a sentence explaining why."""
+    f = Fields(**{k: v for k, v in overrides.items() if v})
+    keys = set(row)
+    has = lambda name: name in keys  # noqa: E731
+    prompt_names = [overrides.get("prompt")] if overrides.get("prompt") else ["prompt", "text"]
+    if has(f.chosen) and has(f.rejected):
+        for pname in prompt_names:
+            if has(pname):
+                if isinstance(row[pname], list):
+                    return "messages", f"fields {pname!r} (message list), {f.chosen!r}, {f.rejected!r}"
+                layout = "text-pairs" if pname == "text" else "pairs"
+                return layout, f"fields {pname!r}, {f.chosen!r}, {f.rejected!r}"
+        return "implicit", f"only {f.chosen!r} and {f.rejected!r}: the prompt is their shared prefix"
+    pname = overrides.get("prompt") or "prompt"
+    if has(pname) and has(f.completion) and has(f.label):
+        return "unpaired", f"fields {pname!r}, {f.completion!r}, {f.label!r}"
+    raise InvalidRow(
+        "unknown_layout",
+        None,
+        f"cannot detect the layout from the fields {sorted(keys)}; expected prompt/chosen/rejected, "
+        "text/chosen/rejected, chosen/rejected, or prompt/completion/label. Force one with --format and "
+        "name fields with --prompt-field, --chosen-field, --rejected-field, --completion-field, --label-field",
+    )
+
+
+@dataclass
+class Example:
+    """A checked example before tokenisation.
+
+    For chat rows `prompt` is a message list and `completions` are assistant message lists; otherwise all
+    are strings. Paired examples have two completions (chosen, rejected), unpaired ones one and a label.
+    """
+
+    prompt: Any
+    completions: tuple[Any, ...]
+    chat: bool
+    label: int | None = None
+    completion_fields: tuple[str, ...] = field(default_factory=tuple)
+
+
+def extract(row: dict, layout: str, f: Fields) -> Example:
+    """Check one row's fields and types and return its example, or raise InvalidRow."""
+    if layout in ("pairs", "text-pairs"):
+        prompt = _get_str(row, f.prompt, allow_empty=True)
+        chosen = _get_str(row, f.chosen)
+        rejected = _get_str(row, f.rejected)
+        _check_distinct(chosen, rejected, f)
+        return Example(prompt, (chosen, rejected), chat=False, completion_fields=(f.chosen, f.rejected))
+    if layout == "messages":
+        prompt = _get_messages(row, f.prompt, allow_empty=True)
+        chosen = _get_messages(row, f.chosen, as_reply=True)
+        rejected = _get_messages(row, f.rejected, as_reply=True)
+        _check_distinct(chosen, rejected, f)
+        return Example(prompt, (chosen, rejected), chat=True, completion_fields=(f.chosen, f.rejected))
+    if layout == "implicit":
+        return _extract_implicit(row, f)
+    if layout == "unpaired":
+        label = _get_label(row, f.label)
+        value = _require(row, f.prompt)
+        if isinstance(value, list):
+            prompt = _get_messages(row, f.prompt, allow_empty=True)
+            completion = _get_messages(row, f.completion, as_reply=True)
+            return Example(prompt, (completion,), chat=True, label=label, completion_fields=(f.completion,))
+        prompt = _get_str(row, f.prompt, allow_empty=True)
+        completion = _get_str(row, f.completion)
+        return Example(prompt, (completion,), chat=False, label=label, completion_fields=(f.completion,))
+    raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+
+
+def _require(row: dict, name: str) -> Any:
+    if name not in row:
+        raise InvalidRow("missing_field", name, f"missing field {name!r} (row has {sorted(row)})")
+    value = row[name]
+    if value is None:
+        raise InvalidRow("missing_field", name, f"field {name!r} is null")
+    return value
+
+
+def _check_text(value: str, name: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRow("undecodable_text", name, f"field {name!r} holds text that is not valid Unicode "
+                         f"({exc.reason} at character {exc.start})") from None
+
+
+def _get_str(row: dict, name: str, *, allow_empty: bool = False) -> str:
+    value = _require(row, name)
+    if not isinstance(value, str):
+        raise InvalidRow("wrong_type", name, f"field {name!r} must be a string, got {type(value).__name__}")
+    _check_text(value, name)
+    if not allow_empty and not value.strip():
+        raise InvalidRow("empty_completion", name, f"field {name!r} is empty or only whitespace")
+    return value
+
+
+def _check_message(msg: Any, name: str, i: int) -> dict:
+    if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
+        raise InvalidRow("wrong_type", name, f"field {name!r}: message {i} must be an object with string "
+                         "'role' and 'content'")
+    _check_text(msg["content"], name)
+    return msg
+
+
+def _get_messages(row: dict, name: str, *, allow_empty: bool = False, as_reply: bool = False) -> list[dict]:
+    value = _require(row, name)
+    if as_reply and isinstance(value, dict):
+        value = [value]
+    if as_reply and isinstance(value, str):
+        raise InvalidRow("wrong_type", name, f"field {name!r} is a string but the prompt is a message list; "
+                         "give the reply as [{'role': 'assistant', 'content': ...}]")
+    if not isinstance(value, list):
+        raise InvalidRow("wrong_type", name, f"field {name!r} must be a list of messages, got {type(value).__name__}")
+    msgs = [_check_message(m, name, i) for i, m in enumerate(value)]
+    if as_reply:
+        if not msgs or not any(m["content"].strip() for m in msgs):
+            raise InvalidRow("empty_completion", name, f"field {name!r} has no non-empty reply")
+        if msgs[0]["role"] != "assistant":
+            raise InvalidRow("wrong_type", name, f"field {name!r} must start with an assistant message, "
+                             f"got role {msgs[0]['role']!r}")
+    elif not allow_empty and not msgs:
+        raise InvalidRow("missing_field", name, f"field {name!r} is an empty message list")
+    return msgs
+
+
+def _get_label(row: dict, name: str) -> int:
+    value = _require(row, name)
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int) and value in (0, 1):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return int(value.strip().lower() == "true")
+    raise InvalidRow("wrong_type", name, f"field {name!r} must be a boolean (true = desirable), got {value!r}")
+
+
+def _check_distinct(chosen: Any, rejected: Any, f: Fields) -> None:
+    if chosen == rejected:
+        raise InvalidRow("identical_completions", f.rejected,
+                         f"fields {f.chosen!r} and {f.rejected!r} are identical: the pair carries no preference")
+
+
+def _extract_implicit(row: dict, f: Fields) -> Example:
+    chosen_raw = _require(row, f.chosen)
+    if isinstance(chosen_raw, list):
+        chosen = _get_messages(row, f.chosen)
+        rejected = _get_messages(row, f.rejected)
+        _check_distinct(chosen, rejected, f)
+        n = 0
+        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+            n += 1
+        # The prompt ends before the first assistant message that differs.
+        while n > 0 and chosen[n - 1]["role"] == "assistant":
+            n -= 1
+        prompt, c_reply, r_reply = chosen[:n], chosen[n:], rejected[n:]
+        for reply, name in ((c_reply, f.chosen), (r_reply, f.rejected)):
+            if not reply or reply[0]["role"] != "assistant":
+                raise InvalidRow("no_shared_prompt", name, f"field {name!r}: after the shared prefix the "
+                                 "conversation does not continue with an assistant message")
+            if not any(m["content"].strip() for m in reply):
+                raise InvalidRow("empty_completion", name, f"field {name!r} has an empty final reply")
+        return Example(prompt, (c_reply, r_reply), chat=True, completion_fields=(f.chosen, f.rejected))
+    chosen = _get_str(row, f.chosen)
+    rejected = _get_str(row, f.rejected)
+    _check_distinct(chosen, rejected, f)
+    prompt = implicit_prompt(chosen, rejected)
+    if prompt is None:
+        raise InvalidRow("no_shared_prompt", f.chosen, f"fields {f.chosen!r} and {f.rejected!r} share no prefix "
+                         f"ending at an assistant turn (looked for {', '.join(repr(m) for m in ASSISTANT_MARKERS)})")
+    c_reply, r_reply = chosen[len(prompt):], rejected[len(prompt):]
+    for reply, name in ((c_reply, f.chosen), (r_reply, f.rejected)):
+        if not reply.strip():
+            raise InvalidRow("empty_completion", name, f"field {name!r}: the reply after the shared prompt is empty "
+                             "or only whitespace")
+    return Example(prompt, (c_reply, r_reply), chat=False, completion_fields=(f.chosen, f.rejected))
+
+
+def implicit_prompt(chosen: str, rejected: str) -> str | None:
+    """Longest common prefix of two conversations, cut back to just after the last assistant marker."""
+    n = 0
+    limit = min(len(chosen), len(rejected))
+    while n < limit and chosen[n] == rejected[n]:
+        n += 1
+    common = chosen[:n]
+    best = -1
+    for marker in ASSISTANT_MARKERS:
+        pos = common.rfind(marker)
+        if pos >= 0:
+            best = max(best, pos + len(marker))
+    return None if best < 0 else common[:best]

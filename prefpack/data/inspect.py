@@ -1,0 +1,112 @@
+"""`prefpack inspect`: a store's meta, length statistics, and one example decoded."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from prefpack.data.store import FLAG_COMPLETION_TRUNCATED, FLAG_PROMPT_TRUNCATED, Store, StoreError
+
+
+def length_stats(store: Store) -> dict[str, Any]:
+    parts = ("prompt", "chosen", "rejected") if store.kind == "pairs" else ("prompt", "completion")
+    stats: dict[str, Any] = {"examples": len(store), "tokens": store.num_tokens}
+    for part in parts:
+        col = store.column(f"{part}_len")
+        stats[part] = _summary(col)
+    if store.kind == "pairs":
+        seq = store.column("prompt_len") * 2 + store.column("chosen_len") + store.column("rejected_len")
+        stats["pair_tokens"] = _summary(seq)
+    else:
+        labels = store.column("label")
+        stats["desirable"] = int(labels.sum())
+        stats["undesirable"] = int(len(labels) - labels.sum())
+    return stats
+
+
+def _summary(col: np.ndarray) -> dict[str, float]:
+    if len(col) == 0:
+        return {"mean": 0.0, "p50": 0, "p90": 0, "max": 0}
+    return {
+        "mean": round(float(col.mean()), 2),
+        "p50": int(np.percentile(col, 50, method="nearest")),
+        "p90": int(np.percentile(col, 90, method="nearest")),
+        "max": int(col.max()),
+    }
+
+
+def decode_row(store: Store, i: int, tok) -> dict[str, Any]:
+    if not 0 <= i < len(store):
+        raise StoreError(f"--row {i} is out of range: the store has {len(store)} examples (0..{len(store) - 1})")
+    flags = int(store.column("flags")[i])
+    out: dict[str, Any] = {
+        "index": i,
+        "source": {"file": store.meta["sources"][int(store.column("source_file")[i])]["path"],
+                   "row": int(store.column("source_row")[i])},
+        "truncated": [name for bit, name in ((FLAG_PROMPT_TRUNCATED, "prompt"),
+                                             (FLAG_COMPLETION_TRUNCATED, "completion")) if flags & bit],
+    }
+    if store.kind == "pairs":
+        ex = store.pair(i)
+        parts = {"prompt": ex.prompt, "chosen": ex.chosen, "rejected": ex.rejected}
+    else:
+        ex = store.unpaired(i)
+        parts = {"prompt": ex.prompt, "completion": ex.completion}
+        out["label"] = bool(ex.label)
+    for name, ids in parts.items():
+        out[f"{name}_ids"] = [int(t) for t in ids]
+        out[name] = tok.decode(out[f"{name}_ids"], skip_special_tokens=False)
+    return out
+
+
+def format_text(store: Store, stats: dict, row: dict | None) -> str:
+    m = store.meta
+    lines = [
+        f"store      {store.path}",
+        f"layout     {m['layout']} ({store.kind}), format v{m['format_version']}, dtype {m['dtype']}",
+        f"tokenizer  {m['tokenizer']['name']} (vocab {m['tokenizer']['vocab_size']}, "
+        f"hash {m['tokenizer']['hash'][:12]})",
+        f"examples   {stats['examples']} from {m['counts']['rows_read']} rows; {stats['tokens']} tokens",
+    ]
+    c = m["counts"]
+    for key in ("skipped", "dropped", "truncated"):
+        if c.get(key):
+            lines.append(f"{key:<10} " + ", ".join(f"{k}={v}" for k, v in sorted(c[key].items())))
+    lines.append("")
+    lines.append(f"{'lengths':<12}{'mean':>9}{'p50':>7}{'p90':>7}{'max':>7}")
+    for part in ("prompt", "chosen", "rejected", "completion", "pair_tokens"):
+        if part in stats:
+            s = stats[part]
+            lines.append(f"{part:<12}{s['mean']:>9.1f}{s['p50']:>7}{s['p90']:>7}{s['max']:>7}")
+    if "desirable" in stats:
+        lines.append(f"labels      desirable={stats['desirable']} undesirable={stats['undesirable']}")
+    if row is not None:
+        lines.append("")
+        lines.append(f"row {row['index']} (from {row['source']['file']} row {row['source']['row']})"
+                     + (f", truncated: {', '.join(row['truncated'])}" if row["truncated"] else ""))
+        for name in ("prompt", "chosen", "rejected", "completion"):
+            if name in row:
+                lines.append(f"--- {name} ({len(row[name + '_ids'])} tokens) ids={row[name + '_ids']}")
+                lines.append(row[name])
+        if "label" in row:
+            lines.append(f"--- label: {'desirable' if row['label'] else 'undesirable'}")
+    return "\n".join(lines)
+
+
+def inspect_store(path: str, *, row: int | None = None, as_json: bool = False, tokenizer: str | None = None,
+                  verify: bool = False) -> str:
+    store = Store(path, verify=verify)
+    stats = length_stats(store)
+    decoded = None
+    if row is not None:
+        from prefpack.tokenizer import load_tokenizer
+
+        decoded = decode_row(store, row, load_tokenizer(tokenizer or store.tokenizer_path()))
+    if as_json:
+        obj: dict[str, Any] = {"meta": store.meta, "stats": stats}
+        if decoded is not None:
+            obj["row"] = decoded
+        return json.dumps(obj, ensure_ascii=False)
+    return format_text(store, stats, decoded)

@@ -1,0 +1,292 @@
+"""`prefpack prepare`: raw rows -> checked examples -> token ids -> a binary store.
+
+Rows are read in order, cut into chunks, and the chunks are tokenised by a pool of worker processes
+(each with its own tokenizer); at most a few chunks are in flight, so memory stays bounded whatever the
+input size. Results come back in input order, so the first bad row reported is the first in the files.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import prefpack
+from prefpack.data.formats import InvalidRow, detect_layout, extract, resolve_fields
+from prefpack.data.sources import RawRow, Source, file_sha256, iter_rows, peek_first_row, resolve_inputs
+from prefpack.data.store import FLAG_COMPLETION_TRUNCATED, FLAG_PROMPT_TRUNCATED, StoreWriter
+from prefpack.data.tokenize import Dropped, ExampleTokenizer, TokenizeConfig, TokenizedExample
+from prefpack.tokenizer import load_tokenizer, special_tokens, tokenizer_hash, tokenizer_name
+
+
+class PrepareError(ValueError):
+    """A user-facing failure of prepare (bad row without --skip-invalid, unreadable input...)."""
+
+
+@dataclass
+class PrepareOptions:
+    inputs: list[str]
+    tokenizer: str
+    output: str
+    layout: str | None = None  # None: detect from the first row
+    fields: dict[str, str | None] = field(default_factory=dict)
+    split: str | None = None
+    max_length: int | None = None
+    truncation: str = "prompt-left"
+    workers: int = 0  # 0: all cores
+    skip_invalid: bool = False
+    overwrite: bool = False
+    chunk_rows: int = 1000
+    trust_remote_code: bool = False
+    argv: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PrepareReport:
+    path: Path
+    layout: str
+    layout_reason: str
+    examples: int
+    tokens: int
+    rows_read: int
+    skipped: dict[str, int]
+    dropped: dict[str, int]
+    truncated: dict[str, int]
+    seconds: float
+
+    def summary(self) -> str:
+        lines = [
+            f"wrote {self.path}: {self.examples} examples, {self.tokens} tokens from {self.rows_read} rows "
+            f"in {self.seconds:.1f}s ({self.tokens / max(self.seconds, 1e-9):,.0f} tokens/s)",
+        ]
+        if self.skipped:
+            lines.append("skipped (invalid): " + ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items()))
+                         + f"; every skipped row is in {self.path / 'skipped.jsonl'}")
+        if self.dropped:
+            lines.append("dropped (length policy): " + ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items())))
+        if self.truncated:
+            lines.append("truncated: " + ", ".join(f"{k}={v}" for k, v in sorted(self.truncated.items())))
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- worker side
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer: str, trust_remote_code: bool, layout: str, fields: dict, tcfg: TokenizeConfig,
+                 threads: bool) -> None:
+    if not threads:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
+    _WORKER.update(
+        layout=layout,
+        fields=resolve_fields(layout, fields),
+        tokenize=ExampleTokenizer(tok, special_tokens(tok), tcfg),
+    )
+
+
+@dataclass
+class ChunkResult:
+    tokens: np.ndarray
+    index: np.ndarray  # int64 [n, columns], offsets relative to `tokens`
+    problems: list[dict]  # invalid rows and drops, in input order: {loc, reason, field, message, raw, kind}
+    truncated: Counter
+
+
+def _process_chunk(chunk: list[RawRow]) -> ChunkResult:
+    layout, fields, tokenize = _WORKER["layout"], _WORKER["fields"], _WORKER["tokenize"]
+    problems: list[dict] = []
+    examples, origin = [], []
+    for raw in chunk:
+        if raw.row is None:
+            problems.append(_problem(raw, raw.error or "unreadable", None, raw.message or "", raw.raw))
+            continue
+        try:
+            examples.append(extract(raw.row, layout, fields))
+            origin.append(raw)
+        except InvalidRow as err:
+            problems.append(_problem(raw, err.reason, err.field, err.message, raw.row))
+    results = tokenize(examples)
+    parts: list[np.ndarray] = []
+    rows: list[list[int]] = []
+    truncated: Counter = Counter()
+    offset = 0
+    for raw, res in zip(origin, results):
+        if isinstance(res, InvalidRow):
+            problems.append(_problem(raw, res.reason, res.field, res.message, raw.row))
+            continue
+        if isinstance(res, Dropped):
+            problems.append(_problem(raw, res.reason, None, "longer than --max-length", raw.row, kind="dropped"))
+            continue
+        assert isinstance(res, TokenizedExample)
+        flags = 0
+        for what in res.truncated:
+            truncated[what] += 1
+            flags |= FLAG_PROMPT_TRUNCATED if what == "prompt" else FLAG_COMPLETION_TRUNCATED
+        lens = [len(res.prompt)] + [len(c) for c in res.completions]
+        if res.label is not None:
+            lens.append(res.label)
+        rows.append([offset, *lens, flags, raw.loc_file_index, raw.loc.row])
+        parts.append(res.prompt)
+        parts.extend(res.completions)
+        offset += len(res.prompt) + sum(len(c) for c in res.completions)
+    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    width = 7
+    index = np.asarray(rows, dtype=np.int64).reshape(-1, width)
+    problems.sort(key=lambda p: (p["file_index"], p["row"]))
+    return ChunkResult(tokens, index, problems, truncated)
+
+
+def _problem(raw: Any, reason: str, field_name: str | None, message: str, content: Any, kind: str = "invalid") -> dict:
+    return {
+        "kind": kind,
+        "file_index": raw.loc_file_index,
+        "row": raw.loc.row,
+        "loc": raw.loc.to_json(),
+        "where": str(raw.loc),
+        "reason": reason,
+        "field": field_name,
+        "message": message,
+        "content": content,
+    }
+
+
+@dataclass(frozen=True)
+class _Row(RawRow):
+    loc_file_index: int = 0
+
+
+# ---------------------------------------------------------------- main side
+
+
+def _chunks(sources: list[Source], split: str | None, size: int, counts: Counter) -> Iterator[list[_Row]]:
+    chunk: list[_Row] = []
+    for src in sources:
+        n = 0
+        for raw in iter_rows(src, split=split):
+            chunk.append(_Row(raw.loc, raw.row, raw.error, raw.message, raw.raw, src.file_index))
+            n += 1
+            if len(chunk) >= size:
+                yield chunk
+                chunk = []
+        counts[src.file_index] = n
+    if chunk:
+        yield chunk
+
+
+def _ordered_map(fn: Callable, items: Iterator, workers: int, init_args: tuple) -> Iterator:
+    """Map in worker processes, in order, with at most 2 x workers items in flight (bounded memory)."""
+    if workers <= 1:
+        _init_worker(*init_args[:-1], True)
+        for item in items:
+            yield fn(item)
+        return
+    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
+        pending: deque = deque()
+        for item in items:
+            pending.append(pool.apply_async(fn, (item,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> PrepareReport:
+    t0 = time.perf_counter()
+    if opts.max_length is not None and opts.max_length < 2:
+        raise PrepareError("--max-length must be at least 2 (one prompt token and one completion token)")
+    sources = resolve_inputs(opts.inputs)
+    tok = load_tokenizer(opts.tokenizer, trust_remote_code=opts.trust_remote_code)
+    specials = special_tokens(tok)
+    layout, reason = _choose_layout(opts, sources)
+    log(f"layout: {layout} ({reason})")
+    kind = "unpaired" if layout == "unpaired" else "pairs"
+    fields = resolve_fields(layout, opts.fields)
+    workers = opts.workers or os.cpu_count() or 1
+    tcfg = TokenizeConfig(max_length=opts.max_length, truncation=opts.truncation)
+    writer = StoreWriter(opts.output, kind=kind, vocab_size=specials.vocab_size, overwrite=opts.overwrite)
+    skipped: Counter = Counter()
+    dropped: Counter = Counter()
+    truncated: Counter = Counter()
+    rows_per_file: Counter = Counter()
+    skipped_fh = None
+    try:
+        init = (opts.tokenizer, opts.trust_remote_code, layout, opts.fields, tcfg, workers <= 1)
+        chunks = _chunks(sources, opts.split, opts.chunk_rows, rows_per_file)
+        for res in _ordered_map(_process_chunk, chunks, workers, init):
+            for p in res.problems:
+                if p["kind"] == "dropped":
+                    dropped[p["reason"]] += 1
+                    continue
+                if not opts.skip_invalid:
+                    field_txt = f", field {p['field']!r}" if p["field"] else ""
+                    raise PrepareError(f"{p['where']}{field_txt}: {p['message']} [{p['reason']}]. Fix the row, or "
+                                       "pass --skip-invalid to skip such rows (each is counted and written to "
+                                       "skipped.jsonl beside the store).")
+                skipped[p["reason"]] += 1
+                if skipped_fh is None:
+                    skipped_fh = open(writer.tmp / "skipped.jsonl", "w", encoding="utf-8")
+                skipped_fh.write(json.dumps({**p["loc"], "reason": p["reason"], "field": p["field"],
+                                             "message": p["message"], "data": p["content"]},
+                                            ensure_ascii=True, default=str) + "\n")
+            truncated.update(res.truncated)
+            writer.append(res.tokens, res.index)
+        if skipped_fh is not None:
+            skipped_fh.close()
+            skipped_fh = None
+        tok.save_pretrained(writer.tmp / "tokenizer")
+        rows_read = sum(rows_per_file.values())
+        meta = {
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "prefpack_version": prefpack.__version__,
+            "layout": layout,
+            "source_layout": layout,
+            "fields": fields.to_json(),
+            "tokenizer": {"name": tokenizer_name(tok, opts.tokenizer), "hash": tokenizer_hash(tok),
+                          "has_chat_template": bool(tok.chat_template), **specials.to_json()},
+            "counts": {"rows_read": rows_read, "examples": writer.n_rows, "skipped": dict(skipped),
+                       "dropped": dict(dropped), "truncated": dict(truncated)},
+            "sources": [{"path": s.path, "kind": s.kind, "rows": rows_per_file[s.file_index],
+                         "sha256": file_sha256(s.path)} for s in sources],
+            "args": {"inputs": opts.inputs, "tokenizer": opts.tokenizer, "format": opts.layout,
+                     "fields": opts.fields, "split": opts.split, "max_length": opts.max_length,
+                     "truncation": opts.truncation, "skip_invalid": opts.skip_invalid, "workers": workers},
+            "argv": opts.argv,
+        }
+        if writer.n_rows == 0:
+            raise PrepareError(f"no examples left to write from {rows_read} rows (skipped: {dict(skipped)}, "
+                               f"dropped: {dict(dropped)}); nothing was written")
+        path = writer.commit(meta, overwrite=opts.overwrite)
+    except BaseException:
+        if skipped_fh is not None:
+            skipped_fh.close()
+        writer.abort()
+        raise
+    return PrepareReport(path, layout, reason, writer.n_rows, writer.n_tokens, rows_read, dict(skipped),
+                         dict(dropped), dict(truncated), time.perf_counter() - t0)
+
+
+def _choose_layout(opts: PrepareOptions, sources: list[Source]) -> tuple[str, str]:
+    if opts.layout:
+        return opts.layout, "forced with --format"
+    first = peek_first_row(sources, opts.split)
+    if first is None:
+        raise PrepareError(f"no readable row in {', '.join(s.path for s in sources)}: cannot detect the layout")
+    src, row = first
+    try:
+        layout, why = detect_layout(row, opts.fields)
+    except InvalidRow as err:
+        raise PrepareError(f"{src.path}: {err.message}") from None
+    return layout, f"detected from the first row of {src.path}: {why}"

@@ -1,0 +1,224 @@
+"""Read input rows from JSONL/JSON/Parquet/CSV files or `datasets` folders, one row at a time.
+
+Every row carries its location (file and row number) so that a bad row can be named exactly. JSON lines
+are read here line by line (bounded memory and exact line numbers, which the `datasets` JSON loader
+cannot give when a line is malformed); Parquet, CSV and `save_to_disk` folders go through `datasets`
+in streaming or memory-mapped mode, so memory stays bounded whatever the input size.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+TABLE_SUFFIXES = {".parquet": "parquet", ".csv": "csv"}
+
+
+class SourceError(ValueError):
+    """An input path that cannot be read as a dataset."""
+
+
+@dataclass(frozen=True)
+class Location:
+    file: str
+    row: int  # 0-based row number in the file (data rows only)
+    line: int | None = None  # 1-based line number for JSON lines files
+
+    def __str__(self) -> str:
+        if self.line is not None:
+            return f"{self.file} line {self.line}"
+        return f"{self.file} row {self.row}"
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"file": self.file, "row": self.row}
+        if self.line is not None:
+            out["line"] = self.line
+        return out
+
+
+@dataclass(frozen=True)
+class RawRow:
+    """A row as read, or the reason it could not be read (then `row` is None and `raw` holds the text)."""
+
+    loc: Location
+    row: dict | None
+    error: str | None = None  # reason code when the row could not be parsed
+    message: str | None = None
+    raw: str | None = None
+
+
+@dataclass(frozen=True)
+class Source:
+    path: str
+    kind: str  # "json" | "parquet" | "csv" | "dataset"
+    file_index: int
+
+
+def resolve_inputs(inputs: list[str]) -> list[Source]:
+    """Expand globs and check every input exists and has a readable kind, in the order given."""
+    paths: list[str] = []
+    for spec in inputs:
+        matches = sorted(glob.glob(spec, recursive=True)) if glob.has_magic(spec) else [spec]
+        if not matches:
+            raise SourceError(f"input {spec!r} matches no file")
+        paths.extend(matches)
+    sources = []
+    for i, p in enumerate(paths):
+        if not os.path.exists(p):
+            raise SourceError(f"input {p!r} does not exist")
+        sources.append(Source(path=p, kind=_kind_of(p), file_index=i))
+    if not sources:
+        raise SourceError("no input files given")
+    return sources
+
+
+def _kind_of(path: str) -> str:
+    if os.path.isdir(path):
+        if any(os.path.exists(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json", "state.json")):
+            return "dataset"
+        raise SourceError(
+            f"{path!r} is a folder but not one written by datasets.Dataset.save_to_disk "
+            "(no dataset_info.json, state.json or dataset_dict.json); pass its files or a glob instead"
+        )
+    lower = path.lower()
+    if lower.endswith(JSON_SUFFIXES):
+        return "json"
+    for suffix, kind in TABLE_SUFFIXES.items():
+        if lower.endswith(suffix):
+            return kind
+    raise SourceError(
+        f"cannot read {path!r}: unknown file type (expected .jsonl, .json, .jsonl.gz, .parquet, .csv "
+        "or a datasets folder)"
+    )
+
+
+def file_sha256(path: str) -> str:
+    """Content hash of a file, or of every file of a folder in name order."""
+    h = hashlib.sha256()
+    files = [path] if os.path.isfile(path) else sorted(str(p) for p in Path(path).rglob("*") if p.is_file())
+    for f in files:
+        if os.path.isdir(path):
+            h.update(os.path.relpath(f, path).encode())
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def iter_rows(source: Source, *, split: str | None = None) -> Iterator[RawRow]:
+    if source.kind == "json":
+        yield from _iter_json(source.path)
+    elif source.kind in ("parquet", "csv"):
+        yield from _iter_table(source.path, source.kind)
+    else:
+        yield from _iter_dataset_dir(source.path, split)
+
+
+def peek_first_row(sources: list[Source], split: str | None) -> tuple[Source, dict] | None:
+    """The first well-formed row of the inputs, used to detect the layout."""
+    for src in sources:
+        for raw in iter_rows(src, split=split):
+            if raw.row is not None:
+                return src, raw.row
+    return None
+
+
+def _open_text(path: str):
+    return gzip.open(path, "rb") if path.lower().endswith(".gz") else open(path, "rb")
+
+
+def _iter_json(path: str) -> Iterator[RawRow]:
+    with _open_text(path) as fh:
+        head = fh.read(4096).lstrip()
+    if head.startswith(b"\xef\xbb\xbf"):
+        head = head[3:].lstrip()
+    if head.startswith(b"["):
+        yield from _iter_json_array(path)
+        return
+    row_no = 0
+    with _open_text(path) as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if line_no == 1 and line.startswith(b"\xef\xbb\xbf"):
+                line = line[3:]
+            if not line.strip():
+                continue  # blank lines separate nothing in JSON lines; they hold no data
+            loc = Location(path, row_no, line_no)
+            row_no += 1
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield RawRow(loc, None, "undecodable_text", f"line is not valid UTF-8 ({exc.reason} at byte "
+                             f"{exc.start})", raw=line.decode("utf-8", errors="replace").rstrip("\n"))
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as exc:
+                yield RawRow(loc, None, "malformed_json", f"malformed JSON: {exc.msg} at column {exc.colno}",
+                             raw=text.rstrip("\n"))
+                continue
+            if not isinstance(obj, dict):
+                yield RawRow(loc, None, "wrong_type", f"a row must be a JSON object, got {type(obj).__name__}",
+                             raw=text.rstrip("\n"))
+                continue
+            yield RawRow(loc, obj)
+
+
+def _iter_json_array(path: str) -> Iterator[RawRow]:
+    with _open_text(path) as fh:
+        data = fh.read()
+    try:
+        rows = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise SourceError(f"{path}: file is not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
+    except json.JSONDecodeError as exc:
+        raise SourceError(f"{path}: malformed JSON array: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
+    for i, obj in enumerate(rows):
+        loc = Location(path, i)
+        if isinstance(obj, dict):
+            yield RawRow(loc, obj)
+        else:
+            yield RawRow(loc, None, "wrong_type", f"a row must be a JSON object, got {type(obj).__name__}",
+                         raw=json.dumps(obj, ensure_ascii=False))
+
+
+def _iter_table(path: str, kind: str) -> Iterator[RawRow]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(kind, data_files=path, split="train", streaming=True)
+        for i, row in enumerate(ds):
+            yield RawRow(Location(path, i), dict(row))
+    except Exception as exc:  # pyarrow / datasets raise many types for unreadable files
+        if isinstance(exc, SourceError):
+            raise
+        raise SourceError(f"{path}: cannot read as {kind}: {exc}") from exc
+
+
+def _iter_dataset_dir(path: str, split: str | None) -> Iterator[RawRow]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(path)
+    except Exception as exc:
+        raise SourceError(f"{path}: cannot open datasets folder: {exc}") from exc
+    if isinstance(ds, datasets.DatasetDict):
+        names = list(ds.keys())
+        if split is None:
+            if len(names) != 1:
+                raise SourceError(f"{path} holds several splits ({', '.join(names)}); choose one with --split")
+            split = names[0]
+        if split not in ds:
+            raise SourceError(f"{path} has no split {split!r}; it has {', '.join(names)}")
+        ds = ds[split]
+    elif split is not None:
+        raise SourceError(f"{path} is a single Dataset, not a DatasetDict; drop --split")
+    for i, row in enumerate(ds):
+        yield RawRow(Location(path, i), dict(row))

@@ -1,0 +1,166 @@
+"""Tokenise examples: prompt and completions apart, ids joined; BOS at most once, EOS exactly once.
+
+Tokenising the joined string would let BPE merge across the prompt/completion boundary and shift the
+split; tokenising apart keeps the boundary exact. Chat rows are rendered through the tokenizer's chat
+template: the prompt with the generation prompt, and each completion as what the full rendering adds
+after it (the template must be prefix-stable for that to be well defined).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from prefpack.data.formats import Example, InvalidRow
+from prefpack.tokenizer import SpecialTokens
+
+TRUNCATION_POLICIES = ("prompt-left", "drop")
+
+
+@dataclass(frozen=True)
+class TokenizeConfig:
+    max_length: int | None = None  # longest prompt + completion sequence, in tokens
+    truncation: str = "prompt-left"  # "prompt-left": cut the prompt's start, then completions' ends; "drop"
+    min_prompt_tokens: int = 1  # never cut a prompt below this (the first completion token needs context)
+
+
+@dataclass
+class TokenizedExample:
+    prompt: np.ndarray
+    completions: tuple[np.ndarray, ...]
+    label: int | None
+    truncated: tuple[str, ...] = ()  # "prompt" and/or "completion" when --max-length cut something
+
+
+class Dropped(Exception):
+    """An example removed by the length policy (counted, not an error)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def render_chat(tok, ex: Example) -> tuple[str, list[str]]:
+    """Render a chat example into a prompt string and one completion string per reply."""
+    if not tok.chat_template:
+        raise InvalidRow("no_chat_template", None, "the row holds chat messages but the tokenizer has no chat "
+                         "template; use a tokenizer with one, or give plain strings")
+    prompt_text = tok.apply_chat_template(ex.prompt, tokenize=False, add_generation_prompt=True)
+    completions = []
+    for reply, name in zip(ex.completions, ex.completion_fields):
+        full = tok.apply_chat_template(list(ex.prompt) + list(reply), tokenize=False)
+        if not full.startswith(prompt_text):
+            raise InvalidRow(
+                "template_not_prefix_stable", name,
+                "the chat template is not prefix-stable: rendering the prompt with the generation prompt "
+                f"does not give a prefix of the rendered conversation with field {name!r}, so the reply cannot "
+                "be cut out exactly. Use a template that renders earlier turns the same whatever follows.",
+            )
+        completions.append(full[len(prompt_text):])
+    return prompt_text, completions
+
+
+def _ends_with_eos(ids: list[int], eos_id: int, whitespace_ids: set[int]) -> bool:
+    """True if the ids end with EOS, possibly followed by whitespace tokens (ChatML's '<|im_end|>\\n')."""
+    i = len(ids) - 1
+    while i >= 0 and ids[i] in whitespace_ids:
+        i -= 1
+    return i >= 0 and ids[i] == eos_id
+
+
+class ExampleTokenizer:
+    """Tokenises batches of examples with one batched call to the fast tokenizer."""
+
+    def __init__(self, tok, specials: SpecialTokens, cfg: TokenizeConfig):
+        if cfg.truncation not in TRUNCATION_POLICIES:
+            raise ValueError(f"unknown truncation policy {cfg.truncation!r}; choose {', '.join(TRUNCATION_POLICIES)}")
+        self.tok = tok
+        self.specials = specials
+        self.cfg = cfg
+        self._ws_cache: dict[int, bool] = {}
+
+    def _is_whitespace(self, tid: int) -> bool:
+        hit = self._ws_cache.get(tid)
+        if hit is None:
+            text = self.tok.decode([tid])
+            hit = len(text) > 0 and not text.strip()
+            self._ws_cache[tid] = hit
+        return hit
+
+    def __call__(self, examples: list[Example]) -> list[TokenizedExample | InvalidRow | Dropped]:
+        texts: list[str] = []
+        rendered: list[tuple[int, int] | InvalidRow] = []  # (start in texts, number of completions)
+        for ex in examples:
+            try:
+                if ex.chat:
+                    prompt, comps = render_chat(self.tok, ex)
+                else:
+                    prompt, comps = ex.prompt, list(ex.completions)
+            except InvalidRow as err:
+                rendered.append(err)
+                continue
+            rendered.append((len(texts), len(comps)))
+            texts.append(prompt)
+            texts.extend(comps)
+        ids = self.tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+        out: list[TokenizedExample | InvalidRow | Dropped] = []
+        for ex, r in zip(examples, rendered):
+            if isinstance(r, InvalidRow):
+                out.append(r)
+                continue
+            start, n = r
+            try:
+                out.append(self._finish(ex, ids[start], ids[start + 1 : start + 1 + n]))
+            except (InvalidRow, Dropped) as err:
+                out.append(err)
+        return out
+
+    def _finish(self, ex: Example, prompt: list[int], comps: list[list[int]]) -> TokenizedExample:
+        sp = self.specials
+        prefix = list(sp.prefix_ids)
+        if prefix and prompt[: len(prefix)] != prefix:
+            prompt = prefix + prompt  # BOS by the tokenizer's convention, once (not if the text already has it)
+        if not prompt:
+            raise InvalidRow("empty_prompt", None, "the prompt is empty and the tokenizer adds no BOS, so the first "
+                             "completion token would have no context to be predicted from")
+        finished = []
+        for c, name in zip(comps, ex.completion_fields):
+            if not c:
+                raise InvalidRow("empty_completion", name, f"field {name!r} tokenises to nothing")
+            ws = {t for t in c[-4:] if self._is_whitespace(t)}
+            if not _ends_with_eos(c, sp.eos_id, ws):
+                c = c + [sp.eos_id]
+            finished.append(c)
+        prompt, finished, truncated = self._truncate(prompt, finished)
+        return TokenizedExample(
+            prompt=np.asarray(prompt, dtype=np.int64),
+            completions=tuple(np.asarray(c, dtype=np.int64) for c in finished),
+            label=ex.label,
+            truncated=truncated,
+        )
+
+    def _truncate(self, prompt: list[int], comps: list[list[int]]):
+        limit = self.cfg.max_length
+        longest = max(len(c) for c in comps)
+        if limit is None or len(prompt) + longest <= limit:
+            return prompt, comps, ()
+        if self.cfg.truncation == "drop":
+            raise Dropped("too_long")
+        truncated = []
+        keep_head = list(self.specials.prefix_ids) if prompt[: len(self.specials.prefix_ids)] == list(
+            self.specials.prefix_ids) else []
+        floor = max(self.cfg.min_prompt_tokens, len(keep_head) + (1 if len(prompt) > len(keep_head) else 0))
+        floor = min(floor, len(prompt))
+        room = max(limit - longest, floor)
+        if room < len(prompt):
+            tail = prompt[len(keep_head):]
+            prompt = keep_head + tail[len(tail) - (room - len(keep_head)):]
+            truncated.append("prompt")
+        room = limit - len(prompt)
+        if room <= 0:
+            raise Dropped("too_long")
+        if longest > room:
+            comps = [c[:room] for c in comps]
+            truncated.append("completion")
+        return prompt, comps, tuple(truncated)

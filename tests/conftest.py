@@ -1,0 +1,46 @@
+"""Shared fixtures: bundled real data and small locally built tokenizers (no network, no ../shared)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from prefpack.toy_tokenizer import build_toy_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+HH = REPO / "examples" / "data" / "hh-rlhf-harmless-base"
+NEOX = REPO / "examples" / "tokenizers" / "gpt-neox-20b"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    with open(path, "w", encoding="utf-8") as fh:
+        for r in rows:
+            fh.write((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def hh_train() -> list[dict]:
+    return read_jsonl(HH / "train_2k.jsonl.gz")
+
+
+@pytest.fixture(scope="session")
+def toy_tokenizers(tmp_path_factory, hh_train) -> dict[str, Path]:
+    """Folders holding a Llama-style, a NeoX-style and a ChatML tokenizer trained on bundled text."""
+    texts = [r["prompt"] + r["chosen"] for r in hh_train[:300]]
+    root = tmp_path_factory.mktemp("toks")
+    out = {}
+    for style in ("llama", "neox", "chatml"):
+        tok = build_toy_tokenizer(texts, style=style, vocab_size=600)
+        tok.save_pretrained(root / style)
+        out[style] = root / style
+    return out
