@@ -84,11 +84,12 @@ class PrepareReport:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: str, trust_remote_code: bool, layout: str, fields: dict, tcfg: TokenizeConfig,
+def _init_worker(tokenizer: Any, trust_remote_code: bool, layout: str, fields: dict, tcfg: TokenizeConfig,
                  threads: bool) -> None:
+    """Set up a worker; `tokenizer` is a loaded tokenizer (in-process or forked) or a path (spawned)."""
     if not threads:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code) if isinstance(tokenizer, str | Path) else tokenizer
     _WORKER.update(
         layout=layout,
         fields=resolve_fields(layout, fields),
@@ -186,14 +187,21 @@ def _chunks(sources: list[Source], split: str | None, size: int, counts: Counter
 
 
 def _ordered_map(fn: Callable, items: Iterator, workers: int, init_args: tuple) -> Iterator:
-    """Map in worker processes, in order, with at most 2 x workers items in flight (bounded memory)."""
+    """Map in worker processes, in order, with at most 2 x workers items in flight (bounded memory).
+
+    One worker runs in this process with the tokenizer's own threads; several are forked processes that
+    inherit the loaded tokenizer (spawned ones, off Linux, load it again from its path).
+    """
+    tok, path, *rest = init_args
     if workers <= 1:
-        _init_worker(*init_args[:-1], True)
-        for item in items:
-            yield fn(item)
+        _init_worker(tok, *rest, True)
+        yield from map(fn, items)
         return
-    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
+    if sys.platform.startswith("linux"):
+        ctx, initargs = mp.get_context("fork"), (tok, *rest, False)
+    else:
+        ctx, initargs = mp.get_context("spawn"), (path, *rest, False)
+    with ctx.Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
         pending: deque = deque()
         for item in items:
             pending.append(pool.apply_async(fn, (item,)))
@@ -223,7 +231,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
     rows_per_file: Counter = Counter()
     skipped_fh = None
     try:
-        init = (opts.tokenizer, opts.trust_remote_code, layout, opts.fields, tcfg, workers <= 1)
+        init = (tok, opts.tokenizer, opts.trust_remote_code, layout, opts.fields, tcfg)
         chunks = _chunks(sources, opts.split, opts.chunk_rows, rows_per_file)
         for res in _ordered_map(_process_chunk, chunks, workers, init):
             for p in res.problems:

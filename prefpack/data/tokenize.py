@@ -103,7 +103,8 @@ class ExampleTokenizer:
             rendered.append((len(texts), len(comps)))
             texts.append(prompt)
             texts.extend(comps)
-        ids = self.tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+        # The backend's batch encoder skips transformers' per-text dict building (half the time here).
+        ids = [e.ids for e in self.tok.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
         out: list[TokenizedExample | InvalidRow | Dropped] = []
         for ex, r in zip(examples, rendered):
             if isinstance(r, InvalidRow):

@@ -1,0 +1,43 @@
+"""Preference losses: pure functions of per-sequence log-probs returning per-pair values."""
+
+from prefpack.losses.preference import (
+    LENGTH_NORMALISED_LOSSES,
+    LOSS_NAMES,
+    REFERENCE_FREE_LOSSES,
+    LossOutput,
+    LossTerm,
+    PairLogps,
+    apo_down_loss,
+    apo_zero_loss,
+    bco_pair_loss,
+    hinge_loss,
+    ipo_loss,
+    needs_reference,
+    nll_loss,
+    orpo_loss,
+    preference_loss,
+    robust_loss,
+    sigmoid_loss,
+    simpo_loss,
+)
+
+__all__ = [
+    "LENGTH_NORMALISED_LOSSES",
+    "LOSS_NAMES",
+    "REFERENCE_FREE_LOSSES",
+    "LossOutput",
+    "LossTerm",
+    "PairLogps",
+    "apo_down_loss",
+    "apo_zero_loss",
+    "bco_pair_loss",
+    "hinge_loss",
+    "ipo_loss",
+    "needs_reference",
+    "nll_loss",
+    "orpo_loss",
+    "preference_loss",
+    "robust_loss",
+    "sigmoid_loss",
+    "simpo_loss",
+]
