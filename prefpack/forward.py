@@ -1,0 +1,179 @@
+"""Run a causal LM on a packed or padded micro-batch and return per-sequence log-prob sums.
+
+Packed batches are passed with ``attention_mask=None``, ``position_ids`` restarting at 0 for every sequence
+and ``use_cache=False``. transformers (5.23) then builds the attention from the position ids:
+
+* sdpa / eager / flex: ``masking_utils.find_packed_sequence_indices`` cuts each row wherever consecutive
+  position ids do not step by +1 and ANDs a per-row block-diagonal mask with the causal mask. It works per
+  row, so batches of several rows are correct (measured here, sdpa and eager, see tests/test_packing.py).
+  It is skipped when a cache is passed, hence ``use_cache=False`` (with a cache the second sequence of a
+  row silently attends to the first).
+* flash-attention 2/3: boundaries are read from position ids only when the batch has ONE row
+  (``modeling_flash_attention_utils._is_packed_sequence`` requires batch size 1); with several rows it
+  would run plain causal attention across sequences. So for flash implementations (``flatten=None`` picks
+  it automatically) the micro-batch is flattened to one row ``[1, real tokens]``, dropping row padding.
+  This path is not testable on CPU.
+
+Only hidden states whose next token is a completion token are gathered, before the LM head; the head
+and log-softmax run chunked (``prefpack.ops.logprobs``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from prefpack.data.packing import Batch
+from prefpack.ops.logprobs import (
+    DEFAULT_CHUNK_SIZE,
+    body_and_head,
+    completion_logprobs,
+    head_spec,
+    segment_sum,
+)
+
+__all__ = [
+    "PairLogps",
+    "SequenceLogps",
+    "check_against_model",
+    "pair_logps",
+    "sequence_logps",
+    "split_pairs",
+    "uses_flash_attention",
+]
+
+
+class PairLogps(NamedTuple):
+    """Per-pair log-prob sums and completion token counts, in the batch's pair order."""
+
+    chosen: torch.Tensor  # [P]
+    rejected: torch.Tensor  # [P]
+    chosen_tokens: torch.Tensor  # [P]
+    rejected_tokens: torch.Tensor  # [P]
+
+
+def uses_flash_attention(model: nn.Module) -> bool:
+    """True when the model's attention reads packing boundaries only for a single row (flash kernels)."""
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    impl = str(getattr(config, "_attn_implementation", "") or "")
+    return "flash" in impl.lower()
+
+
+def _hidden(out) -> torch.Tensor:
+    h = getattr(out, "last_hidden_state", None)
+    if h is None:
+        h = out[0]
+    return h
+
+
+def sequence_logps(
+    model: nn.Module,
+    batch: Batch,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    flatten: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logp_sum [S], n_tokens [S])``: completion log-prob sum and completion token count per sequence.
+
+    Sequence ``2p`` is the chosen and ``2p + 1`` the rejected sequence of the batch's p-th pair. Gradients
+    flow to the model when called under autograd. ``flatten`` (packed batches only; default: only for flash
+    attention) runs the micro-batch as a single row without its padding.
+    """
+    body, _ = body_and_head(model)
+    spec = head_spec(model)
+    device = spec.weight.device
+    batch = batch.to(device, non_blocking=True)
+    if flatten is None:
+        flatten = uses_flash_attention(model)
+
+    if batch.packed:
+        input_ids, position_ids = batch.input_ids, batch.position_ids
+        loss_mask, targets, seq_index = batch.loss_mask, batch.target_ids, batch.seq_index
+        if flatten:
+            keep = batch.token_mask
+            input_ids, position_ids = input_ids[keep][None], position_ids[keep][None]
+            loss_mask, targets, seq_index = loss_mask[keep][None], targets[keep][None], seq_index[keep][None]
+        out = body(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False)
+    else:
+        loss_mask, targets, seq_index = batch.loss_mask, batch.target_ids, batch.seq_index
+        out = body(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            attention_mask=batch.attention_mask,
+            use_cache=False,
+        )
+    hidden = _hidden(out)
+    h = hidden[loss_mask]  # [N, H]: gathered before the head
+    logp = completion_logprobs(
+        h,
+        targets[loss_mask],
+        spec.weight,
+        spec.bias,
+        chunk_size=chunk_size,
+        scale=spec.scale,
+        softcap=spec.softcap,
+    )
+    logp_sum = segment_sum(logp, seq_index[loss_mask], batch.num_sequences)
+    return logp_sum, batch.completion_tokens
+
+
+def split_pairs(logp_sum: torch.Tensor, n_tokens: torch.Tensor) -> PairLogps:
+    """Split per-sequence values (chosen at even, rejected at odd indices) into per-pair tensors."""
+    return PairLogps(logp_sum[0::2], logp_sum[1::2], n_tokens[0::2], n_tokens[1::2])
+
+
+def pair_logps(
+    model: nn.Module, batch: Batch, *, chunk_size: int = DEFAULT_CHUNK_SIZE, flatten: bool | None = None
+) -> PairLogps:
+    """:func:`sequence_logps` split into chosen / rejected per pair."""
+    return split_pairs(*sequence_logps(model, batch, chunk_size=chunk_size, flatten=flatten))
+
+
+class SequenceLogps(nn.Module):
+    """``nn.Module`` wrapper so DDP / FSDP2 can wrap the whole computation.
+
+    :func:`sequence_logps` calls the body and head submodules directly, bypassing the outer model's
+    ``forward``; DDP's gradient hooks and FSDP2's root pre-forward run only through a wrapped ``forward``,
+    so wrap this module, not the bare causal LM.
+    """
+
+    def __init__(self, model: nn.Module, chunk_size: int = DEFAULT_CHUNK_SIZE, flatten: bool | None = None):
+        super().__init__()
+        self.model = model
+        self.chunk_size = chunk_size
+        self.flatten = flatten
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return sequence_logps(self.model, batch, chunk_size=self.chunk_size, flatten=self.flatten)
+
+
+@torch.no_grad()
+def check_against_model(
+    model: nn.Module, input_ids: torch.Tensor | None = None, chunk_size: int = 64
+) -> float:
+    """Max |difference| between our per-token log-probs and ``log_softmax(model(input_ids).logits)``.
+
+    A one-off guard against a model whose head does something we do not model (an unknown logit scale).
+    """
+    spec = head_spec(model)
+    if input_ids is None:
+        g = torch.Generator().manual_seed(0)
+        input_ids = torch.randint(0, spec.weight.shape[0], (1, 16), generator=g)
+    input_ids = input_ids.to(spec.weight.device)
+    ref = model(input_ids=input_ids, use_cache=False).logits.float().log_softmax(-1)[:, :-1]
+    targets = input_ids[:, 1:]
+    ref = ref.gather(-1, targets[..., None]).squeeze(-1)
+    body, _ = body_and_head(model)
+    h = _hidden(body(input_ids=input_ids, use_cache=False))[:, :-1]
+    ours = completion_logprobs(
+        h.reshape(-1, h.shape[-1]),
+        targets.reshape(-1),
+        spec.weight,
+        spec.bias,
+        chunk_size=chunk_size,
+        scale=spec.scale,
+        softcap=spec.softcap,
+    )
+    return float((ours.view_as(ref).float() - ref).abs().max())

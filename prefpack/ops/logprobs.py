@@ -1,0 +1,301 @@
+"""Completion-only, chunked log-probabilities.
+
+The LM head is applied only to hidden states whose next token is a completion token, and in chunks, so
+that at most ``chunk_size x vocab`` logits are alive at once in forward and in backward (backward recomputes
+each chunk's logits instead of saving them). With 150k vocabularies this is most of the memory of a
+preference step, hence the custom autograd function.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = [
+    "HeadSpec",
+    "body_and_head",
+    "completion_logprobs",
+    "head_spec",
+    "segment_sum",
+]
+
+DEFAULT_CHUNK_SIZE = 1024
+
+
+def _out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Log-probs are float32 at least (float64 stays float64), whatever the model dtype."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_logits(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Logits of one chunk: matmul in the model dtype (as the model's own head), the rest in float32+."""
+    z = h @ weight.t()
+    if bias is not None:
+        z = z + bias
+    z = z.to(out_dtype)
+    if scale != 1.0:
+        z.mul_(scale)
+    if softcap is not None:
+        z.div_(softcap).tanh_().mul_(softcap)
+    return z
+
+
+def _matmul_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """Under autocast the head would run in the autocast dtype; otherwise in the wider of h and weight."""
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return torch.promote_types(h.dtype, weight.dtype)
+
+
+def _cast(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return x if x is None or x.dtype == dtype else x.to(dtype)
+
+
+class _ChunkedTokenLogprob(torch.autograd.Function):
+    """log p(target | h) = z[target] - logsumexp(z), z = softcap(scale * (h W^T + b)), chunk by chunk.
+
+    Forward and backward run with autocast off and an explicit matmul dtype recorded in forward, so the
+    backward recomputes exactly the forward's logits even though autograd runs it outside autocast.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, chunk_size, scale, softcap):
+        mm_dtype = _matmul_dtype(h, weight)
+        out_dtype = _out_dtype(mm_dtype)
+        n = h.shape[0]
+        logp = torch.empty(n, dtype=out_dtype, device=h.device)
+        lse = torch.empty(n, dtype=out_dtype, device=h.device)
+        with torch.autocast(h.device.type, enabled=False):
+            w, b = _cast(weight, mm_dtype), _cast(bias, mm_dtype)
+            for s in range(0, n, chunk_size):
+                e = min(s + chunk_size, n)
+                z = _chunk_logits(_cast(h[s:e], mm_dtype), w, b, scale, softcap, out_dtype)
+                lse[s:e] = torch.logsumexp(z, dim=-1)
+                logp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - lse[s:e]
+                del z
+        ctx.save_for_backward(h, weight, bias, targets, lse)
+        ctx.chunk_size, ctx.scale, ctx.softcap, ctx.mm_dtype = chunk_size, scale, softcap, mm_dtype
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, weight, bias, targets, lse = ctx.saved_tensors
+        chunk_size, scale, softcap, mm_dtype = ctx.chunk_size, ctx.scale, ctx.softcap, ctx.mm_dtype
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        n = h.shape[0]
+        out_dtype = lse.dtype
+        grad_out = grad_out.to(out_dtype)
+
+        grad_h = torch.zeros(h.shape, dtype=h.dtype, device=h.device) if need_h else None
+        # Half-precision matmuls: accumulate the chunks' weight gradients in float32, round once at the end.
+        acc_dtype = _out_dtype(mm_dtype)
+        grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=out_dtype, device=bias.device) if need_b else None
+
+        if need_h or need_w or need_b:
+            with torch.autocast(h.device.type, enabled=False):
+                w, b = _cast(weight, mm_dtype), _cast(bias, mm_dtype)
+                for s in range(0, n, chunk_size):
+                    e = min(s + chunk_size, n)
+                    hc = _cast(h[s:e], mm_dtype)
+                    z = _chunk_logits(hc, w, b, scale, softcap, out_dtype)
+                    g = grad_out[s:e, None]
+                    # d logp / d z = onehot(target) - softmax(z); without softcap z is not needed again.
+                    dz = z - lse[s:e, None] if softcap is not None else z.sub_(lse[s:e, None])
+                    dz.exp_().mul_(-g)
+                    dz.scatter_add_(1, targets[s:e, None], g)
+                    if softcap is not None:
+                        # z = c * tanh(u / c)  =>  dz/du = 1 - (z / c)^2
+                        dz.mul_(z.div_(softcap).square_().neg_().add_(1.0))
+                    del z
+                    if scale != 1.0:
+                        dz.mul_(scale)
+                    if need_b:
+                        grad_b += dz.sum(0)
+                    dzc = dz.to(mm_dtype)
+                    del dz
+                    if need_h:
+                        grad_h[s:e] = dzc @ w
+                    if need_w:
+                        if grad_w.dtype == mm_dtype:
+                            grad_w.addmm_(dzc.t(), hc)
+                        else:
+                            grad_w += dzc.t() @ hc
+                    del dzc
+
+        if need_w:
+            grad_w = grad_w.to(weight.dtype)
+        if need_b:
+            grad_b = grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def completion_logprobs(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    scale: float = 1.0,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Per-position ``log p(target)`` from gathered hidden states.
+
+    ``hidden`` [N, H] must already be gathered at the positions whose next token is a completion token
+    (gather before the head: prompt positions never meet the vocabulary). ``targets`` [N] are those next
+    tokens, ``weight`` [V, H] (+ ``bias`` [V]) the LM head. ``scale`` multiplies the logits and ``softcap``
+    applies ``c * tanh(z / c)`` afterwards (Cohere / Granite scaling, Gemma-2 final soft-capping).
+
+    At most ``chunk_size x V`` logits exist at once in forward and backward. The result is float32 (float64
+    for float64 inputs); logsumexp is always computed in that precision, also for bf16 models.
+    """
+    if hidden.ndim != 2 or targets.ndim != 1 or hidden.shape[0] != targets.shape[0]:
+        raise ValueError(
+            f"expected hidden [N, H] and targets [N], got {tuple(hidden.shape)} and {tuple(targets.shape)}"
+        )
+    if weight.ndim != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be [V, {hidden.shape[1]}], got {tuple(weight.shape)}")
+    if int(chunk_size) < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    return _ChunkedTokenLogprob.apply(
+        hidden,
+        weight,
+        bias,
+        targets.long(),
+        int(chunk_size),
+        float(scale),
+        None if softcap is None else float(softcap),
+    )
+
+
+def segment_sum(values: torch.Tensor, index: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """Sum ``values`` [N] into ``num_segments`` buckets given by ``index`` [N] (differentiable, no sync)."""
+    out = values.new_zeros(num_segments)
+    return out.index_add(0, index.to(device=values.device, dtype=torch.long), values)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Model plumbing: where the body ends and the head begins.
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """How a model turns its final hidden state into logits: ``softcap(scale * (h W^T + b))``."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    scale: float = 1.0
+    softcap: float | None = None
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """DDP / torch.compile wrappers hide the HF model behind ``.module`` / ``._orig_mod``."""
+    for _ in range(4):
+        if hasattr(model, "get_output_embeddings"):
+            break
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            break
+        model = inner
+    return model
+
+
+def body_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """Return ``(decoder body, output embedding)`` of a causal LM, tied or untied.
+
+    The body must return the final (normed) hidden states; the head must be a plain linear layer
+    (``.weight`` [V, H], optional ``.bias``). A LoRA-adapted head is refused: the chunked op reads the
+    base weight only and would silently ignore the adapter.
+    """
+    model = _unwrap(model)
+    get_out = getattr(model, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    if head is None:
+        raise TypeError(
+            f"{type(model).__name__} exposes no output embedding (get_output_embeddings() is None or missing): "
+            "prefpack needs a causal LM with an lm_head"
+        )
+    if hasattr(head, "base_layer") or hasattr(head, "lora_A"):
+        raise NotImplementedError(
+            "an adapter on the LM head is not supported: leave lm_head out of the LoRA targets"
+        )
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        raise TypeError(
+            f"the output embedding {type(head).__name__} has no 2-D .weight; prefpack needs a linear head"
+        )
+
+    body = None
+    get_dec = getattr(model, "get_decoder", None)
+    if callable(get_dec):
+        try:
+            body = get_dec()
+        except (AttributeError, NotImplementedError, ValueError):
+            body = None
+    if body is None or body is model:
+        for name in ("model", "transformer", "gpt_neox", "base_model"):
+            cand = getattr(model, name, None)
+            if isinstance(cand, nn.Module) and cand is not model:
+                body = cand
+                break
+        else:
+            body = None
+    if body is None or body is model:
+        raise TypeError(
+            f"cannot find the decoder body of {type(model).__name__}: expected get_decoder() or a .model attribute "
+            "returning the module that outputs the final hidden states"
+        )
+    return body, head
+
+
+def _config_value(model: nn.Module, name: str):
+    config = getattr(_unwrap(model), "config", None)
+    if config is None:
+        return None
+    value = getattr(config, name, None)
+    if value is None and hasattr(config, "get_text_config"):
+        try:
+            value = getattr(config.get_text_config(), name, None)
+        except (AttributeError, TypeError, ValueError):
+            value = None
+    return value
+
+
+def head_spec(model: nn.Module) -> HeadSpec:
+    """Head weight, bias and the logit transforms that transformers applies after ``lm_head``.
+
+    Known transforms: Cohere ``logit_scale`` (multiply), Granite ``logits_scaling`` (divide), Gemma-2/3
+    ``final_logit_softcapping``. Use ``prefpack.forward.check_against_model`` once to catch any other.
+    """
+    _, head = body_and_head(model)
+    scale = 1.0
+    logit_scale = _config_value(model, "logit_scale")
+    if isinstance(logit_scale, (int, float)) and not isinstance(logit_scale, bool):
+        scale *= float(logit_scale)
+    logits_scaling = _config_value(model, "logits_scaling")
+    if isinstance(logits_scaling, (int, float)) and not isinstance(logits_scaling, bool):
+        if logits_scaling == 0:
+            raise ValueError("config.logits_scaling is 0")
+        scale /= float(logits_scaling)
+    softcap = _config_value(model, "final_logit_softcapping")
+    if softcap is not None:
+        softcap = float(softcap)
+        if not (softcap > 0 and math.isfinite(softcap)):
+            raise NotImplementedError(f"unsupported final_logit_softcapping={softcap}")
+    return HeadSpec(weight=head.weight, bias=getattr(head, "bias", None), scale=scale, softcap=softcap)
