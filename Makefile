@@ -12,10 +12,7 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 demo: $(BIN)/.installed
-	$(BIN)/prefpack prepare examples/data/hh-rlhf-harmless-base/train_2k.jsonl.gz \
-		--tokenizer examples/tokenizers/gpt-neox-20b --output runs/demo/hh-train \
-		--max-length 512 --skip-invalid --overwrite
-	$(BIN)/prefpack inspect runs/demo/hh-train --row 1
+	$(BIN)/prefpack quickstart
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .

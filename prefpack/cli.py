@@ -11,20 +11,18 @@ EXIT_USER_ERROR = 2
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from prefpack.config import ConfigError
     from prefpack.data.formats import InvalidRow
     from prefpack.data.prepare import PrepareError
     from prefpack.data.sources import SourceError
     from prefpack.data.store import StoreError
+    from prefpack.models import ModelError
+    from prefpack.plot import PlotError
+    from prefpack.reference import ReferenceMismatch
     from prefpack.tokenizer import TokenizerError
 
-    errors: list[type[BaseException]] = [InvalidRow, PrepareError, SourceError, StoreError, TokenizerError]
-    try:
-        from prefpack.config import ConfigError
-
-        errors.append(ConfigError)
-    except ImportError:
-        pass
-    return tuple(errors)
+    return (InvalidRow, PrepareError, SourceError, StoreError, TokenizerError, ConfigError, ModelError,
+            ReferenceMismatch, PlotError, FileExistsError)
 
 
 def _add_prepare(sub) -> None:
@@ -81,11 +79,10 @@ def _run_inspect(args, argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"prepare": (_add_prepare, _run_prepare), "inspect": (_add_inspect, _run_inspect)}
+def _commands() -> dict:
+    from prefpack import commands
 
-
-def register(name: str, add, run) -> None:
-    COMMANDS[name] = (add, run)
+    return {"prepare": (_add_prepare, _run_prepare), "inspect": (_add_inspect, _run_inspect), **commands.COMMANDS}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,17 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"prefpack {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _load_extra_commands()
-    for add, _ in COMMANDS.values():
+    for add, _ in _commands().values():
         add(sub)
     return parser
-
-
-def _load_extra_commands() -> None:
-    try:
-        import prefpack.commands  # noqa: F401  (registers train/eval/quickstart/... when present)
-    except ImportError:
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return COMMANDS[args.command][1](args, ["prefpack", *argv])
+        return _commands()[args.command][1](args, ["prefpack", *argv])
     except _user_errors() as exc:
         print(f"prefpack {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -1,0 +1,165 @@
+"""Subcommands beyond prepare/inspect: train, eval, precompute-ref, quickstart, plot."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+# ---------------------------------------------------------------- train
+
+
+def add_train(sub) -> None:
+    p = sub.add_parser("train", help="train on a prepared store (DPO family)",
+                       description="Train with CONFIG.yaml; override any key with key.sub=value "
+                       "(e.g. optim.lr=1e-6 loss.beta=0.05).")
+    p.add_argument("config", metavar="CONFIG.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_train(args, argv) -> int:
+    from prefpack.config import load_config
+    from prefpack.train import train
+
+    cfg = load_config(args.config, args.overrides)
+    result = train(cfg, resume=args.resume, log=_err, progress=not args.no_progress)
+    summary = {"run_dir": str(result.run_dir), "steps": result.steps, "final_model": str(result.final_dir),
+               "train": result.last_train, "eval": result.eval_after}
+    print(json.dumps(summary))
+    return 0
+
+
+# ---------------------------------------------------------------- eval
+
+
+def add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="loss and metrics of a model over every pair of a store (no training)")
+    p.add_argument("--model", required=True, help="policy model folder or hub id")
+    p.add_argument("--ref", default=None, help="reference model (default: the store's precomputed sidecar if any)")
+    p.add_argument("--data", required=True, help="prepared pair store")
+    p.add_argument("--loss", default="sigmoid", help="loss term(s), comma-separated, e.g. sigmoid or sigmoid,nll")
+    p.add_argument("--beta", type=float, default=0.1)
+    p.add_argument("--label-smoothing", type=float, default=0.0)
+    p.add_argument("--micro-batch-tokens", type=int, default=4096)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--allow-tokenizer-mismatch", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_eval(args, argv) -> int:
+    from prefpack.config import load_config
+    from prefpack.reference import SIDECAR_NAME
+    from prefpack.train import build, evaluate
+
+    terms = "[" + ", ".join(f"{{name: {t.strip()}, weight: 1.0}}" for t in args.loss.split(",") if t.strip()) + "]"
+    mode = "copy" if args.ref else ("precomputed" if (Path(args.data) / SIDECAR_NAME).exists() else "none")
+    overrides = [f"model.name_or_path={args.model}", f"data.train={args.data}", f"loss.terms={terms}",
+                 f"loss.beta={args.beta}", f"loss.label_smoothing={args.label_smoothing}",
+                 f"train.micro_batch_tokens={args.micro_batch_tokens}", f"train.device={args.device}",
+                 f"model.dtype={args.dtype}", f"reference.mode={mode}",
+                 f"model.allow_tokenizer_mismatch={'true' if args.allow_tokenizer_mismatch else 'false'}"]
+    if args.ref:
+        overrides.append(f"reference.model={args.ref}")
+    cfg = load_config(None, overrides)
+    cfg.validate()
+    setup = build(cfg, log=_err)
+    result = evaluate(setup.policy, setup.reference, setup.train_store, cfg, pad_id=setup.pad_id)
+    result["pairs"] = len(setup.train_store)
+    result["reference"] = setup.reference.mode
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k:<22} {v:.6f}" if isinstance(v, float) else f"{k:<22} {v}")
+    return 0
+
+
+# ---------------------------------------------------------------- precompute-ref
+
+
+def add_precompute(sub) -> None:
+    p = sub.add_parser("precompute-ref", help="write reference log-probs of every pair beside the store",
+                       description="Score every pair once with the reference model and write "
+                       "ref_logps.safetensors into the store, tagged with hashes of the store and the weights; "
+                       "then train with reference.mode=precomputed and no reference model in memory.")
+    p.add_argument("--model", required=True, help="reference model folder or hub id")
+    p.add_argument("--data", required=True, help="prepared pair store")
+    p.add_argument("--micro-batch-tokens", type=int, default=4096)
+    p.add_argument("--chunk-size", type=int, default=1024)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--allow-tokenizer-mismatch", action="store_true")
+
+
+def run_precompute(args, argv) -> int:
+    from prefpack.models import (
+        check_vocab_fits,
+        load_causal_lm,
+        pick_attention,
+        pick_device,
+        pick_dtype,
+        resolve_tokenizer,
+        weights_hash,
+    )
+    from prefpack.reference import SIDECAR_NAME, compute_store_logps, write_sidecar
+    from prefpack.train import open_pair_store
+
+    store = open_pair_store(args.data, "reference")
+    resolve_tokenizer(args.model, store.meta, store.tokenizer_path(), allow_mismatch=args.allow_tokenizer_mismatch)
+    device = pick_device(args.device)
+    model = load_causal_lm(args.model, dtype=pick_dtype(args.dtype, device),
+                           attn_implementation=pick_attention("auto", device), device=device)
+    check_vocab_fits(model, store.meta, args.data)
+    chosen, rejected = compute_store_logps(model, store, micro_batch_tokens=args.micro_batch_tokens,
+                                           chunk_size=args.chunk_size, progress=True)
+    path = write_sidecar(Path(args.data) / SIDECAR_NAME, store, chosen, rejected,
+                         reference_hash=weights_hash(model), reference_name=args.model)
+    print(json.dumps({"sidecar": str(path), "pairs": len(store), "mean_chosen": float(chosen.mean()),
+                      "mean_rejected": float(rejected.mean())}))
+    return 0
+
+
+# ---------------------------------------------------------------- quickstart and plot
+
+
+def add_quickstart(sub) -> None:
+    p = sub.add_parser("quickstart", help="the whole pipeline on a small bundled task, no downloads (~2 min on CPU)")
+    p.add_argument("--output-dir", default="runs/quickstart")
+    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: one epoch)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run_quickstart(args, argv) -> int:
+    from prefpack.quickstart import run_quickstart as go
+
+    go(args.output_dir, steps=args.steps, seed=args.seed, log=print)
+    return 0
+
+
+def add_plot(sub) -> None:
+    p = sub.add_parser("plot", help="draw RUN_DIR/curves.png from RUN_DIR/metrics.jsonl")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+
+
+def run_plot(args, argv) -> int:
+    from prefpack.plot import plot_run
+
+    print(plot_run(args.run_dir))
+    return 0
+
+
+COMMANDS = {
+    "train": (add_train, run_train),
+    "eval": (add_eval, run_eval),
+    "precompute-ref": (add_precompute, run_precompute),
+    "quickstart": (add_quickstart, run_quickstart),
+    "plot": (add_plot, run_plot),
+}

@@ -1,0 +1,117 @@
+"""Load the policy, the reference and the tokenizer; check the store was tokenised by the same tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from prefpack.tokenizer import TokenizerError, load_tokenizer, tokenizer_hash
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+class ModelError(ValueError):
+    """A model that cannot be loaded or does not fit the store."""
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelError("train.device is 'cuda' but no CUDA device is available")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def pick_attention(name: str, device: torch.device) -> str:
+    """flash-attention-2 on CUDA when installed (varlen packing), else sdpa; explicit choices are kept."""
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Preference losses compare log-probs of two sequences; dropout noise would bias the comparison."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def load_causal_lm(name_or_path: str, *, dtype: torch.dtype, attn_implementation: str, device: torch.device,
+                   trust_remote_code: bool = False) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        )
+    except Exception as exc:  # transformers raises OSError/ValueError/HF errors for bad paths and configs
+        raise ModelError(f"cannot load model {name_or_path!r}: {exc}") from exc
+    disable_dropout(model)
+    return model.to(device)
+
+
+def has_tokenizer_files(path: str) -> bool:
+    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
+def resolve_tokenizer(model_path: str, store_meta: dict, store_tokenizer: Path, *, tokenizer: str | None = None,
+                      allow_mismatch: bool = False, trust_remote_code: bool = False):
+    """The tokenizer to train with, refusing one whose content differs from the store's.
+
+    A model folder without tokenizer files is paired with the store's own copy.
+    """
+    if tokenizer is None and not has_tokenizer_files(model_path) and os.path.isdir(model_path):
+        return load_tokenizer(store_tokenizer)
+    source = tokenizer or model_path
+    try:
+        tok = load_tokenizer(source, trust_remote_code=trust_remote_code)
+    except TokenizerError:
+        if tokenizer is None:
+            return load_tokenizer(store_tokenizer)
+        raise
+    want = store_meta["tokenizer"]["hash"]
+    if tokenizer_hash(tok) != want and not allow_mismatch:
+        raise ModelError(
+            f"the tokenizer of {source!r} differs from the one the store was prepared with "
+            f"({store_meta['tokenizer']['name']!r}, hash {want[:12]}): token ids would mean different things. "
+            "Prepare the data again with this tokenizer, or set model.allow_tokenizer_mismatch=true if you "
+            "know the ids agree."
+        )
+    return tok
+
+
+def check_vocab_fits(model: nn.Module, store_meta: dict, store_path: str) -> None:
+    emb = model.get_input_embeddings()
+    rows = emb.weight.shape[0] if emb is not None else None
+    need = int(store_meta["tokenizer"]["vocab_size"])
+    if rows is not None and need > rows:
+        raise ModelError(f"store {store_path!r} uses token ids up to {need - 1} but the model's embedding has only "
+                         f"{rows} rows; use a model with this tokenizer's vocabulary")
+
+
+def weights_hash(model: nn.Module) -> str:
+    """sha256 of every parameter and buffer (names, shapes, dtypes, bytes) in name order."""
+    h = hashlib.sha256()
+    state = model.state_dict()
+    for name in sorted(state):
+        t = state[name].detach()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.contiguous().cpu().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

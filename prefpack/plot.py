@@ -1,0 +1,108 @@
+"""Training curves from ``RUN_DIR/metrics.jsonl`` as one PNG (backs ``prefpack plot RUN_DIR``).
+
+matplotlib is optional (``pip install prefpack[plot]``) and imported only here, through its object API with
+the Agg canvas, so plotting never changes the pyplot backend of a notebook or script that calls it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from prefpack.metrics import METRICS_FILE, read_metrics
+
+__all__ = ["PANELS", "PlotError", "plot_run"]
+
+# (panel title, metric keys drawn in it); a panel appears only when one of its keys has a value.
+PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("loss", ("loss",)),
+    ("reward accuracy", ("rewards/accuracies",)),
+    ("reward margin", ("rewards/margins",)),
+    ("rewards", ("rewards/chosen", "rewards/rejected")),
+    ("log-probs (completion sums)", ("logps/chosen", "logps/rejected")),
+    ("learning rate", ("lr",)),
+    ("gradient norm", ("grad_norm",)),
+    ("tokens / s", ("tokens/s",)),
+)
+
+
+class PlotError(ValueError):
+    """Nothing to plot, or matplotlib is missing; the message says what to do."""
+
+
+def _series(records: list[dict], split: str, key: str) -> tuple[list[int], list[float]]:
+    """Steps and finite values of one metric; a step logged twice keeps its last value."""
+    by_step: dict[int, float] = {}
+    for r in records:
+        v = r.get(key)
+        if r.get("split", "train") == split and isinstance(v, int | float) and math.isfinite(v):
+            by_step[int(r["step"])] = float(v)
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def plot_run(run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None) -> Path:
+    """Draw the run's curves (train as lines, eval as markers) to ``out`` (default ``run_dir/curves.png``)."""
+    run_dir = Path(run_dir)
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        raise PlotError(f"no {METRICS_FILE} in {run_dir}; is this a prefpack run folder?")
+    records = [r for r in read_metrics(path) if isinstance(r, dict) and "step" in r]
+    if not records:
+        raise PlotError(f"{path} has no records yet; nothing to plot")
+
+    panels = []
+    for title, keys in PANELS:
+        lines = []
+        for key in keys:
+            for split in ("train", "eval"):
+                steps, values = _series(records, split, key)
+                if steps:
+                    lines.append((key, split, steps, values))
+        if lines:
+            panels.append((title, lines))
+    if not panels:
+        known = ", ".join(k for _, keys in PANELS for k in keys)
+        raise PlotError(f"{path} has none of the plotted metrics ({known})")
+
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        raise PlotError("matplotlib is not installed; pip install prefpack[plot]") from None
+
+    ncols = min(len(panels), 2 if len(panels) <= 4 else 3)
+    nrows = math.ceil(len(panels) / ncols)
+    fig = Figure(figsize=(5.0 * ncols, 3.2 * nrows), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, (title, lines) in zip(axes, panels):
+        colors = {}
+        for key, split, steps, values in lines:
+            color = colors.setdefault(key, f"C{len(colors)}")
+            name = key.rsplit("/", 1)[-1] if len({k for k, *_ in lines}) > 1 else ""
+            label = f"{name} ({split})" if name else split
+            if split == "train":
+                ax.plot(steps, values, "-", color=color, linewidth=1.2, label=label)
+            else:
+                ax.plot(steps, values, "o", color=color, markersize=5, markeredgecolor="black",
+                        markeredgewidth=0.5, label=label)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.tick_params(labelsize=8)
+        ax.grid(True, alpha=0.3)
+        if len(lines) > 1:
+            ax.legend(fontsize=7)
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(run_dir.resolve().name, fontsize=11)
+
+    target = Path(out) if out is not None else run_dir / "curves.png"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.stem}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp, dpi=100, format="png")
+    os.replace(tmp, target)
+    return target

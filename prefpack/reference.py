@@ -1,0 +1,166 @@
+"""Reference log-probs: a frozen copy, the policy with its adapter off, a precomputed sidecar, or none.
+
+The reference never runs under autograd. The sidecar (`ref_logps.safetensors` beside the store) holds
+one chosen and one rejected log-prob sum per pair, tagged with the store's content hash and the
+reference weights' hash, so training refuses a sidecar computed for other data or another model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from prefpack.data.packing import Batch, collate, plan_micro_batches
+from prefpack.data.store import Store
+from prefpack.forward import pair_logps
+
+SIDECAR_NAME = "ref_logps.safetensors"
+SIDECAR_FORMAT = "prefpack-ref-logps"
+SIDECAR_VERSION = "1"
+
+
+class ReferenceMismatch(ValueError):
+    """A sidecar that is missing, corrupt or does not match the store or the reference model."""
+
+
+def store_hash(store: Store) -> str:
+    files = store.meta.get("files", {})
+    return f"{files.get('tokens.bin', {}).get('sha256', '')}:{files.get('index.bin', {}).get('sha256', '')}"
+
+
+class StorePairs:
+    """Indexable view of a pair store as (prompt, chosen, rejected) arrays, optionally over a subset."""
+
+    def __init__(self, store: Store, ids: np.ndarray | None = None):
+        self.store = store
+        self.ids = np.arange(len(store)) if ids is None else np.asarray(ids, dtype=np.int64)
+        idx = store.index
+        self._lengths = np.stack([np.asarray(idx[self.ids, c]) for c in (1, 2, 3)], axis=1)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int):
+        p = self.store.pair(int(self.ids[i]))
+        return p.prompt, p.chosen, p.rejected
+
+    def lengths(self) -> np.ndarray:
+        return self._lengths
+
+
+def iter_store_batches(store: Store, *, micro_batch_tokens: int, row_tokens: int, packing: bool = True,
+                       pad_id: int = 0, pad_to_multiple_of: int | None = None):
+    """Every pair of a store once, in deterministic micro-batches; yields (batch, global pair ids)."""
+    pairs = StorePairs(store)
+    plan = plan_micro_batches(pairs.lengths(), token_budget=micro_batch_tokens, packing=packing,
+                              row_budget=min(row_tokens, micro_batch_tokens), pad_to_multiple_of=pad_to_multiple_of,
+                              seed=None)
+    for mb in plan:
+        batch = collate(pairs, mb, packing=packing, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of)
+        yield batch, pairs.ids[batch.pair_indices.numpy()]
+
+
+@torch.no_grad()
+def compute_store_logps(model: nn.Module, store: Store, *, micro_batch_tokens: int = 4096, row_tokens: int = 2048,
+                        chunk_size: int = 1024, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Chosen and rejected log-prob sums of every pair of a store (float64 arrays, store order)."""
+    was_training = model.training
+    model.eval()
+    chosen = np.zeros(len(store), dtype=np.float64)
+    rejected = np.zeros(len(store), dtype=np.float64)
+    seen = np.zeros(len(store), dtype=bool)
+    batches = iter_store_batches(store, micro_batch_tokens=micro_batch_tokens, row_tokens=row_tokens)
+    if progress:
+        from tqdm import tqdm
+
+        batches = tqdm(batches, desc="reference log-probs", unit="batch")
+    for batch, ids in batches:
+        out = pair_logps(model, batch, chunk_size=chunk_size)
+        chosen[ids] = out.chosen.double().cpu().numpy()
+        rejected[ids] = out.rejected.double().cpu().numpy()
+        seen[ids] = True
+    model.train(was_training)
+    assert seen.all(), "every pair must be scored exactly once"
+    return chosen, rejected
+
+
+def write_sidecar(path: str | Path, store: Store, chosen: np.ndarray, rejected: np.ndarray, *,
+                  reference_hash: str, reference_name: str) -> Path:
+    """Write the sidecar atomically (temporary name, then rename)."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    meta = {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "store_hash": store_hash(store),
+            "reference_hash": reference_hash, "reference": reference_name, "pairs": str(len(store))}
+    save_file({"chosen": np.ascontiguousarray(chosen, dtype=np.float64),
+               "rejected": np.ascontiguousarray(rejected, dtype=np.float64)}, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+    return path
+
+
+def read_sidecar(path: str | Path, store: Store, *, reference_hash: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """Load a sidecar, refusing one made for another store or (when given) other reference weights."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ReferenceMismatch(f"no precomputed reference log-probs at {str(path)!r}; run "
+                                f"`prefpack precompute-ref --model REF --data {store.path}` first")
+    try:
+        with safe_open(str(path), framework="numpy") as fh:
+            meta = fh.metadata() or {}
+            chosen, rejected = fh.get_tensor("chosen"), fh.get_tensor("rejected")
+    except Exception as exc:  # safetensors raises its own error types for corrupt files
+        raise ReferenceMismatch(f"{path}: cannot read reference log-probs ({exc})") from exc
+    if meta.get("format") != SIDECAR_FORMAT or meta.get("version") != SIDECAR_VERSION:
+        raise ReferenceMismatch(f"{path}: not a prefpack reference sidecar of version {SIDECAR_VERSION}")
+    if meta.get("store_hash") != store_hash(store) or len(chosen) != len(store) or len(rejected) != len(store):
+        raise ReferenceMismatch(f"{path} was computed for other data than the store {str(store.path)!r}; run "
+                                "precompute-ref again on this store")
+    if reference_hash is not None and meta.get("reference_hash") != reference_hash:
+        raise ReferenceMismatch(
+            f"{path} was computed with other reference weights ({meta.get('reference')!r}) than this run's "
+            "reference; run precompute-ref again with the reference model of this run")
+    return chosen, rejected
+
+
+class Reference:
+    """Gives the reference chosen/rejected log-prob sums of a micro-batch, in its pair order."""
+
+    def __init__(self, mode: str, *, model: nn.Module | None = None, policy: nn.Module | None = None,
+                 table: tuple[np.ndarray, np.ndarray] | None = None, chunk_size: int = 1024):
+        self.mode = mode
+        self.model = model
+        self.policy = policy
+        self.table = table
+        self.chunk_size = chunk_size
+        if mode == "copy":
+            assert model is not None
+            model.eval()
+            model.requires_grad_(False)
+
+    @torch.no_grad()
+    def logps(self, batch: Batch, global_ids: np.ndarray, device: torch.device,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.mode == "none":
+            return None
+        if self.mode == "precomputed":
+            chosen, rejected = self.table
+            return (torch.as_tensor(chosen[global_ids], device=device, dtype=dtype),
+                    torch.as_tensor(rejected[global_ids], device=device, dtype=dtype))
+        if self.mode == "copy":
+            out = pair_logps(self.model, batch, chunk_size=self.chunk_size)
+        elif self.mode == "adapter":
+            was_training = self.policy.training
+            self.policy.eval()  # dropout is off anyway; eval keeps the reference pass free of train-only hooks
+            with self.policy.disable_adapter():
+                out = pair_logps(self.policy, batch, chunk_size=self.chunk_size)
+            self.policy.train(was_training)
+        else:
+            raise ValueError(f"unknown reference mode {self.mode!r}")
+        return out.chosen.to(dtype), out.rejected.to(dtype)

@@ -1,0 +1,473 @@
+"""The training loop: steps of a fixed number of pairs, packed micro-batches, checkpoints, resume.
+
+An optimizer step takes exactly `train.global_batch_pairs` pairs from a seeded, per-epoch permutation
+of the store. Those pairs are packed into micro-batches under the token budget, every micro-batch's
+per-pair losses are summed and divided by the step's pair count, so the update does not depend on how
+the pairs were packed or split (accumulation 1 x 8 equals 8 x 1). The data position is a pure function
+of the step number and the seed, so resuming needs only the step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from prefpack.data.packing import collate, plan_micro_batches
+from prefpack.data.store import Store, StoreError
+from prefpack.forward import pair_logps
+from prefpack.losses import LossTerm, PairLogps, needs_reference, preference_loss
+from prefpack.models import (
+    ModelError,
+    check_vocab_fits,
+    load_causal_lm,
+    pick_attention,
+    pick_device,
+    pick_dtype,
+    resolve_tokenizer,
+    weights_hash,
+)
+from prefpack.reference import SIDECAR_NAME, Reference, StorePairs, read_sidecar
+
+METRIC_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+               "logps/rejected", "nll")
+
+
+class TrainingInterrupted(RuntimeError):
+    """Raised by `stop_after_steps` (tests simulate a crash with it)."""
+
+
+# ------------------------------------------------------------------------------------------------ data order
+
+
+@dataclass
+class StepSchedule:
+    """Which pairs each optimizer step uses: a seeded permutation per epoch, cut into global batches."""
+
+    num_pairs: int
+    global_batch: int
+    seed: int
+    shuffle: bool = True
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.num_pairs / self.global_batch)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_pairs)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_pairs)
+
+    def pairs_for_step(self, step: int) -> tuple[int, np.ndarray]:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        order = self.epoch_order(epoch)
+        return epoch, order[k * self.global_batch : (k + 1) * self.global_batch]
+
+
+def total_steps(cfg, sched: StepSchedule) -> int:
+    if cfg.train.max_steps is not None:
+        return int(cfg.train.max_steps)
+    return max(1, math.ceil(cfg.train.epochs * sched.steps_per_epoch))
+
+
+def plan_step(pairs: StorePairs, cfg, seed: Any) -> list:
+    d = cfg.data
+    return plan_micro_batches(pairs.lengths(), token_budget=cfg.train.micro_batch_tokens, packing=d.packing,
+                              row_budget=min(d.max_tokens_per_row, cfg.train.micro_batch_tokens),
+                              pad_to_multiple_of=d.pad_to_multiple_of, seed=seed)
+
+
+# ------------------------------------------------------------------------------------------------ schedule
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total - warmup)
+        progress = min(max(progress, 0.0), 1.0)
+        if schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def warmup_steps(cfg, total: int) -> int:
+    if cfg.optim.warmup_steps:
+        return int(cfg.optim.warmup_steps)
+    return int(round(cfg.optim.warmup_ratio * total))
+
+
+# ------------------------------------------------------------------------------------------------ step math
+
+
+def loss_terms(cfg) -> list[LossTerm]:
+    return [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
+
+
+@dataclass
+class StepTotals:
+    """Sums over the pairs of a step (or an eval pass), turned into means at the end."""
+
+    pairs: int = 0
+    loss: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    real_tokens: int = 0
+    computed_tokens: int = 0
+
+    def add(self, loss_sum: float, metrics: dict[str, torch.Tensor], n_pairs: int, batch) -> None:
+        self.pairs += n_pairs
+        self.loss += loss_sum
+        for k, v in metrics.items():
+            self.metrics[k] = self.metrics.get(k, 0.0) + float(v.double().sum())
+        self.real_tokens += batch.real_tokens
+        self.computed_tokens += batch.computed_tokens
+
+    def means(self) -> dict[str, float]:
+        n = max(self.pairs, 1)
+        out = {"loss": self.loss / n}
+        out.update({k: v / n for k, v in sorted(self.metrics.items())})
+        out["filling"] = self.real_tokens / max(self.computed_tokens, 1)
+        return out
+
+
+def micro_batch_loss(policy: nn.Module, reference: Reference, batch, global_ids: np.ndarray, cfg, *,
+                     bco_delta: float = 0.0):
+    """Per-pair loss output of one micro-batch (policy under autograd, reference without)."""
+    pol = pair_logps(policy, batch, chunk_size=cfg.train.chunk_size)
+    ref = reference.logps(batch, global_ids, pol.chosen.device, pol.chosen.dtype)
+    logps = PairLogps(
+        policy_chosen=pol.chosen,
+        policy_rejected=pol.rejected,
+        chosen_tokens=pol.chosen_tokens.to(pol.chosen.device),
+        rejected_tokens=pol.rejected_tokens.to(pol.chosen.device),
+        ref_chosen=None if ref is None else ref[0],
+        ref_rejected=None if ref is None else ref[1],
+    )
+    out = preference_loss(logps, loss_terms(cfg), beta=cfg.loss.beta, label_smoothing=cfg.loss.label_smoothing,
+                          simpo_gamma=cfg.loss.simpo_gamma, bco_delta=bco_delta)
+    # Whether the policy itself ranks chosen above rejected (meaningful even when the reference equals it).
+    out.metrics["logps/accuracies"] = (pol.chosen.detach() > pol.rejected.detach()).to(pol.chosen.dtype)
+    return out
+
+
+@torch.no_grad()
+def evaluate(policy: nn.Module, reference: Reference, store: Store, cfg, *, pad_id: int = 0) -> dict[str, float]:
+    """Mean loss and metrics over every pair of a store (no training; deterministic micro-batches)."""
+    was_training = policy.training
+    policy.eval()
+    pairs = StorePairs(store)
+    totals = StepTotals()
+    for mb in plan_step(pairs, cfg, seed=None):
+        batch = collate(pairs, mb, packing=cfg.data.packing, pad_id=pad_id, pad_to_multiple_of=cfg.data.pad_to_multiple_of)
+        ids = pairs.ids[batch.pair_indices.numpy()]
+        out = micro_batch_loss(policy, reference, batch, ids, cfg)
+        totals.add(float(out.loss.double().sum()), out.metrics, batch.num_pairs, batch)
+    policy.train(was_training)
+    return totals.means()
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, scheduler, state: dict, keep: int) -> Path:
+    """Weights (safetensors), optimizer/scheduler/RNG (tensors only) and trainer state, written atomically."""
+    from safetensors.torch import save_model
+
+    ckpt_root = run_dir / "checkpoints"
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / f"step-{step:08d}"
+    tmp = ckpt_root / f".step-{step:08d}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_model(model, str(tmp / "model.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+               tmp / "training_state.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    old = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir())
+    for p in old[: max(0, len(old) - keep)]:
+        shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "trainer_state.json").is_file())
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer, scheduler) -> dict:
+    from safetensors.torch import load_model
+
+    load_model(model, str(path / "model.safetensors"))
+    blob = torch.load(path / "training_state.pt", weights_only=True, map_location="cpu")
+    optimizer.load_state_dict(blob["optimizer"])
+    scheduler.load_state_dict(blob["scheduler"])
+    torch.set_rng_state(blob["torch_rng"])
+    if blob["cuda_rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(blob["cuda_rng"])
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+# ------------------------------------------------------------------------------------------------ set-up
+
+
+@dataclass
+class Setup:
+    policy: nn.Module
+    reference: Reference
+    tokenizer: Any
+    train_store: Store
+    eval_store: Store | None
+    device: torch.device
+    dtype: torch.dtype
+    pad_id: int
+
+
+def open_pair_store(path: str, what: str) -> Store:
+    store = Store(path)
+    if store.kind != "pairs":
+        raise StoreError(f"{what} store {path!r} holds unpaired examples (KTO); the DPO-family trainer needs pairs")
+    if len(store) == 0:
+        raise StoreError(f"{what} store {path!r} is empty")
+    return store
+
+
+def build(cfg, *, log=print) -> Setup:
+    """Load stores, tokenizer, policy and reference as the config says, with every check up front."""
+    if not cfg.model.name_or_path:
+        raise ModelError("model.name_or_path is required (a local model folder or a hub id)")
+    if not cfg.data.train:
+        raise StoreError("data.train is required (a store written by prefpack prepare)")
+    train_store = open_pair_store(cfg.data.train, "train")
+    eval_store = open_pair_store(cfg.data.eval, "eval") if cfg.data.eval else None
+    device = pick_device(cfg.train.device)
+    dtype = pick_dtype(cfg.model.dtype, device)
+    attn = pick_attention(cfg.model.attn_implementation, device)
+    tok = resolve_tokenizer(cfg.model.name_or_path, train_store.meta, train_store.tokenizer_path(),
+                            tokenizer=cfg.model.tokenizer, allow_mismatch=cfg.model.allow_tokenizer_mismatch,
+                            trust_remote_code=cfg.model.trust_remote_code)
+    if eval_store is not None and eval_store.meta["tokenizer"]["hash"] != train_store.meta["tokenizer"]["hash"]:
+        raise StoreError(f"eval store {cfg.data.eval!r} was prepared with another tokenizer than the train store")
+    torch.manual_seed(cfg.train.seed)
+    policy = load_causal_lm(cfg.model.name_or_path, dtype=dtype, attn_implementation=attn, device=device,
+                            trust_remote_code=cfg.model.trust_remote_code)
+    check_vocab_fits(policy, train_store.meta, cfg.data.train)
+    terms = loss_terms(cfg)
+    mode = cfg.reference.mode
+    if not needs_reference(terms) and mode != "none":
+        log(f"note: the losses {[t.name for t in terms]} need no reference; reference.mode {mode!r} is ignored")
+        mode = "none"
+    ref_path = cfg.reference.model or cfg.model.name_or_path
+    reference: Reference
+    if mode == "precomputed":
+        expected = _reference_hash(cfg, policy, ref_path, dtype, attn)
+        reference = Reference("precomputed", table=read_sidecar(Path(cfg.data.train) / SIDECAR_NAME, train_store,
+                                                                 reference_hash=expected))
+    elif mode == "copy":
+        ref_model = load_causal_lm(ref_path, dtype=dtype, attn_implementation=attn, device=device,
+                                   trust_remote_code=cfg.model.trust_remote_code)
+        reference = Reference("copy", model=ref_model, chunk_size=cfg.train.chunk_size)
+    elif mode == "adapter":
+        if not cfg.lora.enabled:
+            raise ModelError("reference.mode 'adapter' needs lora.enabled=true (the reference is the policy with "
+                             "its LoRA adapter disabled)")
+        reference = Reference("adapter", chunk_size=cfg.train.chunk_size)
+    else:
+        reference = Reference("none")
+    if cfg.lora.enabled:
+        policy = _wrap_lora(policy, cfg)
+        if mode == "adapter":
+            reference.policy = policy
+    if cfg.model.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return Setup(policy, reference, tok, train_store, eval_store, device, dtype, int(pad_id))
+
+
+def _reference_hash(cfg, policy: nn.Module, ref_path: str, dtype, attn) -> str:
+    if ref_path == cfg.model.name_or_path:
+        return weights_hash(policy)
+    ref = load_causal_lm(ref_path, dtype=dtype, attn_implementation=attn, device=torch.device("cpu"),
+                         trust_remote_code=cfg.model.trust_remote_code)
+    h = weights_hash(ref)
+    del ref
+    return h
+
+
+def _wrap_lora(model: nn.Module, cfg) -> nn.Module:
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise ModelError("lora.enabled needs peft: pip install 'prefpack[lora]'") from exc
+    target = cfg.lora.target_modules
+    lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                      target_modules=target, task_type="CAUSAL_LM")
+    return get_peft_model(model, lcfg)
+
+
+# ------------------------------------------------------------------------------------------------ the loop
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    final_dir: Path | None
+    eval_before: dict[str, float] | None
+    eval_after: dict[str, float] | None
+    last_train: dict[str, float]
+
+
+def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log=print,
+          progress: bool = True) -> TrainResult:
+    """Train as the config says; returns where things were written and the last metrics."""
+    from prefpack.config import save_config
+    from prefpack.metrics import MetricsLogger
+
+    cfg.validate()
+    run_dir = Path(cfg.run.output_dir)
+    if run_dir.exists() and any(run_dir.iterdir()) and not resume:
+        if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+            raise ModelError(f"run folder {str(run_dir)!r} already holds a run; pass --resume to continue it or "
+                             "choose another run.output_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup = build(cfg, log=log)
+    save_config(cfg, run_dir / "config.yaml")
+    policy, reference = setup.policy, setup.reference
+    policy.train()
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+                                  weight_decay=cfg.optim.weight_decay)
+    pairs_all = StorePairs(setup.train_store)
+    sched = StepSchedule(len(pairs_all), cfg.train.global_batch_pairs, cfg.train.seed, cfg.data.shuffle)
+    n_steps = total_steps(cfg, sched)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(cfg.optim.schedule, warmup_steps(cfg, n_steps), n_steps))
+    metrics = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
+    if metrics.notice:
+        log(metrics.notice)
+    state: dict[str, Any] = {"bco_count": 0, "bco_mean": 0.0}
+    start = 0
+    if resume:
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None:
+            log(f"no checkpoint in {run_dir / 'checkpoints'}; starting from step 0")
+        else:
+            state = load_checkpoint(ckpt, policy, optimizer, scheduler)
+            start = int(state["step"])
+            metrics.truncate_after(start)
+            log(f"resumed from {ckpt} at step {start}")
+    eval_before = None
+    if setup.eval_store is not None and start == 0:
+        eval_before = evaluate(policy, reference, setup.eval_store, cfg, pad_id=setup.pad_id)
+        metrics.log(0, eval_before, split="eval")
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n_steps, initial=start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+    last: dict[str, float] = {}
+    uses_bco = any(t.name == "bco_pair" for t in cfg.loss.terms)
+    for step in range(start, n_steps):
+        t0 = time.perf_counter()
+        epoch, ids = sched.pairs_for_step(step)
+        subset = StorePairs(setup.train_store, ids)
+        plan = plan_step(subset, cfg, seed=[cfg.train.seed, step])
+        optimizer.zero_grad(set_to_none=True)
+        totals = StepTotals()
+        n = len(ids)
+        for mb in plan:
+            batch = collate(subset, mb, packing=cfg.data.packing, pad_id=setup.pad_id,
+                            pad_to_multiple_of=cfg.data.pad_to_multiple_of)
+            gids = subset.ids[batch.pair_indices.numpy()]
+            out = micro_batch_loss(policy, reference, batch, gids, cfg, bco_delta=state["bco_mean"])
+            (out.loss.sum() / n).backward()
+            totals.add(float(out.loss.detach().double().sum()), out.metrics, batch.num_pairs, batch)
+            if uses_bco:
+                _update_bco(state, out.metrics)
+        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        dt = time.perf_counter() - t0
+        last = totals.means()
+        last.update({"lr": lr, "grad_norm": grad_norm, "epoch": epoch + (step % sched.steps_per_epoch + 1)
+                     / sched.steps_per_epoch, "tokens/s": totals.real_tokens / dt, "pairs/s": n / dt})
+        done = step + 1
+        if done % cfg.run.log_every == 0 or done == n_steps:
+            metrics.log(done, last)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last['rewards/accuracies']:.2f}",
+                            fill=f"{last['filling']:.2f}")
+        if setup.eval_store is not None and cfg.run.eval_every and done % cfg.run.eval_every == 0 and done < n_steps:
+            metrics.log(done, evaluate(policy, reference, setup.eval_store, cfg, pad_id=setup.pad_id), split="eval")
+        if cfg.run.save_every and done % cfg.run.save_every == 0 and done < n_steps:
+            save_checkpoint(run_dir, done, policy, optimizer, scheduler, state, cfg.run.keep_checkpoints)
+        if stop_after_steps is not None and done >= stop_after_steps and done < n_steps:
+            if bar is not None:
+                bar.close()
+            metrics.close()
+            raise TrainingInterrupted(f"stopped after step {done}")
+    if bar is not None:
+        bar.close()
+    eval_after = None
+    if setup.eval_store is not None:
+        eval_after = evaluate(policy, reference, setup.eval_store, cfg, pad_id=setup.pad_id)
+        metrics.log(n_steps, eval_after, split="eval")
+    metrics.close()
+    final_dir = save_final(run_dir, policy, setup.tokenizer)
+    if cfg.run.plot:
+        try:
+            from prefpack.plot import plot_run
+
+            plot_run(run_dir)
+        except Exception as exc:  # a missing plotting library must not fail a finished training run
+            log(f"note: no curves.png ({exc})")
+    return TrainResult(run_dir, n_steps, final_dir, eval_before, eval_after, last)
+
+
+def _update_bco(state: dict, metrics: dict[str, torch.Tensor]) -> None:
+    """Running mean of all rewards seen so far: BCO's delta (TRL keeps the same running moment)."""
+    rewards = torch.cat([metrics["rewards/chosen"], metrics["rewards/rejected"]]).double()
+    n_old, k = state["bco_count"], int(rewards.numel())
+    state["bco_mean"] = (state["bco_mean"] * n_old + float(rewards.sum())) / max(n_old + k, 1)
+    state["bco_count"] = n_old + k
+
+
+def save_final(run_dir: Path, policy: nn.Module, tokenizer) -> Path:
+    """`save_pretrained` the trained model (LoRA merged into it) and the tokenizer, atomically."""
+    final = run_dir / "final"
+    tmp = run_dir / f".final.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model = policy
+    if hasattr(policy, "merge_and_unload"):
+        policy.save_pretrained(tmp / "adapter")
+        model = policy.merge_and_unload()
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final

@@ -1,0 +1,188 @@
+"""Tests for prefpack.metrics (JSONL logger, truncation on resume) and prefpack.plot (curves.png)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from prefpack.metrics import MetricsLogger, read_metrics
+from prefpack.plot import PlotError, plot_run
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _drop_time(records):
+    return [{k: v for k, v in r.items() if k != "time"} for r in records]
+
+
+def test_log_and_read_back(tmp_path):
+    run = tmp_path / "run"
+    with MetricsLogger(run, tensorboard=False) as logger:
+        logger.log(1, {"loss": torch.tensor(0.5), "lr": np.float32(1e-6), "tokens/s": 100, "ok": True})
+        logger.log(1, {"loss": 0.25}, split="eval")
+        assert logger.notice is None
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    records = read_metrics(run)
+    assert records == read_metrics(run / "metrics.jsonl")
+    first = records[0]
+    assert list(first)[:3] == ["step", "split", "time"]
+    assert first["step"] == 1 and first["split"] == "train" and isinstance(first["time"], float)
+    assert first["loss"] == 0.5 and type(first["lr"]) is float and first["lr"] == pytest.approx(1e-6)
+    assert first["tokens/s"] == 100.0 and first["ok"] == 1.0
+    assert records[1]["split"] == "eval" and records[1]["loss"] == 0.25
+    # Appends after reopening (a resumed run keeps its history).
+    MetricsLogger(run, tensorboard=False).log(2, {"loss": 0.4})
+    assert [r["step"] for r in read_metrics(run)] == [1, 1, 2]
+
+
+def test_bad_inputs(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    with pytest.raises(ValueError, match="reserved"):
+        logger.log(1, {"step": 3.0})
+    with pytest.raises(TypeError, match="metric 'name': expected a number"):
+        logger.log(1, {"name": "abc"})
+    with pytest.raises(TypeError, match="step must be an int"):
+        logger.log(1.5, {"loss": 1.0})
+
+
+def test_nan_and_inf_are_null(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log(3, {"loss": float("nan"), "grad_norm": float("inf"), "lr": torch.tensor(-math.inf), "x": 1.0})
+    logger.close()
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in line and "Infinity" not in line
+    record = json.loads(line)  # strict JSON
+    assert record["loss"] is None and record["grad_norm"] is None and record["lr"] is None and record["x"] == 1.0
+
+
+def test_truncate_after(tmp_path):
+    # An uninterrupted run logs steps 1..6.
+    full = MetricsLogger(tmp_path / "full", tensorboard=False)
+    for step in range(1, 7):
+        full.log(step, {"loss": 1.0 / step})
+        if step % 3 == 0:
+            full.log(step, {"loss": 2.0 / step}, split="eval")
+    full.close()
+
+    # A crashed run got to step 5 (plus half a line) after its checkpoint at step 3, then resumes from 3.
+    run = tmp_path / "resumed"
+    logger = MetricsLogger(run, tensorboard=False)
+    for step in range(1, 6):
+        logger.log(step, {"loss": 1.0 / step})
+        if step % 3 == 0:
+            logger.log(step, {"loss": 2.0 / step}, split="eval")
+    logger._fh.write('{"step": 6, "split": "tr')  # torn line, as a crash mid-write leaves it
+    logger._fh.flush()
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 3, 4, 5]  # readers skip the torn line
+
+    assert logger.truncate_after(3) == 3  # steps 4 and 5 plus the torn line
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 3]
+    assert not list(run.glob(".*tmp*"))
+    for step in range(4, 7):  # the same logger keeps appending to the new file
+        logger.log(step, {"loss": 1.0 / step})
+        if step % 3 == 0:
+            logger.log(step, {"loss": 2.0 / step}, split="eval")
+    logger.close()
+    assert _drop_time(read_metrics(run)) == _drop_time(read_metrics(tmp_path / "full"))
+
+    assert MetricsLogger(tmp_path / "empty", tensorboard=False).truncate_after(0) == 0  # no file yet
+
+
+def test_disabled_is_a_no_op(tmp_path):
+    logger = MetricsLogger(tmp_path / "rank1", enabled=False)
+    logger.log(1, {"loss": 1.0})
+    assert logger.truncate_after(0) == 0
+    logger.close()
+    assert not (tmp_path / "rank1").exists()
+
+
+def test_tensorboard_missing_gives_a_notice(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import fail
+    logger = MetricsLogger(tmp_path, tensorboard=True)
+    assert logger.notice and "tensorboard" in logger.notice.lower() and not logger.tensorboard_active
+    logger.log(1, {"loss": 1.0})
+    assert read_metrics(tmp_path)[0]["loss"] == 1.0
+    assert MetricsLogger(tmp_path / "b", tensorboard=False).notice is None
+
+
+def test_tensorboard_writer_calls(tmp_path, monkeypatch):
+    calls = []
+
+    class FakeWriter:
+        def __init__(self, log_dir, **kwargs):
+            calls.append(("init", kwargs.get("purge_step")))
+
+        def add_scalar(self, tag, value, step):
+            calls.append((tag, value, step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            calls.append(("close",))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=FakeWriter))
+    logger = MetricsLogger(tmp_path, tensorboard=True)
+    assert logger.notice is None and logger.tensorboard_active
+    logger.log(1, {"loss": 1.0, "grad_norm": float("nan")})
+    logger.log(2, {"loss": 0.5}, split="eval")
+    logger.truncate_after(1)
+    logger.log(2, {"loss": 0.7})
+    logger.close()
+    assert calls == [("init", None), ("train/loss", 1.0, 1), ("eval/loss", 0.5, 2), ("close",),
+                     ("init", 2), ("train/loss", 0.7, 2), ("close",)]
+
+
+def _fake_run(run_dir):
+    logger = MetricsLogger(run_dir, tensorboard=False)
+    for step in range(1, 21):
+        logger.log(step, {
+            "loss": 0.7 - 0.01 * step, "rewards/accuracies": min(1.0, 0.5 + 0.02 * step),
+            "rewards/margins": 0.05 * step, "rewards/chosen": 0.02 * step, "rewards/rejected": -0.03 * step,
+            "logps/chosen": -100.0 + step, "logps/rejected": -110.0 - step, "lr": 1e-6 * min(1.0, step / 5),
+            "grad_norm": float("nan") if step == 7 else 1.0 / step, "tokens/s": 1000.0 + step,
+        })
+        if step % 10 == 0:
+            logger.log(step, {"loss": 0.69 - 0.01 * step, "rewards/accuracies": 0.6}, split="eval")
+    logger.close()
+
+
+def test_plot_writes_png(tmp_path):
+    run = tmp_path / "run"
+    _fake_run(run)
+    out = plot_run(run)
+    assert out == run / "curves.png"
+    data = out.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000
+    assert not list(run.glob(".*tmp*"))
+
+
+def test_plot_some_metrics_only(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log(1, {"loss": 1.0})
+    logger.log(1, {"loss": 0.9}, split="eval")
+    logger.close()
+    out = plot_run(tmp_path, out=tmp_path / "sub" / "c.png")
+    assert out.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_plot_errors(tmp_path, monkeypatch):
+    with pytest.raises(PlotError, match="no metrics.jsonl"):
+        plot_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(PlotError, match="no records"):
+        plot_run(tmp_path)
+    MetricsLogger(tmp_path, tensorboard=False).log(1, {"something_else": 1.0})
+    with pytest.raises(PlotError, match="none of the plotted metrics"):
+        plot_run(tmp_path)
+    MetricsLogger(tmp_path, tensorboard=False).log(2, {"loss": 1.0})
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(PlotError, match=r"pip install prefpack\[plot\]"):
+        plot_run(tmp_path)

@@ -1,0 +1,224 @@
+"""Training core: eval against a float64 formula, accumulation, packing, resume, reference modes, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import write_jsonl
+
+from prefpack.cli import main as cli_main
+from prefpack.config import load_config
+from prefpack.data.prepare import PrepareOptions, prepare
+from prefpack.data.store import Store
+from prefpack.train import TrainingInterrupted, build, evaluate, train
+
+
+def _tiny_model(tok_dir, out, seed):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, toy_tokenizers, hh_train):
+    """A 24-pair train store, a 10-pair eval store, a policy and a different reference (tiny Llamas)."""
+    root = tmp_path_factory.mktemp("train")
+    tok = toy_tokenizers["llama"]
+    rows = [r for r in hh_train[:60] if r["chosen"].strip() and r["chosen"] != r["rejected"]]
+    for name, part in (("train", rows[:24]), ("eval", rows[24:34])):
+        prepare(PrepareOptions(inputs=[str(write_jsonl(root / f"{name}.jsonl", part))], tokenizer=str(tok),
+                               output=str(root / name), max_length=48, workers=1), log=lambda m: None)
+    return {"root": root, "tok": tok, "train": root / "train", "eval": root / "eval",
+            "policy": _tiny_model(tok, root / "policy", 1), "ref": _tiny_model(tok, root / "ref", 2)}
+
+
+def cfg_for(world, run_dir, *extra):
+    base = [f"model.name_or_path={world['policy']}", f"data.train={world['train']}", f"run.output_dir={run_dir}",
+            "optim.lr=1.0e-3", "optim.schedule=constant", "train.global_batch_pairs=8", "train.max_steps=3",
+            "run.plot=false", "run.tensorboard=false", "train.micro_batch_tokens=4096", "data.max_tokens_per_row=1024"]
+    return load_config(None, base + list(extra))
+
+
+def final_weights(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "final" / "model.safetensors"))
+
+
+def metrics_lines(run_dir, split="train"):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if json.loads(x)["split"] == split]
+
+
+# ---------------------------------------------------------------- eval against an independent formula
+
+
+def _seq_logp_f64(model, prompt, completion):
+    ids = torch.tensor([[int(t) for t in prompt] + [int(t) for t in completion]])
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits.double()
+    logp = torch.log_softmax(logits[0, :-1], -1)
+    targets = ids[0, 1:]
+    per_tok = logp[torch.arange(len(targets)), targets]
+    return float(per_tok[len(prompt) - 1 :].sum())
+
+
+def test_eval_matches_float64_formula(world, capsys):
+    from transformers import AutoModelForCausalLM
+
+    code = cli_main(["eval", "--model", str(world["policy"]), "--ref", str(world["ref"]), "--data",
+                     str(world["eval"]), "--beta", "0.3", "--json"])
+    assert code == 0
+    got = json.loads(capsys.readouterr().out)
+    pol = AutoModelForCausalLM.from_pretrained(world["policy"], dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(world["ref"], dtype=torch.float32).eval()
+    store = Store(world["eval"])
+    losses, accs, margins = [], [], []
+    for i in range(len(store)):
+        p = store.pair(i)
+        pc, pr = _seq_logp_f64(pol, p.prompt, p.chosen), _seq_logp_f64(pol, p.prompt, p.rejected)
+        rc, rr = _seq_logp_f64(ref, p.prompt, p.chosen), _seq_logp_f64(ref, p.prompt, p.rejected)
+        z = 0.3 * ((pc - rc) - (pr - rr))
+        losses.append(math.log1p(math.exp(-z)))  # -log sigmoid(z)
+        accs.append(float((pc - rc) > (pr - rr)))
+        margins.append(z)
+    n = len(store)
+    assert got["pairs"] == n
+    assert got["loss"] == pytest.approx(sum(losses) / n, abs=1e-5)
+    assert got["rewards/accuracies"] == pytest.approx(sum(accs) / n)
+    assert got["rewards/margins"] == pytest.approx(sum(margins) / n, abs=1e-5)
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def test_tiny_train_lowers_loss_changes_weights_and_saves_loadable_model(world, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    res = train(cfg_for(world, run, "train.max_steps=8", f"data.eval={world['eval']}", "run.plot=true",
+                        "train.global_batch_pairs=24"), progress=False, log=lambda m: None)
+    train_losses = [m["loss"] for m in metrics_lines(run)]
+    assert train_losses[0] == pytest.approx(math.log(2), abs=1e-5)  # policy == reference at step 0
+    assert train_losses[-1] < train_losses[0] - 0.05
+    before = load_file(str(world["policy"] / "model.safetensors"))
+    after = final_weights(run)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    model = AutoModelForCausalLM.from_pretrained(res.final_dir)
+    assert model.config.vocab_size == after["model.embed_tokens.weight"].shape[0]
+    assert (res.final_dir / "tokenizer.json").exists()
+    assert (run / "config.yaml").exists() and (run / "curves.png").stat().st_size > 1000
+    assert res.eval_before["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                "logps/rejected", "nll", "lr", "grad_norm", "tokens/s", "pairs/s", "filling"):
+        assert key in metrics_lines(run)[-1], key
+
+
+def test_accumulation_1x8_equals_8x1(world, tmp_path):
+    one = tmp_path / "one"
+    many = tmp_path / "many"
+    train(cfg_for(world, one, "train.micro_batch_tokens=4096"), progress=False, log=lambda m: None)
+    # a budget below any pair: every pair gets its own micro-batch (8 micro-steps per step)
+    train(cfg_for(world, many, "train.micro_batch_tokens=16", "data.max_tokens_per_row=16"), progress=False,
+          log=lambda m: None)
+    for a, b in zip(metrics_lines(one), metrics_lines(many)):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        # AdamW hides a gradient scale error in the weights; the pre-clipping norm does not
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    wa, wb = final_weights(one), final_weights(many)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("multiple", [None, 64])
+def test_packed_equals_padded(world, tmp_path, multiple):
+    packed, padded = tmp_path / "packed", tmp_path / "padded"
+    train(cfg_for(world, packed), progress=False, log=lambda m: None)
+    extra = [f"data.pad_to_multiple_of={multiple}"] if multiple else []
+    train(cfg_for(world, padded, "data.packing=false", *extra), progress=False, log=lambda m: None)
+    lp, ld = metrics_lines(packed), metrics_lines(padded)
+    for a, b in zip(lp, ld):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert lp[0]["filling"] > ld[0]["filling"]
+    wa, wb = final_weights(packed), final_weights(padded)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=2e-5, rtol=1e-4)
+
+
+def test_resume_equals_uninterrupted(world, tmp_path):
+    full, broken = tmp_path / "full", tmp_path / "broken"
+    args = ("train.max_steps=4", "run.save_every=2", "optim.schedule=cosine", "optim.warmup_steps=1")
+    train(cfg_for(world, full, *args), progress=False, log=lambda m: None)
+    with pytest.raises(TrainingInterrupted):
+        train(cfg_for(world, broken, *args), stop_after_steps=3, progress=False, log=lambda m: None)
+    with pytest.raises(Exception, match="--resume"):
+        train(cfg_for(world, broken, *args), progress=False, log=lambda m: None)
+    train(cfg_for(world, broken, *args), resume=True, progress=False, log=lambda m: None)
+    wa, wb = final_weights(full), final_weights(broken)
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    la, lb = metrics_lines(full), metrics_lines(broken)
+    assert [m["step"] for m in lb] == [1, 2, 3, 4]
+    assert [m["loss"] for m in la] == [m["loss"] for m in lb]
+
+
+def test_copy_and_precomputed_reference_agree(world, tmp_path, capsys):
+    import shutil
+
+    store = tmp_path / "store"
+    shutil.copytree(world["train"], store)
+    assert cli_main(["precompute-ref", "--model", str(world["ref"]), "--data", str(store)]) == 0
+    capsys.readouterr()
+    copy = cfg_for(world, tmp_path / "a", f"data.train={store}", f"reference.model={world['ref']}")
+    pre = cfg_for(world, tmp_path / "b", f"data.train={store}", f"reference.model={world['ref']}",
+                  "reference.mode=precomputed")
+    s1, s2 = build(copy, log=lambda m: None), build(pre, log=lambda m: None)
+    assert s2.reference.model is None  # no reference model in memory
+    e1 = evaluate(s1.policy, s1.reference, s1.train_store, copy)
+    e2 = evaluate(s2.policy, s2.reference, s2.train_store, pre)
+    for k in ("loss", "rewards/margins", "rewards/chosen"):
+        assert e1[k] == pytest.approx(e2[k], abs=1e-6)
+    # a sidecar made with other reference weights is refused
+    wrong = cfg_for(world, tmp_path / "c", f"data.train={store}", "reference.mode=precomputed")
+    with pytest.raises(Exception, match="other reference weights"):
+        build(wrong, log=lambda m: None)
+
+
+def test_tokenizer_mismatch_is_refused(world, tmp_path, toy_tokenizers):
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(world["policy"], model)
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(toy_tokenizers["neox"]).save_pretrained(model)
+    cfg = cfg_for(world, tmp_path / "r", f"model.name_or_path={model}")
+    with pytest.raises(Exception, match="allow_tokenizer_mismatch"):
+        build(cfg, log=lambda m: None)
+
+
+def test_train_cli_reports_config_errors_cleanly(world, tmp_path, capsys):
+    conf = tmp_path / "c.yaml"
+    conf.write_text(f"model:\n  name_or_path: {world['policy']}\ndata:\n  train: {world['train']}\noptim:\n  learning_rate: 1\n")
+    assert cli_main(["train", str(conf)]) == 2
+    err = capsys.readouterr().err
+    assert "optim.learning_rate" in err and "Traceback" not in err
+
+
+def test_quickstart_learns_the_bundled_task(tmp_path):
+    from prefpack.quickstart import run_quickstart
+
+    out = run_quickstart(str(tmp_path / "qs"), steps=60, log=lambda m: None)
+    assert 0.3 < out["before"]["logps/accuracies"] < 0.7  # a random model picks a label regardless of the review
+    assert out["after"]["logps/accuracies"] >= 0.9 and out["after"]["rewards/accuracies"] >= 0.9
+    assert out["after"]["loss"] < 0.4
