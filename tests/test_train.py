@@ -222,3 +222,17 @@ def test_quickstart_learns_the_bundled_task(tmp_path):
     assert 0.3 < out["before"]["logps/accuracies"] < 0.7  # a random model picks a label regardless of the review
     assert out["after"]["logps/accuracies"] >= 0.9 and out["after"]["rewards/accuracies"] >= 0.9
     assert out["after"]["loss"] < 0.4
+
+
+def test_lora_adapter_reference(world, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "lora"
+    res = train(cfg_for(world, run, "lora.enabled=true", "reference.mode=adapter", "lora.r=4", "train.max_steps=4",
+                        "optim.lr=5.0e-3"), progress=False, log=lambda m: None)
+    losses = [m["loss"] for m in metrics_lines(run)]
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-5)  # LoRA starts as a no-op: policy == reference
+    assert losses[-1] < losses[0]
+    merged = AutoModelForCausalLM.from_pretrained(res.final_dir)
+    assert not any("lora" in k for k in merged.state_dict())
+    assert (res.final_dir / "adapter" / "adapter_config.json").exists()
