@@ -371,6 +371,9 @@ def test_tokenizer_hash_is_content_based(tmp_path, toy_tokenizers):
     load_tokenizer(tmp_path / "a").save_pretrained(tmp_path / "b")
     assert tokenizer_hash(tok) == tokenizer_hash(load_tokenizer(tmp_path / "b"))
     assert tokenizer_hash(tok) != tokenizer_hash(load_tokenizer(toy_tokenizers["neox"]))
+    same = load_tokenizer(tmp_path / "b")
+    same.backend_tokenizer.enable_truncation(16)  # a runtime setting, not content
+    assert tokenizer_hash(same) == tokenizer_hash(tok)
     tok.chat_template = tok.chat_template + " "
     assert tokenizer_hash(tok) != tokenizer_hash(load_tokenizer(tmp_path / "b"))
 

@@ -119,7 +119,7 @@ def _process_chunk(chunk: list[RawRow]) -> ChunkResult:
         except InvalidRow as err:
             problems.append(_problem(raw, err.reason, err.field, err.message, raw.row))
     results = tokenize(examples)
-    parts: list[np.ndarray] = []
+    flat: list[int] = []
     rows: list[list[int]] = []
     truncated: Counter = Counter()
     offset = 0
@@ -139,10 +139,11 @@ def _process_chunk(chunk: list[RawRow]) -> ChunkResult:
         if res.label is not None:
             lens.append(res.label)
         rows.append([offset, *lens, flags, raw.loc_file_index, raw.loc.row])
-        parts.append(res.prompt)
-        parts.extend(res.completions)
-        offset += len(res.prompt) + sum(len(c) for c in res.completions)
-    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        flat.extend(res.prompt)
+        for c in res.completions:
+            flat.extend(c)
+        offset = len(flat)
+    tokens = np.array(flat, dtype=np.int64)
     width = 7
     index = np.asarray(rows, dtype=np.int64).reshape(-1, width)
     problems.sort(key=lambda p: (p["file_index"], p["row"]))

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from prefpack.data.formats import Example, InvalidRow
 from prefpack.tokenizer import SpecialTokens
 
@@ -27,8 +25,8 @@ class TokenizeConfig:
 
 @dataclass
 class TokenizedExample:
-    prompt: np.ndarray
-    completions: tuple[np.ndarray, ...]
+    prompt: list[int]
+    completions: tuple[list[int], ...]
     label: int | None
     truncated: tuple[str, ...] = ()  # "prompt" and/or "completion" when --max-length cut something
 
@@ -61,14 +59,6 @@ def render_chat(tok, ex: Example) -> tuple[str, list[str]]:
     return prompt_text, completions
 
 
-def _ends_with_eos(ids: list[int], eos_id: int, whitespace_ids: set[int]) -> bool:
-    """True if the ids end with EOS, possibly followed by whitespace tokens (ChatML's '<|im_end|>\\n')."""
-    i = len(ids) - 1
-    while i >= 0 and ids[i] in whitespace_ids:
-        i -= 1
-    return i >= 0 and ids[i] == eos_id
-
-
 class ExampleTokenizer:
     """Tokenises batches of examples with one batched call to the fast tokenizer."""
 
@@ -87,6 +77,13 @@ class ExampleTokenizer:
             hit = len(text) > 0 and not text.strip()
             self._ws_cache[tid] = hit
         return hit
+
+    def _ends_with_eos(self, ids: list[int]) -> bool:
+        """True if the ids end with EOS, possibly followed by whitespace tokens (ChatML's '<|im_end|>\\n')."""
+        i = len(ids) - 1
+        while i >= 0 and ids[i] != self.specials.eos_id and self._is_whitespace(ids[i]):
+            i -= 1
+        return i >= 0 and ids[i] == self.specials.eos_id
 
     def __call__(self, examples: list[Example]) -> list[TokenizedExample | InvalidRow | Dropped]:
         texts: list[str] = []
@@ -129,17 +126,11 @@ class ExampleTokenizer:
         for c, name in zip(comps, ex.completion_fields):
             if not c:
                 raise InvalidRow("empty_completion", name, f"field {name!r} tokenises to nothing")
-            ws = {t for t in c[-4:] if self._is_whitespace(t)}
-            if not _ends_with_eos(c, sp.eos_id, ws):
+            if not self._ends_with_eos(c):
                 c = c + [sp.eos_id]
             finished.append(c)
         prompt, finished, truncated = self._truncate(prompt, finished)
-        return TokenizedExample(
-            prompt=np.asarray(prompt, dtype=np.int64),
-            completions=tuple(np.asarray(c, dtype=np.int64) for c in finished),
-            label=ex.label,
-            truncated=truncated,
-        )
+        return TokenizedExample(prompt=prompt, completions=tuple(finished), label=ex.label, truncated=truncated)
 
     def _truncate(self, prompt: list[int], comps: list[list[int]]):
         limit = self.cfg.max_length
