@@ -71,7 +71,7 @@ def run_eval(args, argv) -> int:
     cfg = load_config(None, overrides)
     cfg.validate()
     setup = build(cfg, log=_err)
-    result = evaluate(setup.policy, setup.reference, setup.train_store, cfg, pad_id=setup.pad_id)
+    result = evaluate(setup.policy, setup.reference, setup.train_task)
     result["pairs"] = len(setup.train_store)
     result["reference"] = setup.reference.mode
     if args.json:

@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from prefpack.data.packing import collate, plan_micro_batches
 from prefpack.data.store import Store, StoreError
-from prefpack.forward import pair_logps
-from prefpack.losses import LossTerm, PairLogps, needs_reference, preference_loss
+from prefpack.losses import LossTerm, needs_reference
 from prefpack.models import (
     ModelError,
     check_vocab_fits,
@@ -37,10 +35,8 @@ from prefpack.models import (
     resolve_tokenizer,
     weights_hash,
 )
-from prefpack.reference import SIDECAR_NAME, Reference, StorePairs, read_sidecar
-
-METRIC_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-               "logps/rejected", "nll")
+from prefpack.reference import SIDECAR_NAME, Reference, read_sidecar
+from prefpack.tasks import PairTask, StepTotals, Task
 
 
 class TrainingInterrupted(RuntimeError):
@@ -80,13 +76,6 @@ def total_steps(cfg, sched: StepSchedule) -> int:
     return max(1, math.ceil(cfg.train.epochs * sched.steps_per_epoch))
 
 
-def plan_step(pairs: StorePairs, cfg, seed: Any) -> list:
-    d = cfg.data
-    return plan_micro_batches(pairs.lengths(), token_budget=cfg.train.micro_batch_tokens, packing=d.packing,
-                              row_budget=min(d.max_tokens_per_row, cfg.train.micro_batch_tokens),
-                              pad_to_multiple_of=d.pad_to_multiple_of, seed=seed)
-
-
 # ------------------------------------------------------------------------------------------------ schedule
 
 
@@ -111,71 +100,20 @@ def warmup_steps(cfg, total: int) -> int:
     return int(round(cfg.optim.warmup_ratio * total))
 
 
-# ------------------------------------------------------------------------------------------------ step math
-
-
-def loss_terms(cfg) -> list[LossTerm]:
-    return [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
-
-
-@dataclass
-class StepTotals:
-    """Sums over the pairs of a step (or an eval pass), turned into means at the end."""
-
-    pairs: int = 0
-    loss: float = 0.0
-    metrics: dict[str, float] = field(default_factory=dict)
-    real_tokens: int = 0
-    computed_tokens: int = 0
-
-    def add(self, loss_sum: float, metrics: dict[str, torch.Tensor], n_pairs: int, batch) -> None:
-        self.pairs += n_pairs
-        self.loss += loss_sum
-        for k, v in metrics.items():
-            self.metrics[k] = self.metrics.get(k, 0.0) + float(v.double().sum())
-        self.real_tokens += batch.real_tokens
-        self.computed_tokens += batch.computed_tokens
-
-    def means(self) -> dict[str, float]:
-        n = max(self.pairs, 1)
-        out = {"loss": self.loss / n}
-        out.update({k: v / n for k, v in sorted(self.metrics.items())})
-        out["filling"] = self.real_tokens / max(self.computed_tokens, 1)
-        return out
-
-
-def micro_batch_loss(policy: nn.Module, reference: Reference, batch, global_ids: np.ndarray, cfg, *,
-                     bco_delta: float = 0.0):
-    """Per-pair loss output of one micro-batch (policy under autograd, reference without)."""
-    pol = pair_logps(policy, batch, chunk_size=cfg.train.chunk_size)
-    ref = reference.logps(batch, global_ids, pol.chosen.device, pol.chosen.dtype)
-    logps = PairLogps(
-        policy_chosen=pol.chosen,
-        policy_rejected=pol.rejected,
-        chosen_tokens=pol.chosen_tokens.to(pol.chosen.device),
-        rejected_tokens=pol.rejected_tokens.to(pol.chosen.device),
-        ref_chosen=None if ref is None else ref[0],
-        ref_rejected=None if ref is None else ref[1],
-    )
-    out = preference_loss(logps, loss_terms(cfg), beta=cfg.loss.beta, label_smoothing=cfg.loss.label_smoothing,
-                          simpo_gamma=cfg.loss.simpo_gamma, bco_delta=bco_delta)
-    # Whether the policy itself ranks chosen above rejected (meaningful even when the reference equals it).
-    out.metrics["logps/accuracies"] = (pol.chosen.detach() > pol.rejected.detach()).to(pol.chosen.dtype)
-    return out
+# ------------------------------------------------------------------------------------------------ evaluation
 
 
 @torch.no_grad()
-def evaluate(policy: nn.Module, reference: Reference, store: Store, cfg, *, pad_id: int = 0) -> dict[str, float]:
-    """Mean loss and metrics over every pair of a store (no training; deterministic micro-batches)."""
+def evaluate(policy: nn.Module, reference: Reference, task: Task) -> dict[str, float]:
+    """Mean loss and metrics over every example of a task's store (deterministic micro-batches, no grad)."""
     was_training = policy.training
     policy.eval()
-    pairs = StorePairs(store)
     totals = StepTotals()
-    for mb in plan_step(pairs, cfg, seed=None):
-        batch = collate(pairs, mb, packing=cfg.data.packing, pad_id=pad_id, pad_to_multiple_of=cfg.data.pad_to_multiple_of)
-        ids = pairs.ids[batch.pair_indices.numpy()]
-        out = micro_batch_loss(policy, reference, batch, ids, cfg)
-        totals.add(float(out.loss.double().sum()), out.metrics, batch.num_pairs, batch)
+    planned = task.plan(np.arange(len(task)), seed=None)
+    batches = [task.collate(p) for p in planned]
+    step_state = task.begin_step(policy, reference, batches)
+    for batch in batches:
+        totals.add(task.loss(policy, reference, batch, step_state), batch)
     policy.train(was_training)
     return totals.means()
 
@@ -240,6 +178,8 @@ class Setup:
     device: torch.device
     dtype: torch.dtype
     pad_id: int
+    train_task: Task
+    eval_task: Task | None
 
 
 def open_pair_store(path: str, what: str) -> Store:
@@ -271,7 +211,7 @@ def build(cfg, *, log=print) -> Setup:
     policy = load_causal_lm(cfg.model.name_or_path, dtype=dtype, attn_implementation=attn, device=device,
                             trust_remote_code=cfg.model.trust_remote_code)
     check_vocab_fits(policy, train_store.meta, cfg.data.train)
-    terms = loss_terms(cfg)
+    terms = [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
     mode = cfg.reference.mode
     if not needs_reference(terms) and mode != "none":
         log(f"note: the losses {[t.name for t in terms]} need no reference; reference.mode {mode!r} is ignored")
@@ -299,8 +239,10 @@ def build(cfg, *, log=print) -> Setup:
             reference.policy = policy
     if cfg.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    return Setup(policy, reference, tok, train_store, eval_store, device, dtype, int(pad_id))
+    pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    train_task = PairTask(train_store, cfg, pad_id)
+    eval_task = PairTask(eval_store, cfg, pad_id) if eval_store is not None else None
+    return Setup(policy, reference, tok, train_store, eval_store, device, dtype, pad_id, train_task, eval_task)
 
 
 def _reference_hash(cfg, policy: nn.Module, ref_path: str, dtype, attn) -> str:
@@ -357,15 +299,15 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
                                   weight_decay=cfg.optim.weight_decay)
-    pairs_all = StorePairs(setup.train_store)
-    sched = StepSchedule(len(pairs_all), cfg.train.global_batch_pairs, cfg.train.seed, cfg.data.shuffle)
+    task = setup.train_task
+    sched = StepSchedule(len(task), cfg.train.global_batch_pairs, cfg.train.seed, cfg.data.shuffle)
     n_steps = total_steps(cfg, sched)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.optim.schedule, warmup_steps(cfg, n_steps), n_steps))
     metrics = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
     if metrics.notice:
         log(metrics.notice)
-    state: dict[str, Any] = {"bco_count": 0, "bco_mean": 0.0}
+    state: dict[str, Any] = {}
     start = 0
     if resume:
         ckpt = latest_checkpoint(run_dir)
@@ -373,12 +315,16 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
             log(f"no checkpoint in {run_dir / 'checkpoints'}; starting from step 0")
         else:
             state = load_checkpoint(ckpt, policy, optimizer, scheduler)
-            start = int(state["step"])
+            start = int(state.pop("step"))
             metrics.truncate_after(start)
             log(f"resumed from {ckpt} at step {start}")
+
+    def run_eval() -> dict[str, float]:
+        return evaluate(policy, reference, setup.eval_task)
+
     eval_before = None
-    if setup.eval_store is not None and start == 0:
-        eval_before = evaluate(policy, reference, setup.eval_store, cfg, pad_id=setup.pad_id)
+    if setup.eval_task is not None and start == 0:
+        eval_before = run_eval()
         metrics.log(0, eval_before, split="eval")
     bar = None
     if progress:
@@ -386,24 +332,21 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
 
         bar = tqdm(total=n_steps, initial=start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
     last: dict[str, float] = {}
-    uses_bco = any(t.name == "bco_pair" for t in cfg.loss.terms)
     for step in range(start, n_steps):
         t0 = time.perf_counter()
         epoch, ids = sched.pairs_for_step(step)
-        subset = StorePairs(setup.train_store, ids)
-        plan = plan_step(subset, cfg, seed=[cfg.train.seed, step])
+        batches = [task.collate(p) for p in task.plan(ids, seed=[cfg.train.seed, step])]
         optimizer.zero_grad(set_to_none=True)
+        step_state = {**state, **task.begin_step(policy, reference, batches)}
         totals = StepTotals()
-        n = len(ids)
-        for mb in plan:
-            batch = collate(subset, mb, packing=cfg.data.packing, pad_id=setup.pad_id,
-                            pad_to_multiple_of=cfg.data.pad_to_multiple_of)
-            gids = subset.ids[batch.pair_indices.numpy()]
-            out = micro_batch_loss(policy, reference, batch, gids, cfg, bco_delta=state["bco_mean"])
+        n = len(ids)  # every rank plans the same step: the step's example count needs no communication
+        for batch in batches:
+            out = task.loss(policy, reference, batch, step_state)
             (out.loss.sum() / n).backward()
-            totals.add(float(out.loss.detach().double().sum()), out.metrics, batch.num_pairs, batch)
-            if uses_bco:
-                _update_bco(state, out.metrics)
+            totals.add(out, batch)
+            if hasattr(task, "after_micro_batch"):
+                task.after_micro_batch(out, state)
+                step_state.update(state)
         max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         lr = scheduler.get_last_lr()[0]
@@ -418,10 +361,10 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
             metrics.log(done, last)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last['rewards/accuracies']:.2f}",
+            bar.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last.get('rewards/accuracies', 0.0):.2f}",
                             fill=f"{last['filling']:.2f}")
-        if setup.eval_store is not None and cfg.run.eval_every and done % cfg.run.eval_every == 0 and done < n_steps:
-            metrics.log(done, evaluate(policy, reference, setup.eval_store, cfg, pad_id=setup.pad_id), split="eval")
+        if setup.eval_task is not None and cfg.run.eval_every and done % cfg.run.eval_every == 0 and done < n_steps:
+            metrics.log(done, run_eval(), split="eval")
         if cfg.run.save_every and done % cfg.run.save_every == 0 and done < n_steps:
             save_checkpoint(run_dir, done, policy, optimizer, scheduler, state, cfg.run.keep_checkpoints)
         if stop_after_steps is not None and done >= stop_after_steps and done < n_steps:
@@ -432,8 +375,8 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
     if bar is not None:
         bar.close()
     eval_after = None
-    if setup.eval_store is not None:
-        eval_after = evaluate(policy, reference, setup.eval_store, cfg, pad_id=setup.pad_id)
+    if setup.eval_task is not None:
+        eval_after = run_eval()
         metrics.log(n_steps, eval_after, split="eval")
     metrics.close()
     final_dir = save_final(run_dir, policy, setup.tokenizer)
@@ -445,14 +388,6 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
         except Exception as exc:  # a missing plotting library must not fail a finished training run
             log(f"note: no curves.png ({exc})")
     return TrainResult(run_dir, n_steps, final_dir, eval_before, eval_after, last)
-
-
-def _update_bco(state: dict, metrics: dict[str, torch.Tensor]) -> None:
-    """Running mean of all rewards seen so far: BCO's delta (TRL keeps the same running moment)."""
-    rewards = torch.cat([metrics["rewards/chosen"], metrics["rewards/rejected"]]).double()
-    n_old, k = state["bco_count"], int(rewards.numel())
-    state["bco_mean"] = (state["bco_mean"] * n_old + float(rewards.sum())) / max(n_old + k, 1)
-    state["bco_count"] = n_old + k
 
 
 def save_final(run_dir: Path, policy: nn.Module, tokenizer) -> Path:

@@ -184,8 +184,8 @@ def test_copy_and_precomputed_reference_agree(world, tmp_path, capsys):
                   "reference.mode=precomputed")
     s1, s2 = build(copy, log=lambda m: None), build(pre, log=lambda m: None)
     assert s2.reference.model is None  # no reference model in memory
-    e1 = evaluate(s1.policy, s1.reference, s1.train_store, copy)
-    e2 = evaluate(s2.policy, s2.reference, s2.train_store, pre)
+    e1 = evaluate(s1.policy, s1.reference, s1.train_task)
+    e2 = evaluate(s2.policy, s2.reference, s2.train_task)
     for k in ("loss", "rewards/margins", "rewards/chosen"):
         assert e1[k] == pytest.approx(e2[k], abs=1e-6)
     # a sidecar made with other reference weights is refused

@@ -1,0 +1,166 @@
+"""What the training loop trains: a task turns store examples into micro-batches and per-example losses.
+
+The loop (optimizer, accumulation, checkpoints, metrics, ranks) is the same for every objective; a task
+owns what differs. `PairTask` is the DPO family on a pair store; `prefpack.kto.KTOTask` (when present) is
+KTO on unpaired examples. Losses are per example (per pair for DPO) so the loop can divide by the step's
+example count, whatever the packing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from prefpack.data.packing import collate, plan_micro_batches
+from prefpack.data.store import Store
+from prefpack.forward import pair_logps
+from prefpack.losses import LossOutput, LossTerm, PairLogps, preference_loss
+from prefpack.reference import Reference, StorePairs
+
+
+@dataclass
+class Planned:
+    """One planned micro-batch: rows of global example ids, and its token counts (for dealing to ranks)."""
+
+    rows: list[list[int]]
+    real_tokens: int
+    computed_tokens: int
+
+    @property
+    def num_examples(self) -> int:
+        return sum(len(r) for r in self.rows)
+
+
+class Task(Protocol):
+    store: Store
+
+    def __len__(self) -> int: ...
+
+    def plan(self, ids: np.ndarray, *, seed: Any) -> list[Planned]: ...
+
+    def collate(self, planned: Planned) -> Any: ...
+
+    def begin_step(self, policy: nn.Module, reference: Reference, batches: list[Any]) -> dict: ...
+
+    def loss(self, policy: nn.Module, reference: Reference, batch: Any, step_state: dict) -> LossOutput: ...
+
+
+@dataclass
+class StepTotals:
+    """Sums over the examples of a step (or an eval pass), turned into means at the end."""
+
+    examples: int = 0
+    loss: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
+    real_tokens: int = 0
+    computed_tokens: int = 0
+
+    def add(self, out: LossOutput, batch: Any) -> None:
+        self.examples += int(out.loss.shape[0])
+        self.loss += float(out.loss.detach().double().sum())
+        for k, v in out.metrics.items():
+            self.metrics[k] = self.metrics.get(k, 0.0) + float(v.double().sum())
+            self.counts[k] = self.counts.get(k, 0.0) + float(v.numel())
+        self.real_tokens += batch.real_tokens
+        self.computed_tokens += batch.computed_tokens
+
+    def as_vector(self, keys: list[str]) -> torch.Tensor:
+        """Everything as one float64 vector (one all-reduce per step across ranks)."""
+        vals = [self.examples, self.loss, self.real_tokens, self.computed_tokens]
+        for k in keys:
+            vals.extend([self.metrics.get(k, 0.0), self.counts.get(k, 0.0)])
+        return torch.tensor(vals, dtype=torch.float64)
+
+    @classmethod
+    def from_vector(cls, vec: torch.Tensor, keys: list[str]) -> StepTotals:
+        v = vec.tolist()
+        out = cls(examples=int(v[0]), loss=v[1], real_tokens=int(v[2]), computed_tokens=int(v[3]))
+        for i, k in enumerate(keys):
+            out.metrics[k], out.counts[k] = v[4 + 2 * i], v[5 + 2 * i]
+        return out
+
+    def means(self) -> dict[str, float]:
+        out = {"loss": self.loss / max(self.examples, 1)}
+        # a metric may cover a subset of examples (e.g. KTO's desirable ones): divide by its own count
+        out.update({k: v / max(self.counts.get(k, 0.0), 1.0) for k, v in sorted(self.metrics.items())})
+        out["filling"] = self.real_tokens / max(self.computed_tokens, 1)
+        return out
+
+
+class PairTask:
+    """The DPO family on a pair store: both halves of a pair in one row, per-pair losses."""
+
+    kind = "pairs"
+
+    def __init__(self, store: Store, cfg, pad_id: int):
+        self.store = store
+        self.cfg = cfg
+        self.pad_id = pad_id
+        self.pairs = StorePairs(store)
+        self.terms = [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
+        self.bco = "bco_pair" in {t.name for t in self.terms}
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def plan(self, ids: np.ndarray, *, seed: Any) -> list[Planned]:
+        d, tr = self.cfg.data, self.cfg.train
+        lengths = self.pairs.lengths()[ids]
+        plans = plan_micro_batches(lengths, token_budget=tr.micro_batch_tokens, packing=d.packing,
+                                   row_budget=min(d.max_tokens_per_row, tr.micro_batch_tokens),
+                                   pad_to_multiple_of=d.pad_to_multiple_of, seed=seed)
+        totals = 2 * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]
+        seq_max = lengths[:, 0] + np.maximum(lengths[:, 1], lengths[:, 2])
+        m = d.pad_to_multiple_of or 1
+        out = []
+        for mb in plans:
+            real = int(sum(int(totals[r].sum()) for r in mb))
+            if d.packing:
+                computed = len(mb) * -(-max(int(totals[r].sum()) for r in mb) // m) * m
+            else:
+                flat = [i for r in mb for i in r]
+                computed = 2 * len(flat) * -(-int(seq_max[flat].max()) // m) * m
+            out.append(Planned([[int(ids[i]) for i in r] for r in mb], real, computed))
+        return out
+
+    def collate(self, planned: Planned):
+        d = self.cfg.data
+        batch = collate(self.pairs, planned.rows, packing=d.packing, pad_id=self.pad_id,
+                        pad_to_multiple_of=d.pad_to_multiple_of)
+        return batch
+
+    def begin_step(self, policy, reference, batches) -> dict:
+        return {}
+
+    def loss(self, policy: nn.Module, reference: Reference, batch, step_state: dict) -> LossOutput:
+        cfg = self.cfg
+        pol = pair_logps(policy, batch, chunk_size=cfg.train.chunk_size)
+        ids = batch.pair_indices.numpy()  # StorePairs over the whole store: local index == global id
+        ref = reference.logps(batch, ids, pol.chosen.device, pol.chosen.dtype)
+        logps = PairLogps(
+            policy_chosen=pol.chosen,
+            policy_rejected=pol.rejected,
+            chosen_tokens=pol.chosen_tokens.to(pol.chosen.device),
+            rejected_tokens=pol.rejected_tokens.to(pol.chosen.device),
+            ref_chosen=None if ref is None else ref[0],
+            ref_rejected=None if ref is None else ref[1],
+        )
+        out = preference_loss(logps, self.terms, beta=cfg.loss.beta, label_smoothing=cfg.loss.label_smoothing,
+                              simpo_gamma=cfg.loss.simpo_gamma, bco_delta=step_state.get("bco_delta", 0.0))
+        # Whether the policy itself ranks chosen above rejected (meaningful even when the reference equals it).
+        out.metrics["logps/accuracies"] = (pol.chosen.detach() > pol.rejected.detach()).to(pol.chosen.dtype)
+        return out
+
+    def after_micro_batch(self, out: LossOutput, state: dict) -> None:
+        """BCO's delta: the running mean of every reward seen so far (TRL keeps the same running moment)."""
+        if not self.bco:
+            return
+        rewards = torch.cat([out.metrics["rewards/chosen"], out.metrics["rewards/rejected"]]).double()
+        n_old, k = state.get("bco_count", 0), int(rewards.numel())
+        state["bco_delta"] = (state.get("bco_delta", 0.0) * n_old + float(rewards.sum())) / max(n_old + k, 1)
+        state["bco_count"] = n_old + k
