@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -22,18 +23,38 @@ def add_train(sub) -> None:
     p.add_argument("overrides", nargs="*", metavar="key.sub=value")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # stops cleanly after N steps, as if interrupted (to test resuming); not for everyday use
+    p.add_argument("--stop-after-steps", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def run_train(args, argv) -> int:
     from prefpack.config import load_config
-    from prefpack.train import train
+    from prefpack.distributed import shutdown
+    from prefpack.train import TrainingInterrupted, train
 
     cfg = load_config(args.config, args.overrides)
-    result = train(cfg, resume=args.resume, log=_err, progress=not args.no_progress)
-    summary = {"run_dir": str(result.run_dir), "steps": result.steps, "final_model": str(result.final_dir),
-               "train": result.last_train, "eval": result.eval_after}
-    print(json.dumps(summary))
+    for w in cfg.warnings():
+        _err(f"warning: {w}")
+    try:
+        result = train(cfg, resume=args.resume, log=_err, progress=not args.no_progress,
+                       stop_after_steps=args.stop_after_steps)
+    except TrainingInterrupted as stop:
+        if _is_main_rank():
+            _err(f"{stop}; continue with --resume")
+        return 0
+    finally:
+        shutdown()
+    if _is_main_rank():
+        summary = {"run_dir": str(result.run_dir), "steps": result.steps, "final_model": str(result.final_dir),
+                   "train": result.last_train, "eval": result.eval_after}
+        print(json.dumps(summary))
     return 0
+
+
+def _is_main_rank() -> bool:
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
 
 
 # ---------------------------------------------------------------- eval
@@ -68,10 +89,18 @@ def run_eval(args, argv) -> int:
                  f"model.allow_tokenizer_mismatch={'true' if args.allow_tokenizer_mismatch else 'false'}"]
     if args.ref:
         overrides.append(f"reference.model={args.ref}")
+    from prefpack.distributed import init_from_env, shutdown
+
     cfg = load_config(None, overrides)
     cfg.validate()
-    setup = build(cfg, log=_err)
-    result = evaluate(setup.policy, setup.reference, setup.train_task)
+    ctx = init_from_env(args.device)  # under torchrun every rank scores a share of the store
+    try:
+        setup = build(cfg, log=_err, device=ctx.device)
+        result = evaluate(setup.policy, setup.reference, setup.train_task, ctx=ctx)
+    finally:
+        shutdown()
+    if not ctx.is_main:
+        return 0
     result["pairs"] = len(setup.train_store)
     result["reference"] = setup.reference.mode
     if args.json:
@@ -100,6 +129,7 @@ def add_precompute(sub) -> None:
 
 
 def run_precompute(args, argv) -> int:
+    from prefpack.distributed import init_from_env, shutdown
     from prefpack.models import (
         check_vocab_fits,
         load_causal_lm,
@@ -114,12 +144,18 @@ def run_precompute(args, argv) -> int:
 
     store = open_pair_store(args.data, "reference")
     resolve_tokenizer(args.model, store.meta, store.tokenizer_path(), allow_mismatch=args.allow_tokenizer_mismatch)
-    device = pick_device(args.device)
+    ctx = init_from_env(args.device)  # under torchrun every rank scores a share of the store
+    device = ctx.device if args.device == "auto" else pick_device(args.device)
     model = load_causal_lm(args.model, dtype=pick_dtype(args.dtype, device),
                            attn_implementation=pick_attention("auto", device), device=device)
     check_vocab_fits(model, store.meta, args.data)
-    chosen, rejected = compute_store_logps(model, store, micro_batch_tokens=args.micro_batch_tokens,
-                                           chunk_size=args.chunk_size, progress=True)
+    try:
+        chosen, rejected = compute_store_logps(model, store, micro_batch_tokens=args.micro_batch_tokens,
+                                               chunk_size=args.chunk_size, progress=True, ctx=ctx)
+    finally:
+        shutdown()
+    if not ctx.is_main:
+        return 0
     path = write_sidecar(Path(args.data) / SIDECAR_NAME, store, chosen, rejected,
                          reference_hash=weights_hash(model), reference_name=args.model)
     print(json.dumps({"sidecar": str(path), "pairs": len(store), "mean_chosen": float(chosen.mean()),

@@ -35,6 +35,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "DistributedConfig",
     "LoraConfig",
     "LossConfig",
     "LossTermConfig",
@@ -157,6 +158,16 @@ class RunConfig:
     plot: bool = _f(True, "write curves.png at the end")
 
 
+Strategy = Literal["ddp", "fsdp2"]
+Balance = Literal["tokens", "count"]
+
+
+@dataclass
+class DistributedConfig:
+    strategy: Strategy = _f("ddp", "under torchrun: ddp (model fits one device) or fsdp2 (shard it)")
+    balance: Balance = _f("tokens", "ranks get micro-batches balanced by tokens, or equal pair counts packed per rank (count)")
+
+
 @dataclass
 class Config:
     """The whole resolved config of one run. ``validate()`` before training."""
@@ -169,6 +180,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def loss_terms(self) -> list:
         """The terms as ``prefpack.losses.LossTerm`` objects (imports torch, hence lazily)."""

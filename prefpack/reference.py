@@ -16,7 +16,7 @@ from torch import nn
 
 from prefpack.data.packing import Batch, collate, plan_micro_batches
 from prefpack.data.store import Store
-from prefpack.forward import pair_logps
+from prefpack.forward import SequenceLogps, pair_logps
 
 SIDECAR_NAME = "ref_logps.safetensors"
 SIDECAR_FORMAT = "prefpack-ref-logps"
@@ -66,25 +66,36 @@ def iter_store_batches(store: Store, *, micro_batch_tokens: int, row_tokens: int
 
 @torch.no_grad()
 def compute_store_logps(model: nn.Module, store: Store, *, micro_batch_tokens: int = 4096, row_tokens: int = 2048,
-                        chunk_size: int = 1024, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Chosen and rejected log-prob sums of every pair of a store (float64 arrays, store order)."""
+                        chunk_size: int = 1024, progress: bool = False, ctx=None) -> tuple[np.ndarray, np.ndarray]:
+    """Chosen and rejected log-prob sums of every pair of a store (float64 arrays, store order).
+
+    Under torchrun (`ctx` from prefpack.distributed) each rank scores every world-th micro-batch with its
+    own full copy of the model, and the results are summed across ranks (each pair is scored by one rank).
+    """
+    rank, world = (ctx.rank, ctx.world) if ctx is not None else (0, 1)
     was_training = model.training
     model.eval()
     chosen = np.zeros(len(store), dtype=np.float64)
     rejected = np.zeros(len(store), dtype=np.float64)
-    seen = np.zeros(len(store), dtype=bool)
+    seen = np.zeros(len(store), dtype=np.float64)
     batches = iter_store_batches(store, micro_batch_tokens=micro_batch_tokens, row_tokens=row_tokens)
-    if progress:
+    if progress and rank == 0:
         from tqdm import tqdm
 
         batches = tqdm(batches, desc="reference log-probs", unit="batch")
-    for batch, ids in batches:
+    for k, (batch, ids) in enumerate(batches):
+        if k % world != rank:
+            continue
         out = pair_logps(model, batch, chunk_size=chunk_size)
         chosen[ids] = out.chosen.double().cpu().numpy()
         rejected[ids] = out.rejected.double().cpu().numpy()
-        seen[ids] = True
+        seen[ids] += 1
     model.train(was_training)
-    assert seen.all(), "every pair must be scored exactly once"
+    if world > 1:
+        both = torch.from_numpy(np.stack([chosen, rejected, seen]))
+        ctx.all_reduce_sum(both)
+        chosen, rejected, seen = (x.numpy() for x in both)
+    assert (seen == 1).all(), "every pair must be scored exactly once"
     return chosen, rejected
 
 
@@ -130,37 +141,54 @@ def read_sidecar(path: str | Path, store: Store, *, reference_hash: str | None) 
 
 
 class Reference:
-    """Gives the reference chosen/rejected log-prob sums of a micro-batch, in its pair order."""
+    """Reference log-prob sums of a micro-batch's sequences, never under autograd.
+
+    `module` maps a batch to (logp_sum [S], n_tokens [S]) like `prefpack.forward.SequenceLogps`; it may be
+    wrapped for several ranks (FSDP2 shards a frozen copy too). In adapter mode it is the policy's own
+    module, run with the LoRA adapter disabled.
+    """
 
     def __init__(self, mode: str, *, model: nn.Module | None = None, policy: nn.Module | None = None,
-                 table: tuple[np.ndarray, np.ndarray] | None = None, chunk_size: int = 1024):
+                 table: tuple[np.ndarray, np.ndarray] | None = None, chunk_size: int = 1024,
+                 module: nn.Module | None = None):
         self.mode = mode
         self.model = model
         self.policy = policy
         self.table = table
         self.chunk_size = chunk_size
+        self.module = module
         if mode == "copy":
             assert model is not None
             model.eval()
             model.requires_grad_(False)
+            if self.module is None:
+                self.module = SequenceLogps(model, chunk_size=chunk_size)
+
+    @torch.no_grad()
+    def sequence_logps(self, batch: Batch) -> torch.Tensor:
+        """Per-sequence reference sums for copy/adapter modes."""
+        if self.mode == "copy":
+            return self.module(batch)[0]
+        if self.mode == "adapter":
+            was_training = self.policy.training
+            self.policy.eval()  # dropout is off anyway; eval keeps the reference pass free of train-only hooks
+            try:
+                with self.policy.disable_adapter():
+                    module = self.module if self.module is not None else SequenceLogps(self.policy, self.chunk_size)
+                    return module(batch)[0]
+            finally:
+                self.policy.train(was_training)
+        raise ValueError(f"reference mode {self.mode!r} computes no log-probs")
 
     @torch.no_grad()
     def logps(self, batch: Batch, global_ids: np.ndarray, device: torch.device,
               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Chosen and rejected reference sums of a pair batch, in its pair order (None in mode none)."""
         if self.mode == "none":
             return None
         if self.mode == "precomputed":
             chosen, rejected = self.table
             return (torch.as_tensor(chosen[global_ids], device=device, dtype=dtype),
                     torch.as_tensor(rejected[global_ids], device=device, dtype=dtype))
-        if self.mode == "copy":
-            out = pair_logps(self.model, batch, chunk_size=self.chunk_size)
-        elif self.mode == "adapter":
-            was_training = self.policy.training
-            self.policy.eval()  # dropout is off anyway; eval keeps the reference pass free of train-only hooks
-            with self.policy.disable_adapter():
-                out = pair_logps(self.policy, batch, chunk_size=self.chunk_size)
-            self.policy.train(was_training)
-        else:
-            raise ValueError(f"unknown reference mode {self.mode!r}")
-        return out.chosen.to(dtype), out.rejected.to(dtype)
+        seq = self.sequence_logps(batch)
+        return seq[0::2].to(dtype), seq[1::2].to(dtype)

@@ -17,7 +17,7 @@ from torch import nn
 
 from prefpack.data.packing import collate, plan_micro_batches
 from prefpack.data.store import Store
-from prefpack.forward import pair_logps
+from prefpack.forward import split_pairs
 from prefpack.losses import LossOutput, LossTerm, PairLogps, preference_loss
 from prefpack.reference import Reference, StorePairs
 
@@ -139,7 +139,7 @@ class PairTask:
 
     def loss(self, policy: nn.Module, reference: Reference, batch, step_state: dict) -> LossOutput:
         cfg = self.cfg
-        pol = pair_logps(policy, batch, chunk_size=cfg.train.chunk_size)
+        pol = split_pairs(*policy(batch))  # `policy` maps a batch to per-sequence sums (SequenceLogps)
         ids = batch.pair_indices.numpy()  # StorePairs over the whole store: local index == global id
         ref = reference.logps(batch, ids, pol.chosen.device, pol.chosen.dtype)
         logps = PairLogps(

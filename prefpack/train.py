@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from prefpack.data.store import Store, StoreError
+from prefpack.distributed import SINGLE, Dist, clip_grad_norm, deal_step, grad_sync, init_from_env, wrap
+from prefpack.forward import SequenceLogps
 from prefpack.losses import LossTerm, needs_reference
 from prefpack.models import (
     ModelError,
@@ -104,18 +106,35 @@ def warmup_steps(cfg, total: int) -> int:
 
 
 @torch.no_grad()
-def evaluate(policy: nn.Module, reference: Reference, task: Task) -> dict[str, float]:
-    """Mean loss and metrics over every example of a task's store (deterministic micro-batches, no grad)."""
+def evaluate(policy: nn.Module, reference: Reference, task: Task, *, module: nn.Module | None = None,
+             ctx: Dist = SINGLE, balance: str = "tokens") -> dict[str, float]:
+    """Mean loss and metrics over every example of a task's store (deterministic micro-batches, no grad).
+
+    `module` is the (possibly wrapped) SequenceLogps of `policy`; with several ranks the micro-batches
+    are dealt across them and the sums all-reduced.
+    """
+    if module is None:
+        module = SequenceLogps(policy, chunk_size=task.cfg.train.chunk_size)
     was_training = policy.training
     policy.eval()
+    share = deal_step(task, np.arange(len(task)), seed=None, world=ctx.world, balance=balance)[ctx.rank]
+    batches = [task.collate(p) for p in share.planned]
+    step_state = task.begin_step(module, reference, batches)
     totals = StepTotals()
-    planned = task.plan(np.arange(len(task)), seed=None)
-    batches = [task.collate(p) for p in planned]
-    step_state = task.begin_step(policy, reference, batches)
-    for batch in batches:
-        totals.add(task.loss(policy, reference, batch, step_state), batch)
+    for batch, weight in zip(batches, share.weights):
+        out = task.loss(module, reference, batch, step_state)
+        if weight:
+            totals.add(out, batch)
     policy.train(was_training)
-    return totals.means()
+    return _reduce_totals(totals, ctx).means()
+
+
+def _reduce_totals(totals: StepTotals, ctx: Dist) -> StepTotals:
+    """One all-reduce of every sum of a step (metric keys are the same on every rank)."""
+    if not ctx.enabled:
+        return totals
+    keys = sorted(totals.metrics)
+    return StepTotals.from_vector(ctx.all_reduce_sum(totals.as_vector(keys)), keys)
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
@@ -145,6 +164,54 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, sched
     for p in old[: max(0, len(old) - keep)]:
         shutil.rmtree(p, ignore_errors=True)
     return final
+
+
+def save_checkpoint_distributed(run_dir: Path, step: int, module: nn.Module, optimizer, scheduler, state: dict,
+                                keep: int, ctx: Dist) -> Path:
+    """Sharded checkpoint with torch.distributed.checkpoint (every rank writes its part), then renamed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    ckpt_root = run_dir / "checkpoints"
+    final = ckpt_root / f"step-{step:08d}"
+    tmp = ckpt_root / f".step-{step:08d}.tmp"
+    if ctx.is_main:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    ctx.barrier()
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+    if ctx.is_main:
+        torch.save({"scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()},
+                   tmp / "training_state.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step, "world": ctx.world}, indent=2))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        old = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir())
+        for p in old[: max(0, len(old) - keep)]:
+            shutil.rmtree(p, ignore_errors=True)
+    ctx.barrier()
+    return final
+
+
+def load_checkpoint_distributed(path: Path, module: nn.Module, optimizer, scheduler, ctx: Dist) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    state = json.loads((path / "trainer_state.json").read_text())
+    if state.get("world") != ctx.world:
+        raise ModelError(f"checkpoint {path} was written by {state.get('world')} processes; resume it with the same "
+                         f"number (this run has {ctx.world})")
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    blob = {"model": model_sd, "optim": optim_sd}
+    dcp.load(blob, checkpoint_id=str(path / "dcp"))
+    set_state_dict(module, optimizer, model_state_dict=blob["model"], optim_state_dict=blob["optim"])
+    extra = torch.load(path / "training_state.pt", weights_only=True, map_location="cpu")
+    scheduler.load_state_dict(extra["scheduler"])
+    torch.set_rng_state(extra["torch_rng"])
+    state.pop("world", None)
+    return state
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -191,7 +258,7 @@ def open_pair_store(path: str, what: str) -> Store:
     return store
 
 
-def build(cfg, *, log=print) -> Setup:
+def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
     """Load stores, tokenizer, policy and reference as the config says, with every check up front."""
     if not cfg.model.name_or_path:
         raise ModelError("model.name_or_path is required (a local model folder or a hub id)")
@@ -199,8 +266,10 @@ def build(cfg, *, log=print) -> Setup:
         raise StoreError("data.train is required (a store written by prefpack prepare)")
     train_store = open_pair_store(cfg.data.train, "train")
     eval_store = open_pair_store(cfg.data.eval, "eval") if cfg.data.eval else None
-    device = pick_device(cfg.train.device)
+    device = device or pick_device(cfg.train.device)
     dtype = pick_dtype(cfg.model.dtype, device)
+    if cfg.distributed.strategy == "fsdp2" and device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dtype = torch.float32  # FSDP2 keeps float32 master weights and computes in bfloat16 (mixed precision)
     attn = pick_attention(cfg.model.attn_implementation, device)
     tok = resolve_tokenizer(cfg.model.name_or_path, train_store.meta, train_store.tokenizer_path(),
                             tokenizer=cfg.model.tokenizer, allow_mismatch=cfg.model.allow_tokenizer_mismatch,
@@ -281,21 +350,39 @@ class TrainResult:
 
 def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log=print,
           progress: bool = True) -> TrainResult:
-    """Train as the config says; returns where things were written and the last metrics."""
+    """Train as the config says; returns where things were written and the last metrics.
+
+    Under torchrun every rank runs this; only rank 0 prints, logs, plots and writes the final model.
+    """
     from prefpack.config import save_config
     from prefpack.metrics import MetricsLogger
 
     cfg.validate()
+    ctx = init_from_env(cfg.train.device)
+    main = ctx.is_main
+    if not main:
+        log = _quiet  # noqa: F811 - other ranks stay silent
+        progress = False
     run_dir = Path(cfg.run.output_dir)
     if run_dir.exists() and any(run_dir.iterdir()) and not resume:
         if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
             raise ModelError(f"run folder {str(run_dir)!r} already holds a run; pass --resume to continue it or "
                              "choose another run.output_dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    setup = build(cfg, log=log)
-    save_config(cfg, run_dir / "config.yaml")
+    ctx.barrier()
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    setup = build(cfg, log=log, device=ctx.device)
+    if main:
+        save_config(cfg, run_dir / "config.yaml")
     policy, reference = setup.policy, setup.reference
     policy.train()
+    strategy = cfg.distributed.strategy
+    module = wrap(SequenceLogps(policy, chunk_size=cfg.train.chunk_size), policy, strategy, ctx, trainable=True)
+    if reference.mode == "copy":
+        reference.module = wrap(SequenceLogps(reference.model, chunk_size=cfg.train.chunk_size), reference.model,
+                                strategy, ctx, trainable=False)
+    elif reference.mode == "adapter":
+        reference.module = module
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
                                   weight_decay=cfg.optim.weight_decay)
@@ -304,7 +391,7 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
     n_steps = total_steps(cfg, sched)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.optim.schedule, warmup_steps(cfg, n_steps), n_steps))
-    metrics = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
+    metrics = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard, enabled=main)
     if metrics.notice:
         log(metrics.notice)
     state: dict[str, Any] = {}
@@ -314,14 +401,19 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
         if ckpt is None:
             log(f"no checkpoint in {run_dir / 'checkpoints'}; starting from step 0")
         else:
-            state = load_checkpoint(ckpt, policy, optimizer, scheduler)
+            if ctx.enabled:
+                state = load_checkpoint_distributed(ckpt, module, optimizer, scheduler, ctx)
+            else:
+                state = load_checkpoint(ckpt, policy, optimizer, scheduler)
             start = int(state.pop("step"))
             metrics.truncate_after(start)
             log(f"resumed from {ckpt} at step {start}")
 
     def run_eval() -> dict[str, float]:
-        return evaluate(policy, reference, setup.eval_task)
+        return evaluate(policy, reference, setup.eval_task, module=module, ctx=ctx, balance=cfg.distributed.balance)
 
+    if ctx.enabled:
+        log(f"{ctx.world} processes, strategy {strategy}, micro-batches dealt by {cfg.distributed.balance}")
     eval_before = None
     if setup.eval_task is not None and start == 0:
         eval_before = run_eval()
@@ -332,30 +424,37 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
 
         bar = tqdm(total=n_steps, initial=start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
     last: dict[str, float] = {}
+    max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else float("inf")
     for step in range(start, n_steps):
         t0 = time.perf_counter()
         epoch, ids = sched.pairs_for_step(step)
-        batches = [task.collate(p) for p in task.plan(ids, seed=[cfg.train.seed, step])]
+        shares = deal_step(task, ids, seed=[cfg.train.seed, step], world=ctx.world, balance=cfg.distributed.balance)
+        share = shares[ctx.rank]
+        batches = [task.collate(p) for p in share.planned]
         optimizer.zero_grad(set_to_none=True)
-        step_state = {**state, **task.begin_step(policy, reference, batches)}
+        step_state = {**state, **task.begin_step(module, reference, batches)}
         totals = StepTotals()
-        n = len(ids)  # every rank plans the same step: the step's example count needs no communication
-        for batch in batches:
-            out = task.loss(policy, reference, batch, step_state)
-            (out.loss.sum() / n).backward()
-            totals.add(out, batch)
-            if hasattr(task, "after_micro_batch"):
-                task.after_micro_batch(out, state)
-                step_state.update(state)
-        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        # Every rank plans the same step, so its example count is known everywhere without communication.
+        # Gradients are summed over ranks: DDP and FSDP2 average them, hence the factor world / n.
+        scale = ctx.world / len(ids)
+        for i, (batch, weight) in enumerate(zip(batches, share.weights)):
+            with grad_sync(module, enabled=i == len(batches) - 1):
+                out = task.loss(module, reference, batch, step_state)
+                (out.loss.sum() * (scale * weight)).backward()
+            if weight:
+                totals.add(out, batch)
+                if hasattr(task, "after_micro_batch"):
+                    task.after_micro_batch(out, state)
+                    step_state.update(state)
+        grad_norm = clip_grad_norm(params, max_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
+        totals = _reduce_totals(totals, ctx)
         dt = time.perf_counter() - t0
         last = totals.means()
         last.update({"lr": lr, "grad_norm": grad_norm, "epoch": epoch + (step % sched.steps_per_epoch + 1)
-                     / sched.steps_per_epoch, "tokens/s": totals.real_tokens / dt, "pairs/s": n / dt})
+                     / sched.steps_per_epoch, "tokens/s": totals.real_tokens / dt, "pairs/s": len(ids) / dt})
         done = step + 1
         if done % cfg.run.log_every == 0 or done == n_steps:
             metrics.log(done, last)
@@ -366,7 +465,11 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
         if setup.eval_task is not None and cfg.run.eval_every and done % cfg.run.eval_every == 0 and done < n_steps:
             metrics.log(done, run_eval(), split="eval")
         if cfg.run.save_every and done % cfg.run.save_every == 0 and done < n_steps:
-            save_checkpoint(run_dir, done, policy, optimizer, scheduler, state, cfg.run.keep_checkpoints)
+            if ctx.enabled:
+                save_checkpoint_distributed(run_dir, done, module, optimizer, scheduler, state,
+                                            cfg.run.keep_checkpoints, ctx)
+            else:
+                save_checkpoint(run_dir, done, policy, optimizer, scheduler, state, cfg.run.keep_checkpoints)
         if stop_after_steps is not None and done >= stop_after_steps and done < n_steps:
             if bar is not None:
                 bar.close()
@@ -379,20 +482,38 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
         eval_after = run_eval()
         metrics.log(n_steps, eval_after, split="eval")
     metrics.close()
-    final_dir = save_final(run_dir, policy, setup.tokenizer)
-    if cfg.run.plot:
+    final_dir = save_final(run_dir, policy, setup.tokenizer, module=module, ctx=ctx, strategy=strategy)
+    if cfg.run.plot and main:
         try:
             from prefpack.plot import plot_run
 
             plot_run(run_dir)
         except Exception as exc:  # a missing plotting library must not fail a finished training run
             log(f"note: no curves.png ({exc})")
+    ctx.barrier()
     return TrainResult(run_dir, n_steps, final_dir, eval_before, eval_after, last)
 
 
-def save_final(run_dir: Path, policy: nn.Module, tokenizer) -> Path:
-    """`save_pretrained` the trained model (LoRA merged into it) and the tokenizer, atomically."""
+def _quiet(*_args, **_kwargs) -> None:
+    return None
+
+
+def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module | None = None,
+               ctx: Dist = SINGLE, strategy: str = "ddp") -> Path | None:
+    """`save_pretrained` the trained model (LoRA merged into it) and the tokenizer, atomically, on rank 0.
+
+    Under FSDP2 the shards are first gathered into one full state dict (every rank takes part).
+    """
+    full_state = None
+    if ctx.enabled and strategy == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full_state = {k.removeprefix("model."): v for k, v in sd.items()}
     final = run_dir / "final"
+    if not ctx.is_main:
+        ctx.barrier()
+        return final
     tmp = run_dir / f".final.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -400,9 +521,15 @@ def save_final(run_dir: Path, policy: nn.Module, tokenizer) -> Path:
     if hasattr(policy, "merge_and_unload"):
         policy.save_pretrained(tmp / "adapter")
         model = policy.merge_and_unload()
+    if full_state is not None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(policy.config)
+        model.load_state_dict(full_state)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    ctx.barrier()
     return final

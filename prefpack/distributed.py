@@ -1,0 +1,184 @@
+"""Several processes under `torchrun`: process group, DDP/FSDP2 wrapping, dealing micro-batches to ranks.
+
+Every rank plans the same optimizer step from the same seed (planning reads lengths only, so it is cheap),
+then takes its share of the micro-batches:
+- `balance: tokens` packs the whole step and deals micro-batches largest first to the least loaded rank
+  (no rank waits for a longer one);
+- `balance: count` splits the step's pairs evenly by count and lets each rank pack its own (the usual
+  DistributedSampler way; kept to measure the difference).
+Both use every pair of the step exactly once. Ranks that end up with fewer micro-batches run *padding*
+micro-batches with weight 0, because FSDP2 needs every rank to run the same number of forward and backward
+passes (each gathers parameters collectively); with DDP only the last micro-batch synchronises gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over ranks (in place; a no-op with one process). CPU tensors go through gloo."""
+        if self.enabled:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+
+SINGLE = Dist()
+
+
+def init_from_env(device_name: str = "auto") -> Dist:
+    """Join the process group torchrun describes in the environment; one process needs no launcher."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if world > 1:
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        if not use_cuda:
+            # ranks on one machine share its cores; without this each would start one thread per core
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    return Dist(rank=rank, world=world, local_rank=local_rank, device=device)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------ dealing
+
+
+@dataclass
+class Share:
+    """One rank's micro-batches for a step; padding entries have weight 0 and are not counted."""
+
+    planned: list[Any]
+    weights: list[float]
+
+
+def deal_step(task, ids: np.ndarray, *, seed: Any, world: int, balance: str = "tokens") -> list[Share]:
+    """Every rank's micro-batches for one step (the same answer on every rank)."""
+    if world == 1:
+        planned = task.plan(ids, seed=seed)
+        return [Share(planned, [1.0] * len(planned))]
+    if balance == "count":
+        shares = [task.plan(part, seed=seed) for part in np.array_split(ids, world)]
+    elif balance == "tokens":
+        planned = task.plan(ids, seed=seed)
+        shares = [[] for _ in range(world)]
+        load = [0] * world
+        # largest first onto the least loaded rank (LPT); ties go to the lowest rank, so it is deterministic
+        for k in sorted(range(len(planned)), key=lambda i: (-planned[i].computed_tokens, i)):
+            r = min(range(world), key=lambda j: (load[j], len(shares[j]), j))
+            shares[r].append(planned[k])
+            load[r] += planned[k].computed_tokens
+    else:
+        raise ValueError(f"unknown balance {balance!r}; choose tokens or count")
+    every = [p for s in shares for p in s]
+    filler = min(every, key=lambda p: p.computed_tokens) if every else None
+    longest = max(len(s) for s in shares)
+    out = []
+    for s in shares:
+        pad = longest - len(s)
+        out.append(Share(s + [filler] * pad, [1.0] * len(s) + [0.0] * pad))
+    return out
+
+
+def rank_tokens(shares: list[Share]) -> list[int]:
+    """Computed positions per rank (padding micro-batches included: they cost time too)."""
+    return [sum(p.computed_tokens for p in s.planned) for s in shares]
+
+
+# ------------------------------------------------------------------------------------------------ wrapping
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP2 shards one by one (transformers names their classes in _no_split_modules)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard with FSDP2 "
+                         "(it lists no _no_split_modules); use distributed.strategy=ddp")
+    return layers
+
+
+def wrap(module: nn.Module, base: nn.Module, strategy: str, ctx: Dist, *, trainable: bool) -> nn.Module:
+    """Wrap a SequenceLogps module for the strategy; `base` is the causal LM inside it."""
+    if not ctx.enabled:
+        return module
+    if strategy == "ddp":
+        if not trainable:
+            return module  # a frozen replica needs no wrapper: nothing to synchronise
+        device_ids = [ctx.local_rank] if ctx.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
+    if strategy == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        kwargs: dict[str, Any] = {}
+        if ctx.device.type == "cuda":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in decoder_layers(base):
+            fully_shard(layer, **kwargs)
+        fully_shard(module, **kwargs)
+        return module
+    raise ValueError(f"unknown distributed.strategy {strategy!r}; choose ddp or fsdp2")
+
+
+@contextlib.contextmanager
+def grad_sync(module: nn.Module, enabled: bool):
+    """Synchronise gradients only on the last micro-batch of a step."""
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        ctx = contextlib.nullcontext() if enabled else module.no_sync()
+        with ctx:
+            yield
+        return
+    if hasattr(module, "set_requires_gradient_sync"):  # an FSDP2 module
+        module.set_requires_gradient_sync(enabled)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+        return
+    yield
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """Global gradient norm (before clipping), correct for sharded DTensor gradients too."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
