@@ -19,7 +19,8 @@ def add_train(sub) -> None:
     p = sub.add_parser("train", help="train on a prepared store (DPO family)",
                        description="Train with CONFIG.yaml; override any key with key.sub=value "
                        "(e.g. optim.lr=1e-6 loss.beta=0.05).")
-    p.add_argument("config", metavar="CONFIG.yaml")
+    p.add_argument("config", metavar="CONFIG.yaml", help="config file; may be left out when every key is given as an "
+                   "override")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -32,7 +33,10 @@ def run_train(args, argv) -> int:
     from prefpack.distributed import shutdown
     from prefpack.train import TrainingInterrupted, train
 
-    cfg = load_config(args.config, args.overrides)
+    config, overrides = args.config, list(args.overrides)
+    if "=" in config and not Path(config).exists():  # `prefpack train key=value ...` with no file
+        config, overrides = None, [config, *overrides]
+    cfg = load_config(config, overrides)
     for w in cfg.warnings():
         _err(f"warning: {w}")
     try:
@@ -61,13 +65,19 @@ def _is_main_rank() -> bool:
 
 
 def add_eval(sub) -> None:
-    p = sub.add_parser("eval", help="loss and metrics of a model over every pair of a store (no training)")
+    p = sub.add_parser("eval", help="loss and metrics of a model over every pair (or KTO example) of a store")
     p.add_argument("--model", required=True, help="policy model folder or hub id")
     p.add_argument("--ref", default=None, help="reference model (default: the store's precomputed sidecar if any)")
-    p.add_argument("--data", required=True, help="prepared pair store")
-    p.add_argument("--loss", default="sigmoid", help="loss term(s), comma-separated, e.g. sigmoid or sigmoid,nll")
+    p.add_argument("--data", required=True, help="prepared store: pairs, or unpaired examples (KTO)")
+    p.add_argument("--loss", default=None, help="loss term(s), comma-separated, e.g. sigmoid or sigmoid,nll "
+                   "(default: sigmoid for a pair store, kto for an unpaired store or with --kto)")
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--label-smoothing", type=float, default=0.0)
+    p.add_argument("--kto", action="store_true", help="read a pair store as KTO examples (chosen = desirable, "
+                   "rejected = undesirable)")
+    p.add_argument("--desirable-weight", type=float, default=1.0, help="KTO weight of desirable examples")
+    p.add_argument("--undesirable-weight", type=float, default=1.0, help="KTO weight of undesirable examples")
+    p.add_argument("--seed", type=int, default=0, help="seed of the KTO KL pairing (as given to precompute-ref)")
     p.add_argument("--micro-batch-tokens", type=int, default=4096)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
@@ -77,11 +87,18 @@ def add_eval(sub) -> None:
 
 def run_eval(args, argv) -> int:
     from prefpack.config import load_config
+    from prefpack.data.store import Store
+    from prefpack.kto import KTO_SIDECAR_NAME
+    from prefpack.losses import UNPAIRED_LOSS_NAMES
     from prefpack.reference import SIDECAR_NAME
     from prefpack.train import build, evaluate
 
-    terms = "[" + ", ".join(f"{{name: {t.strip()}, weight: 1.0}}" for t in args.loss.split(",") if t.strip()) + "]"
-    mode = "copy" if args.ref else ("precomputed" if (Path(args.data) / SIDECAR_NAME).exists() else "none")
+    loss = args.loss or ("kto" if args.kto or Store(args.data).kind == "unpaired" else "sigmoid")
+    names = [t.strip() for t in loss.split(",") if t.strip()]
+    kto = any(n in UNPAIRED_LOSS_NAMES for n in names)
+    terms = "[" + ", ".join(f"{{name: {n}, weight: 1.0}}" for n in names) + "]"
+    sidecar = KTO_SIDECAR_NAME if kto else SIDECAR_NAME
+    mode = "copy" if args.ref else ("precomputed" if (Path(args.data) / sidecar).exists() else "none")
     overrides = [f"model.name_or_path={args.model}", f"data.train={args.data}", f"loss.terms={terms}",
                  f"loss.beta={args.beta}", f"loss.label_smoothing={args.label_smoothing}",
                  f"train.micro_batch_tokens={args.micro_batch_tokens}", f"train.device={args.device}",
@@ -89,6 +106,11 @@ def run_eval(args, argv) -> int:
                  f"model.allow_tokenizer_mismatch={'true' if args.allow_tokenizer_mismatch else 'false'}"]
     if args.ref:
         overrides.append(f"reference.model={args.ref}")
+    if kto:
+        overrides += [f"loss.desirable_weight={args.desirable_weight}", f"train.seed={args.seed}",
+                      f"loss.undesirable_weight={args.undesirable_weight}",
+                      f"data.paired_as_kto={'true' if args.kto else 'false'}",
+                      f"loss.kl_pairing={'fixed' if mode == 'precomputed' else 'step'}"]
     from prefpack.distributed import init_from_env, shutdown
 
     cfg = load_config(None, overrides)
@@ -101,7 +123,10 @@ def run_eval(args, argv) -> int:
         shutdown()
     if not ctx.is_main:
         return 0
-    result["pairs"] = len(setup.train_store)
+    if kto:
+        result["examples"] = len(setup.train_task)
+    else:
+        result["pairs"] = len(setup.train_store)
     result["reference"] = setup.reference.mode
     if args.json:
         print(json.dumps(result))
@@ -120,7 +145,11 @@ def add_precompute(sub) -> None:
                        "ref_logps.safetensors into the store, tagged with hashes of the store and the weights; "
                        "then train with reference.mode=precomputed and no reference model in memory.")
     p.add_argument("--model", required=True, help="reference model folder or hub id")
-    p.add_argument("--data", required=True, help="prepared pair store")
+    p.add_argument("--data", required=True, help="prepared store: pairs, or unpaired examples (KTO)")
+    p.add_argument("--kto", action="store_true", help="score a pair store as KTO examples (chosen = desirable, "
+                   "rejected = undesirable); an unpaired store is always scored as KTO examples")
+    p.add_argument("--seed", type=int, default=0, help="KTO: seed of the fixed KL pairing (train.seed of the runs "
+                   "that read the sidecar)")
     p.add_argument("--micro-batch-tokens", type=int, default=4096)
     p.add_argument("--chunk-size", type=int, default=1024)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -129,6 +158,7 @@ def add_precompute(sub) -> None:
 
 
 def run_precompute(args, argv) -> int:
+    from prefpack.data.store import Store
     from prefpack.distributed import init_from_env, shutdown
     from prefpack.models import (
         check_vocab_fits,
@@ -142,6 +172,8 @@ def run_precompute(args, argv) -> int:
     from prefpack.reference import SIDECAR_NAME, compute_store_logps, write_sidecar
     from prefpack.train import open_pair_store
 
+    if args.kto or Store(args.data).kind == "unpaired":
+        return _precompute_kto(args)
     store = open_pair_store(args.data, "reference")
     resolve_tokenizer(args.model, store.meta, store.tokenizer_path(), allow_mismatch=args.allow_tokenizer_mismatch)
     ctx = init_from_env(args.device)  # under torchrun every rank scores a share of the store
@@ -160,6 +192,53 @@ def run_precompute(args, argv) -> int:
                          reference_hash=weights_hash(model), reference_name=args.model)
     print(json.dumps({"sidecar": str(path), "pairs": len(store), "mean_chosen": float(chosen.mean()),
                       "mean_rejected": float(rejected.mean())}))
+    return 0
+
+
+def _precompute_kto(args) -> int:
+    """precompute-ref for KTO: every example's completion and its fixed KL sequence (prefpack.kto)."""
+    import numpy as np
+
+    from prefpack.distributed import init_from_env, shutdown
+    from prefpack.kto import (
+        KTO_SIDECAR_NAME,
+        UnpairedView,
+        compute_kto_store_logps,
+        open_kto_store,
+        write_kto_sidecar,
+    )
+    from prefpack.models import (
+        check_vocab_fits,
+        load_causal_lm,
+        pick_attention,
+        pick_device,
+        pick_dtype,
+        resolve_tokenizer,
+        weights_hash,
+    )
+
+    store = open_kto_store(args.data, "reference", paired_as_kto=args.kto)
+    resolve_tokenizer(args.model, store.meta, store.tokenizer_path(), allow_mismatch=args.allow_tokenizer_mismatch)
+    ctx = init_from_env(args.device)
+    device = ctx.device if args.device == "auto" else pick_device(args.device)
+    model = load_causal_lm(args.model, dtype=pick_dtype(args.dtype, device),
+                           attn_implementation=pick_attention("auto", device), device=device)
+    check_vocab_fits(model, store.meta, args.data)
+    try:
+        arrays = compute_kto_store_logps(model, store, paired_as_kto=args.kto, seed=args.seed,
+                                         micro_batch_tokens=args.micro_batch_tokens, chunk_size=args.chunk_size,
+                                         progress=True, ctx=ctx)
+    finally:
+        shutdown()
+    if not ctx.is_main:
+        return 0
+    view = UnpairedView(store, paired_as_kto=args.kto)
+    path = write_kto_sidecar(Path(args.data) / KTO_SIDECAR_NAME, view, arrays, seed=args.seed,
+                             reference_hash=weights_hash(model), reference_name=args.model)
+    kl = arrays["kl"]
+    print(json.dumps({"sidecar": str(path), "examples": len(view), "kl_seed": args.seed,
+                      "mean_completion": float(arrays["completion"].mean()),
+                      "mean_kl": float(np.nanmean(kl)) if not np.isnan(kl).all() else None}))
     return 0
 
 

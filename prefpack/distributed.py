@@ -2,8 +2,8 @@
 
 Every rank plans the same optimizer step from the same seed (planning reads lengths only, so it is cheap),
 then takes its share of the micro-batches:
-- `balance: tokens` packs the whole step and deals micro-batches largest first to the least loaded rank
-  (no rank waits for a longer one);
+- `balance: tokens` deals the step's pairs largest first to the rank with the fewest tokens so far, then
+  each rank packs its own (no rank waits for a longer one);
 - `balance: count` splits the step's pairs evenly by count and lets each rank pack its own (the usual
   DistributedSampler way; kept to measure the difference).
 Both use every pair of the step exactly once. Ranks that end up with fewer micro-batches run *padding*
@@ -96,16 +96,18 @@ def deal_step(task, ids: np.ndarray, *, seed: Any, world: int, balance: str = "t
         planned = task.plan(ids, seed=seed)
         return [Share(planned, [1.0] * len(planned))]
     if balance == "count":
-        shares = [task.plan(part, seed=seed) for part in np.array_split(ids, world)]
+        shares = [task.plan(part, seed=seed) if len(part) else [] for part in np.array_split(ids, world)]
     elif balance == "tokens":
-        planned = task.plan(ids, seed=seed)
-        shares = [[] for _ in range(world)]
+        # Deal pairs (fine-grained) largest first to the rank with the fewest tokens so far, then let each
+        # rank pack its own; dealing whole micro-batches instead leaves a coarser, worse balance.
+        sizes = task.example_tokens(ids)
+        parts: list[list[int]] = [[] for _ in range(world)]
         load = [0] * world
-        # largest first onto the least loaded rank (LPT); ties go to the lowest rank, so it is deterministic
-        for k in sorted(range(len(planned)), key=lambda i: (-planned[i].computed_tokens, i)):
-            r = min(range(world), key=lambda j: (load[j], len(shares[j]), j))
-            shares[r].append(planned[k])
-            load[r] += planned[k].computed_tokens
+        for k in sorted(range(len(ids)), key=lambda i: (-int(sizes[i]), i)):
+            r = min(range(world), key=lambda j: (load[j], j))
+            parts[r].append(int(ids[k]))
+            load[r] += int(sizes[k])
+        shares = [task.plan(np.asarray(part, dtype=np.int64), seed=seed) if part else [] for part in parts]
     else:
         raise ValueError(f"unknown balance {balance!r}; choose tokens or count")
     every = [p for s in shares for p in s]

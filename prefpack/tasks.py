@@ -40,6 +40,8 @@ class Task(Protocol):
 
     def __len__(self) -> int: ...
 
+    def example_tokens(self, ids: np.ndarray) -> np.ndarray: ...
+
     def plan(self, ids: np.ndarray, *, seed: Any) -> list[Planned]: ...
 
     def collate(self, planned: Planned) -> Any: ...
@@ -107,6 +109,11 @@ class PairTask:
 
     def __len__(self) -> int:
         return len(self.store)
+
+    def example_tokens(self, ids: np.ndarray) -> np.ndarray:
+        """Tokens each pair costs (its prompt twice, both completions), for balancing ranks."""
+        lengths = self.pairs.lengths()[ids]
+        return 2 * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]
 
     def plan(self, ids: np.ndarray, *, seed: Any) -> list[Planned]:
         d, tr = self.cfg.data, self.cfg.train
