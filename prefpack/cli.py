@@ -96,10 +96,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_libraries() -> None:
+    """prefpack prints its own progress; transformers' per-file loading bars only add noise."""
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "warning")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command in ("train", "eval", "precompute-ref", "quickstart"):
+        _quiet_libraries()
     if extra:
         # `key.sub=value` overrides may follow options (argparse stops collecting positionals at the first flag)
         if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
