@@ -67,6 +67,7 @@ def _f(default: Any, help: str) -> Any:
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 AttnImpl = Literal["auto", "sdpa", "eager", "flash_attention_2"]
 ReferenceMode = Literal["copy", "adapter", "precomputed", "none"]
+KLPairing = Literal["step", "fixed"]
 Schedule = Literal["cosine", "linear", "constant"]
 Device = Literal["auto", "cpu", "cuda"]
 
@@ -90,6 +91,7 @@ class DataConfig:
     max_tokens_per_row: int = _f(2048, "row length budget in tokens when packing")
     pad_to_multiple_of: int | None = _f(None, "pad row length up to a multiple of this; null = no rounding")
     shuffle: bool = _f(True, "shuffle pairs every epoch (seeded by train.seed)")
+    paired_as_kto: bool = _f(False, "KTO on a pair store: chosen = desirable, rejected = undesirable")
 
 
 @dataclass
@@ -107,6 +109,9 @@ class LossConfig:
     beta: float = _f(0.1, "inverse temperature shared by all terms (lambda for orpo)")
     label_smoothing: float = _f(0.0, "cDPO / robust label-flip rate, in [0, 0.5)")
     simpo_gamma: float = _f(0.5, "SimPO target reward margin")
+    desirable_weight: float = _f(1.0, "KTO weight of desirable examples (lambda_D)")
+    undesirable_weight: float = _f(1.0, "KTO weight of undesirable examples (lambda_U)")
+    kl_pairing: KLPairing = _f("step", "KTO KL partners: step = from the same step, fixed = seeded per store")
 
 
 @dataclass
@@ -138,7 +143,7 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    global_batch_pairs: int = _f(8, "pairs per optimizer step (over all micro-batches and ranks)")
+    global_batch_pairs: int = _f(8, "pairs (KTO: examples) per optimizer step (over all micro-batches and ranks)")
     micro_batch_tokens: int = _f(4096, "token budget of one micro-batch (all its rows)")
     epochs: float = _f(1.0, "passes over the training store (fractions allowed)")
     max_steps: int | None = _f(None, "optimizer steps to run; overrides epochs when set")
@@ -252,6 +257,8 @@ def _problems(cfg: Config, *, training: bool) -> list[str]:
     positive("loss.beta", lo.beta)
     need(0.0 <= lo.label_smoothing < 0.5, f"loss.label_smoothing must be in [0, 0.5), got {lo.label_smoothing}")
     need(math.isfinite(lo.simpo_gamma), f"loss.simpo_gamma must be finite, got {lo.simpo_gamma}")
+    positive("loss.desirable_weight", lo.desirable_weight)
+    positive("loss.undesirable_weight", lo.undesirable_weight)
 
     if ref.mode == "adapter" and not lora.enabled:
         errs.append("reference.mode 'adapter' uses the base model under a LoRA adapter; set lora.enabled=true "
@@ -296,18 +303,19 @@ def _problems(cfg: Config, *, training: bool) -> list[str]:
 
 
 def _loss_problems(cfg: Config, errs: list[str]) -> None:
-    from prefpack.losses import LOSS_NAMES, REFERENCE_FREE_LOSSES
+    from prefpack.losses import LOSS_NAMES, REFERENCE_FREE_LOSSES, UNPAIRED_LOSS_NAMES
 
     terms = cfg.loss.terms
+    valid = (*LOSS_NAMES, *UNPAIRED_LOSS_NAMES)
     if not terms:
-        errs.append(f"loss.terms is empty; give at least one of: {', '.join(LOSS_NAMES)}")
+        errs.append(f"loss.terms is empty; give at least one of: {', '.join(valid)}")
         return
     names = [t.name for t in terms]
     for i, t in enumerate(terms):
-        if t.name not in LOSS_NAMES:
-            hint = difflib.get_close_matches(t.name, LOSS_NAMES, n=1)
+        if t.name not in valid:
+            hint = difflib.get_close_matches(t.name, valid, n=1)
             did = f" (did you mean {hint[0]!r}?)" if hint else ""
-            errs.append(f"loss.terms[{i}].name: unknown loss {t.name!r}{did}; valid: {', '.join(LOSS_NAMES)}")
+            errs.append(f"loss.terms[{i}].name: unknown loss {t.name!r}{did}; valid: {', '.join(valid)}")
         if not (math.isfinite(t.weight) and t.weight >= 0):
             errs.append(f"loss.terms[{i}].weight must be finite and >= 0, got {t.weight}")
     dupes = sorted({n for n in names if names.count(n) > 1})
@@ -315,7 +323,18 @@ def _loss_problems(cfg: Config, errs: list[str]) -> None:
         errs.append(f"loss.terms lists {', '.join(dupes)} more than once; merge their weights")
     if all(t.weight == 0 for t in terms):
         errs.append("every loss.terms weight is 0, so nothing would train")
-    with_ref = [n for n in names if n in LOSS_NAMES and n not in REFERENCE_FREE_LOSSES]
+    unpaired = [n for n in names if n in UNPAIRED_LOSS_NAMES]
+    if unpaired and len(names) > 1:
+        errs.append(f"loss.terms: {', '.join(unpaired)} (KTO family, unpaired examples) must be the only term, "
+                    f"got {', '.join(names)}")
+    if cfg.data.paired_as_kto and not unpaired:
+        errs.append(f"data.paired_as_kto reads pairs as KTO examples but loss.terms has no unpaired loss; use "
+                    f"loss.terms=[{{name: kto}}] (or {', '.join(UNPAIRED_LOSS_NAMES[1:])}) or paired_as_kto=false")
+    if "kto" in unpaired and cfg.reference.mode == "precomputed" and cfg.loss.kl_pairing != "fixed":
+        errs.append("reference.mode 'precomputed' with loss 'kto' needs loss.kl_pairing=fixed: with step pairing "
+                    "an example's KL partner depends on its optimizer step, so no sidecar can hold its reference "
+                    "KL log-prob (fixed pairing gives each example one seeded partner that precompute-ref scores)")
+    with_ref = [n for n in names if n in valid and n not in REFERENCE_FREE_LOSSES]
     if cfg.reference.mode == "none" and with_ref:
         errs.append(
             f"reference.mode is 'none' but loss {', '.join(repr(n) for n in with_ref)} needs a reference; "

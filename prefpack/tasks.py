@@ -46,7 +46,8 @@ class Task(Protocol):
 
     def collate(self, planned: Planned) -> Any: ...
 
-    def begin_step(self, policy: nn.Module, reference: Reference, batches: list[Any]) -> dict: ...
+    def begin_step(self, policy: nn.Module, reference: Reference, batches: list[Any],
+                   weights: list[float] | None = None) -> dict: ...
 
     def loss(self, policy: nn.Module, reference: Reference, batch: Any, step_state: dict) -> LossOutput: ...
 
@@ -141,7 +142,7 @@ class PairTask:
                         pad_to_multiple_of=d.pad_to_multiple_of)
         return batch
 
-    def begin_step(self, policy, reference, batches) -> dict:
+    def begin_step(self, policy, reference, batches, weights=None) -> dict:
         return {}
 
     def loss(self, policy: nn.Module, reference: Reference, batch, step_state: dict) -> LossOutput:

@@ -16,6 +16,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,7 @@ def evaluate(policy: nn.Module, reference: Reference, task: Task, *, module: nn.
     policy.eval()
     share = deal_step(task, np.arange(len(task)), seed=None, world=ctx.world, balance=balance)[ctx.rank]
     batches = [task.collate(p) for p in share.planned]
-    step_state = task.begin_step(module, reference, batches)
+    step_state = task.begin_step(module, reference, batches, weights=share.weights)  # 0 = padding batch
     totals = StepTotals()
     for batch, weight in zip(batches, share.weights):
         out = task.loss(module, reference, batch, step_state)
@@ -252,7 +253,8 @@ class Setup:
 def open_pair_store(path: str, what: str) -> Store:
     store = Store(path)
     if store.kind != "pairs":
-        raise StoreError(f"{what} store {path!r} holds unpaired examples (KTO); the DPO-family trainer needs pairs")
+        raise StoreError(f"{what} store {path!r} holds unpaired examples (KTO); the DPO-family trainer needs pairs "
+                         "(train it with loss.terms=[{name: kto}] or apo_zero_unpaired)")
     if len(store) == 0:
         raise StoreError(f"{what} store {path!r} is empty")
     return store
@@ -264,8 +266,12 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
         raise ModelError("model.name_or_path is required (a local model folder or a hub id)")
     if not cfg.data.train:
         raise StoreError("data.train is required (a store written by prefpack prepare)")
-    train_store = open_pair_store(cfg.data.train, "train")
-    eval_store = open_pair_store(cfg.data.eval, "eval") if cfg.data.eval else None
+    from prefpack.kto import make_kto_tasks, open_kto_store, uses_unpaired_loss
+
+    kto = uses_unpaired_loss(cfg)  # the KTO family: unpaired examples, prefpack.kto.KTOTask
+    open_store = partial(open_kto_store, paired_as_kto=cfg.data.paired_as_kto) if kto else open_pair_store
+    train_store = open_store(cfg.data.train, "train")
+    eval_store = open_store(cfg.data.eval, "eval") if cfg.data.eval else None
     device = device or pick_device(cfg.train.device)
     dtype = pick_dtype(cfg.model.dtype, device)
     if cfg.distributed.strategy == "fsdp2" and device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -280,17 +286,19 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
     policy = load_causal_lm(cfg.model.name_or_path, dtype=dtype, attn_implementation=attn, device=device,
                             trust_remote_code=cfg.model.trust_remote_code)
     check_vocab_fits(policy, train_store.meta, cfg.data.train)
-    terms = [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
+    terms = [] if kto else [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
     mode = cfg.reference.mode
-    if not needs_reference(terms) and mode != "none":
+    if not kto and not needs_reference(terms) and mode != "none":
         log(f"note: the losses {[t.name for t in terms]} need no reference; reference.mode {mode!r} is ignored")
         mode = "none"
     ref_path = cfg.reference.model or cfg.model.name_or_path
     reference: Reference
+    expected = None
     if mode == "precomputed":
         expected = _reference_hash(cfg, policy, ref_path, dtype, attn)
-        reference = Reference("precomputed", table=read_sidecar(Path(cfg.data.train) / SIDECAR_NAME, train_store,
-                                                                 reference_hash=expected))
+        # a KTO task reads its own store's sidecar (main and KL log-probs), see prefpack.kto
+        table = None if kto else read_sidecar(Path(cfg.data.train) / SIDECAR_NAME, train_store, reference_hash=expected)
+        reference = Reference("precomputed", table=table)
     elif mode == "copy":
         ref_model = load_causal_lm(ref_path, dtype=dtype, attn_implementation=attn, device=device,
                                    trust_remote_code=cfg.model.trust_remote_code)
@@ -309,8 +317,11 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
     if cfg.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-    train_task = PairTask(train_store, cfg, pad_id)
-    eval_task = PairTask(eval_store, cfg, pad_id) if eval_store is not None else None
+    if kto:
+        train_task, eval_task = make_kto_tasks(cfg, train_store, eval_store, pad_id, reference_hash=expected, log=log)
+    else:
+        train_task = PairTask(train_store, cfg, pad_id)
+        eval_task = PairTask(eval_store, cfg, pad_id) if eval_store is not None else None
     return Setup(policy, reference, tok, train_store, eval_store, device, dtype, pad_id, train_task, eval_task)
 
 
@@ -432,7 +443,7 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
         share = shares[ctx.rank]
         batches = [task.collate(p) for p in share.planned]
         optimizer.zero_grad(set_to_none=True)
-        step_state = {**state, **task.begin_step(module, reference, batches)}
+        step_state = {**state, **task.begin_step(module, reference, batches, weights=share.weights)}
         totals = StepTotals()
         # Every rank plans the same step, so its example count is known everywhere without communication.
         # Gradients are summed over ranks: DDP and FSDP2 average them, hence the factor world / n.

@@ -1,5 +1,15 @@
-"""Preference losses: pure functions of per-sequence log-probs returning per-pair values."""
+"""Preference losses: pure functions of per-sequence log-probs returning per-pair (KTO: per-example) values."""
 
+from prefpack.losses.kto import (
+    UNPAIRED_LOSS_NAMES,
+    UNPAIRED_LOSSES_WITH_KL,
+    UnpairedLogps,
+    apo_zero_unpaired_loss,
+    class_balance_warning,
+    kl_reference_point,
+    kto_loss,
+    unpaired_loss,
+)
 from prefpack.losses.preference import (
     LENGTH_NORMALISED_LOSSES,
     LOSS_NAMES,
@@ -25,14 +35,21 @@ __all__ = [
     "LENGTH_NORMALISED_LOSSES",
     "LOSS_NAMES",
     "REFERENCE_FREE_LOSSES",
+    "UNPAIRED_LOSSES_WITH_KL",
+    "UNPAIRED_LOSS_NAMES",
     "LossOutput",
     "LossTerm",
     "PairLogps",
+    "UnpairedLogps",
     "apo_down_loss",
     "apo_zero_loss",
+    "apo_zero_unpaired_loss",
     "bco_pair_loss",
+    "class_balance_warning",
     "hinge_loss",
     "ipo_loss",
+    "kl_reference_point",
+    "kto_loss",
     "needs_reference",
     "nll_loss",
     "orpo_loss",
@@ -40,4 +57,5 @@ __all__ = [
     "robust_loss",
     "sigmoid_loss",
     "simpo_loss",
+    "unpaired_loss",
 ]

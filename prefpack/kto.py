@@ -1,0 +1,886 @@
+"""KTO on unpaired examples: the task the training loop runs, its batches, the KL pairing and its sidecar.
+
+An example is (prompt, completion, label): label True for a desirable completion, False for an undesirable
+one. It comes from an unpaired store (``prepare --format unpaired``), or from a pair store with
+``data.paired_as_kto=true``: pair p gives example 2p (prompt, chosen, desirable) and 2p + 1 (prompt,
+rejected, undesirable), so the store yields twice as many examples as pairs.
+
+The KL reference point
+----------------------
+KTO compares each reward r = log pi(y|x) - log ref(y|x) with z0 = max(0, E[log pi(y'|x) - log ref(y'|x)]),
+estimated on *mismatched* sequences: each example's prompt x with the completion y' of another example
+(its "KL partner"). The pairing rule:
+
+* ``loss.kl_pairing: step`` (default, as TRL): the partners come from the same optimizer step. The step's
+  examples are grouped by prompt (examples with identical prompt tokens, such as the two halves of a pair
+  read as KTO, form one group: prompt + a completion of the same prompt is a real example, not a mismatched
+  one), the groups are put in one random cycle seeded by ``(train.seed, step)``, and each example takes a
+  completion from the next group of the cycle. So a partner is never the example itself, nor an example with
+  the same prompt while the step holds another prompt, for any step size (odd ones included). The pairing
+  is computed over the whole scheduled step, even when a rank plans only its share of it under torchrun,
+  so it does not depend on packing, micro-batching, the number of ranks or the dealing: N ranks give the
+  update of one process. A step with a single group (one example, the two halves of one pair, or a single
+  prompt) has no mismatched completion: its examples take their partner from the fixed pairing below (a
+  deterministic other example of the store, with another prompt when the store has one, possibly outside
+  the step).
+* ``loss.kl_pairing: fixed``: one seeded cycle over the prompt groups of the whole store (seed
+  ``train.seed``); each example has the same partner in every step. This is what a precomputed reference
+  needs: the sidecar can hold an example's reference KL log-prob only if its partner does not depend on the
+  step. Evaluation passes (``prefpack eval``, ``data.eval``) always use this pairing.
+
+The KL sequences are scored in :meth:`KTOTask.begin_step`, under ``torch.no_grad`` for the policy and the
+reference, over every micro-batch of the step before any loss: z0 needs the whole step, it is a constant for
+the gradient, and a no-grad pass keeps no activations. The sum of ``policy - reference`` over the KL
+sequences and their count are all-reduced across ranks (when ``torch.distributed`` is initialized) and then
+divided, so z0 is the same on every rank and does not depend on how the step was dealt (padding micro-batches
+that a distributed loop runs with weight 0 are excluded when their weights are passed to ``begin_step``).
+
+Batches
+-------
+A micro-batch holds whole examples with their KL sequences (an example and its KL sequence always land in
+the same micro-batch). Packed (default): main sequences are packed into rows of at most
+``data.max_tokens_per_row`` tokens, ``train.micro_batch_tokens // max_tokens_per_row`` rows per micro-batch
+(the budget of the gradient pass); the micro-batch's KL sequences are packed into their own rows under the
+same row budget for the no-grad pass. Padded (``data.packing=false``): one sequence per row. Either way the
+batch reads with the key names TRL's KTO collator uses: ``input_ids``, ``attention_mask``,
+``completion_mask`` for the policy branch, ``KL_input_ids``, ``KL_attention_mask``, ``KL_completion_mask``
+for the KL branch, and ``label``. ``completion_mask`` is 1 where the *input* token is a completion token
+(TRL's meaning; ``Batch.loss_mask`` is the same thing shifted onto the position that predicts it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from prefpack.data.packing import IGNORE_INDEX, Batch
+from prefpack.data.store import Store, StoreError
+from prefpack.forward import sequence_logps
+from prefpack.losses.kto import (
+    UNPAIRED_LOSS_NAMES,
+    UNPAIRED_LOSSES_WITH_KL,
+    UnpairedLogps,
+    class_balance_warning,
+    kl_reference_point,
+    unpaired_loss,
+)
+from prefpack.losses.preference import LossOutput
+from prefpack.reference import SIDECAR_FORMAT, Reference, ReferenceMismatch, store_hash
+from prefpack.tasks import Planned
+
+__all__ = [
+    "KTO_SIDECAR_NAME",
+    "KTOBatch",
+    "KTOPlanned",
+    "KTOTask",
+    "UnpairedView",
+    "all_reduce_sum",
+    "collate_sequences",
+    "compute_kto_store_logps",
+    "cycle_partners",
+    "fixed_kl_partners",
+    "make_kto_tasks",
+    "open_kto_store",
+    "plan_examples",
+    "read_kto_sidecar",
+    "step_kl_partners",
+    "uses_unpaired_loss",
+    "write_kto_sidecar",
+]
+
+KTO_SIDECAR_NAME = "ref_logps_kto.safetensors"
+KTO_SIDECAR_VERSION = "1"
+_SALT_FIXED = 0x4B4C_0001  # separate random streams for the pairings and the packing order
+_SALT_STEP = 0x4B4C_0002
+
+
+# --------------------------------------------------------------------------------------------------------
+# Examples
+
+
+class UnpairedView:
+    """A store as KTO examples: ``view[i] = (prompt, completion, label)``, with lengths, labels and groups.
+
+    Unpaired store: example i is row i. Pair store (``paired_as_kto``): example 2p is the chosen half of
+    pair p (desirable), 2p + 1 the rejected half (undesirable). ``groups`` numbers the distinct prompts:
+    examples with the same prompt tokens (the two halves of a pair, or several completions of one prompt)
+    share a group, and the KL pairing never pairs an example with its own group when another group exists
+    (prompt + a completion of the same prompt is a real example, not a mismatched one).
+    """
+
+    def __init__(self, store: Store, *, paired_as_kto: bool = False):
+        self.store = store
+        if store.kind == "unpaired":
+            self.paired = False
+            self.prompt_len = store.column("prompt_len").astype(np.int64)
+            self.completion_len = store.column("completion_len").astype(np.int64)
+            self.labels = store.column("label").astype(bool)
+            prompts = np.arange(len(store))
+        elif store.kind == "pairs":
+            if not paired_as_kto:
+                raise StoreError(f"store {str(store.path)!r} holds pairs; set data.paired_as_kto=true to train KTO "
+                                 "on it (chosen = desirable, rejected = undesirable)")
+            self.paired = True
+            self.prompt_len = np.repeat(store.column("prompt_len"), 2).astype(np.int64)
+            self.completion_len = np.stack([store.column("chosen_len"), store.column("rejected_len")],
+                                           axis=1).reshape(-1).astype(np.int64)
+            self.labels = np.tile(np.array([True, False]), len(store))
+            prompts = np.repeat(np.arange(len(store)), 2)
+        else:
+            raise StoreError(f"store {str(store.path)!r} has unknown kind {store.kind!r}")
+        self.groups = _prompt_groups(store)[prompts]
+
+    @property
+    def source(self) -> str:
+        return "paired_as_kto" if self.paired else "unpaired"
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray, bool]:
+        i = int(i)
+        if self.paired:
+            p = self.store.pair(i // 2)
+            return p.prompt, (p.rejected if i % 2 else p.chosen), not bool(i % 2)
+        u = self.store.unpaired(i)
+        return u.prompt, u.completion, bool(u.label)
+
+    def prompt(self, i: int) -> np.ndarray:
+        return self[i][0]
+
+    def completion(self, i: int) -> np.ndarray:
+        return self[i][1]
+
+
+def _prompt_groups(store: Store) -> np.ndarray:
+    """A group id per store row: rows whose prompt tokens are identical share one (hashed, 16 bytes each)."""
+    offsets, lengths = store.column("offset"), store.column("prompt_len")
+    tokens = store.tokens
+    seen: dict[bytes, int] = {}
+    out = np.empty(len(store), dtype=np.int64)
+    for i in range(len(store)):
+        o, n = int(offsets[i]), int(lengths[i])
+        key = hashlib.blake2b(np.asarray(tokens[o : o + n]).tobytes(), digest_size=16).digest()
+        out[i] = seen.setdefault(key, len(seen))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# KL pairing
+
+
+def cycle_partners(ids: np.ndarray, groups: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A KL partner for each of ``ids``, taken among ``ids``: the groups present are put in one random cycle
+    and each example takes a random member of the next group. Never the example itself, never its group.
+    All -1 when ``ids`` span fewer than two groups (no valid partner among them)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.size == 0:
+        return ids.copy()
+    uniq, slot = np.unique(groups[ids], return_inverse=True)
+    n_groups = len(uniq)
+    if n_groups < 2:
+        return np.full(ids.shape[0], -1, dtype=np.int64)
+    order = rng.permutation(n_groups)
+    nxt = np.empty(n_groups, dtype=np.int64)
+    nxt[order] = np.roll(order, -1)  # order[k] -> order[k + 1]: one cycle, no fixed point
+    by_slot = np.argsort(slot, kind="stable")
+    counts = np.bincount(slot, minlength=n_groups)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    target = nxt[slot]
+    pick = starts[target] + rng.integers(0, counts[target])
+    return ids[by_slot[pick]]
+
+
+def fixed_kl_partners(groups: np.ndarray, seed: int) -> np.ndarray:
+    """The store-level pairing: :func:`cycle_partners` over every example, seeded by ``seed`` only.
+
+    With a single group of several examples (one pair as KTO) the halves are paired with each other; with a
+    single example there is no partner (-1)."""
+    n = int(groups.shape[0])
+    ids = np.arange(n, dtype=np.int64)
+    out = cycle_partners(ids, groups, np.random.default_rng([int(seed), _SALT_FIXED]))
+    if n >= 2 and (out < 0).any():
+        out = np.roll(ids, -1)  # one group only: another member of it is the only other completion
+    return out
+
+
+def step_kl_partners(ids: np.ndarray, groups: np.ndarray, key: Sequence[int],
+                     fallback: np.ndarray | None) -> np.ndarray:
+    """Partners of a step's examples inside the step (see the module docstring); ``key`` seeds the cycle.
+
+    Where the step spans fewer than two groups, ``fallback[ids]`` (the fixed store-level pairing) is used."""
+    out = cycle_partners(ids, groups, np.random.default_rng([int(k) for k in key]))
+    if ids.size and (out < 0).any() and fallback is not None:
+        out = fallback[np.asarray(ids, dtype=np.int64)]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# Planning from lengths only
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-int(n) // multiple) * multiple
+
+
+def _ffd(sizes: np.ndarray, capacity: int) -> list[list[int]]:
+    """First-fit decreasing; an item larger than ``capacity`` gets a bin of its own (never dropped)."""
+    order = np.argsort(-sizes, kind="stable")
+    bins: list[list[int]] = []
+    remaining = np.empty(len(sizes), dtype=np.int64)
+    open_bins: list[int] = []
+    for i in order:
+        s = int(sizes[i])
+        if s > capacity:
+            bins.append([int(i)])
+            continue
+        k = len(open_bins)
+        fits = remaining[:k] >= s
+        j = int(np.argmax(fits)) if k else 0
+        if k and fits[j]:
+            bins[open_bins[j]].append(int(i))
+            remaining[j] -= s
+        else:
+            open_bins.append(len(bins))
+            bins.append([int(i)])
+            remaining[k] = capacity - s
+    return bins
+
+
+def plan_examples(lengths, *, token_budget: int, packing: bool = True, row_budget: int | None = None,
+                  pad_to_multiple_of: int | None = None, window: int = 1024,
+                  seed: Any = 0) -> list[list[list[int]]]:
+    """Group examples (``lengths``: tokens of each main sequence) into micro-batches of rows.
+
+    The same policy as ``prefpack.data.packing.plan_micro_batches`` with one sequence per example: packed,
+    rows of at most ``row_budget`` tokens by first-fit decreasing inside shuffled windows, ``token_budget //
+    row_budget`` rows per micro-batch; padded, examples of similar length share a micro-batch while
+    ``examples * padded_length <= token_budget`` (one row each). Deterministic for a seed; ``seed=None``
+    keeps the input order. Returns micro-batches of rows of indices into ``lengths``.
+    """
+    sizes = np.asarray(lengths, dtype=np.int64)
+    m = 1 if pad_to_multiple_of is None else int(pad_to_multiple_of)
+    if m < 1 or int(token_budget) < 1 or window < 1:
+        raise ValueError("pad_to_multiple_of, token_budget and window must be >= 1")
+    if (sizes < 1).any():
+        raise ValueError("every sequence needs at least one token")
+    rng = None if seed is None else np.random.default_rng(seed)
+    n = sizes.shape[0]
+    order = rng.permutation(n) if rng is not None else np.arange(n)
+    batches: list[list[list[int]]] = []
+    if packing:
+        row_budget = int(token_budget if row_budget is None else row_budget)
+        capacity = max((row_budget // m) * m, 1)
+        rows_per_batch = max(int(token_budget) // row_budget, 1)
+        for w in range(0, n, window):
+            idx = order[w : w + window]
+            rows = [[int(idx[i]) for i in b] for b in _ffd(sizes[idx], capacity)]
+            big = [r for r in rows if int(sizes[r].sum()) > capacity]
+            normal = sorted((r for r in rows if int(sizes[r].sum()) <= capacity), key=lambda r: -int(sizes[r].sum()))
+            batches.extend(normal[i : i + rows_per_batch] for i in range(0, len(normal), rows_per_batch))
+            batches.extend([r] for r in big)
+    else:
+        padded = -(-sizes // m) * m
+        for w in range(0, n, window):
+            idx = order[w : w + window]
+            idx = idx[np.argsort(-padded[idx], kind="stable")]
+            cur: list[int] = []
+            cur_len = 0
+            for i in idx:
+                i = int(i)
+                new_len = max(cur_len, int(padded[i]))
+                if cur and (len(cur) + 1) * new_len > int(token_budget):
+                    batches.append([[p] for p in cur])
+                    cur, new_len = [], int(padded[i])
+                cur.append(i)
+                cur_len = new_len
+            if cur:
+                batches.append([[p] for p in cur])
+    if rng is not None:
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    return batches
+
+
+def _computed(row_sizes: list[int], m: int) -> int:
+    if not row_sizes:
+        return 0
+    return len(row_sizes) * _round_up(max(row_sizes), m)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Materialising sequences
+
+
+def _sequence(prompt: np.ndarray, completion: np.ndarray):
+    """Tokens, positions, targets (completion only) and input-aligned completion mask of prompt + completion."""
+    prompt = np.asarray(prompt).astype(np.int64, copy=False)
+    completion = np.asarray(completion).astype(np.int64, copy=False)
+    tokens = np.concatenate([prompt, completion])
+    n = tokens.shape[0]
+    if n < 1:
+        raise ValueError("a sequence (prompt + completion) needs at least one token")
+    targets = np.full(n, IGNORE_INDEX, dtype=np.int64)
+    start = max(prompt.shape[0] - 1, 0)  # position i predicts token i + 1
+    targets[start : n - 1] = tokens[start + 1 :]
+    is_completion = np.zeros(n, dtype=np.int64)
+    is_completion[prompt.shape[0] :] = 1
+    return tokens, np.arange(n, dtype=np.int64), targets, is_completion
+
+
+def collate_sequences(seqs: Sequence[tuple[np.ndarray, np.ndarray]], rows: list[list[int]] | None, *,
+                      ids: Sequence[int], pad_id: int = 0,
+                      pad_to_multiple_of: int | None = None) -> tuple[Batch, torch.Tensor]:
+    """A :class:`Batch` of arbitrary (prompt, completion) sequences, plus its input-aligned completion mask.
+
+    ``rows`` lists, per packed row, indices into ``seqs``; ``rows=None`` gives the padded layout (sequence k
+    in row k, with an attention mask). Sequence k has ``seq_index`` k in both layouts, and ``pair_indices``
+    holds ``ids`` (one id per sequence), so ``prefpack.forward.sequence_logps`` returns the per-sequence sums
+    in its first ``len(seqs)`` entries (``Batch.num_sequences`` counts two per id; the rest are zero).
+    Packed row padding is a block of its own (positions restart at 0) after every real token.
+    """
+    m = 1 if pad_to_multiple_of is None else int(pad_to_multiple_of)
+    if not seqs:
+        raise ValueError("a micro-batch needs at least one sequence")
+    packed = rows is not None
+    layout = rows if packed else [[k] for k in range(len(seqs))]
+    built = [_sequence(*seqs[k]) for k in range(len(seqs))]
+    length = _round_up(max(sum(built[k][0].shape[0] for k in row) for row in layout), m)
+    b = len(layout)
+    input_ids = np.full((b, length), pad_id, dtype=np.int64)
+    position_ids = np.zeros((b, length), dtype=np.int64)
+    target_ids = np.full((b, length), IGNORE_INDEX, dtype=np.int64)
+    seq_index = np.full((b, length), -1, dtype=np.int64)
+    token_mask = np.zeros((b, length), dtype=bool)
+    completion_mask = np.zeros((b, length), dtype=np.int64)
+    for r, row in enumerate(layout):
+        at = 0
+        for k in row:
+            t, p, g, c = built[k]
+            s = slice(at, at + t.shape[0])
+            input_ids[r, s], position_ids[r, s], target_ids[r, s], completion_mask[r, s] = t, p, g, c
+            seq_index[r, s] = k
+            token_mask[r, s] = True
+            at += t.shape[0]
+        if packed:
+            position_ids[r, at:] = np.arange(length - at)
+    loss_mask = target_ids != IGNORE_INDEX
+    completion_tokens = np.bincount(seq_index[loss_mask], minlength=len(seqs)).astype(np.int64)
+    batch = Batch(
+        input_ids=torch.from_numpy(input_ids),
+        position_ids=torch.from_numpy(position_ids),
+        target_ids=torch.from_numpy(target_ids),
+        loss_mask=torch.from_numpy(loss_mask),
+        seq_index=torch.from_numpy(seq_index),
+        token_mask=torch.from_numpy(token_mask),
+        attention_mask=None if packed else torch.from_numpy(token_mask.astype(np.int64)),
+        completion_tokens=torch.from_numpy(completion_tokens),
+        pair_indices=torch.as_tensor(list(ids), dtype=torch.int64),
+        packed=packed,
+    )
+    return batch, torch.from_numpy(completion_mask)
+
+
+@dataclass
+class KTOPlanned(Planned):
+    """A planned KTO micro-batch: ``rows`` of example ids (the main pass), each example's KL partner
+    (aligned with ``rows``; -1 without a KL branch) and the KL rows (indices into the micro-batch's examples
+    in row order)."""
+
+    kl_partners: list[list[int]]
+    kl_rows: list[list[int]]
+
+
+_TRL_KEYS = {
+    "input_ids": ("main", "input_ids"),
+    "attention_mask": ("main", "attention_mask"),
+    "position_ids": ("main", "position_ids"),
+    "completion_mask": ("completion_mask", None),
+    "KL_input_ids": ("kl", "input_ids"),
+    "KL_attention_mask": ("kl", "attention_mask"),
+    "KL_position_ids": ("kl", "position_ids"),
+    "KL_completion_mask": ("kl_completion_mask", None),
+    "label": ("label", None),
+}
+
+
+@dataclass
+class KTOBatch:
+    """One KTO micro-batch: the main sequences (with grad), the KL sequences (no grad) and the labels.
+
+    Example k of the micro-batch is sequence k of ``main`` and sequence k of ``kl``. Reads like TRL's KTO
+    batch: ``batch["input_ids"]``, ``batch["KL_completion_mask"]``, ``batch["label"]`` ... (see ``keys()``);
+    ``attention_mask`` and ``KL_attention_mask`` are None in the packed layout, where attention follows
+    ``position_ids``.
+    """
+
+    main: Batch
+    kl: Batch | None
+    completion_mask: torch.Tensor  # [B, L] int64, 1 where input_ids is a completion token
+    kl_completion_mask: torch.Tensor | None
+    label: torch.Tensor  # [n] bool, True = desirable
+    example_ids: torch.Tensor  # [n] int64, index in the task's view of the store
+    kl_ids: torch.Tensor  # [n] int64, the KL partner of each example (-1 without a KL branch)
+
+    @property
+    def packed(self) -> bool:
+        return self.main.packed
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.label.shape[0])
+
+    @property
+    def real_tokens(self) -> int:
+        return self.main.real_tokens + (self.kl.real_tokens if self.kl is not None else 0)
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.main.computed_tokens + (self.kl.computed_tokens if self.kl is not None else 0)
+
+    def keys(self) -> list[str]:
+        return [k for k in _TRL_KEYS if self.kl is not None or not k.startswith("KL_")]
+
+    def __getitem__(self, key: str):
+        if key not in _TRL_KEYS:
+            raise KeyError(f"{key!r}; a KTO batch has the keys {self.keys()}")
+        part, name = _TRL_KEYS[key]
+        obj = getattr(self, part)
+        if name is None or obj is None:
+            return obj
+        return getattr(obj, name)
+
+    def as_dict(self) -> dict[str, torch.Tensor | None]:
+        return {k: self[k] for k in self.keys()}
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> KTOBatch:
+        moved = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Batch | torch.Tensor):
+                v = v.to(device, non_blocking=non_blocking)
+            moved[f.name] = v
+        return KTOBatch(**moved)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Distributed helper
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over ranks in place when ``torch.distributed`` is initialized; a no-op otherwise."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+    return t
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------------------------------------------------
+# The task
+
+
+def _seed_key(seed: Any) -> list[int]:
+    if isinstance(seed, int | np.integer):
+        return [int(seed)]
+    if isinstance(seed, Sequence) and all(isinstance(s, int | np.integer) for s in seed):
+        return [int(s) for s in seed]
+    raise TypeError(f"a KTO plan seed must be an int, a sequence of ints or None, got {seed!r}")
+
+
+def _unpaired_terms(cfg) -> list:
+    return [t for t in cfg.loss.terms if t.name in UNPAIRED_LOSS_NAMES]
+
+
+class KTOTask:
+    """KTO / APO-zero-unpaired on unpaired examples (or a pair store with ``data.paired_as_kto``).
+
+    Implements the ``prefpack.tasks.Task`` protocol: ``plan`` (micro-batches and KL partners of a step),
+    ``collate`` (a :class:`KTOBatch`), ``begin_step`` (z0 over the whole step, all ranks) and ``loss``
+    (one value per example). ``begin_step`` is a collective when ``torch.distributed`` is initialized: every
+    rank must call it, with its own (possibly empty) share of the step's micro-batches; set
+    ``distributed_kl = False`` for a pass that only one rank runs.
+    """
+
+    kind = "unpaired"
+
+    def __init__(self, store: Store, cfg, pad_id: int, *, reference_hash: str | None = None):
+        self.store = store
+        self.cfg = cfg
+        self.pad_id = pad_id
+        self.view = UnpairedView(store, paired_as_kto=cfg.data.paired_as_kto)
+        terms = _unpaired_terms(cfg)
+        if len(terms) != 1 or len(cfg.loss.terms) != 1:
+            raise ValueError(f"a KTO run takes exactly one loss term among {', '.join(UNPAIRED_LOSS_NAMES)}, "
+                             f"got {[t.name for t in cfg.loss.terms]}")
+        self.loss_name = terms[0].name
+        self.term_weight = float(terms[0].weight)
+        self.needs_kl = self.loss_name in UNPAIRED_LOSSES_WITH_KL
+        self.kl_pairing = cfg.loss.kl_pairing
+        self.seed = int(cfg.train.seed)
+        self.distributed_kl = True
+        self._fixed: np.ndarray | None = None
+        self._step_cache: tuple[int, tuple[np.ndarray, np.ndarray]] | None = None
+        if self.needs_kl and len(self.view) < 2:
+            raise StoreError(f"store {str(store.path)!r} holds {len(self.view)} example: KTO's KL term needs the "
+                             "completion of another example; add examples or use loss apo_zero_unpaired")
+        self.table: dict[str, np.ndarray] | None = None
+        if cfg.reference.mode == "precomputed":
+            if self.needs_kl and self.kl_pairing != "fixed":
+                raise ReferenceMismatch(_STEP_PAIRING_PRECOMPUTED)
+            self.table = read_kto_sidecar(Path(store.path) / KTO_SIDECAR_NAME, self.view,
+                                          reference_hash=reference_hash,
+                                          partners=self.fixed_partners() if self.needs_kl else None)
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+    def class_balance_warning(self) -> str | None:
+        n_d = int(self.view.labels.sum())
+        lo = self.cfg.loss
+        return class_balance_warning(n_d, len(self.view) - n_d, lo.desirable_weight, lo.undesirable_weight)
+
+    # ---- pairing
+
+    def fixed_partners(self) -> np.ndarray:
+        if self._fixed is None:
+            self._fixed = fixed_kl_partners(self.view.groups, self.seed)
+        return self._fixed
+
+    def partners_for(self, ids: np.ndarray, seed: Any) -> np.ndarray:
+        """KL partners of ``ids`` (``seed`` as given to :meth:`plan`).
+
+        * ``kl_pairing: fixed``, or ``seed=None`` (an evaluation pass over the store): the fixed pairing.
+        * ``seed=[train.seed, step]`` (how the training loop plans step ``step``) and ``ids`` inside that
+          scheduled step: the pairing of the *whole* step, computed from the step schedule, so a rank that
+          plans only its share of the step gets the partners a single process would (the update does not
+          depend on the number of ranks or on the dealing).
+        * any other ``ids``/seed: a pairing inside ``ids`` seeded by ``seed``.
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        if self.kl_pairing == "fixed" or seed is None:
+            return self.fixed_partners()[ids]
+        scheduled = self._scheduled_step_partners(seed)
+        if scheduled is not None:
+            step_ids, partners = scheduled
+            order = np.argsort(step_ids, kind="stable")
+            pos = np.searchsorted(step_ids, ids, sorter=order)
+            pos = order[np.minimum(pos, len(order) - 1)]
+            if len(step_ids) and np.array_equal(step_ids[pos], ids):
+                return partners[pos]
+        return step_kl_partners(ids, self.view.groups, [*_seed_key(seed), _SALT_STEP], self.fixed_partners())
+
+    def _scheduled_step_partners(self, seed: Any) -> tuple[np.ndarray, np.ndarray] | None:
+        """(step ids, their partners) of the training step that ``seed = [train.seed, step]`` names."""
+        if not (isinstance(seed, list | tuple) and len(seed) == 2 and int(seed[0]) == self.seed):
+            return None
+        step = int(seed[1])
+        if self._step_cache is not None and self._step_cache[0] == step:
+            return self._step_cache[1]
+        from prefpack.train import StepSchedule  # the loop's own schedule (imported here: train imports us)
+
+        tr = self.cfg.train
+        _, step_ids = StepSchedule(len(self), tr.global_batch_pairs, self.seed, self.cfg.data.shuffle
+                                   ).pairs_for_step(step)
+        partners = step_kl_partners(step_ids, self.view.groups, [self.seed, step, _SALT_STEP], self.fixed_partners())
+        self._step_cache = (step, (step_ids, partners))
+        return step_ids, partners
+
+    def example_tokens(self, ids: np.ndarray) -> np.ndarray:
+        """Tokens each example costs, for balancing ranks: its sequence, twice with a KL branch (the KL
+        sequence has the same prompt and a completion of another example, of similar length on average)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        main = self.view.prompt_len[ids] + self.view.completion_len[ids]
+        return 2 * main if self.needs_kl else main
+
+    # ---- Task protocol
+
+    def plan(self, ids: np.ndarray, *, seed: Any) -> list[KTOPlanned]:
+        d, tr = self.cfg.data, self.cfg.train
+        ids = np.asarray(ids, dtype=np.int64)
+        v = self.view
+        main_len = v.prompt_len[ids] + v.completion_len[ids]
+        partners = self.partners_for(ids, seed) if self.needs_kl else np.full(ids.shape[0], -1, dtype=np.int64)
+        kl_len = v.prompt_len[ids] + v.completion_len[np.maximum(partners, 0)]
+        row_budget = min(d.max_tokens_per_row, tr.micro_batch_tokens)
+        m = d.pad_to_multiple_of or 1
+        out = []
+        for mb in plan_examples(main_len, token_budget=tr.micro_batch_tokens, packing=d.packing,
+                                row_budget=row_budget, pad_to_multiple_of=d.pad_to_multiple_of, seed=seed):
+            flat = [i for r in mb for i in r]
+            if d.packing:
+                main_rows = [int(main_len[r].sum()) for r in mb]
+            else:
+                main_rows = [int(main_len[flat].max())] * len(flat)
+            real = int(main_len[flat].sum())
+            computed = _computed(main_rows, m)
+            kl_rows: list[list[int]] = []
+            if self.needs_kl:
+                sizes = kl_len[flat]
+                if d.packing:
+                    kl_rows = _ffd(sizes, max((row_budget // m) * m, 1))
+                    kl_row_sizes = [int(sizes[r].sum()) for r in kl_rows]
+                else:
+                    kl_rows = [[k] for k in range(len(flat))]
+                    kl_row_sizes = [int(sizes.max())] * len(flat)
+                real += int(sizes.sum())
+                computed += _computed(kl_row_sizes, m)
+            out.append(KTOPlanned(rows=[[int(ids[i]) for i in r] for r in mb], real_tokens=real,
+                                  computed_tokens=computed,
+                                  kl_partners=[[int(partners[i]) for i in r] for r in mb],
+                                  kl_rows=kl_rows))
+        return out
+
+    def collate(self, planned: KTOPlanned) -> KTOBatch:
+        d = self.cfg.data
+        v = self.view
+        flat = [i for r in planned.rows for i in r]
+        partners = [p for r in planned.kl_partners for p in r]
+        examples = [v[i] for i in flat]
+        local_rows, at = [], 0
+        for r in planned.rows:
+            local_rows.append(list(range(at, at + len(r))))
+            at += len(r)
+        main, cmask = collate_sequences([(p, c) for p, c, _ in examples], local_rows if d.packing else None,
+                                        ids=flat, pad_id=self.pad_id, pad_to_multiple_of=d.pad_to_multiple_of)
+        kl = kl_cmask = None
+        if self.needs_kl:
+            kl_seqs = [(examples[k][0], v.completion(partners[k])) for k in range(len(flat))]
+            kl, kl_cmask = collate_sequences(kl_seqs, planned.kl_rows if d.packing else None, ids=flat,
+                                             pad_id=self.pad_id, pad_to_multiple_of=d.pad_to_multiple_of)
+        return KTOBatch(main=main, kl=kl, completion_mask=cmask, kl_completion_mask=kl_cmask,
+                        label=torch.tensor([lab for _, _, lab in examples], dtype=torch.bool),
+                        example_ids=torch.tensor(flat, dtype=torch.int64),
+                        kl_ids=torch.tensor(partners, dtype=torch.int64))
+
+    @staticmethod
+    def _policy_logps(policy: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``policy`` maps a batch to per-sequence sums (``prefpack.forward.SequenceLogps``, maybe wrapped)."""
+        n = int(batch.completion_tokens.shape[0])
+        logp, tokens = policy(batch)
+        return logp[:n], tokens[:n]
+
+    @torch.no_grad()
+    def _reference_logps(self, reference: Reference, batch: KTOBatch, *, kl: bool, device, dtype) -> torch.Tensor:
+        if self.table is not None:
+            values = self.table["kl" if kl else "completion"][batch.example_ids.numpy()]
+            return torch.as_tensor(values, device=device, dtype=dtype)
+        if reference.mode == "precomputed":
+            raise ReferenceMismatch("reference.mode is 'precomputed' but this KTO task has no sidecar table")
+        if reference.mode == "none":
+            raise ValueError(f"loss {self.loss_name!r} needs reference log-probs; reference.mode 'none' gives none")
+        part = batch.kl if kl else batch.main
+        n = int(part.completion_tokens.shape[0])
+        return reference.sequence_logps(part)[:n].to(device=device, dtype=dtype)
+
+    def begin_step(self, policy: nn.Module, reference: Reference, batches: list[KTOBatch],
+                   weights: Sequence[float] | None = None) -> dict:
+        """Step-wide state, over every micro-batch of the step and every rank, before any loss:
+
+        * ``kl`` = z0 = max(0, kl_sum / kl_count): the sum of (policy - reference) over the KL sequences and
+          their count, under no_grad (z0 is a constant of the loss), all-reduced across ranks, then divided;
+        * ``class_counts`` = (desirable, undesirable) examples of the step (for the margin and count metrics).
+
+        ``weights`` (one per batch; default 1) lets a distributed loop run *padding* micro-batches (weight 0:
+        duplicates that keep FSDP2's collective forwards in step) without counting them twice: their KL
+        forward still runs, their values are not added. A collective when torch.distributed is initialized.
+        """
+        weights = [1.0] * len(batches) if weights is None else [float(w) for w in weights]
+        if len(weights) != len(batches):
+            raise ValueError(f"{len(weights)} weights for {len(batches)} micro-batches")
+        device = _model_device(policy)
+        acc = torch.zeros(4, dtype=torch.float64, device=device)  # kl_sum, kl_count, n_desirable, n_undesirable
+        with torch.no_grad():
+            for b, w in zip(batches, weights):
+                n_d = int(b.label.sum())
+                acc[2] += w * n_d
+                acc[3] += w * (b.num_examples - n_d)
+                if not self.needs_kl:
+                    continue
+                pol, _ = self._policy_logps(policy, b.kl)
+                ref = self._reference_logps(reference, b, kl=True, device=pol.device, dtype=pol.dtype)
+                acc[0] += w * (pol.double() - ref.double()).sum().to(device)
+                acc[1] += w * pol.shape[0]
+        if self.distributed_kl:
+            all_reduce_sum(acc)
+        kl_sum, kl_count, n_d, n_u = (float(x) for x in acc.cpu())
+        state: dict[str, Any] = {"class_counts": (int(round(n_d)), int(round(n_u)))}
+        if self.needs_kl:
+            state.update({"kl": kl_reference_point(kl_sum, kl_count), "kl_sum": kl_sum, "kl_count": kl_count})
+        return state
+
+    def loss(self, policy: nn.Module, reference: Reference, batch: KTOBatch, step_state: dict) -> LossOutput:
+        lo = self.cfg.loss
+        if self.needs_kl and "kl" not in step_state:
+            raise RuntimeError("KTOTask.begin_step must run over the step's micro-batches before loss()")
+        pol, tokens = self._policy_logps(policy, batch.main)
+        ref = self._reference_logps(reference, batch, kl=False, device=pol.device, dtype=pol.dtype)
+        logps = UnpairedLogps(policy=pol, reference=ref, label=batch.label.to(pol.device),
+                              tokens=tokens.to(pol.device))
+        return unpaired_loss(logps, self.loss_name, beta=lo.beta, kl=float(step_state.get("kl", 0.0)),
+                             desirable_weight=lo.desirable_weight, undesirable_weight=lo.undesirable_weight,
+                             weight=self.term_weight, class_counts=step_state.get("class_counts"))
+
+
+_STEP_PAIRING_PRECOMPUTED = (
+    "reference.mode 'precomputed' with loss 'kto' needs loss.kl_pairing=fixed: with step pairing an example's "
+    "KL partner depends on which examples share its optimizer step, so no sidecar can hold its reference KL "
+    "log-prob; fixed pairing gives every example one seeded partner that precompute-ref scores once")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Building (used by prefpack.train.build and the CLI)
+
+
+def uses_unpaired_loss(cfg) -> bool:
+    """Whether a config trains the KTO family (an unpaired loss term, or a pair store read as KTO)."""
+    return any(t.name in UNPAIRED_LOSS_NAMES for t in cfg.loss.terms) or bool(cfg.data.paired_as_kto)
+
+
+def open_kto_store(path: str, what: str, *, paired_as_kto: bool) -> Store:
+    store = Store(path)
+    if store.kind == "pairs" and not paired_as_kto:
+        raise StoreError(f"{what} store {path!r} holds pairs; set data.paired_as_kto=true to train KTO on it "
+                         "(chosen = desirable, rejected = undesirable), or use a store prepared with "
+                         "--format unpaired")
+    if len(store) == 0:
+        raise StoreError(f"{what} store {path!r} is empty")
+    return store
+
+
+def make_kto_tasks(cfg, train_store: Store, eval_store: Store | None, pad_id: int, *,
+                   reference_hash: str | None = None, log=print) -> tuple[KTOTask, KTOTask | None]:
+    """The train and eval tasks of a KTO run; logs the class-balance warning of the training data."""
+    train_task = KTOTask(train_store, cfg, pad_id, reference_hash=reference_hash)
+    warning = train_task.class_balance_warning()
+    if warning:
+        log(f"warning: {warning}")
+    eval_task = KTOTask(eval_store, cfg, pad_id, reference_hash=reference_hash) if eval_store is not None else None
+    return train_task, eval_task
+
+
+# --------------------------------------------------------------------------------------------------------
+# Precomputed reference: main and KL log-probs of every example
+
+
+@torch.no_grad()
+def compute_kto_store_logps(model: nn.Module, store: Store, *, paired_as_kto: bool = False, seed: int = 0,
+                            micro_batch_tokens: int = 4096, row_tokens: int = 2048, chunk_size: int = 1024,
+                            progress: bool = False, ctx=None) -> dict[str, np.ndarray]:
+    """Reference log-prob sums of every example's completion and of its fixed KL sequence (seed ``seed``).
+
+    Returns float64 ``completion`` and ``kl`` and int64 ``kl_partner`` arrays in the view's example order
+    (``kl`` is NaN and ``kl_partner`` -1 when the store has a single example). Under torchrun (``ctx`` from
+    ``prefpack.distributed``) each rank scores every world-th micro-batch and the results are summed."""
+    rank, world = (ctx.rank, ctx.world) if ctx is not None else (0, 1)
+    view = UnpairedView(store, paired_as_kto=paired_as_kto)
+    n = len(view)
+    partners = fixed_kl_partners(view.groups, seed)
+    completion = np.zeros(n)
+    kl = np.zeros(n)
+    seen = np.zeros(n)
+    was_training = model.training
+    model.eval()
+    row_budget = min(row_tokens, micro_batch_tokens)
+    main_len = view.prompt_len + view.completion_len
+    plans = plan_examples(main_len, token_budget=micro_batch_tokens, row_budget=row_budget, seed=None)
+    if progress and rank == 0:
+        from tqdm import tqdm
+
+        plans = tqdm(plans, desc="reference log-probs", unit="batch")
+    for k, mb in enumerate(plans):
+        if k % world != rank:
+            continue
+        flat = [i for r in mb for i in r]
+        at, local = 0, []
+        for r in mb:
+            local.append(list(range(at, at + len(r))))
+            at += len(r)
+        main, _ = collate_sequences([(view.prompt(i), view.completion(i)) for i in flat], local, ids=flat)
+        logp, _ = sequence_logps(model, main, chunk_size=chunk_size)
+        completion[flat] = logp[: len(flat)].double().cpu().numpy()
+        seen[flat] += 1
+        has = [i for i in flat if partners[i] >= 0]
+        if has:
+            sizes = view.prompt_len[has] + view.completion_len[partners[has]]
+            kl_batch, _ = collate_sequences([(view.prompt(i), view.completion(int(partners[i]))) for i in has],
+                                            _ffd(sizes, row_budget), ids=has)
+            logp, _ = sequence_logps(model, kl_batch, chunk_size=chunk_size)
+            kl[has] = logp[: len(has)].double().cpu().numpy()
+    model.train(was_training)
+    if world > 1:
+        both = torch.from_numpy(np.stack([completion, kl, seen])).to(ctx.device)  # NCCL needs device tensors
+        ctx.all_reduce_sum(both)
+        completion, kl, seen = (x.numpy() for x in both.cpu())
+    assert (seen == 1).all(), "every example must be scored exactly once"
+    kl = np.where(partners >= 0, kl, np.nan)
+    return {"completion": completion, "kl": kl, "kl_partner": partners.astype(np.int64)}
+
+
+def write_kto_sidecar(path: str | Path, view: UnpairedView, arrays: dict[str, np.ndarray], *, seed: int,
+                      reference_hash: str, reference_name: str) -> Path:
+    """Write the KTO sidecar atomically; tagged with the store's and the weights' hashes, the view and seed."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    meta = {"format": SIDECAR_FORMAT, "version": KTO_SIDECAR_VERSION, "kind": "unpaired",
+            "view": view.source, "store_hash": store_hash(view.store), "reference_hash": reference_hash,
+            "reference": reference_name, "examples": str(len(view)), "kl_seed": str(int(seed))}
+    tensors = {"completion": np.ascontiguousarray(arrays["completion"], dtype=np.float64),
+               "kl": np.ascontiguousarray(arrays["kl"], dtype=np.float64),
+               "kl_partner": np.ascontiguousarray(arrays["kl_partner"], dtype=np.int64)}
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+    return path
+
+
+def read_kto_sidecar(path: str | Path, view: UnpairedView, *, reference_hash: str | None,
+                     partners: np.ndarray | None) -> dict[str, np.ndarray]:
+    """Load a KTO sidecar, refusing one made for other data, another view, other reference weights or
+    (when ``partners`` is given) another KL pairing."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    store = view.store
+    kto_flag = " --kto" if view.paired else ""
+    if not path.is_file():
+        raise ReferenceMismatch(f"no precomputed KTO reference log-probs at {str(path)!r}; run "
+                                f"`prefpack precompute-ref --model REF --data {store.path}{kto_flag}` first")
+    try:
+        with safe_open(str(path), framework="numpy") as fh:
+            meta = fh.metadata() or {}
+            table = {k: fh.get_tensor(k) for k in ("completion", "kl", "kl_partner")}
+    except Exception as exc:  # safetensors raises its own error types for corrupt files
+        raise ReferenceMismatch(f"{path}: cannot read KTO reference log-probs ({exc})") from exc
+    if meta.get("format") != SIDECAR_FORMAT or meta.get("version") != KTO_SIDECAR_VERSION or \
+            meta.get("kind") != "unpaired":
+        raise ReferenceMismatch(f"{path}: not a prefpack KTO reference sidecar of version {KTO_SIDECAR_VERSION}")
+    if meta.get("store_hash") != store_hash(store) or any(len(v) != len(view) for v in table.values()):
+        raise ReferenceMismatch(f"{path} was computed for other data than the store {str(store.path)!r}; run "
+                                "precompute-ref again on this store")
+    if meta.get("view") != view.source:
+        raise ReferenceMismatch(f"{path} scores the store as {meta.get('view')!r} examples but this run reads it "
+                                f"as {view.source!r}; run precompute-ref again{kto_flag}")
+    if reference_hash is not None and meta.get("reference_hash") != reference_hash:
+        raise ReferenceMismatch(
+            f"{path} was computed with other reference weights ({meta.get('reference')!r}) than this run's "
+            "reference; run precompute-ref again with the reference model of this run")
+    if partners is not None:
+        if not np.array_equal(table["kl_partner"], partners) or np.isnan(table["kl"]).any():
+            raise ReferenceMismatch(
+                f"{path} holds KL log-probs for the fixed pairing of seed {meta.get('kl_seed')}, not this run's "
+                f"(train.seed); run `prefpack precompute-ref --model REF --data {store.path}{kto_flag} "
+                "--seed TRAIN_SEED`")
+    return table
