@@ -149,12 +149,10 @@ class Reference:
     """
 
     def __init__(self, mode: str, *, model: nn.Module | None = None, policy: nn.Module | None = None,
-                 table: tuple[np.ndarray, np.ndarray] | None = None, chunk_size: int = 1024,
-                 module: nn.Module | None = None):
+                 chunk_size: int = 1024, module: nn.Module | None = None):
         self.mode = mode
         self.model = model
         self.policy = policy
-        self.table = table
         self.chunk_size = chunk_size
         self.module = module
         if mode == "copy":
@@ -187,8 +185,6 @@ class Reference:
         if self.mode == "none":
             return None
         if self.mode == "precomputed":
-            chosen, rejected = self.table
-            return (torch.as_tensor(chosen[global_ids], device=device, dtype=dtype),
-                    torch.as_tensor(rejected[global_ids], device=device, dtype=dtype))
+            raise ValueError("precomputed reference log-probs are read by the task from its own store's sidecar")
         seq = self.sequence_logps(batch)
         return seq[0::2].to(dtype), seq[1::2].to(dtype)

@@ -100,8 +100,9 @@ class PairTask:
 
     kind = "pairs"
 
-    def __init__(self, store: Store, cfg, pad_id: int):
+    def __init__(self, store: Store, cfg, pad_id: int, ref_table: tuple[np.ndarray, np.ndarray] | None = None):
         self.store = store
+        self.ref_table = ref_table  # this store's precomputed reference (chosen, rejected), if any
         self.cfg = cfg
         self.pad_id = pad_id
         self.pairs = StorePairs(store)
@@ -149,7 +150,14 @@ class PairTask:
         cfg = self.cfg
         pol = split_pairs(*policy(batch))  # `policy` maps a batch to per-sequence sums (SequenceLogps)
         ids = batch.pair_indices.numpy()  # StorePairs over the whole store: local index == global id
-        ref = reference.logps(batch, ids, pol.chosen.device, pol.chosen.dtype)
+        if reference.mode == "precomputed":
+            if self.ref_table is None:
+                raise ValueError(f"no precomputed reference log-probs loaded for the store {str(self.store.path)!r}")
+            chosen, rejected = self.ref_table
+            ref = (torch.as_tensor(chosen[ids], device=pol.chosen.device, dtype=pol.chosen.dtype),
+                   torch.as_tensor(rejected[ids], device=pol.chosen.device, dtype=pol.chosen.dtype))
+        else:
+            ref = reference.logps(batch, ids, pol.chosen.device, pol.chosen.dtype)
         logps = PairLogps(
             policy_chosen=pol.chosen,
             policy_rejected=pol.rejected,

@@ -296,9 +296,8 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
     expected = None
     if mode == "precomputed":
         expected = _reference_hash(cfg, policy, ref_path, dtype, attn)
-        # a KTO task reads its own store's sidecar (main and KL log-probs), see prefpack.kto
-        table = None if kto else read_sidecar(Path(cfg.data.train) / SIDECAR_NAME, train_store, reference_hash=expected)
-        reference = Reference("precomputed", table=table)
+        # each task reads its own store's sidecar (the eval store needs one too); KTO's also holds KL log-probs
+        reference = Reference("precomputed")
     elif mode == "copy":
         ref_model = load_causal_lm(ref_path, dtype=dtype, attn_implementation=attn, device=device,
                                    trust_remote_code=cfg.model.trust_remote_code)
@@ -320,8 +319,13 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
     if kto:
         train_task, eval_task = make_kto_tasks(cfg, train_store, eval_store, pad_id, reference_hash=expected, log=log)
     else:
-        train_task = PairTask(train_store, cfg, pad_id)
-        eval_task = PairTask(eval_store, cfg, pad_id) if eval_store is not None else None
+        def table(store: Store):
+            if mode != "precomputed":
+                return None
+            return read_sidecar(store.path / SIDECAR_NAME, store, reference_hash=expected)
+
+        train_task = PairTask(train_store, cfg, pad_id, ref_table=table(train_store))
+        eval_task = PairTask(eval_store, cfg, pad_id, ref_table=table(eval_store)) if eval_store is not None else None
     return Setup(policy, reference, tok, train_store, eval_store, device, dtype, pad_id, train_task, eval_task)
 
 

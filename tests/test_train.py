@@ -188,6 +188,19 @@ def test_copy_and_precomputed_reference_agree(world, tmp_path, capsys):
     e2 = evaluate(s2.policy, s2.reference, s2.train_task)
     for k in ("loss", "rewards/margins", "rewards/chosen"):
         assert e1[k] == pytest.approx(e2[k], abs=1e-6)
+    # with an eval store, each store's own sidecar is read (the eval store needs one too)
+    ev = tmp_path / "eval-store"
+    shutil.copytree(world["eval"], ev)
+    with_eval = [f"data.train={store}", f"data.eval={ev}", f"reference.model={world['ref']}"]
+    with pytest.raises(Exception, match="precompute-ref"):
+        build(cfg_for(world, tmp_path / "d", *with_eval, "reference.mode=precomputed"), log=lambda m: None)
+    assert cli_main(["precompute-ref", "--model", str(world["ref"]), "--data", str(ev)]) == 0
+    s3 = build(cfg_for(world, tmp_path / "d", *with_eval, "reference.mode=precomputed"), log=lambda m: None)
+    s4 = build(cfg_for(world, tmp_path / "e", *with_eval), log=lambda m: None)
+    e3 = evaluate(s3.policy, s3.reference, s3.eval_task)
+    e4 = evaluate(s4.policy, s4.reference, s4.eval_task)
+    assert e3["loss"] == pytest.approx(e4["loss"], abs=1e-6)
+    assert e3["rewards/margins"] == pytest.approx(e4["rewards/margins"], abs=1e-6)
     # a sidecar made with other reference weights is refused
     wrong = cfg_for(world, tmp_path / "c", f"data.train={store}", "reference.mode=precomputed")
     with pytest.raises(Exception, match="other reference weights"):
