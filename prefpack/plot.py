@@ -21,6 +21,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward margin", ("rewards/margins",)),
     ("rewards", ("rewards/chosen", "rewards/rejected")),
     ("log-probs (completion sums)", ("logps/chosen", "logps/rejected")),
+    ("KL reference point z0 (KTO)", ("kl",)),
     ("learning rate", ("lr",)),
     ("gradient norm", ("grad_norm",)),
     ("tokens / s", ("tokens/s",)),

@@ -475,8 +475,12 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
             metrics.log(done, last)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last.get('rewards/accuracies', 0.0):.2f}",
-                            fill=f"{last['filling']:.2f}")
+            shown = {"loss": f"{last['loss']:.4f}", "fill": f"{last['filling']:.2f}"}
+            if "rewards/accuracies" in last:
+                shown["acc"] = f"{last['rewards/accuracies']:.2f}"
+            if "kl" in last:
+                shown["kl"] = f"{last['kl']:.3f}"
+            bar.set_postfix(shown)
         if setup.eval_task is not None and cfg.run.eval_every and done % cfg.run.eval_every == 0 and done < n_steps:
             metrics.log(done, run_eval(), split="eval")
         if cfg.run.save_every and done % cfg.run.save_every == 0 and done < n_steps:
