@@ -141,6 +141,21 @@ def _reduce_totals(totals: StepTotals, ctx: Dist) -> StepTotals:
 # ------------------------------------------------------------------------------------------------ checkpoints
 
 
+def make_optimizer(params: list[nn.Parameter], cfg) -> torch.optim.Optimizer:
+    """AdamW, fused where torch has a fused kernel for these parameters.
+
+    The fused kernel updates each parameter in one pass without the foreach path's temporaries: on CPU it
+    lowered the peak RSS of a 152k-vocabulary step by about 13% and made the optimizer step 6x faster
+    (benchmarks/compare_trl.py). FSDP2's sharded DTensor parameters keep the default implementation.
+    """
+    from torch.distributed.tensor import DTensor
+
+    fused = bool(params) and not any(isinstance(p, DTensor) for p in params) and all(
+        p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+                             weight_decay=cfg.optim.weight_decay, fused=fused or None)
+
+
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, scheduler, state: dict, keep: int) -> Path:
     """Weights (safetensors), optimizer/scheduler/RNG (tensors only) and trainer state, written atomically."""
     from safetensors.torch import save_model
@@ -399,8 +414,7 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
     elif reference.mode == "adapter":
         reference.module = module
     params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
-                                  weight_decay=cfg.optim.weight_decay)
+    optimizer = make_optimizer(params, cfg)
     task = setup.train_task
     sched = StepSchedule(len(task), cfg.train.global_batch_pairs, cfg.train.seed, cfg.data.shuffle)
     n_steps = total_steps(cfg, sched)
@@ -493,6 +507,7 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
             if bar is not None:
                 bar.close()
             metrics.close()
+            ctx.barrier()  # no rank tears the process group down while another is still in a collective
             raise TrainingInterrupted(f"stopped after step {done}")
     if bar is not None:
         bar.close()

@@ -266,3 +266,18 @@ def test_mixed_dtypes_and_autocast():
     assert (gh.dtype, gw.dtype) == (torch.float32, torch.float32)
     for a, r in ((gh, rh), (gw, rw), (gb, rb)):
         assert (a - r).abs().max() <= 0.05 * r.abs().max() + 1e-3
+
+
+def test_chunk_rows_caps_logits_per_chunk():
+    from prefpack.ops.logprobs import chunk_rows
+
+    assert chunk_rows(1024, 32768, 1 << 25) == 1024
+    assert chunk_rows(1024, 151936, 1 << 25) == 220
+    assert chunk_rows(1024, 10**9, 1 << 25) == 1
+    n = 50
+    h, w, b, t = make(n)
+    with _MaxNumel() as mode:
+        out = completion_logprobs(h, t, w, b, chunk_size=1024, max_chunk_elements=3 * V)
+        out.sum().backward()
+    assert mode.largest <= max(3 * V, V * H, n * H), mode.largest
+    torch.testing.assert_close(out, naive(h, w, b, t), rtol=1e-12, atol=1e-12)

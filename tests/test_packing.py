@@ -310,3 +310,18 @@ def test_wrapper_and_flash_detection():
     assert not uses_flash_attention(model)
     model.config._attn_implementation = "flash_attention_2"  # only read, never run here
     assert uses_flash_attention(model)
+
+
+def test_plan_balances_rows_and_keeps_micro_batches_filled():
+    # 8 pairs of 350 tokens: first-fit decreasing under a 2,048 row budget makes rows of 5 pairs (1,750) and
+    # 3 (1,050); balanced rows hold 4 + 4 (1,400 each), so one micro-batch of two rows has no padding at all.
+    lengths = np.tile([[100, 75, 75]], (8, 1))
+    plan = plan_micro_batches(lengths, token_budget=4096, row_budget=2048, seed=0)
+    totals = 2 * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]
+    assert [sorted(int(totals[r].sum()) for r in mb) for mb in plan] == [[1400, 1400]]
+    assert plan_stats(lengths, plan)["filling"] == 1.0
+    # Rows of very different lengths are not padded together below min_filling.
+    lengths = np.array([[900, 50, 50], [400, 50, 50]])  # 1,900 and 900 tokens: one row each
+    plan = plan_micro_batches(lengths, token_budget=8192, row_budget=2048, seed=0)
+    assert len(plan) == 2 and all(plan_stats(lengths, [mb])["filling"] == 1.0 for mb in plan)
+    assert len(plan_micro_batches(lengths, token_budget=8192, row_budget=2048, seed=0, min_filling=0.0)) == 1

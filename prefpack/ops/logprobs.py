@@ -1,9 +1,10 @@
 """Completion-only, chunked log-probabilities.
 
 The LM head is applied only to hidden states whose next token is a completion token, and in chunks, so
-that at most ``chunk_size x vocab`` logits are alive at once in forward and in backward (backward recomputes
-each chunk's logits instead of saving them). With 150k vocabularies this is most of the memory of a
-preference step, hence the custom autograd function.
+that at most ``chunk_size x vocab`` logits (and never more than ``MAX_CHUNK_ELEMENTS``) are alive at once in
+forward and in backward (backward recomputes each chunk's logits instead of saving them; the forward's
+logsumexp works in place). With 150k vocabularies this is most of the memory of a preference step, hence the
+custom autograd function.
 """
 
 from __future__ import annotations
@@ -17,12 +18,22 @@ from torch import nn
 __all__ = [
     "HeadSpec",
     "body_and_head",
+    "chunk_rows",
     "completion_logprobs",
     "head_spec",
     "segment_sum",
 ]
 
 DEFAULT_CHUNK_SIZE = 1024
+# Whatever ``chunk_size`` says, a chunk holds at most this many logits (rows x vocabulary): 128 MiB in float32,
+# 1024 rows of a 32k vocabulary but 220 of a 152k one. Smaller chunks cost nothing measurable here (the
+# matmuls stay [rows, H] x [H, V] with V large) and keep the head's transient memory independent of V.
+MAX_CHUNK_ELEMENTS = 1 << 25
+
+
+def chunk_rows(chunk_size: int, vocab: int, max_elements: int = MAX_CHUNK_ELEMENTS) -> int:
+    """Rows per chunk: ``chunk_size``, lowered so that ``rows x vocab <= max_elements`` (at least 1)."""
+    return max(1, min(int(chunk_size), int(max_elements) // max(int(vocab), 1)))
 
 
 def _out_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -81,8 +92,12 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
             for s in range(0, n, chunk_size):
                 e = min(s + chunk_size, n)
                 z = _chunk_logits(_cast(h[s:e], mm_dtype), w, b, scale, softcap, out_dtype)
-                lse[s:e] = torch.logsumexp(z, dim=-1)
-                logp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - lse[s:e]
+                target_z = z.gather(1, targets[s:e, None]).squeeze(1)
+                # logsumexp in place (torch.logsumexp would allocate a second chunk-sized temporary)
+                m = z.amax(dim=1, keepdim=True)
+                m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+                lse[s:e] = z.sub_(m).exp_().sum(dim=1).log_().add_(m.squeeze(1))
+                logp[s:e] = target_z - lse[s:e]
                 del z
         ctx.save_for_backward(h, weight, bias, targets, lse)
         ctx.chunk_size, ctx.scale, ctx.softcap, ctx.mm_dtype = chunk_size, scale, softcap, mm_dtype
@@ -150,6 +165,7 @@ def completion_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     scale: float = 1.0,
     softcap: float | None = None,
+    max_chunk_elements: int = MAX_CHUNK_ELEMENTS,
 ) -> torch.Tensor:
     """Per-position ``log p(target)`` from gathered hidden states.
 
@@ -158,8 +174,9 @@ def completion_logprobs(
     tokens, ``weight`` [V, H] (+ ``bias`` [V]) the LM head. ``scale`` multiplies the logits and ``softcap``
     applies ``c * tanh(z / c)`` afterwards (Cohere / Granite scaling, Gemma-2 final soft-capping).
 
-    At most ``chunk_size x V`` logits exist at once in forward and backward. The result is float32 (float64
-    for float64 inputs); logsumexp is always computed in that precision, also for bf16 models.
+    At most ``chunk x V`` logits exist at once in forward and backward, one chunk being ``chunk_size`` rows
+    or fewer, so that ``chunk x V <= max_chunk_elements`` (see :func:`chunk_rows`). The result is float32
+    (float64 for float64 inputs); logsumexp is always computed in that precision, also for bf16 models.
     """
     if hidden.ndim != 2 or targets.ndim != 1 or hidden.shape[0] != targets.shape[0]:
         raise ValueError(
@@ -169,6 +186,8 @@ def completion_logprobs(
         raise ValueError(f"weight must be [V, {hidden.shape[1]}], got {tuple(weight.shape)}")
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if int(max_chunk_elements) < 1:
+        raise ValueError(f"max_chunk_elements must be >= 1, got {max_chunk_elements}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive, got {softcap}")
     return _ChunkedTokenLogprob.apply(
@@ -176,7 +195,7 @@ def completion_logprobs(
         weight,
         bias,
         targets.long(),
-        int(chunk_size),
+        chunk_rows(chunk_size, weight.shape[0], max_chunk_elements),
         float(scale),
         None if softcap is None else float(softcap),
     )
