@@ -61,7 +61,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from prefpack.data.packing import IGNORE_INDEX, Batch
+from prefpack.data.packing import (
+    IGNORE_INDEX,
+    Batch,
+    balanced_rows,
+    group_rows,
+    round_up,
+    sequence_arrays,
+)
 from prefpack.data.store import Store, StoreError
 from prefpack.forward import sequence_logps
 from prefpack.losses.kto import (
@@ -227,42 +234,15 @@ def step_kl_partners(ids: np.ndarray, groups: np.ndarray, key: Sequence[int],
 # Planning from lengths only
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-int(n) // multiple) * multiple
-
-
-def _ffd(sizes: np.ndarray, capacity: int) -> list[list[int]]:
-    """First-fit decreasing; an item larger than ``capacity`` gets a bin of its own (never dropped)."""
-    order = np.argsort(-sizes, kind="stable")
-    bins: list[list[int]] = []
-    remaining = np.empty(len(sizes), dtype=np.int64)
-    open_bins: list[int] = []
-    for i in order:
-        s = int(sizes[i])
-        if s > capacity:
-            bins.append([int(i)])
-            continue
-        k = len(open_bins)
-        fits = remaining[:k] >= s
-        j = int(np.argmax(fits)) if k else 0
-        if k and fits[j]:
-            bins[open_bins[j]].append(int(i))
-            remaining[j] -= s
-        else:
-            open_bins.append(len(bins))
-            bins.append([int(i)])
-            remaining[k] = capacity - s
-    return bins
-
-
 def plan_examples(lengths, *, token_budget: int, packing: bool = True, row_budget: int | None = None,
                   pad_to_multiple_of: int | None = None, window: int = 1024,
-                  seed: Any = 0) -> list[list[list[int]]]:
+                  seed: Any = 0, min_filling: float = 0.95) -> list[list[list[int]]]:
     """Group examples (``lengths``: tokens of each main sequence) into micro-batches of rows.
 
     The same policy as ``prefpack.data.packing.plan_micro_batches`` with one sequence per example: packed,
-    rows of at most ``row_budget`` tokens by first-fit decreasing inside shuffled windows, ``token_budget //
-    row_budget`` rows per micro-batch; padded, examples of similar length share a micro-batch while
+    as few rows of at most ``row_budget`` tokens as first-fit decreasing needs inside shuffled windows, with
+    their loads evened out, then at most ``token_budget // row_budget`` rows per micro-batch while it keeps
+    ``min_filling`` of its positions real; padded, examples of similar length share a micro-batch while
     ``examples * padded_length <= token_budget`` (one row each). Deterministic for a seed; ``seed=None``
     keeps the input order. Returns micro-batches of rows of indices into ``lengths``.
     """
@@ -282,10 +262,10 @@ def plan_examples(lengths, *, token_budget: int, packing: bool = True, row_budge
         rows_per_batch = max(int(token_budget) // row_budget, 1)
         for w in range(0, n, window):
             idx = order[w : w + window]
-            rows = [[int(idx[i]) for i in b] for b in _ffd(sizes[idx], capacity)]
+            rows = [[int(idx[i]) for i in b] for b in balanced_rows(sizes[idx], capacity)]
             big = [r for r in rows if int(sizes[r].sum()) > capacity]
-            normal = sorted((r for r in rows if int(sizes[r].sum()) <= capacity), key=lambda r: -int(sizes[r].sum()))
-            batches.extend(normal[i : i + rows_per_batch] for i in range(0, len(normal), rows_per_batch))
+            normal = [r for r in rows if int(sizes[r].sum()) <= capacity]
+            batches.extend(group_rows(normal, sizes, rows_per_batch, min_filling))
             batches.extend([r] for r in big)
     else:
         padded = -(-sizes // m) * m
@@ -312,7 +292,7 @@ def plan_examples(lengths, *, token_budget: int, packing: bool = True, row_budge
 def _computed(row_sizes: list[int], m: int) -> int:
     if not row_sizes:
         return 0
-    return len(row_sizes) * _round_up(max(row_sizes), m)
+    return len(row_sizes) * round_up(max(row_sizes), m)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -320,19 +300,13 @@ def _computed(row_sizes: list[int], m: int) -> int:
 
 
 def _sequence(prompt: np.ndarray, completion: np.ndarray):
-    """Tokens, positions, targets (completion only) and input-aligned completion mask of prompt + completion."""
+    """:func:`prefpack.data.packing.sequence_arrays` plus the input-aligned completion mask."""
     prompt = np.asarray(prompt).astype(np.int64, copy=False)
     completion = np.asarray(completion).astype(np.int64, copy=False)
-    tokens = np.concatenate([prompt, completion])
-    n = tokens.shape[0]
-    if n < 1:
-        raise ValueError("a sequence (prompt + completion) needs at least one token")
-    targets = np.full(n, IGNORE_INDEX, dtype=np.int64)
-    start = max(prompt.shape[0] - 1, 0)  # position i predicts token i + 1
-    targets[start : n - 1] = tokens[start + 1 :]
-    is_completion = np.zeros(n, dtype=np.int64)
+    tokens, positions, targets = sequence_arrays(prompt, completion)
+    is_completion = np.zeros(tokens.shape[0], dtype=np.int64)
     is_completion[prompt.shape[0] :] = 1
-    return tokens, np.arange(n, dtype=np.int64), targets, is_completion
+    return tokens, positions, targets, is_completion
 
 
 def collate_sequences(seqs: Sequence[tuple[np.ndarray, np.ndarray]], rows: list[list[int]] | None, *,
@@ -352,7 +326,7 @@ def collate_sequences(seqs: Sequence[tuple[np.ndarray, np.ndarray]], rows: list[
     packed = rows is not None
     layout = rows if packed else [[k] for k in range(len(seqs))]
     built = [_sequence(*seqs[k]) for k in range(len(seqs))]
-    length = _round_up(max(sum(built[k][0].shape[0] for k in row) for row in layout), m)
+    length = round_up(max(sum(built[k][0].shape[0] for k in row) for row in layout), m)
     b = len(layout)
     input_ids = np.full((b, length), pad_id, dtype=np.int64)
     position_ids = np.zeros((b, length), dtype=np.int64)
@@ -629,7 +603,7 @@ class KTOTask:
             if self.needs_kl:
                 sizes = kl_len[flat]
                 if d.packing:
-                    kl_rows = _ffd(sizes, max((row_budget // m) * m, 1))
+                    kl_rows = balanced_rows(sizes, max((row_budget // m) * m, 1))
                     kl_row_sizes = [int(sizes[r].sum()) for r in kl_rows]
                 else:
                     kl_rows = [[k] for k in range(len(flat))]
@@ -815,7 +789,7 @@ def compute_kto_store_logps(model: nn.Module, store: Store, *, paired_as_kto: bo
         if has:
             sizes = view.prompt_len[has] + view.completion_len[partners[has]]
             kl_batch, _ = collate_sequences([(view.prompt(i), view.completion(int(partners[i]))) for i in has],
-                                            _ffd(sizes, row_budget), ids=has)
+                                            balanced_rows(sizes, row_budget), ids=has)
             logp, _ = sequence_logps(model, kl_batch, chunk_size=chunk_size)
             kl[has] = logp[: len(has)].double().cpu().numpy()
     model.train(was_training)

@@ -108,7 +108,7 @@ class Batch:
 # Planning from lengths only.
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
@@ -144,7 +144,7 @@ def _rng(seed) -> np.random.Generator | None:
     return np.random.default_rng(seed)
 
 
-def _first_fit_decreasing(sizes: np.ndarray, capacity: int) -> list[list[int]]:
+def first_fit_decreasing(sizes: np.ndarray, capacity: int) -> list[list[int]]:
     """Bins of local indices; an item larger than ``capacity`` gets a bin of its own (never dropped)."""
     order = np.argsort(-sizes, kind="stable")
     remaining = np.empty(len(sizes), dtype=np.int64)
@@ -168,7 +168,7 @@ def _first_fit_decreasing(sizes: np.ndarray, capacity: int) -> list[list[int]]:
     return bins
 
 
-def _balanced_bins(sizes: np.ndarray, capacity: int) -> list[list[int]]:
+def balanced_rows(sizes: np.ndarray, capacity: int) -> list[list[int]]:
     """As many bins as first-fit decreasing needs, but with their loads evened out.
 
     FFD fills its first bins to the brim and leaves the remainder in the last one, so rows of one
@@ -178,7 +178,7 @@ def _balanced_bins(sizes: np.ndarray, capacity: int) -> list[list[int]]:
     does not skip the blocks between sequences, e.g. sdpa on CPU). When LPT cannot place an item under
     ``capacity`` the FFD bins are kept. Items larger than ``capacity`` keep a bin of their own.
     """
-    bins = _first_fit_decreasing(sizes, capacity)
+    bins = first_fit_decreasing(sizes, capacity)
     normal = [b for b in bins if int(sizes[b].sum()) <= capacity]
     big = [b for b in bins if int(sizes[b].sum()) > capacity]
     if len(normal) < 2:
@@ -195,7 +195,7 @@ def _balanced_bins(sizes: np.ndarray, capacity: int) -> list[list[int]]:
     return spread + big
 
 
-def _group_rows(rows: list[list[int]], totals: np.ndarray, rows_per_batch: int,
+def group_rows(rows: list[list[int]], totals: np.ndarray, rows_per_batch: int,
                 min_filling: float) -> list[MicroBatch]:
     """Rows (longest first) into micro-batches of at most ``rows_per_batch`` rows.
 
@@ -269,10 +269,10 @@ def plan_micro_batches(
         totals = 2 * arr[:, 0] + arr[:, 1] + arr[:, 2]
         for w in range(0, n, window):
             idx = order[w : w + window]
-            rows = [[int(idx[i]) for i in b] for b in _balanced_bins(totals[idx], capacity)]
+            rows = [[int(idx[i]) for i in b] for b in balanced_rows(totals[idx], capacity)]
             big = [r for r in rows if int(totals[r].sum()) > capacity]
             normal = [r for r in rows if int(totals[r].sum()) <= capacity]
-            batches.extend(_group_rows(normal, totals, rows_per_batch, min_filling))
+            batches.extend(group_rows(normal, totals, rows_per_batch, min_filling))
             batches.extend([r] for r in big)
     else:
         seq_max = arr[:, 0] + np.maximum(arr[:, 1], arr[:, 2])
@@ -310,11 +310,11 @@ def plan_stats(
         real += int((2 * arr[pairs, 0] + arr[pairs, 1] + arr[pairs, 2]).sum())
         if packing:
             longest = max(int((2 * arr[row, 0] + arr[row, 1] + arr[row, 2]).sum()) for row in mb)
-            computed += len(mb) * _round_up(longest, m)
+            computed += len(mb) * round_up(longest, m)
             n_rows += len(mb)
         else:
             longest = int((arr[pairs, 0] + np.maximum(arr[pairs, 1], arr[pairs, 2])).max())
-            computed += 2 * len(pairs) * _round_up(longest, m)
+            computed += 2 * len(pairs) * round_up(longest, m)
             n_rows += 2 * len(pairs)
     return {
         "micro_batches": len(plan),
@@ -339,7 +339,7 @@ def _ids(x) -> np.ndarray:
     return a.astype(np.int64, copy=False)
 
 
-def _sequence(prompt: np.ndarray, completion: np.ndarray):
+def sequence_arrays(prompt: np.ndarray, completion: np.ndarray):
     """Tokens, positions and targets of ``prompt + completion``; targets only where they are completion."""
     tokens = np.concatenate([prompt, completion])
     n = tokens.shape[0]
@@ -360,7 +360,7 @@ def _get_pair(pairs, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _finish(rows_tokens, rows_pos, rows_tgt, rows_seq, pair_indices, *, packed, pad_id, multiple) -> Batch:
     longest = max(len(t) for t in rows_tokens)
-    length = _round_up(longest, multiple)
+    length = round_up(longest, multiple)
     b = len(rows_tokens)
     input_ids = np.full((b, length), pad_id, dtype=np.int64)
     target_ids = np.full((b, length), IGNORE_INDEX, dtype=np.int64)
@@ -412,7 +412,7 @@ def collate_packed(
             local = len(pair_indices)
             pair_indices.append(int(i))
             for half, completion in enumerate((chosen, rejected)):
-                t, p, g = _sequence(prompt, completion)
+                t, p, g = sequence_arrays(prompt, completion)
                 rt.append(t)
                 rp.append(p)
                 rg.append(g)
@@ -438,7 +438,7 @@ def collate_padded(pairs, pair_ids, *, pad_id: int = 0, pad_to_multiple_of: int 
     for local, i in enumerate(flat):
         prompt, chosen, rejected = _get_pair(pairs, i)
         for half, completion in enumerate((chosen, rejected)):
-            t, p, g = _sequence(prompt, completion)
+            t, p, g = sequence_arrays(prompt, completion)
             toks.append(t)
             poss.append(p)
             tgts.append(g)
