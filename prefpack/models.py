@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -95,6 +98,40 @@ def resolve_tokenizer(model_path: str, store_meta: dict, store_tokenizer: Path, 
             "know the ids agree."
         )
     return tok
+
+
+@dataclass(frozen=True)
+class TokenizerHandle:
+    """Where the run's tokenizer loads from, and its content hash.
+
+    Training reads token ids from the store and never needs the tokenizer, which for a 152k vocabulary holds
+    about 200 MiB of process memory. So the trainer checks it, keeps this handle, and loads it again only to
+    save it beside the final model, refusing files that changed in between.
+    """
+
+    source: str
+    content_hash: str
+    trust_remote_code: bool = False
+
+    @classmethod
+    def of(cls, tok, *, trust_remote_code: bool = False) -> TokenizerHandle:
+        return cls(str(tok.name_or_path), tokenizer_hash(tok), trust_remote_code)
+
+    def load(self):
+        tok = load_tokenizer(self.source, trust_remote_code=self.trust_remote_code)
+        if tokenizer_hash(tok) != self.content_hash:
+            raise ModelError(f"the tokenizer at {self.source!r} changed while the run was training; the final model "
+                             "is saved without it (copy the tokenizer the data was prepared with next to it)")
+        return tok
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc only), so they leave the RSS."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): the pages are reused by the process instead
+        pass
 
 
 def check_vocab_fits(model: nn.Module, store_meta: dict, store_path: str) -> None:

@@ -30,16 +30,19 @@ from prefpack.forward import SequenceLogps
 from prefpack.losses import LossTerm, needs_reference
 from prefpack.models import (
     ModelError,
+    TokenizerHandle,
     check_vocab_fits,
     load_causal_lm,
     pick_attention,
     pick_device,
     pick_dtype,
+    release_freed_memory,
     resolve_tokenizer,
     weights_hash,
 )
 from prefpack.reference import SIDECAR_NAME, Reference, read_sidecar
 from prefpack.tasks import PairTask, StepTotals, Task
+from prefpack.tokenizer import TokenizerError
 
 
 class TrainingInterrupted(RuntimeError):
@@ -255,7 +258,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer, scheduler) -> dict:
 class Setup:
     policy: nn.Module
     reference: Reference
-    tokenizer: Any
+    tokenizer: TokenizerHandle
     train_store: Store
     eval_store: Store | None
     device: torch.device
@@ -331,6 +334,9 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
     if cfg.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    tokenizer = TokenizerHandle.of(tok, trust_remote_code=cfg.model.trust_remote_code)
+    del tok  # loaded again to be saved with the final model; training needs only the ids
+    release_freed_memory()
     if kto:
         train_task, eval_task = make_kto_tasks(cfg, train_store, eval_store, pad_id, reference_hash=expected, log=log)
     else:
@@ -341,7 +347,7 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
 
         train_task = PairTask(train_store, cfg, pad_id, ref_table=table(train_store))
         eval_task = PairTask(eval_store, cfg, pad_id, ref_table=table(eval_store)) if eval_store is not None else None
-    return Setup(policy, reference, tok, train_store, eval_store, device, dtype, pad_id, train_task, eval_task)
+    return Setup(policy, reference, tokenizer, train_store, eval_store, device, dtype, pad_id, train_task, eval_task)
 
 
 def _reference_hash(cfg, policy: nn.Module, ref_path: str, dtype, attn) -> str:
@@ -516,6 +522,12 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
         eval_after = run_eval()
         metrics.log(n_steps, eval_after, split="eval")
     metrics.close()
+    # Training state is not needed to save the result: free it first, so saving never raises the run's peak.
+    optimizer.zero_grad(set_to_none=True)
+    optimizer.state.clear()
+    if reference.mode == "copy":
+        reference.model = reference.module = None
+    release_freed_memory()
     final_dir = save_final(run_dir, policy, setup.tokenizer, module=module, ctx=ctx, strategy=strategy)
     if cfg.run.plot and main:
         try:
@@ -561,7 +573,10 @@ def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module
         model = AutoModelForCausalLM.from_config(policy.config)
         model.load_state_dict(full_state)
     model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    try:
+        (tokenizer.load() if isinstance(tokenizer, TokenizerHandle) else tokenizer).save_pretrained(tmp)
+    except (ModelError, TokenizerError) as exc:  # the trained weights matter more than the tokenizer copy
+        print(f"warning: {exc}", file=sys.stderr)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

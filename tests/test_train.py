@@ -100,6 +100,25 @@ def test_eval_matches_float64_formula(world, capsys):
 # ---------------------------------------------------------------- the loop
 
 
+def test_tokenizer_handle_reloads_the_same_tokenizer_and_refuses_a_changed_one(world, tmp_path):
+    """The trainer drops the tokenizer after its checks and loads it again to save it with the final model."""
+    import shutil
+
+    from prefpack.models import ModelError, TokenizerHandle
+    from prefpack.tokenizer import load_tokenizer, tokenizer_hash
+
+    folder = shutil.copytree(world["tok"], tmp_path / "tok")
+    handle = TokenizerHandle.of(load_tokenizer(folder))
+    assert handle.source == str(folder)
+    assert tokenizer_hash(handle.load()) == handle.content_hash
+    config = folder / "tokenizer_config.json"
+    conf = json.loads(config.read_text())
+    conf["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    config.write_text(json.dumps(conf))
+    with pytest.raises(ModelError, match="changed while the run was training"):
+        handle.load()
+
+
 def test_tiny_train_lowers_loss_changes_weights_and_saves_loadable_model(world, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -115,7 +134,9 @@ def test_tiny_train_lowers_loss_changes_weights_and_saves_loadable_model(world, 
     assert any(not torch.equal(before[k], after[k]) for k in before)
     model = AutoModelForCausalLM.from_pretrained(res.final_dir)
     assert model.config.vocab_size == after["model.embed_tokens.weight"].shape[0]
-    assert (res.final_dir / "tokenizer.json").exists()
+    from prefpack.tokenizer import load_tokenizer, tokenizer_hash
+
+    assert tokenizer_hash(load_tokenizer(res.final_dir)) == Store(world["train"]).meta["tokenizer"]["hash"]
     assert (run / "config.yaml").exists() and (run / "curves.png").stat().st_size > 1000
     assert res.eval_before["loss"] == pytest.approx(math.log(2), abs=1e-5)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
