@@ -119,6 +119,7 @@ def run_eval(args, argv) -> int:
     try:
         setup = build(cfg, log=_err, device=ctx.device)
         result = evaluate(setup.policy, setup.reference, setup.train_task, ctx=ctx)
+        ctx.barrier()  # no rank leaves while another is still in a collective
     finally:
         shutdown()
     if not ctx.is_main:
@@ -184,6 +185,7 @@ def run_precompute(args, argv) -> int:
     try:
         chosen, rejected = compute_store_logps(model, store, micro_batch_tokens=args.micro_batch_tokens,
                                                chunk_size=args.chunk_size, progress=True, ctx=ctx)
+        ctx.barrier()  # no rank leaves while another is still in a collective
     finally:
         shutdown()
     if not ctx.is_main:
@@ -228,6 +230,7 @@ def _precompute_kto(args) -> int:
         arrays = compute_kto_store_logps(model, store, paired_as_kto=args.kto, seed=args.seed,
                                          micro_batch_tokens=args.micro_batch_tokens, chunk_size=args.chunk_size,
                                          progress=True, ctx=ctx)
+        ctx.barrier()  # no rank leaves while another is still in a collective
     finally:
         shutdown()
     if not ctx.is_main:

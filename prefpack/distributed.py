@@ -14,7 +14,10 @@ passes (each gathers parameters collectively); with DDP only the last micro-batc
 from __future__ import annotations
 
 import contextlib
+import gc
+import importlib
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +69,11 @@ def init_from_env(device_name: str = "auto") -> Dist:
         device = torch.device("cpu")
     if world > 1:
         if not dist.is_initialized():
+            # Imported before the group exists on purpose: its functions take `group=group.WORLD` as a default
+            # argument, so a later import (transformers does one while loading a model) holds the group forever,
+            # `destroy_process_group` cannot free it, and its gloo threads race interpreter exit (see shutdown).
+            importlib.import_module("torch.distributed.nn.functional")
+
             dist.init_process_group(backend="nccl" if use_cuda else "gloo")
         if not use_cuda:
             # ranks on one machine share its cores; without this each would start one thread per core
@@ -75,8 +83,19 @@ def init_from_env(device_name: str = "auto") -> Dist:
 
 
 def shutdown() -> None:
+    """Leave the process group, freeing it and joining its worker threads while Python is fully alive.
+
+    A gloo worker thread that releases a finished collective's tensors after the interpreter has begun to exit
+    aborts the process ("terminate called without an active exception"; pytorch issue 190489): the release needs
+    the GIL, which the main thread holds until it blocks. That happened in about 1 of 6 two-rank `eval` runs while
+    the group outlived `destroy_process_group` (see init_from_env). After FSDP2, torch's DTensor planning caches
+    still hold the mesh and so the group (torch 2.13); the short sleep gives its idle workers the GIL to finish.
+    On success callers `barrier()` first so no rank leaves while another is still in a collective; error paths
+    skip it (the other ranks may never reach it)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()
+        time.sleep(0.05)
 
 
 # ------------------------------------------------------------------------------------------------ dealing

@@ -171,3 +171,34 @@ def test_precompute_ref_and_eval_split_across_ranks(world, tmp_path):
     assert single["pairs"] == double["pairs"] == len(Store(store))
     for k in ("loss", "nll", "logps/chosen", "rewards/accuracies"):
         assert single[k] == pytest.approx(double[k], abs=1e-6)
+
+
+_SHUTDOWN_SCRIPT = """
+import importlib, os, sys, torch
+from prefpack.distributed import init_from_env, shutdown
+threads = lambda: len(os.listdir("/proc/self/task"))
+torch.set_num_threads(1)  # what init_from_env sets for two ranks on this machine's 2 cores
+before = threads()
+ctx = init_from_env("cpu")
+importlib.import_module("torch.distributed.nn.functional")  # what transformers does while loading a model
+ctx.all_reduce_sum(torch.ones(3))
+during = threads()
+ctx.barrier()
+shutdown()
+print(before, during, threads())
+"""
+
+
+def test_shutdown_frees_the_process_group_and_its_threads(tmp_path):
+    # A group that outlives shutdown keeps gloo worker threads that can abort the process at exit (the CI failure
+    # of 2026-11-22: "terminate called without an active exception" in a two-rank eval).
+    script = tmp_path / "shutdown.py"
+    script.write_text(_SHUTDOWN_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = [tuple(map(int, line.split())) for line in proc.stdout.split("\n") if line.strip()]
+    assert len(counts) == 2
+    for before, during, after in counts:
+        assert during > before and after == before, (before, during, after)
