@@ -88,7 +88,7 @@ def run_prefpack(a) -> dict:
     torch.set_num_threads(a.threads)
     overrides = [f"model.name_or_path={a.model}", f"data.train={a.store}", "data.shuffle=false",
                  f"train.global_batch_pairs={a.batch_pairs}", f"train.max_steps={a.steps}", "train.seed=0",
-                 f"train.device={a.device}", "model.dtype=float32", "model.attn_implementation=sdpa",
+                 f"train.device={a.device}", "model.dtype=float32", "model.attn_implementation=auto",
                  f"optim.lr={a.lr}", "optim.schedule=linear", "optim.warmup_steps=0", "optim.max_grad_norm=1.0",
                  "optim.weight_decay=0.0", f"loss.beta={a.beta}", "reference.mode=copy",
                  f"run.output_dir={a.out}", "run.plot=false", "run.tensorboard=false", *a.override]

@@ -65,7 +65,7 @@ def _f(default: Any, help: str) -> Any:
 
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-AttnImpl = Literal["auto", "sdpa", "eager", "flash_attention_2"]
+AttnImpl = Literal["auto", "sdpa", "packed_sdpa", "eager", "flash_attention_2"]
 ReferenceMode = Literal["copy", "adapter", "precomputed", "none"]
 KLPairing = Literal["step", "fixed"]
 Schedule = Literal["cosine", "linear", "constant"]
@@ -77,7 +77,8 @@ class ModelConfig:
     name_or_path: str | None = _f(None, "policy weights: local folder or hub id (required for train)")
     tokenizer: str | None = _f(None, "tokenizer folder; null = the model's own, else the store's copy")
     dtype: DType = _f("auto", "weights/compute dtype; auto = float32 on CPU, bfloat16 on CUDA")
-    attn_implementation: AttnImpl = _f("auto", "attention kernel passed to transformers")
+    attn_implementation: AttnImpl = _f(
+        "auto", "attention kernel: auto = flash_attention_2 on CUDA if installed, else sdpa; packed_sdpa on CPU")
     trust_remote_code: bool = _f(False, "allow custom model code from the hub")
     allow_tokenizer_mismatch: bool = _f(False, "train even if the store was tokenised by another tokenizer")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")

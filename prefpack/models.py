@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from prefpack.ops.packed_attention import NAME as PACKED_SDPA
+from prefpack.ops.packed_attention import register as register_packed_attention
 from prefpack.tokenizer import TokenizerError, load_tokenizer, tokenizer_hash
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -36,7 +38,8 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def pick_attention(name: str, device: torch.device) -> str:
-    """flash-attention-2 on CUDA when installed (varlen packing), else sdpa; explicit choices are kept."""
+    """flash-attention-2 on CUDA when installed (varlen packing), else sdpa; on CPU ``packed_sdpa``, which
+    attends only within each packed sequence (prefpack.ops.packed_attention). Explicit choices are kept."""
     if name != "auto":
         return name
     if device.type == "cuda":
@@ -45,8 +48,8 @@ def pick_attention(name: str, device: torch.device) -> str:
 
             return "flash_attention_2"
         except ImportError:
-            pass
-    return "sdpa"
+            return "sdpa"
+    return "sdpa" if device.type != "cpu" else PACKED_SDPA
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -60,6 +63,7 @@ def load_causal_lm(name_or_path: str, *, dtype: torch.dtype, attn_implementation
                    trust_remote_code: bool = False) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
+    register_packed_attention()
     try:
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
