@@ -47,17 +47,22 @@ def worker(args) -> dict:
     from prefpack.data.store import Store
     from prefpack.forward import pair_logps
     from prefpack.losses import sigmoid_loss
+    from prefpack.models import pick_attention, register_packed_attention
     from prefpack.reference import StorePairs
 
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count() or 1)
     store = Store(args.store)
-    policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    ref = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval().requires_grad_(False)
+    packed = args.mode == "packed"
+    # the padded baseline runs sdpa, what transformers picks; packed runs prefpack's CPU default (packed_sdpa)
+    attn = pick_attention("auto", torch.device("cpu")) if packed else "sdpa"
+    register_packed_attention()
+    policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation=attn)
+    ref = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation=attn)
+    ref.eval().requires_grad_(False)
     policy.train()
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-5)
     order = np.random.default_rng(0).permutation(len(store))
-    packed = args.mode == "packed"
     real = computed = 0
     first_loss = None
     t_total = 0.0
