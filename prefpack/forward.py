@@ -38,6 +38,7 @@ __all__ = [
     "PairLogps",
     "SequenceLogps",
     "check_against_model",
+    "packing_leak",
     "pair_logps",
     "sequence_logps",
     "split_pairs",
@@ -177,3 +178,31 @@ def check_against_model(
         softcap=spec.softcap,
     )
     return float((ours.view_as(ref).float() - ref).abs().max())
+
+
+def packing_leak(model: nn.Module) -> float:
+    """How far a sequence's hidden states move when the OTHER sequence of its packed row changes (0 when
+    attention stays within sequences, as packing needs).
+
+    Models whose attention ignores position-id boundaries (ALiBi models such as Bloom, custom code) would
+    otherwise train on pairs that see each other, silently. Two tiny seeded rows, no gradients.
+    """
+    body, _ = body_and_head(model)
+    device = head_spec(model).weight.device
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    g = torch.Generator().manual_seed(0)
+    first, other, second = (torch.randint(0, vocab, (n,), generator=g) for n in (5, 5, 6))
+    position_ids = torch.cat([torch.arange(5), torch.arange(6)])[None].to(device)
+    outs = []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for head in (first, other):
+                ids = torch.cat([head, second])[None].to(device)
+                out = body(input_ids=ids, position_ids=position_ids, attention_mask=None, use_cache=False)
+                outs.append(_hidden(out)[0, 5:].float())
+    finally:
+        model.train(was_training)
+    scale = 1.0 + float(outs[0].abs().max())
+    return float((outs[0] - outs[1]).abs().max()) / scale

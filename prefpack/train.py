@@ -302,7 +302,7 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
         raise StoreError(f"eval store {cfg.data.eval!r} was prepared with another tokenizer than the train store")
     torch.manual_seed(cfg.train.seed)
     policy = load_causal_lm(cfg.model.name_or_path, dtype=dtype, attn_implementation=attn, device=device,
-                            trust_remote_code=cfg.model.trust_remote_code)
+                            trust_remote_code=cfg.model.trust_remote_code, packed=cfg.data.packing)
     check_vocab_fits(policy, train_store.meta, cfg.data.train)
     terms = [] if kto else [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
     mode = cfg.reference.mode
@@ -318,7 +318,7 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
         reference = Reference("precomputed")
     elif mode == "copy":
         ref_model = load_causal_lm(ref_path, dtype=dtype, attn_implementation=attn, device=device,
-                                   trust_remote_code=cfg.model.trust_remote_code)
+                                   trust_remote_code=cfg.model.trust_remote_code, packed=cfg.data.packing)
         reference = Reference("copy", model=ref_model, chunk_size=cfg.train.chunk_size)
     elif mode == "adapter":
         if not cfg.lora.enabled:
@@ -354,7 +354,7 @@ def _reference_hash(cfg, policy: nn.Module, ref_path: str, dtype, attn) -> str:
     if ref_path == cfg.model.name_or_path:
         return weights_hash(policy)
     ref = load_causal_lm(ref_path, dtype=dtype, attn_implementation=attn, device=torch.device("cpu"),
-                         trust_remote_code=cfg.model.trust_remote_code)
+                         trust_remote_code=cfg.model.trust_remote_code, packed=False)  # only hashed
     h = weights_hash(ref)
     del ref
     return h

@@ -16,7 +16,8 @@ from prefpack.data.packing import (
     plan_micro_batches,
     plan_stats,
 )
-from prefpack.forward import pair_logps, sequence_logps
+from prefpack.forward import packing_leak, pair_logps, sequence_logps
+from prefpack.models import PACKING_LEAK_TOLERANCE, ModelError, load_causal_lm
 from prefpack.ops.packed_attention import block_bounds
 
 VOCAB = 300
@@ -367,3 +368,34 @@ def test_block_bounds_cut_where_positions_restart():
         [(0, 10)],
         [(0, 2), (2, 3), (3, 4), (4, 6), (6, 10)],
     ]
+
+
+def _save_tiny(tmp_path, cfg):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    path = tmp_path / type(cfg).__name__
+    tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return str(path)
+
+
+def test_packing_leak_is_zero_when_attention_stays_within_sequences(model):
+    assert packing_leak(model) == 0.0
+
+
+def test_models_whose_attention_crosses_packed_sequences_are_refused(tmp_path):
+    """Bloom's ALiBi attention ignores position ids, so packed pairs would see each other: refused when packing,
+    loaded for the padded fallback. GPT-J has no sdpa: it falls back to eager (which keeps sequences apart)."""
+    import transformers as tf
+
+    bloom = _save_tiny(tmp_path, tf.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_head=4, n_layer=2))
+    cpu = torch.device("cpu")
+    with pytest.raises(ModelError, match=r"BloomForCausalLM.*attend to each other.*data\.packing=false"):
+        load_causal_lm(bloom, dtype=torch.float32, attn_implementation="eager", device=cpu)
+    model = load_causal_lm(bloom, dtype=torch.float32, attn_implementation="eager", device=cpu, packed=False)
+    assert packing_leak(model) > PACKING_LEAK_TOLERANCE
+    gptj = _save_tiny(tmp_path, tf.GPTJConfig(vocab_size=VOCAB, n_embd=32, n_head=4, n_layer=2, rotary_dim=4,
+                                              bos_token_id=0, eos_token_id=0))
+    with pytest.warns(UserWarning, match="no sdpa attention; using eager"):
+        model = load_causal_lm(gptj, dtype=torch.float32, attn_implementation="packed_sdpa", device=cpu)
+    assert model.config._attn_implementation == "eager" and packing_leak(model) == 0.0
