@@ -7,7 +7,9 @@ here). Registered as the attention implementation ``packed_sdpa`` (prefpack's CP
 * packed batches (no padding mask, position ids restarting at 0 per sequence): each row is cut where
   position ids restart and every block runs ``scaled_dot_product_attention(is_causal=True)``; a one-token
   block's output is its value vector (softmax over one score), copied without a call;
-* anything else (a padding mask, no position ids, a cache): plain transformers sdpa with its usual mask.
+* sliding-window layers get a banded mask for blocks longer than the window;
+* anything else (a padding mask, no position ids, a cache, logit softcapping): plain transformers sdpa with
+  its usual mask (and its own error for softcapping).
 
 On CUDA the per-block loop would launch many small kernels; flash-attention varlen does this job there.
 """
@@ -41,7 +43,7 @@ def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     """query [B, H, L, D], key/value [B, Hkv, L, D] -> ([B, L, H, D], None), transformers' attention contract."""
     position_ids = kwargs.get("position_ids")
     if (attention_mask is not None or position_ids is None or key.shape[2] != query.shape[2]
-            or position_ids.shape[-1] != query.shape[2]):
+            or position_ids.shape[-1] != query.shape[2] or kwargs.get("softcap") is not None):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
@@ -50,6 +52,7 @@ def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
         raise ValueError("packed_sdpa attention has no dropout (prefpack disables dropout for preference losses)")
     batch, heads = query.shape[:2]
     groups = heads // key.shape[1]
+    window = kwargs.get("sliding_window")  # set on sliding-window layers (Mistral, Gemma's local layers, ...)
     if position_ids.shape[0] != batch:
         position_ids = position_ids.expand(batch, -1)
     rows = []
@@ -60,8 +63,14 @@ def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
                 v = value[b, :, s:e].transpose(0, 1)  # [1, Hkv, D]
                 pieces.append(v.repeat_interleave(groups, dim=1) if groups > 1 else v)
                 continue
-            o = F.scaled_dot_product_attention(query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e],
-                                               is_causal=True, scale=scaling, enable_gqa=groups > 1)
+            q, k, v = query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e]
+            if window is not None and e - s > window:  # query i sees keys j with i - window < j <= i
+                d = torch.arange(e - s, device=q.device)
+                d = d[:, None] - d[None, :]
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=(d >= 0) & (d < window), scale=scaling,
+                                                   enable_gqa=groups > 1)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=groups > 1)
             pieces.append(o[0].transpose(0, 1))  # [l, H, D]
         rows.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
     out = torch.stack(rows)
