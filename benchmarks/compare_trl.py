@@ -26,8 +26,20 @@ are never targets, but every log-softmax runs over them; the output says which w
 
     pip install -e '.[bench]'          # TRL, pinned
     python benchmarks/compare_trl.py [--cases neox,qwen] [--steps 2] [--repeats 1] [--device cpu]
+    python benchmarks/compare_trl.py --device cuda --dtype bfloat16 --preset 0.7b --cases qwen --batch-pairs 32
 
 The default run (2 steps, both cases, 6 processes) takes about 9 minutes on 2 CPU cores, most of it TRL's.
+
+Precision: `--dtype bfloat16` runs TRL with `bf16=True` on float32 weights (its default mixed precision: float32
+masters, bf16 autocast) and prefpack with `model.dtype=bfloat16` (float32 masters under bf16 autocast).
+Presets: `cpu` (4 layers, hidden 256), `0.7b` (24 layers, hidden 1024) and `1.3b` (28 layers, hidden 1536),
+intermediate 4x hidden, heads of 64.
+
+MFU: useful FLOPs per real token of the pairs used (policy forward and backward 6N, reference forward 2N for the
+N non-embedding parameters per token; the LM head 8 V h per completion token only; attention 4 l^2 h per layer and
+sequence, causal counted as full, times 3 for the policy and 1 for the reference) times tokens/s, over the matmul
+peak measured in the same run (bf16 on CUDA with --dtype bfloat16, else float32). Both frameworks are measured
+against the same useful work: padding, recomputed prompts and full-vocabulary logits count as waste.
 """
 
 from __future__ import annotations
@@ -51,6 +63,42 @@ QWEN_VOCAB = 151_936  # Qwen2.5's embedding rows (its tokenizer has 151,665 toke
 RUNS = ("prefpack", "trl", "trl_no_gc")
 LABELS = {"prefpack": "prefpack", "trl": "TRL (defaults: grad. ckpt on)", "trl_no_gc": "TRL (grad. ckpt off)"}
 TARGET_SPEED, TARGET_MEMORY, TARGET_FILLING, LOSS_TOL = 3.0, 0.4, 0.95, 1e-4
+PRESETS = {"cpu": (4, 256), "0.7b": (24, 1024), "1.3b": (28, 1536)}
+
+
+def matmul_peak_flops(device: str, dtype: str) -> float:
+    """Best of 10 square matmuls (8192 on CUDA, 1024 on CPU) in the compute dtype: the MFU denominator."""
+    import torch
+
+    n = 8192 if device == "cuda" else 1024
+    dt = torch.bfloat16 if (dtype == "bfloat16" and device == "cuda") else torch.float32
+    x, y = (torch.randn(n, n, device=device, dtype=dt) for _ in range(2))
+    best = float("inf")
+    for _ in range(10):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        x @ y
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def useful_flops_per_token(store_path: Path, *, layers: int, hidden: int, vocab: int, body_params: int) -> float:
+    """DPO step FLOPs a perfect trainer spends per real token of these pairs (see the module docstring)."""
+    from prefpack.data.store import Store
+
+    store = Store(store_path)
+    tokens = flops = 0.0
+    for i in range(len(store)):
+        pair = store.pair(i)
+        p, c, r = len(pair.prompt), len(pair.chosen), len(pair.rejected)
+        real = 2 * p + c + r
+        attn = 4 * layers * hidden * ((p + c) ** 2 + (p + r) ** 2)
+        flops += 8 * body_params * real + 8 * vocab * hidden * (c + r) + 4 * attn
+        tokens += real
+    return flops / max(tokens, 1)
 
 
 # ------------------------------------------------------------------------------------------------ measuring
@@ -88,7 +136,7 @@ def run_prefpack(a) -> dict:
     torch.set_num_threads(a.threads)
     overrides = [f"model.name_or_path={a.model}", f"data.train={a.store}", "data.shuffle=false",
                  f"train.global_batch_pairs={a.batch_pairs}", f"train.max_steps={a.steps}", "train.seed=0",
-                 f"train.device={a.device}", "model.dtype=float32", "model.attn_implementation=auto",
+                 f"train.device={a.device}", f"model.dtype={a.dtype}", "model.attn_implementation=auto",
                  f"optim.lr={a.lr}", "optim.schedule=linear", "optim.warmup_steps=0", "optim.max_grad_norm=1.0",
                  "optim.weight_decay=0.0", f"loss.beta={a.beta}", "reference.mode=copy",
                  f"run.output_dir={a.out}", "run.plot=false", "run.tensorboard=false", *a.override]
@@ -150,7 +198,8 @@ def run_trl(a) -> dict:
     args = DPOConfig(
         output_dir=a.out, per_device_train_batch_size=a.batch_pairs, gradient_accumulation_steps=1,
         max_steps=a.steps, learning_rate=a.lr, lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=1.0,
-        weight_decay=0.0, beta=a.beta, loss_type=["sigmoid"], max_length=a.max_length, bf16=False, fp16=False,
+        weight_decay=0.0, beta=a.beta, loss_type=["sigmoid"], max_length=a.max_length,
+        bf16=a.dtype == "bfloat16", fp16=False,
         use_cpu=a.device == "cpu", gradient_checkpointing=a.gradient_checkpointing, train_sampling_strategy="sequential",
         seed=0, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
         model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},
@@ -296,7 +345,7 @@ def launch(kind: str, case: dict, a, work: Path, tag: str) -> dict:
            "--model", str(case["model"]), "--store", str(case["store"]), "--rows", str(case["rows"]),
            "--tokenizer", case["tokenizer"], "--out", str(out), "--steps", str(a.steps),
            "--batch-pairs", str(a.batch_pairs), "--lr", repr(a.lr), "--beta", repr(a.beta),
-           "--max-length", str(a.max_length), "--device", a.device, "--threads", str(a.threads)]
+           "--max-length", str(a.max_length), "--device", a.device, "--threads", str(a.threads), "--dtype", a.dtype]
     if kind == "trl":
         cmd.append("--gradient-checkpointing")
     for o in a.override:
@@ -343,12 +392,12 @@ def print_case(name: str, rep: dict, mem_label: str) -> None:
     runs = rep["runs"]
     print(f"\n[{name}] tokenizer: {rep['tokenizer']}; model vocabulary {rep['model_vocab']:,}, "
           f"{rep['params'] / 1e6:.1f}M parameters; {rep['pairs_used']} pairs, {rep['tokens_used']:,} tokens")
-    print(f"{'run':<32}{'tokens/s':>10}{mem_label:>15}{'filling':>9}{'step-1 loss':>14}{'last loss':>12}")
+    print(f"{'run':<32}{'tokens/s':>10}{mem_label:>15}{'filling':>9}{'MFU':>7}{'step-1 loss':>14}{'last loss':>12}")
     for k in RUNS:
         if k in runs:
             r = runs[k]
             print(f"{LABELS[k]:<32}{r['tokens_per_s']:>10,.0f}{r['peak_memory_mib']:>15,.0f}{r['filling']:>9.3f}"
-                  f"{r['first_loss']:>14.7f}{r['losses'][-1]:>12.7f}")
+                  f"{r['mfu']:>7.1%}{r['first_loss']:>14.7f}{r['losses'][-1]:>12.7f}")
     for k in ("trl", "trl_no_gc"):
         v = rep.get(f"vs_{k}")
         if v:
@@ -370,8 +419,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3,
                     help="optimizer steps per run; the first is not timed (a single timed step is mostly noise)")
     ap.add_argument("--batch-pairs", type=int, default=8)
+    ap.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                    help="model size: cpu (4x256), 0.7b (24x1024), 1.3b (28x1536); overrides --layers/--hidden")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="compute dtype of both: bfloat16 = TRL bf16=True and prefpack model.dtype=bfloat16, both "
+                    "with float32 master weights")
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--beta", type=float, default=0.1)
@@ -389,6 +443,8 @@ def main() -> None:
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     ap.add_argument("--gradient-checkpointing", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.preset:
+        a.layers, a.hidden = PRESETS[a.preset]
     if a.worker:
         worker(a)
         return
@@ -413,7 +469,9 @@ def main() -> None:
     log = print
     device = torch.cuda.get_device_name(0) if a.device == "cuda" else f"{os.cpu_count()}-core CPU"
     log(f"compare_trl: prefpack {getattr(prefpack, '__version__', '?')} vs TRL {trl.__version__} DPOTrainer "
-        f"(torch {torch.__version__}, transformers {transformers.__version__}) on {device}, float32, sdpa")
+        f"(torch {torch.__version__}, transformers {transformers.__version__}) on {device}, {a.dtype}")
+    peak = matmul_peak_flops(a.device, a.dtype)
+    log(f"matmul peak measured here: {peak / 1e12:.2f} TFLOP/s ({a.dtype if a.device == 'cuda' else 'float32'})")
     log(f"Llama {a.layers} layers, hidden {a.hidden}; {a.batch_pairs} pairs/step, {a.steps} steps (first not "
         f"timed), beta {a.beta}, lr {a.lr} linear, max length {a.max_length}; repeats {a.repeats}")
     reports: dict[str, dict] = {}
@@ -437,12 +495,16 @@ def main() -> None:
             params = build_model(cwork / "model", vocab, a)
             case = {"model": cwork / "model", "store": store, "rows": rows, "tokenizer": tokenizer, "vocab": vocab,
                     "params": params, "info": info, "tokenizer_note": note}
+            body = params - 2 * vocab * a.hidden  # untied embedding and head
+            per_token = useful_flops_per_token(store, layers=a.layers, hidden=a.hidden, vocab=vocab,
+                                               body_params=body)
             best: dict[str, dict] = {}
             for rep in range(a.repeats):
                 for kind in runs:
                     r = launch(kind, case, a, cwork, f"{kind}-{rep}")
                     log(f"  {kind:<10} run {rep + 1}: {r['tokens_per_s']:8,.0f} tokens/s, peak "
                         f"{r['peak_memory_mib']:,.0f} MiB, step-1 loss {r['first_loss']:.7f} ({r['wall_s']:.0f} s)")
+                    r["mfu"] = r["tokens_per_s"] * per_token / peak
                     if kind not in best or r["tokens_per_s"] > best[kind]["tokens_per_s"]:
                         best[kind] = r
             reports[name] = report_case(name, case, best)
@@ -473,9 +535,10 @@ def main() -> None:
     print("\ntargets: " + "; ".join(f"{k}: {'met' if ok else 'NOT met'}" for k, ok in targets.items()))
     print(f"total {time.perf_counter() - t_start:.0f} s")
     print(json.dumps({"bench": "compare_trl", "trl_version": trl.__version__, "torch": torch.__version__,
-                      "transformers": transformers.__version__, "device": device, "dtype": "float32",
+                      "transformers": transformers.__version__, "device": device, "dtype": a.dtype,
+                      "matmul_peak_tflops": peak / 1e12,
                       "config": {k: getattr(a, k) for k in ("steps", "batch_pairs", "layers", "hidden", "max_length",
-                                                            "lr", "beta", "repeats", "override")},
+                                                            "lr", "beta", "repeats", "override", "preset")},
                       "targets": targets, "cases": reports}, default=str))
 
 

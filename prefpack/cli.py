@@ -16,13 +16,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from prefpack.data.prepare import PrepareError
     from prefpack.data.sources import SourceError
     from prefpack.data.store import StoreError
+    from prefpack.distributed import LaunchError
     from prefpack.models import ModelError
     from prefpack.plot import PlotError
     from prefpack.reference import ReferenceMismatch
     from prefpack.tokenizer import TokenizerError
 
     return (InvalidRow, PrepareError, SourceError, StoreError, TokenizerError, ConfigError, ModelError,
-            ReferenceMismatch, PlotError, FileExistsError)
+            ReferenceMismatch, PlotError, FileExistsError, LaunchError)
 
 
 def _add_prepare(sub) -> None:
@@ -45,6 +46,8 @@ def _add_prepare(sub) -> None:
     p.add_argument("--skip-invalid", action="store_true",
                    help="skip bad rows (counted by reason and written to skipped.jsonl) instead of stopping")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output store")
+    p.add_argument("--allow-duplicate-inputs", action="store_true",
+                   help="store a file reached twice (by name, glob or link) twice, on purpose")
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom tokenizer code from the hub")
 
 
@@ -56,6 +59,7 @@ def _run_prepare(args, argv: list[str]) -> int:
         inputs=args.inputs, tokenizer=args.tokenizer, output=args.output, layout=args.format, fields=fields,
         split=args.split, max_length=args.max_length, truncation=args.truncation, workers=args.workers,
         skip_invalid=args.skip_invalid, overwrite=args.overwrite, trust_remote_code=args.trust_remote_code,
+        allow_duplicate_inputs=args.allow_duplicate_inputs,
         argv=argv,
     )
     report = prepare(opts, log=lambda m: print(m, file=sys.stderr))

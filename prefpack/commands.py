@@ -22,7 +22,11 @@ def add_train(sub) -> None:
     p.add_argument("config", metavar="CONFIG.yaml", help="config file; may be left out when every key is given as an "
                    "override")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value")
-    p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue from the run folder's newest intact checkpoint "
+                   "(each is checked against its checksums; a damaged one is reported and the previous one used)")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="with --resume: accept a config that differs from the run's config.yaml in keys that change "
+                   "the result (each change is printed and recorded in RUN_DIR/config_changes.jsonl)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     # stops cleanly after N steps, as if interrupted (to test resuming); not for everyday use
     p.add_argument("--stop-after-steps", type=int, default=None, help=argparse.SUPPRESS)
@@ -39,13 +43,22 @@ def run_train(args, argv) -> int:
     cfg = load_config(config, overrides)
     for w in cfg.warnings():
         _err(f"warning: {w}")
+    if args.allow_config_change and not args.resume:
+        _err("prefpack train: error: --allow-config-change applies to --resume only")
+        return 2
     try:
+        if args.allow_config_change and _is_main_rank():
+            _accept_config_changes(cfg)
         result = train(cfg, resume=args.resume, log=_err, progress=not args.no_progress,
                        stop_after_steps=args.stop_after_steps)
     except TrainingInterrupted as stop:
         if _is_main_rank():
             _err(f"{stop}; continue with --resume")
         return 0
+    except KeyboardInterrupt:
+        if _is_main_rank():
+            _err(_interrupted_message(cfg, argv))
+        return 130
     finally:
         shutdown()
     if _is_main_rank():
@@ -53,6 +66,44 @@ def run_train(args, argv) -> int:
                    "train": result.last_train, "eval": result.eval_after}
         print(json.dumps(summary))
     return 0
+
+
+def _accept_config_changes(cfg) -> None:
+    """--allow-config-change: print and record the changes with the step of the checkpoint the resume starts from
+    (the newest one that matches its checksums), then update config.yaml; train() then finds no difference."""
+    from prefpack.checkpoint import list_checkpoints, verify_checkpoint
+    from prefpack.resume_check import accept_config_changes
+
+    cfg.validate()
+    intact = (v for v in map(verify_checkpoint, reversed(list_checkpoints(Path(cfg.run.output_dir))))
+              if v.status != "damaged")
+    newest = next(intact, None)
+    accept_config_changes(cfg, step=newest.step if newest is not None else None, log=_err)
+
+
+def _interrupted_message(cfg, argv: list[str]) -> str:
+    """Ctrl-C: the last checkpoint and the exact command that continues from it."""
+    import shlex
+
+    from prefpack.checkpoint import checkpoint_step, latest_checkpoint
+
+    last = latest_checkpoint(Path(cfg.run.output_dir))
+    words, skip = [], False
+    for w in argv:
+        if skip:
+            skip = False
+        elif w == "--stop-after-steps":
+            skip = True  # its value follows
+        elif not w.startswith("--stop-after-steps="):
+            words.append(w)
+    if "--resume" not in words:
+        words.append("--resume")
+    if last is None:
+        where = (f"no checkpoint was written yet (run.save_every={cfg.run.save_every}), so resuming starts again "
+                 "from step 0")
+    else:
+        where = f"the last checkpoint is step {checkpoint_step(last)} ({last})"
+    return f"prefpack train: interrupted; {where}; continue with:\n  {shlex.join(words)}"
 
 
 def _is_main_rank() -> bool:
@@ -78,9 +129,10 @@ def add_eval(sub) -> None:
     p.add_argument("--desirable-weight", type=float, default=1.0, help="KTO weight of desirable examples")
     p.add_argument("--undesirable-weight", type=float, default=1.0, help="KTO weight of undesirable examples")
     p.add_argument("--seed", type=int, default=0, help="seed of the KTO KL pairing (as given to precompute-ref)")
-    p.add_argument("--micro-batch-tokens", type=int, default=4096)
+    p.add_argument("--micro-batch-tokens", default="auto", help="tokens per micro-batch (default: auto, from the device)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="compute dtype (auto: bfloat16 on CUDA over float32 weights, as training runs)")
     p.add_argument("--allow-tokenizer-mismatch", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -151,8 +203,8 @@ def add_precompute(sub) -> None:
                    "rejected = undesirable); an unpaired store is always scored as KTO examples")
     p.add_argument("--seed", type=int, default=0, help="KTO: seed of the fixed KL pairing (train.seed of the runs "
                    "that read the sidecar)")
-    p.add_argument("--micro-batch-tokens", type=int, default=4096)
-    p.add_argument("--chunk-size", type=int, default=1024)
+    p.add_argument("--micro-batch-tokens", default="auto", help="tokens per micro-batch (default: auto, from the device)")
+    p.add_argument("--chunk-size", default="auto", help="rows per chunk of the head (default: auto, from the device)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--allow-tokenizer-mismatch", action="store_true")
@@ -163,10 +215,8 @@ def run_precompute(args, argv) -> int:
     from prefpack.distributed import init_from_env, shutdown
     from prefpack.models import (
         check_vocab_fits,
-        load_causal_lm,
-        pick_attention,
+        load_scoring_model,
         pick_device,
-        pick_dtype,
         resolve_tokenizer,
         weights_hash,
     )
@@ -179,12 +229,13 @@ def run_precompute(args, argv) -> int:
     resolve_tokenizer(args.model, store.meta, store.tokenizer_path(), allow_mismatch=args.allow_tokenizer_mismatch)
     ctx = init_from_env(args.device)  # under torchrun every rank scores a share of the store
     device = ctx.device if args.device == "auto" else pick_device(args.device)
-    model = load_causal_lm(args.model, dtype=pick_dtype(args.dtype, device),
-                           attn_implementation=pick_attention("auto", device), device=device)
+    model = load_scoring_model(args.model, args.dtype, device)
     check_vocab_fits(model, store.meta, args.data)
+    budgets = _scoring_budgets(args, model, device)
     try:
-        chosen, rejected = compute_store_logps(model, store, micro_batch_tokens=args.micro_batch_tokens,
-                                               chunk_size=args.chunk_size, progress=True, ctx=ctx)
+        chosen, rejected = compute_store_logps(model, store, micro_batch_tokens=budgets.micro_batch_tokens,
+                                               row_tokens=budgets.row_tokens, chunk_size=budgets.chunk_size,
+                                               progress=True, ctx=ctx)
         ctx.barrier()  # no rank leaves while another is still in a collective
     finally:
         shutdown()
@@ -195,6 +246,30 @@ def run_precompute(args, argv) -> int:
     print(json.dumps({"sidecar": str(path), "pairs": len(store), "mean_chosen": float(chosen.mean()),
                       "mean_rejected": float(rejected.mean())}))
     return 0
+
+
+def _scoring_budgets(args, model, device):
+    """precompute-ref's budgets: the flags, or from the device (nothing trains, so all free memory is for it)."""
+    from types import SimpleNamespace
+
+    from prefpack.budgets import resolve_budgets
+    from prefpack.config import ConfigError
+    from prefpack.forward import uses_flash_attention
+
+    def budget(flag: str, value: str):
+        if value == "auto":
+            return value
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"{flag} must be a positive integer or auto, got {value!r}")
+        return int(value)
+
+    train = SimpleNamespace(micro_batch_tokens=budget("--micro-batch-tokens", args.micro_batch_tokens),
+                            chunk_size=budget("--chunk-size", args.chunk_size))
+    budgets, line = resolve_budgets(train, SimpleNamespace(max_tokens_per_row="auto"), model, device,
+                                    trainable_params=0, autocast=False, checkpointing=False,
+                                    flattened=uses_flash_attention(model))
+    _err(line)
+    return budgets
 
 
 def _precompute_kto(args) -> int:
@@ -211,10 +286,8 @@ def _precompute_kto(args) -> int:
     )
     from prefpack.models import (
         check_vocab_fits,
-        load_causal_lm,
-        pick_attention,
+        load_scoring_model,
         pick_device,
-        pick_dtype,
         resolve_tokenizer,
         weights_hash,
     )
@@ -223,12 +296,13 @@ def _precompute_kto(args) -> int:
     resolve_tokenizer(args.model, store.meta, store.tokenizer_path(), allow_mismatch=args.allow_tokenizer_mismatch)
     ctx = init_from_env(args.device)
     device = ctx.device if args.device == "auto" else pick_device(args.device)
-    model = load_causal_lm(args.model, dtype=pick_dtype(args.dtype, device),
-                           attn_implementation=pick_attention("auto", device), device=device)
+    model = load_scoring_model(args.model, args.dtype, device)
     check_vocab_fits(model, store.meta, args.data)
+    budgets = _scoring_budgets(args, model, device)
     try:
         arrays = compute_kto_store_logps(model, store, paired_as_kto=args.kto, seed=args.seed,
-                                         micro_batch_tokens=args.micro_batch_tokens, chunk_size=args.chunk_size,
+                                         micro_batch_tokens=budgets.micro_batch_tokens,
+                                         row_tokens=budgets.row_tokens, chunk_size=budgets.chunk_size,
                                          progress=True, ctx=ctx)
         ctx.barrier()  # no rank leaves while another is still in a collective
     finally:

@@ -65,7 +65,10 @@ def _f(default: Any, help: str) -> Any:
 
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-AttnImpl = Literal["auto", "sdpa", "packed_sdpa", "eager", "flash_attention_2"]
+AttnImpl = Literal["auto", "sdpa", "packed_sdpa", "varlen", "eager", "flash_attention_2"]
+MasterDType = Literal["auto", "float32", "bfloat16"]
+SaveDType = Literal["auto", "float32", "bfloat16"]
+Budget = int | Literal["auto"]
 ReferenceMode = Literal["copy", "adapter", "precomputed", "none"]
 KLPairing = Literal["step", "fixed"]
 Schedule = Literal["cosine", "linear", "constant"]
@@ -76,9 +79,11 @@ Device = Literal["auto", "cpu", "cuda"]
 class ModelConfig:
     name_or_path: str | None = _f(None, "policy weights: local folder or hub id (required for train)")
     tokenizer: str | None = _f(None, "tokenizer folder; null = the model's own, else the store's copy")
-    dtype: DType = _f("auto", "weights/compute dtype; auto = float32 on CPU, bfloat16 on CUDA")
+    dtype: DType = _f("auto", "compute dtype; auto = float32 on CPU, bfloat16 on CUDA (float32 master weights, "
+                      "see optim.master_dtype)")
     attn_implementation: AttnImpl = _f(
-        "auto", "attention kernel: auto = flash_attention_2 on CUDA if installed, else sdpa; packed_sdpa on CPU")
+        "auto", "attention kernel: auto = packed_sdpa on CPU; on CUDA flash_attention_2 if installed, else torch's "
+        "varlen (half-precision compute), else sdpa")
     trust_remote_code: bool = _f(False, "allow custom model code from the hub")
     allow_tokenizer_mismatch: bool = _f(False, "train even if the store was tokenised by another tokenizer")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
@@ -89,7 +94,8 @@ class DataConfig:
     train: str | None = _f(None, "prepared store folder to train on (required for train)")
     eval: str | None = _f(None, "prepared held-out store folder; null = no evaluation")
     packing: bool = _f(True, "pack several pairs into each row; false = one padded pair per row")
-    max_tokens_per_row: int = _f(2048, "row length budget in tokens when packing")
+    max_tokens_per_row: Budget = _f("auto", "row length budget in tokens when packing; auto = 2048 on CPU, "
+                                    "sized from the device on CUDA")
     pad_to_multiple_of: int | None = _f(None, "pad row length up to a multiple of this; null = no rounding")
     shuffle: bool = _f(True, "shuffle pairs every epoch (seeded by train.seed)")
     paired_as_kto: bool = _f(False, "KTO on a pair store: chosen = desirable, rejected = undesirable")
@@ -140,16 +146,21 @@ class OptimConfig:
     warmup_steps: int = _f(0, "linear warmup steps")
     warmup_ratio: float = _f(0.0, "warmup as a fraction of all steps, used when warmup_steps is 0")
     max_grad_norm: float | None = _f(1.0, "clip the global gradient norm to this; null = no clipping")
+    master_dtype: MasterDType = _f(
+        "auto", "dtype of the trained weights and optimizer state; auto = float32 (bfloat16 loses updates "
+        "smaller than half a bf16 ulp, most of them at DPO learning rates)")
 
 
 @dataclass
 class TrainConfig:
     global_batch_pairs: int = _f(8, "pairs (KTO: examples) per optimizer step (over all micro-batches and ranks)")
-    micro_batch_tokens: int = _f(4096, "token budget of one micro-batch (all its rows)")
+    micro_batch_tokens: Budget = _f("auto", "token budget of one micro-batch (all its rows); auto = 4096 on CPU, "
+                                    "sized from free memory and the model on CUDA")
     epochs: float = _f(1.0, "passes over the training store (fractions allowed)")
     max_steps: int | None = _f(None, "optimizer steps to run; overrides epochs when set")
     seed: int = _f(0, "seed for shuffling, dropout and initialisation")
-    chunk_size: int = _f(1024, "tokens per chunk of the memory-bounded log-softmax")
+    chunk_size: Budget = _f("auto", "tokens per chunk of the memory-bounded log-softmax; auto = 1024 on CPU, "
+                            "sized from the device on CUDA")
     device: Device = _f("auto", "auto = cuda when available, else cpu")
 
 
@@ -162,6 +173,7 @@ class RunConfig:
     keep_checkpoints: int = _f(2, "how many most recent checkpoints to keep")
     tensorboard: bool = _f(True, "also log to TensorBoard when it is installed")
     plot: bool = _f(True, "write curves.png at the end")
+    save_dtype: SaveDType = _f("auto", "dtype of the final model; auto = the dtype of the source checkpoint")
 
 
 Strategy = Literal["ddp", "fsdp2"]
@@ -249,8 +261,12 @@ def _problems(cfg: Config, *, training: bool) -> list[str]:
         need(bool(d.train), "data.train is required: a store folder written by `prefpack prepare`")
     need(not (tr.device == "cpu" and m.attn_implementation == "flash_attention_2"),
          "model.attn_implementation 'flash_attention_2' needs CUDA but train.device is 'cpu'")
+    need(not (opt.master_dtype == "bfloat16" and m.dtype == "float32"),
+         "optim.master_dtype bfloat16 with model.dtype float32 would compute in float32 on bfloat16 weights; "
+         "set model.dtype=bfloat16 (pure bfloat16) or leave optim.master_dtype at auto")
 
-    at_least("data.max_tokens_per_row", d.max_tokens_per_row, 2)
+    if d.max_tokens_per_row != "auto":
+        at_least("data.max_tokens_per_row", d.max_tokens_per_row, 2)
     if d.pad_to_multiple_of is not None:
         at_least("data.pad_to_multiple_of", d.pad_to_multiple_of, 1)
 
@@ -286,12 +302,14 @@ def _problems(cfg: Config, *, training: bool) -> list[str]:
         positive("optim.max_grad_norm", opt.max_grad_norm)
 
     at_least("train.global_batch_pairs", tr.global_batch_pairs, 1)
-    at_least("train.micro_batch_tokens", tr.micro_batch_tokens, 2)
+    if tr.micro_batch_tokens != "auto":
+        at_least("train.micro_batch_tokens", tr.micro_batch_tokens, 2)
     positive("train.epochs", tr.epochs)
     if tr.max_steps is not None:
         at_least("train.max_steps", tr.max_steps, 1)
     need(0 <= tr.seed < 2**32, f"train.seed must be in [0, 2**32), got {tr.seed}")
-    at_least("train.chunk_size", tr.chunk_size, 1)
+    if tr.chunk_size != "auto":
+        at_least("train.chunk_size", tr.chunk_size, 1)
 
     need(bool(run.output_dir), "run.output_dir must not be empty")
     at_least("run.log_every", run.log_every, 1)

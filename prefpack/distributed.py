@@ -27,6 +27,10 @@ import torch.distributed as dist
 from torch import nn
 
 
+class LaunchError(ValueError):
+    """torchrun asked for something this machine cannot give (more GPU processes than GPUs)."""
+
+
 @dataclass
 class Dist:
     rank: int = 0
@@ -63,6 +67,10 @@ def init_from_env(device_name: str = "auto") -> Dist:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
     if use_cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise LaunchError(f"process {rank} (local rank {local_rank}) has no GPU of its own: this machine shows "
+                               f"{torch.cuda.device_count()} CUDA device(s); start torchrun with --nproc-per-node at "
+                               "most that, or set train.device=cpu to run every process on the CPU")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
@@ -157,8 +165,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def wrap(module: nn.Module, base: nn.Module, strategy: str, ctx: Dist, *, trainable: bool) -> nn.Module:
-    """Wrap a SequenceLogps module for the strategy; `base` is the causal LM inside it."""
+def wrap(module: nn.Module, base: nn.Module, strategy: str, ctx: Dist, *, trainable: bool,
+         compute_dtype: torch.dtype | None = None) -> nn.Module:
+    """Wrap a SequenceLogps module for the strategy; `base` is the causal LM inside it. With FSDP2 a
+    ``compute_dtype`` casts the float32 shards to it per layer (gradients reduced in float32)."""
     if not ctx.enabled:
         return module
     if strategy == "ddp":
@@ -170,8 +180,8 @@ def wrap(module: nn.Module, base: nn.Module, strategy: str, ctx: Dist, *, traina
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         kwargs: dict[str, Any] = {}
-        if ctx.device.type == "cuda":
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if compute_dtype is not None and compute_dtype != torch.float32:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         for layer in decoder_layers(base):
             fully_shard(layer, **kwargs)
         fully_shard(module, **kwargs)

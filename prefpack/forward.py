@@ -10,9 +10,12 @@ and ``use_cache=False``. transformers (5.23) then builds the attention from the 
   row silently attends to the first).
 * flash-attention 2/3: boundaries are read from position ids only when the batch has ONE row
   (``modeling_flash_attention_utils._is_packed_sequence`` requires batch size 1); with several rows it
-  would run plain causal attention across sequences. So for flash implementations (``flatten=None`` picks
-  it automatically) the micro-batch is flattened to one row ``[1, real tokens]``, dropping row padding.
-  This path is not testable on CPU.
+  would run plain causal attention across sequences. So for flash implementations and prefpack's ``varlen``
+  (``flatten=None`` picks it automatically) the micro-batch is flattened to one row ``[1, real tokens]``,
+  dropping row padding. For ``varlen`` the sequence boundaries (``cu_seq_lens_q``) are computed here, once per
+  forward and on the host, and handed to every layer.
+
+The model runs in its recorded compute dtype (``prefpack.precision``: autocast over float32 master weights).
 
 Only hidden states whose next token is a completion token are gathered, before the LM head; the head
 and log-softmax run chunked (``prefpack.ops.logprobs``).
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 
 from prefpack.data.packing import Batch
+from prefpack.ops import varlen_attention
 from prefpack.ops.logprobs import (
     DEFAULT_CHUNK_SIZE,
     body_and_head,
@@ -33,6 +37,7 @@ from prefpack.ops.logprobs import (
     head_spec,
     segment_sum,
 )
+from prefpack.precision import compute_context
 
 __all__ = [
     "PairLogps",
@@ -55,11 +60,22 @@ class PairLogps(NamedTuple):
     rejected_tokens: torch.Tensor  # [P]
 
 
-def uses_flash_attention(model: nn.Module) -> bool:
-    """True when the model's attention reads packing boundaries only for a single row (flash kernels)."""
+def attention_name(model: nn.Module) -> str:
     config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
-    impl = str(getattr(config, "_attn_implementation", "") or "")
-    return "flash" in impl.lower()
+    return str(getattr(config, "_attn_implementation", "") or "")
+
+
+def uses_flash_attention(model: nn.Module) -> bool:
+    """True when the model's attention reads packing boundaries only for a single row (flash kernels, varlen)."""
+    impl = attention_name(model)
+    return "flash" in impl.lower() or impl == varlen_attention.NAME
+
+
+def _boundary_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
+    """transformers' flash keyword arguments for a flattened row, computed on the host (no device sync)."""
+    cu, longest = varlen_attention.sequence_bounds(position_ids.cpu())
+    cu = cu.to(device, non_blocking=True)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 def _hidden(out) -> torch.Tensor:
@@ -85,10 +101,17 @@ def sequence_logps(
     body, _ = body_and_head(model)
     spec = head_spec(model)
     device = spec.weight.device
-    batch = batch.to(device, non_blocking=True)
     if flatten is None:
         flatten = uses_flash_attention(model)
+    extra = {}
+    if batch.packed and flatten and attention_name(model) == varlen_attention.NAME:
+        extra = _boundary_kwargs(batch.position_ids[batch.token_mask], device)
+    batch = batch.to(device, non_blocking=True)
+    with compute_context(model, device):
+        return _sequence_logps(body, spec, batch, flatten, chunk_size, extra)
 
+
+def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, extra: dict):
     if batch.packed:
         input_ids, position_ids = batch.input_ids, batch.position_ids
         loss_mask, targets, seq_index = batch.loss_mask, batch.target_ids, batch.seq_index
@@ -96,7 +119,7 @@ def sequence_logps(
             keep = batch.token_mask
             input_ids, position_ids = input_ids[keep][None], position_ids[keep][None]
             loss_mask, targets, seq_index = loss_mask[keep][None], targets[keep][None], seq_index[keep][None]
-        out = body(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False)
+        out = body(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False, **extra)
     else:
         loss_mask, targets, seq_index = batch.loss_mask, batch.target_ids, batch.seq_index
         out = body(

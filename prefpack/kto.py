@@ -724,6 +724,7 @@ def uses_unpaired_loss(cfg) -> bool:
 
 def open_kto_store(path: str, what: str, *, paired_as_kto: bool) -> Store:
     store = Store(path)
+    store.check_token_ids()  # a corrupt id would crash training steps later with an IndexError
     if store.kind == "pairs" and not paired_as_kto:
         raise StoreError(f"{what} store {path!r} holds pairs; set data.paired_as_kto=true to train KTO on it "
                          "(chosen = desirable, rejected = undesirable), or use a store prepared with "

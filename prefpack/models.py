@@ -13,9 +13,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from prefpack.ops import varlen_attention
 from prefpack.ops.packed_attention import NAME as PACKED_SDPA
 from prefpack.ops.packed_attention import register as register_packed_attention
-from prefpack.tokenizer import TokenizerError, load_tokenizer, tokenizer_hash
+from prefpack.precision import Precision, set_compute_dtype
+from prefpack.tokenizer import TokenizerError, load_tokenizer, tokenizer_hash, tokenizer_matches
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -32,15 +34,14 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+def pick_attention(name: str, device: torch.device, compute_dtype: torch.dtype = torch.float32) -> str:
+    """The attention kernel for ``auto``; explicit choices are kept.
 
-
-def pick_attention(name: str, device: torch.device) -> str:
-    """flash-attention-2 on CUDA when installed (varlen packing), else sdpa; on CPU ``packed_sdpa``, which
-    attends only within each packed sequence (prefpack.ops.packed_attention). Explicit choices are kept."""
+    CPU: ``packed_sdpa`` (one causal block per packed sequence, prefpack.ops.packed_attention). CUDA: the
+    flash-attn package when installed; else torch's own flash varlen (``varlen``, prefpack.ops.varlen_attention)
+    when the compute dtype is half precision (the kernel has no float32); else sdpa, with cuDNN's sdpa switched
+    off at load (it plans anew for every packed shape).
+    """
     if name != "auto":
         return name
     if device.type == "cuda":
@@ -49,7 +50,9 @@ def pick_attention(name: str, device: torch.device) -> str:
 
             return "flash_attention_2"
         except ImportError:
-            return "sdpa"
+            pass
+        half = compute_dtype in (torch.float16, torch.bfloat16)
+        return varlen_attention.NAME if half and varlen_attention.torch_varlen_kernel() else "sdpa"
     return "sdpa" if device.type != "cpu" else PACKED_SDPA
 
 
@@ -60,16 +63,27 @@ def disable_dropout(model: nn.Module) -> None:
             module.p = 0.0
 
 
-def load_causal_lm(name_or_path: str, *, dtype: torch.dtype, attn_implementation: str, device: torch.device,
+def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch.device,
+                   precision: Precision | None = None, dtype: torch.dtype | None = None,
                    trust_remote_code: bool = False, packed: bool = True) -> nn.Module:
-    """Load a model for training or scoring. A model without sdpa support falls back to eager attention (with a
-    warning); with ``packed`` (prefpack's default batching) a model whose attention crosses packed sequences
-    is refused, naming the padded fallback."""
+    """Load a model for training or scoring, in ``precision.weights``, to run in ``precision.compute`` (or
+    all in ``dtype``).
+
+    A model without sdpa support falls back to eager attention (with a warning); with ``packed`` (prefpack's
+    default batching) a model whose attention crosses packed sequences is refused, naming the padded fallback.
+    """
     from transformers import AutoModelForCausalLM
 
     from prefpack.forward import packing_leak
 
     register_packed_attention()
+    varlen_attention.register()
+    if precision is None:
+        precision = Precision(dtype or torch.float32, dtype or torch.float32)
+    dtype = precision.weights
+    _check_model_path(name_or_path)
+    if device.type == "cuda" and attn_implementation == "sdpa":
+        torch.backends.cuda.enable_cudnn_sdp(False)  # a new cuDNN plan per packed shape: 14.8 ms CPU per call
 
     def load(attn: str) -> nn.Module:
         return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn,
@@ -86,7 +100,11 @@ def load_causal_lm(name_or_path: str, *, dtype: torch.dtype, attn_implementation
     except Exception as exc:  # transformers raises OSError/ValueError/HF errors for bad paths and configs
         raise ModelError(f"cannot load model {name_or_path!r}: {exc}") from exc
     disable_dropout(model)
+    if attn_implementation == varlen_attention.NAME and _config_value(model, "attn_logit_softcapping"):
+        raise ModelError(f"model {name_or_path!r} softcaps its attention logits, which the varlen kernel cannot do; "
+                         "set model.attn_implementation=eager and data.packing=false")
     model = model.to(device)
+    set_compute_dtype(model, precision)
     if packed:
         leak = packing_leak(model)
         if leak > PACKING_LEAK_TOLERANCE:
@@ -96,6 +114,44 @@ def load_causal_lm(name_or_path: str, *, dtype: torch.dtype, attn_implementation
                 f"to each other (a sequence's hidden states moved by {leak:.2g}, relative, when the other sequence of "
                 "its row changed), so prefpack cannot pack it; set data.packing=false for the padded fallback")
     return model
+
+
+def _config_value(model: nn.Module, name: str):
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, name, None)
+
+
+def _check_model_path(name_or_path: str) -> None:
+    """A path that does not exist is named at once (transformers would retry it as a hub id for minutes)."""
+    looks_local = (os.path.isabs(name_or_path) or name_or_path.startswith((".", "~")) or os.sep * 2 in name_or_path
+                   or name_or_path.count("/") > 1 or "\\" in name_or_path)
+    if looks_local and not os.path.isdir(os.path.expanduser(name_or_path)):
+        raise ModelError(f"model folder {name_or_path!r} does not exist")
+
+
+def source_dtype(name_or_path: str, *, trust_remote_code: bool = False) -> torch.dtype | None:
+    """The dtype the model's checkpoint was saved in (its config's ``dtype``), None when it does not say."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except Exception:  # the model itself loaded; a config read twice failing only loses the dtype hint
+        return None
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def load_scoring_model(name_or_path: str, dtype: str, device: torch.device) -> nn.Module:
+    """A model for precompute-ref: the weights and compute dtype training uses (float32 masters under bfloat16
+    autocast on CUDA), so its log-probs and weights hash match the reference a run computes live."""
+    from prefpack.precision import resolve_precision
+
+    precision = resolve_precision(dtype, "auto", device)
+    return load_causal_lm(name_or_path, precision=precision, device=device,
+                          attn_implementation=pick_attention("auto", device, precision.compute))
 
 
 # A model that keeps packed sequences apart gives exactly 0 (the other block's scores are -inf or never
@@ -123,7 +179,7 @@ def resolve_tokenizer(model_path: str, store_meta: dict, store_tokenizer: Path, 
             return load_tokenizer(store_tokenizer)
         raise
     want = store_meta["tokenizer"]["hash"]
-    if tokenizer_hash(tok) != want and not allow_mismatch:
+    if not tokenizer_matches(tok, store_meta["tokenizer"]) and not allow_mismatch:
         raise ModelError(
             f"the tokenizer of {source!r} differs from the one the store was prepared with "
             f"({store_meta['tokenizer']['name']!r}, hash {want[:12]}): token ids would mean different things. "

@@ -1,8 +1,10 @@
 """Tokenizer loading, content hashing and special-token conventions.
 
-The store records a hash of the tokenizer's *content* (vocabulary, merges, normaliser, special tokens,
-chat template) so a model can later refuse a store tokenised by something else. File bytes are not
-hashed: the same tokenizer saved twice must hash the same.
+The store records a hash of what the tokenizer *does to text* (vocabulary, merges, normaliser,
+pre-tokeniser, the tokens added around a text, special tokens, chat template) so a model can later refuse
+a store tokenised by something else. File bytes and the Python class that loaded the tokenizer are not
+hashed: the same tokenizer.json loaded next to a Mistral or a GPT-NeoX config must hash the same.
+Version 1 hashed the backend's whole serialisation and is kept to check stores written before version 2.
 """
 
 from __future__ import annotations
@@ -41,8 +43,11 @@ def load_tokenizer(name_or_path: str | Path, *, trust_remote_code: bool = False)
     return tok
 
 
+HASH_VERSION = 2  # recorded in meta.json as tokenizer.hash_version; absent in stores hashed with version 1
+
+
 def _backend_digest(tok) -> str:
-    """sha256 of the backend's serialised content, without runtime truncation/padding settings.
+    """Version 1: sha256 of the backend's serialised content, without runtime truncation/padding settings.
 
     `to_str()` is deterministic (vocabulary in id order), so hashing it directly is exact and ten times
     faster than re-serialising it; only when truncation or padding is set is it parsed to drop them.
@@ -57,15 +62,95 @@ def _backend_digest(tok) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def tokenizer_hash(tok) -> str:
-    """sha256 of the tokenizer's content, stable across save_pretrained/from_pretrained round trips."""
+def _hash_v1(tok) -> str:
     content = {
         "backend": _backend_digest(tok),
         "special_tokens": {k: str(v) for k, v in sorted(tok.special_tokens_map.items())},
         "chat_template": tok.chat_template,
     }
-    blob = json.dumps(content, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return _sha(content)
+
+
+def _sha(obj) -> str:
+    blob = json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def _split_backend(text: str) -> tuple[dict, dict, str]:
+    """(top-level parts but the model, model options, raw vocabulary-and-merges text) of `to_str()`.
+
+    Parsing a 150k vocabulary takes half a second, so only the small parts are parsed. `"model"` is the
+    last key and `"vocab"` the first large one; a quote inside a JSON string is always escaped, so the
+    first `,"model":{` and `,"vocab":` are the keys themselves.
+    """
+    i = text.find(',"model":{')
+    if i > 0 and text.endswith("}"):
+        model_text = text[i + len(',"model":') : -1]
+        j = model_text.find(',"vocab":')
+        try:
+            head = json.loads(text[:i] + "}")
+            options = json.loads(model_text[:j] + "}") if j > 0 else None
+        except json.JSONDecodeError:
+            head = options = None
+        if head is not None and options is not None:
+            return head, options, model_text[j:]
+    spec = json.loads(text)  # an unexpected layout: parse it all (slower, same result)
+    model = spec.pop("model")
+    data = {k: model.pop(k) for k in ("vocab", "merges") if k in model}
+    return spec, model, json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def _decoder_view(dec):
+    """ByteLevel decoding ignores its options (they only matter when pre-tokenising)."""
+    if not isinstance(dec, dict):
+        return dec
+    if dec.get("type") == "ByteLevel":
+        return {"type": "ByteLevel"}
+    if dec.get("type") == "Sequence":
+        return {**dec, "decoders": [_decoder_view(d) for d in dec.get("decoders", [])]}
+    return dec
+
+
+def _hash_v2(tok) -> str:
+    head, options, data = _split_backend(tok.backend_tokenizer.to_str())
+    for key in ("continuing_subword_prefix", "end_of_word_suffix"):
+        if key in options and options[key] is None:
+            options[key] = ""  # None and "" both mean no prefix/suffix; classes differ in which they write
+    # The post-processor is hashed by what it adds around a text (transformers classes spell "nothing" as
+    # an empty template or as ByteLevel offset trimming); pairs of texts are never used.
+    around = tok("prefpack probe", add_special_tokens=True)["input_ids"]
+    content = {
+        "added_tokens": head.get("added_tokens"),
+        "normalizer": head.get("normalizer"),
+        "pre_tokenizer": head.get("pre_tokenizer"),
+        "decoder": _decoder_view(head.get("decoder")),
+        "model": options,
+        "model_data": hashlib.sha256(data.encode("utf-8")).hexdigest(),
+        "around": list(around),
+        # pad is left out: it only fills padded batches (masked out); classes pick different defaults
+        "special_tokens": {k: (str(getattr(tok, f"{k}_token")), getattr(tok, f"{k}_token_id"))
+                           for k in ("bos", "eos", "unk")},
+        "chat_template": tok.chat_template,
+    }
+    return _sha(content)
+
+
+def tokenizer_hash(tok, version: int = HASH_VERSION) -> str:
+    """sha256 of the tokenizer's content, stable across save_pretrained/from_pretrained round trips."""
+    if version == 1:
+        return _hash_v1(tok)
+    if version == 2:
+        return _hash_v2(tok)
+    raise TokenizerError(f"tokenizer hash version {version} is unknown to this prefpack (it knows 1..{HASH_VERSION}); "
+                         "the store was written by a newer prefpack")
+
+
+def tokenizer_matches(tok, recorded: dict) -> bool:
+    """True if `tok` is the tokenizer recorded in a store's `meta["tokenizer"]` (hash and hash_version).
+
+    The hash is computed the way the store computed it, so stores written before version 2 keep working.
+    """
+    return tokenizer_hash(tok, int(recorded.get("hash_version", 1))) == recorded.get("hash")
 
 
 @dataclass(frozen=True)

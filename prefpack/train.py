@@ -9,10 +9,9 @@ of the step number and the seed, so resuming needs only the step.
 
 from __future__ import annotations
 
-import json
+import copy
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -24,9 +23,18 @@ import numpy as np
 import torch
 from torch import nn
 
+from prefpack.budgets import resolve_budgets
+from prefpack.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    load_checkpoint_distributed,
+    save_checkpoint,
+    save_checkpoint_distributed,
+    save_final,
+)
 from prefpack.data.store import Store, StoreError
 from prefpack.distributed import SINGLE, Dist, clip_grad_norm, deal_step, grad_sync, init_from_env, wrap
-from prefpack.forward import SequenceLogps
+from prefpack.forward import SequenceLogps, uses_flash_attention
 from prefpack.losses import LossTerm, needs_reference
 from prefpack.models import (
     ModelError,
@@ -35,14 +43,15 @@ from prefpack.models import (
     load_causal_lm,
     pick_attention,
     pick_device,
-    pick_dtype,
     release_freed_memory,
     resolve_tokenizer,
+    source_dtype,
     weights_hash,
 )
+from prefpack.precision import DTYPES, Precision, pure_bfloat16_warning, resolve_precision
 from prefpack.reference import SIDECAR_NAME, Reference, read_sidecar
 from prefpack.tasks import PairTask, StepTotals, Task
-from prefpack.tokenizer import TokenizerError
+from prefpack.tokenizer import tokenizer_matches
 
 
 class TrainingInterrupted(RuntimeError):
@@ -141,7 +150,7 @@ def _reduce_totals(totals: StepTotals, ctx: Dist) -> StepTotals:
     return StepTotals.from_vector(ctx.all_reduce_sum(totals.as_vector(keys)), keys)
 
 
-# ------------------------------------------------------------------------------------------------ checkpoints
+# ------------------------------------------------------------------------------------------------ optimizer
 
 
 def make_optimizer(params: list[nn.Parameter], cfg) -> torch.optim.Optimizer:
@@ -159,98 +168,6 @@ def make_optimizer(params: list[nn.Parameter], cfg) -> torch.optim.Optimizer:
                              weight_decay=cfg.optim.weight_decay, fused=fused or None)
 
 
-def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, scheduler, state: dict, keep: int) -> Path:
-    """Weights (safetensors), optimizer/scheduler/RNG (tensors only) and trainer state, written atomically."""
-    from safetensors.torch import save_model
-
-    ckpt_root = run_dir / "checkpoints"
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / f"step-{step:08d}"
-    tmp = ckpt_root / f".step-{step:08d}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "torch_rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-               tmp / "training_state.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=2))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    old = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir())
-    for p in old[: max(0, len(old) - keep)]:
-        shutil.rmtree(p, ignore_errors=True)
-    return final
-
-
-def save_checkpoint_distributed(run_dir: Path, step: int, module: nn.Module, optimizer, scheduler, state: dict,
-                                keep: int, ctx: Dist) -> Path:
-    """Sharded checkpoint with torch.distributed.checkpoint (every rank writes its part), then renamed."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    ckpt_root = run_dir / "checkpoints"
-    final = ckpt_root / f"step-{step:08d}"
-    tmp = ckpt_root / f".step-{step:08d}.tmp"
-    if ctx.is_main:
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    ctx.barrier()
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
-    if ctx.is_main:
-        torch.save({"scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()},
-                   tmp / "training_state.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step, "world": ctx.world}, indent=2))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        old = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir())
-        for p in old[: max(0, len(old) - keep)]:
-            shutil.rmtree(p, ignore_errors=True)
-    ctx.barrier()
-    return final
-
-
-def load_checkpoint_distributed(path: Path, module: nn.Module, optimizer, scheduler, ctx: Dist) -> dict:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    state = json.loads((path / "trainer_state.json").read_text())
-    if state.get("world") != ctx.world:
-        raise ModelError(f"checkpoint {path} was written by {state.get('world')} processes; resume it with the same "
-                         f"number (this run has {ctx.world})")
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    blob = {"model": model_sd, "optim": optim_sd}
-    dcp.load(blob, checkpoint_id=str(path / "dcp"))
-    set_state_dict(module, optimizer, model_state_dict=blob["model"], optim_state_dict=blob["optim"])
-    extra = torch.load(path / "training_state.pt", weights_only=True, map_location="cpu")
-    scheduler.load_state_dict(extra["scheduler"])
-    torch.set_rng_state(extra["torch_rng"])
-    state.pop("world", None)
-    return state
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if (p / "trainer_state.json").is_file())
-    return found[-1] if found else None
-
-
-def load_checkpoint(path: Path, model: nn.Module, optimizer, scheduler) -> dict:
-    from safetensors.torch import load_model
-
-    load_model(model, str(path / "model.safetensors"))
-    blob = torch.load(path / "training_state.pt", weights_only=True, map_location="cpu")
-    optimizer.load_state_dict(blob["optimizer"])
-    scheduler.load_state_dict(blob["scheduler"])
-    torch.set_rng_state(blob["torch_rng"])
-    if blob["cuda_rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(blob["cuda_rng"])
-    return json.loads((path / "trainer_state.json").read_text())
-
-
 # ------------------------------------------------------------------------------------------------ set-up
 
 
@@ -266,10 +183,13 @@ class Setup:
     pad_id: int
     train_task: Task
     eval_task: Task | None
+    precision: Precision
+    cfg: Any  # the run's config with auto budgets filled for this device
 
 
 def open_pair_store(path: str, what: str) -> Store:
     store = Store(path)
+    store.check_token_ids()  # a corrupt id would crash training steps later with an IndexError
     if store.kind != "pairs":
         raise StoreError(f"{what} store {path!r} holds unpaired examples (KTO); the DPO-family trainer needs pairs "
                          "(train it with loss.terms=[{name: kto}] or apo_zero_unpaired)")
@@ -291,17 +211,19 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
     train_store = open_store(cfg.data.train, "train")
     eval_store = open_store(cfg.data.eval, "eval") if cfg.data.eval else None
     device = device or pick_device(cfg.train.device)
-    dtype = pick_dtype(cfg.model.dtype, device)
-    if cfg.distributed.strategy == "fsdp2" and device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dtype = torch.float32  # FSDP2 keeps float32 master weights and computes in bfloat16 (mixed precision)
-    attn = pick_attention(cfg.model.attn_implementation, device)
+    precision = resolve_precision(
+        cfg.model.dtype, cfg.optim.master_dtype, device, lora=cfg.lora.enabled,
+        fsdp_sharded=cfg.distributed.strategy == "fsdp2" and int(os.environ.get("WORLD_SIZE", "1")) > 1)
+    dtype = precision.weights
+    attn = pick_attention(cfg.model.attn_implementation, device, precision.compute)
     tok = resolve_tokenizer(cfg.model.name_or_path, train_store.meta, train_store.tokenizer_path(),
                             tokenizer=cfg.model.tokenizer, allow_mismatch=cfg.model.allow_tokenizer_mismatch,
                             trust_remote_code=cfg.model.trust_remote_code)
-    if eval_store is not None and eval_store.meta["tokenizer"]["hash"] != train_store.meta["tokenizer"]["hash"]:
+    if (eval_store is not None and not cfg.model.allow_tokenizer_mismatch
+            and not tokenizer_matches(tok, eval_store.meta["tokenizer"])):
         raise StoreError(f"eval store {cfg.data.eval!r} was prepared with another tokenizer than the train store")
     torch.manual_seed(cfg.train.seed)
-    policy = load_causal_lm(cfg.model.name_or_path, dtype=dtype, attn_implementation=attn, device=device,
+    policy = load_causal_lm(cfg.model.name_or_path, precision=precision, attn_implementation=attn, device=device,
                             trust_remote_code=cfg.model.trust_remote_code, packed=cfg.data.packing)
     check_vocab_fits(policy, train_store.meta, cfg.data.train)
     terms = [] if kto else [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
@@ -313,18 +235,19 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
     reference: Reference
     expected = None
     if mode == "precomputed":
-        expected = _reference_hash(cfg, policy, ref_path, dtype, attn)
+        expected = _reference_hash(cfg, policy, ref_path, precision, attn)
         # each task reads its own store's sidecar (the eval store needs one too); KTO's also holds KL log-probs
         reference = Reference("precomputed")
     elif mode == "copy":
-        ref_model = load_causal_lm(ref_path, dtype=dtype, attn_implementation=attn, device=device,
+        # the same weights dtype and autocast as the policy: at step 0 both give the same log-probs exactly
+        ref_model = load_causal_lm(ref_path, precision=precision, attn_implementation=attn, device=device,
                                    trust_remote_code=cfg.model.trust_remote_code, packed=cfg.data.packing)
-        reference = Reference("copy", model=ref_model, chunk_size=cfg.train.chunk_size)
+        reference = Reference("copy", model=ref_model)
     elif mode == "adapter":
         if not cfg.lora.enabled:
             raise ModelError("reference.mode 'adapter' needs lora.enabled=true (the reference is the policy with "
                              "its LoRA adapter disabled)")
-        reference = Reference("adapter", chunk_size=cfg.train.chunk_size)
+        reference = Reference("adapter")
     else:
         reference = Reference("none")
     if cfg.lora.enabled:
@@ -333,6 +256,12 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
             reference.policy = policy
     if cfg.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if precision.weights == torch.bfloat16 and cfg.optim.master_dtype == "bfloat16":
+        log(pure_bfloat16_warning([p for p in policy.parameters() if p.requires_grad], cfg.optim.lr))
+    cfg = _with_budgets(cfg, policy, device, precision, attn, log)
+    reference.chunk_size = cfg.train.chunk_size
+    if reference.module is not None:
+        reference.module.chunk_size = cfg.train.chunk_size
     pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     tokenizer = TokenizerHandle.of(tok, trust_remote_code=cfg.model.trust_remote_code)
     del tok  # loaded again to be saved with the final model; training needs only the ids
@@ -347,13 +276,28 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
 
         train_task = PairTask(train_store, cfg, pad_id, ref_table=table(train_store))
         eval_task = PairTask(eval_store, cfg, pad_id, ref_table=table(eval_store)) if eval_store is not None else None
-    return Setup(policy, reference, tokenizer, train_store, eval_store, device, dtype, pad_id, train_task, eval_task)
+    return Setup(policy, reference, tokenizer, train_store, eval_store, device, dtype, pad_id, train_task, eval_task,
+                 precision, cfg)
 
 
-def _reference_hash(cfg, policy: nn.Module, ref_path: str, dtype, attn) -> str:
+def _with_budgets(cfg, policy: nn.Module, device: torch.device, precision: Precision, attn: str, log):
+    """A copy of the config with ``auto`` budgets filled for this device (the saved config keeps ``auto``)."""
+    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    budgets, line = resolve_budgets(cfg.train, cfg.data, policy, device, trainable_params=trainable,
+                                    autocast=precision.autocast, checkpointing=cfg.model.gradient_checkpointing,
+                                    flattened=uses_flash_attention(policy))
+    log(f"{line}; precision: {precision.describe()}; attention: {attn}")
+    resolved = copy.deepcopy(cfg)
+    resolved.train.micro_batch_tokens = budgets.micro_batch_tokens
+    resolved.data.max_tokens_per_row = budgets.row_tokens
+    resolved.train.chunk_size = budgets.chunk_size
+    return resolved
+
+
+def _reference_hash(cfg, policy: nn.Module, ref_path: str, precision: Precision, attn) -> str:
     if ref_path == cfg.model.name_or_path:
         return weights_hash(policy)
-    ref = load_causal_lm(ref_path, dtype=dtype, attn_implementation=attn, device=torch.device("cpu"),
+    ref = load_causal_lm(ref_path, precision=precision, attn_implementation=attn, device=torch.device("cpu"),
                          trust_remote_code=cfg.model.trust_remote_code, packed=False)  # only hashed
     h = weights_hash(ref)
     del ref
@@ -390,33 +334,51 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
 
     Under torchrun every rank runs this; only rank 0 prints, logs, plots and writes the final model.
     """
-    from prefpack.config import save_config
+    from prefpack.config import ConfigError, save_config
     from prefpack.metrics import MetricsLogger
 
     cfg.validate()
+    if cfg.model.dtype == "float16":
+        raise ConfigError("model.dtype float16 cannot train here: its narrow range needs loss scaling, which prefpack "
+                          "does not do; use bfloat16 (float32 master weights are kept) or float32 (float16 is fine "
+                          "for eval and precompute-ref)")
     ctx = init_from_env(cfg.train.device)
     main = ctx.is_main
     if not main:
         log = _quiet  # noqa: F811 - other ranks stay silent
         progress = False
     run_dir = Path(cfg.run.output_dir)
+    if main and run_dir.is_dir():
+        from prefpack.checkpoint import remove_stale_temporaries
+
+        remove_stale_temporaries(run_dir, log=log)  # left by killed runs (never one whose process is alive)
     if run_dir.exists() and any(run_dir.iterdir()) and not resume:
         if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
             raise ModelError(f"run folder {str(run_dir)!r} already holds a run; pass --resume to continue it or "
                              "choose another run.output_dir")
     ctx.barrier()
+    if resume:
+        from prefpack.resume_check import check_resume_config
+
+        check_resume_config(cfg, run_dir, log=log)  # a config that changes the result is refused
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
     setup = build(cfg, log=log, device=ctx.device)
     if main:
-        save_config(cfg, run_dir / "config.yaml")
+        from prefpack.resume_check import config_unchanged, config_write_errors
+
+        if not (resume and config_unchanged(cfg, run_dir / "config.yaml")):  # a resume rewrites nothing
+            with config_write_errors(run_dir / "config.yaml"):  # atomic; a failed write leaves the old file
+                save_config(cfg, run_dir / "config.yaml")
     policy, reference = setup.policy, setup.reference
     policy.train()
     strategy = cfg.distributed.strategy
-    module = wrap(SequenceLogps(policy, chunk_size=cfg.train.chunk_size), policy, strategy, ctx, trainable=True)
+    chunk = setup.cfg.train.chunk_size
+    mixed = setup.precision.compute if setup.precision.sharded_mixed else None
+    module = wrap(SequenceLogps(policy, chunk_size=chunk), policy, strategy, ctx, trainable=True, compute_dtype=mixed)
     if reference.mode == "copy":
-        reference.module = wrap(SequenceLogps(reference.model, chunk_size=cfg.train.chunk_size), reference.model,
-                                strategy, ctx, trainable=False)
+        reference.module = wrap(SequenceLogps(reference.model, chunk_size=chunk), reference.model,
+                                strategy, ctx, trainable=False, compute_dtype=mixed)
     elif reference.mode == "adapter":
         reference.module = module
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -432,15 +394,22 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
     state: dict[str, Any] = {}
     start = 0
     if resume:
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is None:
+        from prefpack.checkpoint import resume_from_checkpoints
+
+        def load(path: Path) -> dict:
+            if ctx.enabled:
+                return load_checkpoint_distributed(path, module, optimizer, scheduler, ctx)
+            return load_checkpoint(path, policy, optimizer, scheduler)
+
+        if latest_checkpoint(run_dir) is None:
             log(f"no checkpoint in {run_dir / 'checkpoints'}; starting from step 0")
         else:
-            if ctx.enabled:
-                state = load_checkpoint_distributed(ckpt, module, optimizer, scheduler, ctx)
-            else:
-                state = load_checkpoint(ckpt, policy, optimizer, scheduler)
+            # the newest checkpoint that matches its checksums and loads; damaged ones are reported and set aside
+            ckpt, state = resume_from_checkpoints(run_dir, load, ctx=ctx, log=log)
             start = int(state.pop("step"))
+            if start > n_steps:
+                raise ModelError(f"{ckpt} is at step {start}, past this config's {n_steps} steps (train.max_steps / "
+                                 "train.epochs); its final model would not be the one this config asks for")
             metrics.truncate_after(start)
             log(f"resumed from {ckpt} at step {start}")
 
@@ -528,7 +497,8 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
     if reference.mode == "copy":
         reference.model = reference.module = None
     release_freed_memory()
-    final_dir = save_final(run_dir, policy, setup.tokenizer, module=module, ctx=ctx, strategy=strategy)
+    final_dir = save_final(run_dir, policy, setup.tokenizer, module=module, ctx=ctx, strategy=strategy,
+                           dtype=final_dtype(cfg, setup.precision))
     if cfg.run.plot and main:
         try:
             from prefpack.plot import plot_run
@@ -540,45 +510,13 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
     return TrainResult(run_dir, n_steps, final_dir, eval_before, eval_after, last)
 
 
+def final_dtype(cfg, precision: Precision) -> torch.dtype:
+    """``run.save_dtype``: auto = the dtype of the source checkpoint (a bfloat16 model trained with float32 masters
+    is saved in bfloat16), else the dtype it trained in."""
+    if cfg.run.save_dtype != "auto":
+        return DTYPES[cfg.run.save_dtype]
+    return source_dtype(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code) or precision.weights
+
+
 def _quiet(*_args, **_kwargs) -> None:
     return None
-
-
-def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module | None = None,
-               ctx: Dist = SINGLE, strategy: str = "ddp") -> Path | None:
-    """`save_pretrained` the trained model (LoRA merged into it) and the tokenizer, atomically, on rank 0.
-
-    Under FSDP2 the shards are first gathered into one full state dict (every rank takes part).
-    """
-    full_state = None
-    if ctx.enabled and strategy == "fsdp2":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        full_state = {k.removeprefix("model."): v for k, v in sd.items()}
-    final = run_dir / "final"
-    if not ctx.is_main:
-        ctx.barrier()
-        return final
-    tmp = run_dir / f".final.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model = policy
-    if hasattr(policy, "merge_and_unload"):
-        policy.save_pretrained(tmp / "adapter")
-        model = policy.merge_and_unload()
-    if full_state is not None:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_config(policy.config)
-        model.load_state_dict(full_state)
-    model.save_pretrained(tmp)
-    try:
-        (tokenizer.load() if isinstance(tokenizer, TokenizerHandle) else tokenizer).save_pretrained(tmp)
-    except (ModelError, TokenizerError) as exc:  # the trained weights matter more than the tokenizer copy
-        print(f"warning: {exc}", file=sys.stderr)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    ctx.barrier()
-    return final

@@ -38,7 +38,11 @@ def test_defaults():
     cfg = load_config(None, [])
     assert cfg == Config()
     assert cfg.model.name_or_path is None and cfg.model.dtype == "auto"
-    assert cfg.data.packing is True and cfg.data.max_tokens_per_row == 2048
+    assert cfg.data.packing is True and cfg.data.max_tokens_per_row == "auto"
+    assert cfg.train.micro_batch_tokens == cfg.train.chunk_size == "auto" and cfg.optim.master_dtype == "auto"
+    assert load_config(None, ["train.micro_batch_tokens=8192"]).train.micro_batch_tokens == 8192
+    with pytest.raises(ConfigError, match="train.chunk_size: expected an int or one of 'auto'"):
+        load_config(None, ["train.chunk_size=big"])
     assert cfg.loss.terms == [LossTermConfig("sigmoid", 1.0)]
     assert cfg.reference.mode == "copy"
     assert cfg.lora.target_modules == "all-linear"
@@ -198,6 +202,7 @@ def test_validate_ok_and_partial():
         (["train.global_batch_pairs=0"], "train.global_batch_pairs must be >= 1"),
         (["train.micro_batch_tokens=1", "data.packing=false"], "train.micro_batch_tokens must be >= 2"),
         (["train.chunk_size=0"], "train.chunk_size must be >= 1"),
+        (["optim.master_dtype=bfloat16", "model.dtype=float32"], "optim.master_dtype bfloat16 with model.dtype"),
         (["data.max_tokens_per_row=1"], "data.max_tokens_per_row must be >= 2"),
         (["optim.warmup_ratio=1.0"], "optim.warmup_ratio must be in [0, 1)"),
         (["train.epochs=0"], "train.epochs must be > 0"),

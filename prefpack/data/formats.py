@@ -91,11 +91,22 @@ class Example:
     label: int | None = None
     completion_fields: tuple[str, ...] = field(default_factory=tuple)
 
+    def empty_fields(self) -> tuple[str, ...]:
+        """Completions that are empty or only whitespace: kept (they become their whitespace and EOS, as in
+        TRL), and counted so the summary can say so."""
+        return tuple(name for c, name in zip(self.completions, self.completion_fields) if _is_empty(c))
+
+
+def _is_empty(value: Any) -> bool:
+    if isinstance(value, str):
+        return not value.strip()
+    return not any(m["content"].strip() for m in value)
+
 
 def extract(row: dict, layout: str, f: Fields) -> Example:
     """Check one row's fields and types and return its example, or raise InvalidRow."""
     if layout in ("pairs", "text-pairs"):
-        prompt = _get_str(row, f.prompt, allow_empty=True)
+        prompt = _get_str(row, f.prompt)
         chosen = _get_str(row, f.chosen)
         rejected = _get_str(row, f.rejected)
         _check_distinct(chosen, rejected, f)
@@ -115,7 +126,7 @@ def extract(row: dict, layout: str, f: Fields) -> Example:
             prompt = _get_messages(row, f.prompt, allow_empty=True)
             completion = _get_messages(row, f.completion, as_reply=True)
             return Example(prompt, (completion,), chat=True, label=label, completion_fields=(f.completion,))
-        prompt = _get_str(row, f.prompt, allow_empty=True)
+        prompt = _get_str(row, f.prompt)
         completion = _get_str(row, f.completion)
         return Example(prompt, (completion,), chat=False, label=label, completion_fields=(f.completion,))
     raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
@@ -138,13 +149,11 @@ def _check_text(value: str, name: str) -> None:
                          f"({exc.reason} at character {exc.start})") from None
 
 
-def _get_str(row: dict, name: str, *, allow_empty: bool = False) -> str:
+def _get_str(row: dict, name: str) -> str:
     value = _require(row, name)
     if not isinstance(value, str):
         raise InvalidRow("wrong_type", name, f"field {name!r} must be a string, got {type(value).__name__}")
     _check_text(value, name)
-    if not allow_empty and not value.strip():
-        raise InvalidRow("empty_completion", name, f"field {name!r} is empty or only whitespace")
     return value
 
 
@@ -167,8 +176,8 @@ def _get_messages(row: dict, name: str, *, allow_empty: bool = False, as_reply: 
         raise InvalidRow("wrong_type", name, f"field {name!r} must be a list of messages, got {type(value).__name__}")
     msgs = [_check_message(m, name, i) for i, m in enumerate(value)]
     if as_reply:
-        if not msgs or not any(m["content"].strip() for m in msgs):
-            raise InvalidRow("empty_completion", name, f"field {name!r} has no non-empty reply")
+        if not msgs:
+            raise InvalidRow("empty_completion", name, f"field {name!r} holds no reply message")
         if msgs[0]["role"] != "assistant":
             raise InvalidRow("wrong_type", name, f"field {name!r} must start with an assistant message, "
                              f"got role {msgs[0]['role']!r}")
@@ -211,8 +220,6 @@ def _extract_implicit(row: dict, f: Fields) -> Example:
             if not reply or reply[0]["role"] != "assistant":
                 raise InvalidRow("no_shared_prompt", name, f"field {name!r}: after the shared prefix the "
                                  "conversation does not continue with an assistant message")
-            if not any(m["content"].strip() for m in reply):
-                raise InvalidRow("empty_completion", name, f"field {name!r} has an empty final reply")
         return Example(prompt, (c_reply, r_reply), chat=True, completion_fields=(f.chosen, f.rejected))
     chosen = _get_str(row, f.chosen)
     rejected = _get_str(row, f.rejected)
@@ -222,10 +229,6 @@ def _extract_implicit(row: dict, f: Fields) -> Example:
         raise InvalidRow("no_shared_prompt", f.chosen, f"fields {f.chosen!r} and {f.rejected!r} share no prefix "
                          f"ending at an assistant turn (looked for {', '.join(repr(m) for m in ASSISTANT_MARKERS)})")
     c_reply, r_reply = chosen[len(prompt):], rejected[len(prompt):]
-    for reply, name in ((c_reply, f.chosen), (r_reply, f.rejected)):
-        if not reply.strip():
-            raise InvalidRow("empty_completion", name, f"field {name!r}: the reply after the shared prompt is empty "
-                             "or only whitespace")
     return Example(prompt, (c_reply, r_reply), chat=False, completion_fields=(f.chosen, f.rejected))
 
 

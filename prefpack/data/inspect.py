@@ -98,6 +98,8 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
 def inspect_store(path: str, *, row: int | None = None, as_json: bool = False, tokenizer: str | None = None,
                   verify: bool = False) -> str:
     store = Store(path, verify=verify)
+    if not verify:
+        store.check_token_ids()  # cheap; --verify already did it with the hashes
     stats = length_stats(store)
     decoded = None
     if row is not None:

@@ -24,9 +24,15 @@ import numpy as np
 import prefpack
 from prefpack.data.formats import InvalidRow, detect_layout, extract, resolve_fields
 from prefpack.data.sources import RawRow, Source, file_sha256, iter_rows, peek_first_row, resolve_inputs
-from prefpack.data.store import FLAG_COMPLETION_TRUNCATED, FLAG_PROMPT_TRUNCATED, StoreWriter
+from prefpack.data.store import (
+    FLAG_COMPLETION_TRUNCATED,
+    FLAG_PROMPT_TRUNCATED,
+    StoreWriter,
+    check_output,
+    recover_interrupted,
+)
 from prefpack.data.tokenize import Dropped, ExampleTokenizer, TokenizeConfig, TokenizedExample
-from prefpack.tokenizer import load_tokenizer, special_tokens, tokenizer_hash, tokenizer_name
+from prefpack.tokenizer import HASH_VERSION, load_tokenizer, special_tokens, tokenizer_hash, tokenizer_name
 
 
 class PrepareError(ValueError):
@@ -46,6 +52,7 @@ class PrepareOptions:
     workers: int = 0  # 0: all cores
     skip_invalid: bool = False
     overwrite: bool = False
+    allow_duplicate_inputs: bool = False  # store a file given twice (by name or glob) twice, on purpose
     chunk_rows: int = 1000
     trust_remote_code: bool = False
     argv: list[str] = field(default_factory=list)
@@ -63,6 +70,7 @@ class PrepareReport:
     dropped: dict[str, int]
     truncated: dict[str, int]
     seconds: float
+    empty_completions: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
         lines = [
@@ -76,6 +84,9 @@ class PrepareReport:
             lines.append("dropped (length policy): " + ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items())))
         if self.truncated:
             lines.append("truncated: " + ", ".join(f"{k}={v}" for k, v in sorted(self.truncated.items())))
+        if self.empty_completions:
+            lines.append("kept empty or whitespace-only completions (each is its whitespace then EOS, as TRL "
+                         "trains them): " + ", ".join(f"{k}={v}" for k, v in sorted(self.empty_completions.items())))
         return "\n".join(lines)
 
 
@@ -103,6 +114,7 @@ class ChunkResult:
     index: np.ndarray  # int64 [n, columns], offsets relative to `tokens`
     problems: list[dict]  # invalid rows and drops, in input order: {loc, reason, field, message, raw, kind}
     truncated: Counter
+    empty: Counter  # completions kept although empty or whitespace-only, by field
 
 
 def _process_chunk(chunk: list[RawRow]) -> ChunkResult:
@@ -123,7 +135,8 @@ def _process_chunk(chunk: list[RawRow]) -> ChunkResult:
     rows: list[list[int]] = []
     truncated: Counter = Counter()
     offset = 0
-    for raw, res in zip(origin, results):
+    empty: Counter = Counter()
+    for raw, ex, res in zip(origin, examples, results):
         if isinstance(res, InvalidRow):
             problems.append(_problem(raw, res.reason, res.field, res.message, raw.row))
             continue
@@ -131,6 +144,7 @@ def _process_chunk(chunk: list[RawRow]) -> ChunkResult:
             problems.append(_problem(raw, res.reason, None, "longer than --max-length", raw.row, kind="dropped"))
             continue
         assert isinstance(res, TokenizedExample)
+        empty.update(ex.empty_fields())
         flags = 0
         for what in res.truncated:
             truncated[what] += 1
@@ -147,7 +161,7 @@ def _process_chunk(chunk: list[RawRow]) -> ChunkResult:
     width = 7
     index = np.asarray(rows, dtype=np.int64).reshape(-1, width)
     problems.sort(key=lambda p: (p["file_index"], p["row"]))
-    return ChunkResult(tokens, index, problems, truncated)
+    return ChunkResult(tokens, index, problems, truncated, empty)
 
 
 def _problem(raw: Any, reason: str, field_name: str | None, message: str, content: Any, kind: str = "invalid") -> dict:
@@ -216,7 +230,10 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
     t0 = time.perf_counter()
     if opts.max_length is not None and opts.max_length < 2:
         raise PrepareError("--max-length must be at least 2 (one prompt token and one completion token)")
-    sources = resolve_inputs(opts.inputs)
+    sources = resolve_inputs(opts.inputs, allow_duplicates=opts.allow_duplicate_inputs)
+    _check_inputs_outside(sources, opts.output)
+    recover_interrupted(Path(opts.output), log=log)  # before the slow part: refuse a bad --output at once
+    check_output(Path(opts.output), overwrite=opts.overwrite)
     tok = load_tokenizer(opts.tokenizer, trust_remote_code=opts.trust_remote_code)
     specials = special_tokens(tok)
     layout, reason = _choose_layout(opts, sources)
@@ -225,8 +242,9 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
     fields = resolve_fields(layout, opts.fields)
     workers = opts.workers or os.cpu_count() or 1
     tcfg = TokenizeConfig(max_length=opts.max_length, truncation=opts.truncation)
-    writer = StoreWriter(opts.output, kind=kind, vocab_size=specials.vocab_size, overwrite=opts.overwrite)
+    writer = StoreWriter(opts.output, kind=kind, vocab_size=specials.vocab_size, overwrite=opts.overwrite, log=log)
     skipped: Counter = Counter()
+    empty: Counter = Counter()
     dropped: Counter = Counter()
     truncated: Counter = Counter()
     rows_per_file: Counter = Counter()
@@ -251,6 +269,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
                                              "message": p["message"], "data": p["content"]},
                                             ensure_ascii=True, default=str) + "\n")
             truncated.update(res.truncated)
+            empty.update(res.empty)
             writer.append(res.tokens, res.index)
         if skipped_fh is not None:
             skipped_fh.close()
@@ -264,14 +283,16 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
             "source_layout": layout,
             "fields": fields.to_json(),
             "tokenizer": {"name": tokenizer_name(tok, opts.tokenizer), "hash": tokenizer_hash(tok),
-                          "has_chat_template": bool(tok.chat_template), **specials.to_json()},
+                          "hash_version": HASH_VERSION, "has_chat_template": bool(tok.chat_template), **specials.to_json()},
             "counts": {"rows_read": rows_read, "examples": writer.n_rows, "skipped": dict(skipped),
-                       "dropped": dict(dropped), "truncated": dict(truncated)},
+                       "dropped": dict(dropped), "truncated": dict(truncated),
+                       "empty_completions": dict(empty)},
             "sources": [{"path": s.path, "kind": s.kind, "rows": rows_per_file[s.file_index],
                          "sha256": file_sha256(s.path)} for s in sources],
             "args": {"inputs": opts.inputs, "tokenizer": opts.tokenizer, "format": opts.layout,
                      "fields": opts.fields, "split": opts.split, "max_length": opts.max_length,
-                     "truncation": opts.truncation, "skip_invalid": opts.skip_invalid, "workers": workers},
+                     "truncation": opts.truncation, "skip_invalid": opts.skip_invalid, "workers": workers,
+                     "allow_duplicate_inputs": opts.allow_duplicate_inputs},
             "argv": opts.argv,
         }
         if writer.n_rows == 0:
@@ -284,7 +305,17 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
         writer.abort()
         raise
     return PrepareReport(path, layout, reason, writer.n_rows, writer.n_tokens, rows_read, dict(skipped),
-                         dict(dropped), dict(truncated), time.perf_counter() - t0)
+                         dict(dropped), dict(truncated), time.perf_counter() - t0, dict(empty))
+
+
+def _check_inputs_outside(sources: list[Source], output: str) -> None:
+    """An input inside the output folder would be deleted by --overwrite (and read while replaced)."""
+    out = os.path.realpath(output)
+    for s in sources:
+        real = os.path.realpath(s.path)
+        if real == out or real.startswith(out + os.sep):
+            raise PrepareError(f"input {s.path!r} is inside the output {output!r}, which prepare replaces; copy it "
+                               "elsewhere first or choose another --output")
 
 
 def _choose_layout(opts: PrepareOptions, sources: list[Source]) -> tuple[str, str]:

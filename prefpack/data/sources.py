@@ -62,18 +62,31 @@ class Source:
     file_index: int
 
 
-def resolve_inputs(inputs: list[str]) -> list[Source]:
-    """Expand globs and check every input exists and has a readable kind, in the order given."""
-    paths: list[str] = []
+def resolve_inputs(inputs: list[str], *, allow_duplicates: bool = False) -> list[Source]:
+    """Expand globs and check every input exists and has a readable kind, in the order given.
+
+    A file reached twice (named twice, or by a name and a glob, or through a link) would be stored twice;
+    that is refused unless `allow_duplicates`.
+    """
+    paths: list[tuple[str, str]] = []  # (path, the input spec that gave it)
     for spec in inputs:
         matches = sorted(glob.glob(spec, recursive=True)) if glob.has_magic(spec) else [spec]
         if not matches:
             raise SourceError(f"input {spec!r} matches no file")
-        paths.extend(matches)
+        paths.extend((m, spec) for m in matches)
     sources = []
-    for i, p in enumerate(paths):
+    seen: dict[str, tuple[str, str]] = {}
+    for i, (p, spec) in enumerate(paths):
         if not os.path.exists(p):
             raise SourceError(f"input {p!r} does not exist")
+        real = os.path.realpath(p)
+        if real in seen and not allow_duplicates:
+            first, first_spec = seen[real]
+            how = f" (as {first_spec!r} and {spec!r})" if first_spec != spec else ""
+            also = f" ({first!r} and {p!r} are the same file)" if first != p else ""
+            raise SourceError(f"input {p!r} is given twice{how}{also}: its rows would be stored twice. Drop the "
+                              "repeat, or pass --allow-duplicate-inputs to store them twice on purpose.")
+        seen.setdefault(real, (p, spec))
         sources.append(Source(path=p, kind=_kind_of(p), file_index=i))
     if not sources:
         raise SourceError("no input files given")

@@ -19,12 +19,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from prefpack.stale import OWNER_FILE, remove_stale_tmp, stale_entries, write_owner
 
 FORMAT_NAME = "prefpack-store"
 FORMAT_VERSION = 1
@@ -38,6 +43,94 @@ class StoreError(ValueError):
     """A store that is missing, incomplete, corrupt or of another format version."""
 
 
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+# What prefpack itself writes in a store folder (prepare, precompute-ref sidecars and their temporary files).
+STORE_ENTRIES = {"meta.json", "tokens.bin", "index.bin", "skipped.jsonl", "tokenizer"}
+_SIDECAR = re.compile(r"\.?ref_logps[A-Za-z0-9_]*\.safetensors(\.tmp-\d+)?")
+
+
+def foreign_entries(path: Path) -> list[str] | None:
+    """Names in `path` that prefpack did not write, or None when `path` holds no prefpack meta.json."""
+    try:
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        return None
+    return sorted(n for n in os.listdir(path) if n not in STORE_ENTRIES and not _SIDECAR.fullmatch(n))
+
+
+def _listing(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def check_output(path: Path, *, overwrite: bool) -> None:
+    """Refuse an output that exists, unless --overwrite and it is a prefpack store or an empty folder.
+
+    --overwrite deletes the old folder, so it must never hit a user's own files.
+    """
+    if not os.path.lexists(path):
+        return
+    if path.is_symlink():
+        raise StoreError(f"output {str(path)!r} is a symbolic link; give the folder itself (or another --output)")
+    if not path.is_dir():
+        raise StoreError(f"output {str(path)!r} is a file, not a store folder; prefpack never replaces a file, even "
+                         "with --overwrite. Choose another --output, or move the file away yourself.")
+    if not overwrite:
+        raise StoreError(f"output {str(path)!r} already exists; pass --overwrite to replace it (only a prefpack store "
+                         "or an empty folder can be replaced)")
+    names = sorted(os.listdir(path))
+    if not names:
+        return
+    foreign = foreign_entries(path)
+    if foreign is None:
+        raise StoreError(f"--overwrite refused: {str(path)!r} is not a prefpack store (no meta.json with format "
+                         f"{FORMAT_NAME!r}) and holds {_listing(names)}. --overwrite only replaces a store or an "
+                         "empty folder; choose another --output, or move those files away yourself.")
+    if foreign:
+        raise StoreError(f"--overwrite refused: the store {str(path)!r} also holds {_listing(foreign)}, which "
+                         "prefpack did not write; move them away first, or choose another --output.")
+
+
+def recover_interrupted(path: Path, *, log: Callable[[str], None] | None = _stderr) -> None:
+    """Clean up after a prepare on `path` that was killed: its temporary folder and any old-store backup.
+
+    A backup whose process is gone is put back when nothing took its place (the kill came between the two
+    renames of an --overwrite), and removed when the new store is in place.
+    """
+    remove_stale_tmp(path.parent, f".{path.name}", log=log)
+    for backup, pid in stale_entries(path.parent, f".{path.name}", "old"):
+        is_store = backup.is_dir() and not backup.is_symlink() and (
+            not os.listdir(backup) or foreign_entries(backup) == [])
+        if not is_store:
+            if log is not None:
+                log(f"warning: left {backup} alone: it is not a prefpack store (process {pid} moved it aside "
+                    f"while replacing {path}); move it back or delete it yourself")
+        elif not os.path.lexists(path):
+            try:
+                os.replace(backup, path)
+            except OSError as exc:
+                raise StoreError(f"cannot put the store {backup} (left by process {pid} while replacing "
+                                 f"{path}) back: {exc}; rename it yourself") from exc
+            if log is not None:
+                log(f"restored {path} from {backup.name}: process {pid} was killed while replacing it")
+        else:
+            _remove_backup(backup, log)
+
+
+def _remove_backup(backup: Path, log: Callable[[str], None] | None) -> None:
+    try:
+        shutil.rmtree(backup)
+    except OSError as exc:
+        if log is not None:
+            log(f"warning: could not delete the replaced store {backup} ({exc}); the new store is in place. "
+                "Delete it yourself (the next prepare on this output tries again).")
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
 
@@ -49,12 +142,14 @@ def columns_for(kind: str) -> tuple[str, ...]:
 class StoreWriter:
     """Appends examples to a temporary folder; `commit` renames it to the final path."""
 
-    def __init__(self, path: str | Path, *, kind: str, vocab_size: int, overwrite: bool = False):
+    def __init__(self, path: str | Path, *, kind: str, vocab_size: int, overwrite: bool = False,
+                 log: Callable[[str], None] | None = _stderr):
         self.path = Path(path)
-        if self.path.exists() and not overwrite:
-            raise StoreError(f"output {str(self.path)!r} already exists; pass --overwrite to replace it")
+        self.log = log
         if kind not in ("pairs", "unpaired"):
             raise ValueError(f"store kind must be 'pairs' or 'unpaired', not {kind!r}")
+        recover_interrupted(self.path, log=log)
+        check_output(self.path, overwrite=overwrite)
         self.kind = kind
         self.columns = columns_for(kind)
         self.dtype = token_dtype(vocab_size)
@@ -63,6 +158,7 @@ class StoreWriter:
         if self.tmp.exists():
             shutil.rmtree(self.tmp)
         self.tmp.mkdir(parents=True)
+        write_owner(self.tmp)
         self._tokens = open(self.tmp / "tokens.bin", "wb")
         self._index = open(self.tmp / "index.bin", "wb")
         self._tok_hash = hashlib.sha256()
@@ -107,15 +203,29 @@ class StoreWriter:
             json.dump(full, fh, indent=2, ensure_ascii=False)
             fh.flush()
             os.fsync(fh.fileno())
-        if self.path.exists():
-            if not overwrite:
-                raise StoreError(f"output {str(self.path)!r} appeared while writing; pass --overwrite")
-            trash = self.path.parent / f".{self.path.name}.old-{os.getpid()}"
-            os.replace(self.path, trash)
+        (self.tmp / OWNER_FILE).unlink(missing_ok=True)
+        if not os.path.lexists(self.path):
+            try:
+                os.replace(self.tmp, self.path)
+            except OSError as exc:  # something took the path meanwhile
+                raise StoreError(f"cannot move the new store into {str(self.path)!r}: {exc}") from exc
+            return self.path
+        if not overwrite:
+            raise StoreError(f"output {str(self.path)!r} appeared while writing; pass --overwrite to replace it")
+        check_output(self.path, overwrite=True)  # it may have changed while the store was written
+        # The new store is complete: move the old one aside, put the new one in place, then delete the old.
+        # A crash between the two renames leaves the old store in `.NAME.old-PID`; the next prepare puts it back.
+        backup = self.path.parent / f".{self.path.name}.old-{os.getpid()}"
+        try:
+            os.replace(self.path, backup)
+        except OSError as exc:
+            raise StoreError(f"cannot move the old store {str(self.path)!r} aside to replace it: {exc}") from exc
+        try:
             os.replace(self.tmp, self.path)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(self.tmp, self.path)
+        except OSError as exc:
+            os.replace(backup, self.path)
+            raise StoreError(f"cannot move the new store into {str(self.path)!r} (the old one is kept): {exc}") from exc
+        _remove_backup(backup, self.log)
         return self.path
 
     def abort(self) -> None:
@@ -172,6 +282,8 @@ class Store:
             self.num_tokens = int(m["num_tokens"])
         except (KeyError, TypeError, ValueError) as exc:
             raise StoreError(f"{meta_path}: corrupt meta.json (bad or missing {exc})") from exc
+        if self.dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)):
+            raise StoreError(f"{meta_path}: corrupt meta.json (token dtype {self.dtype.name!r}, not uint16/uint32)")
         if self.columns != columns_for(self.kind):
             raise StoreError(f"{meta_path}: index columns {self.columns} do not match kind {self.kind!r}")
         self._check_size("tokens.bin", self.num_tokens * self.dtype.itemsize)
@@ -210,7 +322,7 @@ class Store:
             raise StoreError(f"{self.path}: index.bin holds labels other than 0/1: the store is corrupt")
 
     def verify(self) -> None:
-        """Full check: file hashes against meta.json and every token id below the vocabulary size."""
+        """Full check: file hashes against meta.json (catches any flipped bit) and token id ranges."""
         for name, info in self.meta.get("files", {}).items():
             h = hashlib.sha256()
             with open(self.path / name, "rb") as fh:
@@ -218,9 +330,48 @@ class Store:
                     h.update(block)
             if h.hexdigest() != info.get("sha256"):
                 raise StoreError(f"{self.path}: {name} does not match its sha256 in meta.json: the store is corrupt")
-        vocab = int(self.meta["tokenizer"]["vocab_size"])
-        if self.num_tokens and int(np.asarray(self.tokens).max()) >= vocab:
-            raise StoreError(f"{self.path}: tokens.bin holds ids >= the vocabulary size {vocab}: corrupt store")
+        self.check_token_ids()
+
+    def _vocab_size(self) -> int:
+        try:
+            return int(self.meta["tokenizer"]["vocab_size"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreError(f"{self.path / 'meta.json'}: corrupt meta.json (bad or missing tokenizer "
+                             f"vocab_size: {exc})") from exc
+
+    def check_token_ids(self, chunk_tokens: int = 1 << 22) -> None:
+        """Raise StoreError if any token id is >= the vocabulary size recorded in meta.json.
+
+        One max() per chunk of the memory map (no copy; 0.1-0.3 ms per million tokens once the file is
+        cached): an out-of-range id would otherwise crash the embedding lookup deep into training.
+        In-range corruption needs the hashes of `verify()`.
+        """
+        vocab = self._vocab_size()
+        if self.num_tokens == 0 or vocab > np.iinfo(self.dtype).max:
+            return  # every value this dtype can hold is a valid id
+        tokens = self.tokens
+        for start in range(0, self.num_tokens, chunk_tokens):
+            chunk = tokens[start : start + chunk_tokens]
+            if int(chunk.max()) < vocab:
+                continue
+            pos = start + int(np.argmax(chunk >= vocab))
+            raise StoreError(f"{self.path}: corrupt tokens.bin: {self._where(pos)} holds token id {int(tokens[pos])}, "
+                             f"but the tokenizer has {vocab} ids (0..{vocab - 1}). The file was damaged after "
+                             "prepare; prepare the store again.")
+
+    def _where(self, pos: int) -> str:
+        """'example I (part, token J; from FILE row R)' for the token at `pos` in tokens.bin."""
+        row = int(np.searchsorted(self.index[:, 0], pos, side="right")) - 1
+        off, *lens = (int(x) for x in self.index[row, : 4 if self.kind == "pairs" else 3])
+        names = ("prompt", "chosen", "rejected") if self.kind == "pairs" else ("prompt", "completion")
+        starts = np.cumsum([0, *lens])
+        part = int(np.searchsorted(starts, pos - off, side="right")) - 1
+        name, k = names[part], pos - off - int(starts[part])
+        src = int(self.index[row, self.columns.index("source_file")])
+        sources = self.meta.get("sources") or []
+        origin = sources[src].get("path") if 0 <= src < len(sources) and isinstance(sources[src], dict) else None
+        where = f"; from {origin} row {int(self.index[row, self.columns.index('source_row')])}" if origin else ""
+        return f"example {row} ({name}, token {k}{where})"
 
     def __len__(self) -> int:
         return self.num_examples

@@ -123,10 +123,8 @@ class ExampleTokenizer:
             raise InvalidRow("empty_prompt", None, "the prompt is empty and the tokenizer adds no BOS, so the first "
                              "completion token would have no context to be predicted from")
         finished = []
-        for c, name in zip(comps, ex.completion_fields):
-            if not c:
-                raise InvalidRow("empty_completion", name, f"field {name!r} tokenises to nothing")
-            if not self._ends_with_eos(c):
+        for c in comps:
+            if not self._ends_with_eos(c):  # an empty completion becomes [EOS]: "answer nothing", as in TRL
                 c = c + [sp.eos_id]
             finished.append(c)
         prompt, finished, truncated = self._truncate(prompt, finished)

@@ -165,7 +165,7 @@ def completion_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     scale: float = 1.0,
     softcap: float | None = None,
-    max_chunk_elements: int = MAX_CHUNK_ELEMENTS,
+    max_chunk_elements: int | None = None,
 ) -> torch.Tensor:
     """Per-position ``log p(target)`` from gathered hidden states.
 
@@ -175,7 +175,9 @@ def completion_logprobs(
     applies ``c * tanh(z / c)`` afterwards (Cohere / Granite scaling, Gemma-2 final soft-capping).
 
     At most ``chunk x V`` logits exist at once in forward and backward, one chunk being ``chunk_size`` rows
-    or fewer, so that ``chunk x V <= max_chunk_elements`` (see :func:`chunk_rows`). The result is float32
+    or fewer, so that ``chunk x V <= max_chunk_elements`` (see :func:`chunk_rows`). By default that cap is
+    ``MAX_CHUNK_ELEMENTS`` on CPU and none on accelerators, whose chunk size is sized to their memory
+    (``prefpack.budgets``): small chunks there leave the device waiting on small kernels. The result is float32
     (float64 for float64 inputs); logsumexp is always computed in that precision, also for bf16 models.
     """
     if hidden.ndim != 2 or targets.ndim != 1 or hidden.shape[0] != targets.shape[0]:
@@ -186,6 +188,8 @@ def completion_logprobs(
         raise ValueError(f"weight must be [V, {hidden.shape[1]}], got {tuple(weight.shape)}")
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if max_chunk_elements is None:
+        max_chunk_elements = MAX_CHUNK_ELEMENTS if hidden.device.type == "cpu" else int(chunk_size) * weight.shape[0]
     if int(max_chunk_elements) < 1:
         raise ValueError(f"max_chunk_elements must be >= 1, got {max_chunk_elements}")
     if softcap is not None and not softcap > 0:

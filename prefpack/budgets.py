@@ -1,0 +1,95 @@
+"""Token budgets sized to the device: micro-batch tokens, row length and head chunk for ``auto``.
+
+A 2-core CPU wants micro-batches of a few thousand tokens; a GPU wants tens of thousands, or it waits on many
+small kernels (at 4,096-token micro-batches and 1,024-token head chunks all matmuls were ~15% of an H100's time).
+On CUDA the budgets come from the memory left free after the models are loaded and an estimate of the
+activations one token keeps for backward; explicit values in the config are always kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["CPU_BUDGETS", "Budgets", "activation_bytes_per_token", "cuda_budgets", "resolve_budgets"]
+
+
+@dataclass(frozen=True)
+class Budgets:
+    micro_batch_tokens: int
+    row_tokens: int
+    chunk_size: int
+
+    def describe(self) -> str:
+        return (f"micro-batch {self.micro_batch_tokens:,} tokens, rows {self.row_tokens:,}, "
+                f"head chunk {self.chunk_size:,}")
+
+
+CPU_BUDGETS = Budgets(micro_batch_tokens=4096, row_tokens=2048, chunk_size=1024)
+MAX_MICRO_BATCH_TOKENS = 65536
+MIN_MICRO_BATCH_TOKENS = 4096
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def activation_bytes_per_token(config, *, autocast: bool, checkpointing: bool) -> int:
+    """Bytes one token keeps for backward through the decoder (an upper estimate for Llama-like blocks).
+
+    Per layer: the normed inputs, q/k/v, attention output and MLP intermediates in the compute dtype, plus the
+    float32 residual stream and rotary-promoted q/k under autocast. Gradient checkpointing keeps only each
+    layer's input (and one layer's activations at a time, counted once).
+    """
+    c = _text_config(config)
+    hidden = int(getattr(c, "hidden_size", 0) or getattr(c, "n_embd", 0) or 1024)
+    inter = int(getattr(c, "intermediate_size", 0) or 4 * hidden)
+    layers = int(getattr(c, "num_hidden_layers", 0) or getattr(c, "n_layer", 0) or 1)
+    per_layer = (34 * hidden + 10 * inter) if autocast else (20 * hidden + 8 * inter)
+    if checkpointing:
+        return layers * (4 if autocast else 2) * hidden + per_layer
+    return layers * per_layer
+
+
+def cuda_budgets(model: nn.Module, device: torch.device, *, trainable_params: int, autocast: bool,
+                 checkpointing: bool, flattened: bool) -> tuple[Budgets, int]:
+    """``(budgets, free bytes)`` for a CUDA device whose models are already loaded.
+
+    What training will still allocate: float32 gradients and AdamW's two moments for the trained weights, and
+    under autocast one compute-dtype copy of the weights. Of what is left, 60% goes to activations and 4% to
+    the head's chunk of logits (three float32 buffers of ``chunk x vocabulary``). Rows: with a flattened
+    micro-batch (varlen or flash kernels) a row only limits the longest packed line, so 8,192; masked sdpa
+    pays row^2 per row, so 2,048.
+    """
+    free, _ = torch.cuda.mem_get_info(device)
+    params = sum(p.numel() for p in model.parameters())
+    later = trainable_params * 12 + (params * 2 if autocast else 0)
+    room = max(free - later, 0) * 0.6
+    per_token = activation_bytes_per_token(model.config, autocast=autocast, checkpointing=checkpointing)
+    micro = int(room // max(per_token, 1)) // 1024 * 1024
+    micro = max(MIN_MICRO_BATCH_TOKENS, min(MAX_MICRO_BATCH_TOKENS, micro))
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    chunk = 1024
+    while chunk < 16384 and 2 * chunk * vocab * 12 <= 0.04 * max(free - later, 0):
+        chunk *= 2
+    row = min(micro, 8192 if flattened else 2048)
+    return Budgets(micro, row, chunk), free
+
+
+def resolve_budgets(train_cfg, data_cfg, model: nn.Module, device: torch.device, **kwargs) -> tuple[Budgets, str]:
+    """The run's budgets (explicit config values kept, ``auto`` filled) and a line saying where they came from."""
+    if device.type == "cuda":
+        auto, free = cuda_budgets(model, device, **kwargs)
+        source = f"from {free / 2**30:.1f} GiB free on {device}"
+    else:
+        auto, source = CPU_BUDGETS, f"{device.type} defaults"
+
+    def pick(value, default: int) -> int:
+        return default if value == "auto" else int(value)
+
+    budgets = Budgets(pick(train_cfg.micro_batch_tokens, auto.micro_batch_tokens),
+                      pick(data_cfg.max_tokens_per_row, auto.row_tokens),
+                      pick(train_cfg.chunk_size, auto.chunk_size))
+    return budgets, f"budgets ({source}): {budgets.describe()}"

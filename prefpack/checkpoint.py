@@ -1,0 +1,716 @@
+"""Checkpoints of a run and its final model, written atomically (a temporary folder renamed when complete).
+
+One process writes `step-N/` with the weights (safetensors), the optimizer, scheduler and RNG state (tensors
+only, loaded with ``weights_only``) and the trainer state (JSON); under torchrun every rank writes its shard with
+torch.distributed.checkpoint. The final model is `save_pretrained` output beside its tokenizer.
+
+Every checkpoint ends with `checksums.json` (size and sha256 of every other file in it, written last, before the
+rename), so `--resume` can tell a damaged checkpoint (truncated, emptied, a flipped bit) from an intact one and
+falls back to the newest intact one. Checkpoints written before checksums existed are accepted with a note.
+
+Writes that fail (a full disk above all) remove their temporary folder and raise `CheckpointWriteError` with the
+space needed and free; the previous checkpoint stays the one to resume from. Temporary folders that a killed
+process left behind (`.NAME.tmp-PID`, `.NAME.old-PID`) are removed by the next run on the folder once that
+process is gone (`remove_stale_temporaries`).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from prefpack.distributed import SINGLE, Dist
+from prefpack.models import ModelError, TokenizerHandle
+from prefpack.tokenizer import TokenizerError
+
+CHECKSUMS = "checksums.json"
+CHECKSUM_FORMAT = "prefpack-checksums/1"
+HASH_CHUNK = 8 << 20  # bytes read per update: large enough for full disk/page-cache speed, small in memory
+DAMAGED_PREFIX = "damaged-"
+MiB = 1 << 20
+_MARGIN = 64 << 10  # JSON files and container overhead, beyond the tensors
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointWriteError(ModelError):
+    """A checkpoint or the final model could not be written (full disk, I/O error); nothing partial is left."""
+
+
+class CheckpointDamaged(ModelError):
+    """No checkpoint of the run folder can be read back intact."""
+
+
+# ------------------------------------------------------------------------------------------------ checksums
+
+
+def file_sha256(path: Path, *, sync: bool = False) -> tuple[int, str]:
+    """(size, sha256 hex) of a file, streamed in 8 MiB chunks; `sync` also flushes it to the disk (fsync)."""
+    digest = hashlib.sha256()
+    buf = bytearray(HASH_CHUNK)
+    view = memoryview(buf)
+    size = 0
+    with open(path, "rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            digest.update(view[:n])  # hashlib releases the GIL: several files hash in parallel threads
+            size += n
+        if sync:
+            os.fsync(fh.fileno())
+    return size, digest.hexdigest()
+
+
+def _files_under(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() != CHECKSUMS)
+
+
+def _hash_all(folder: Path, files: list[Path], *, sync: bool) -> dict[str, dict]:
+    def one(p: Path) -> tuple[str, dict]:
+        size, sha = file_sha256(p, sync=sync)
+        return p.relative_to(folder).as_posix(), {"size": size, "sha256": sha}
+
+    workers = max(1, min(len(files), os.cpu_count() or 1, 8))
+    if workers == 1:
+        return dict(map(one, files))
+    with ThreadPoolExecutor(workers) as pool:
+        return dict(pool.map(one, files))
+
+
+def write_checksums(folder: Path) -> Path:
+    """Hash every file under `folder` (and fsync it) into `folder/checksums.json`; call it last, before renaming."""
+    files = _hash_all(folder, _files_under(folder), sync=True)
+    path = folder / CHECKSUMS
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump({"format": CHECKSUM_FORMAT, "algorithm": "sha256", "files": files}, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync_dir(folder)
+    return path
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Verdict:
+    """What `verify_checkpoint` found: status is "ok", "unverified" (no checksums.json) or "damaged"."""
+
+    path: Path
+    status: str
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        return checkpoint_step(self.path)
+
+    def describe(self) -> str:
+        return f"{self.path.name}: " + "; ".join(self.problems)
+
+
+def verify_checkpoint(path: Path) -> Verdict:
+    """Compare every file of a checkpoint with its checksums.json (sizes first, then sha256)."""
+    manifest = path / CHECKSUMS
+    if not manifest.exists():
+        return Verdict(path, "unverified")
+    try:
+        data = json.loads(manifest.read_text(encoding="utf-8"))
+        files = data["files"]
+        if data.get("algorithm") != "sha256" or not isinstance(files, dict):
+            raise ValueError("unknown layout")
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        return Verdict(path, "damaged", [f"{CHECKSUMS} is unreadable ({exc})"])
+    problems, to_hash = [], []
+    for rel, want in sorted(files.items()):
+        p = path / rel
+        try:
+            size = p.stat().st_size
+        except OSError:
+            problems.append(f"{rel} is missing")
+            continue
+        if size != want["size"]:
+            problems.append(f"{rel} has {size} bytes, {want['size']} were written"
+                            + (" (truncated)" if size < want["size"] else ""))
+        else:
+            to_hash.append(p)
+    try:
+        got = _hash_all(path, to_hash, sync=False)
+    except OSError as exc:
+        return Verdict(path, "damaged", [*problems, f"unreadable ({exc})"])
+    for rel, have in sorted(got.items()):
+        if have["sha256"] != files[rel]["sha256"]:
+            problems.append(f"{rel} does not match its checksum (its content changed after it was written)")
+    return Verdict(path, "damaged" if problems else "ok", problems)
+
+
+# ------------------------------------------------------------------------------------------------ listing
+
+
+def checkpoint_step(path: Path) -> int:
+    m = _STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else -1
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints (`step-N` folders, renamed into place only when written), oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()), key=checkpoint_step)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint folder (not verified: see `resume_from_checkpoints`)."""
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+# ------------------------------------------------------------------------------------------------ temporaries
+
+
+# (parent folder relative to the run folder, name prefix) of every temporary entry prefpack writes there
+_TEMPORARY_PLACES = (("checkpoints", ".step-*"), (".", ".final"), (".", ".config.yaml"), (".", ".metrics.jsonl"))
+
+
+def remove_stale_temporaries(run_dir: Path, *, log: Callable[[str], None] = print) -> list[Path]:
+    """Remove the temporary entries of a run folder (`.step-N.tmp-PID` and `.step-N.old-PID` in checkpoints/,
+    `.final.tmp-PID`, ...) whose process is gone (prefpack.stale); one whose process is alive, or that another
+    machine writes, is kept. Returns the removed paths."""
+    from prefpack.stale import stale_entries
+
+    run_dir = Path(run_dir)
+    removed, kept = [], []
+    for sub, prefix in _TEMPORARY_PLACES:
+        parent = run_dir / sub
+        for tag in ("tmp", "old"):
+            stale = {entry for entry, _pid in stale_entries(parent, prefix, tag)}
+            for entry in _matching(parent, prefix, tag):
+                if entry in stale:
+                    _remove(entry)
+                    removed.append(entry)
+                else:
+                    kept.append(entry)
+    if removed:
+        log(f"removed {len(removed)} temporary {'entry' if len(removed) == 1 else 'entries'} left by a process that "
+            f"is gone: {', '.join(str(p.relative_to(run_dir)) for p in removed)}")
+    if kept:
+        log(f"note: kept {', '.join(str(p.relative_to(run_dir)) for p in kept)}: the process that writes "
+            f"{'it' if len(kept) == 1 else 'them'} is still running (or runs on another machine)")
+    return removed
+
+
+def _matching(parent: Path, prefix: str, tag: str) -> list[Path]:
+    head = "".join(".*" if c == "*" else re.escape(c) for c in prefix)
+    pattern = re.compile(head + re.escape(f".{tag}-") + r"\d+")
+    try:
+        return sorted(parent / n for n in os.listdir(parent) if pattern.fullmatch(n))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _own(tmp: Path) -> None:
+    """Name this machine inside a temporary folder (prefpack.stale): another machine sharing the run folder
+    never removes it, whatever its process id means there."""
+    from prefpack.stale import write_owner
+
+    write_owner(tmp)
+
+
+def _disown(tmp: Path) -> None:
+    from prefpack.stale import OWNER_FILE
+
+    (tmp / OWNER_FILE).unlink(missing_ok=True)
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _discard(path: Path, pid: int | None = None) -> None:
+    """Remove a folder so that an interruption never leaves a half-deleted folder under its own name: it is
+    first renamed to `.NAME.old-PID` (removed by the next run once this process is gone)."""
+    if not path.exists():
+        return
+    aside = path.with_name(f".{path.name}.old-{pid or os.getpid()}")
+    if aside.exists():
+        _remove(aside)
+    os.replace(path, aside)
+    _remove(aside)
+
+
+def _retain(ckpt_root: Path, keep: int) -> None:
+    found = [p for p in ckpt_root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()]
+    found.sort(key=checkpoint_step)
+    for p in found[: max(0, len(found) - keep)]:
+        try:
+            _discard(p)
+        except OSError:
+            pass  # an old checkpoint that cannot be removed costs space, not correctness
+
+
+# ------------------------------------------------------------------------------------------------ failed writes
+
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _tree_size(path: Path) -> int:
+    if not path.exists():
+        return 0
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for p in path.rglob("*"):
+        try:
+            if p.is_file():
+                total += p.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
+def _free_bytes(path: Path) -> int | None:
+    for p in (path, *path.parents):
+        if p.exists():
+            try:
+                return shutil.disk_usage(p).free
+            except OSError:
+                return None
+    return None
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, its causes, and the per-rank errors torch.distributed.checkpoint gathers into CheckpointException."""
+    seen = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo.append(e.__cause__ or e.__context__)
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
+
+
+def _reason(exc: BaseException) -> str:
+    """One line: type and message (for CheckpointException, each rank's error instead of its tracebacks)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = [f"rank {r}: {_reason(f[0] if isinstance(f, tuple) else f)}" for r, f in sorted(failures.items())]
+        return "; ".join(parts)
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+def _says_disk_full(exc: BaseException) -> bool:
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(e)
+        if "No space left on device" in text or "Disk quota exceeded" in text:
+            return True
+    return False
+
+
+def _resume_hint(run_dir: Path) -> str:
+    found = list_checkpoints(run_dir)
+    if not found:
+        return "no checkpoint was written yet, so --resume would start again from step 0"
+    older = (f" (only the newest checkpoint is needed: {', '.join(p.name for p in found[:-1])} may be deleted)"
+             if len(found) > 1 else "")
+    return f"the run can be resumed from {found[-1].name} with --resume{older}"
+
+
+def _mib(n: float) -> str:
+    return f"{n / MiB:.1f}" if n < 10 * MiB else f"{n / MiB:.0f}"
+
+
+def _write_failure(exc: BaseException, target: Path, *, needed: int, written: int, free_at_failure: int | None,
+                   run_dir: Path) -> CheckpointWriteError | None:
+    """The clear error for a failed write, or None when `exc` is not a storage failure (a bug: re-raise it).
+
+    torch.save reports a full disk as RuntimeError('basic_ios::clear' / 'unexpected pos ...'), without errno:
+    such an error counts as a full disk when less space was free than the write still needed.
+    """
+    short_of_space = free_at_failure is not None and free_at_failure < max(needed - written, 0) + _MARGIN
+    storage = any(isinstance(e, _storage_errors()) for e in _chain(exc))
+    full = _says_disk_full(exc) or (storage and short_of_space)
+    free_now = _free_bytes(target.parent)
+    if full:
+        free = f"{_mib(free_now)} MiB free" if free_now is not None else "free space unknown"
+        return CheckpointWriteError(f"no space left on device writing {target}: needs about {_mib(needed)} MiB, "
+                                    f"{free}; nothing partial was left behind; once there is space, "
+                                    f"{_resume_hint(run_dir)}")
+    if isinstance(exc, OSError):
+        return CheckpointWriteError(f"could not write {target}: {exc}; nothing partial was left behind; "
+                                    f"{_resume_hint(run_dir)}")
+    return None
+
+
+@contextmanager
+def _writing(tmp: Path, target: Path, *, needed: int, run_dir: Path):
+    """Remove the temporary folder if anything fails inside (Ctrl-C included) and explain storage failures."""
+    try:
+        yield
+    except BaseException as exc:
+        free_at_failure = _free_bytes(tmp)
+        written = _tree_size(tmp)
+        _remove(tmp)
+        clear = _write_failure(exc, target, needed=needed, written=written, free_at_failure=free_at_failure,
+                               run_dir=run_dir) if isinstance(exc, Exception) else None
+        if clear is not None:
+            raise clear from exc
+        raise
+
+
+# ------------------------------------------------------------------------------------------------ one process
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, scheduler, state: dict, keep: int) -> Path:
+    """Weights (safetensors), optimizer/scheduler/RNG (tensors only), trainer state and checksums, atomically."""
+    from safetensors.torch import save_model
+
+    run_dir = Path(run_dir)
+    ckpt_root = run_dir / "checkpoints"
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / f"step-{step:08d}"
+    tmp = ckpt_root / f".step-{step:08d}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    blob = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    needed = _tensor_bytes(model.state_dict()) + _tensor_bytes(blob) + _MARGIN
+    with _writing(tmp, final, needed=needed, run_dir=run_dir):
+        tmp.mkdir()
+        _own(tmp)
+        save_model(model, str(tmp / "model.safetensors"))
+        torch.save(blob, tmp / "training_state.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=2))
+        _disown(tmp)
+        write_checksums(tmp)
+        _discard(final)
+        os.replace(tmp, final)
+    _fsync_dir(ckpt_root)
+    _retain(ckpt_root, keep)
+    return final
+
+
+_LOAD_ERRORS: tuple[type[BaseException], ...] = (OSError, EOFError, RuntimeError, ValueError, KeyError, TypeError,
+                                                 IndexError, pickle.UnpicklingError)
+
+
+def _require(blob, *keys: str) -> None:
+    if not isinstance(blob, dict):
+        raise ValueError(f"expected a dict of training state, found {type(blob).__name__}")
+    missing = [k for k in keys if k not in blob]
+    if missing:
+        raise KeyError(f"training state lacks {', '.join(missing)}")
+
+
+def _storage_errors() -> tuple[type[BaseException], ...]:
+    """What writers raise when the disk fails: OSError, torch's RuntimeError, safetensors' own error."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # pragma: no cover - older safetensors
+        return (OSError, RuntimeError)
+    return (OSError, RuntimeError, SafetensorError)
+
+
+def _dcp_errors() -> tuple[type[BaseException], ...]:
+    """Exception, and torch.distributed.checkpoint's CheckpointException (a BaseException: the errors of all ranks)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def _load_errors() -> tuple[type[BaseException], ...]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # pragma: no cover - older safetensors
+        return (*_LOAD_ERRORS, CheckpointException)
+    return (*_LOAD_ERRORS, SafetensorError, CheckpointException)
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer, scheduler) -> dict:
+    """Restore a checkpoint; every file is read (and may fail) before the model or optimizer is changed."""
+    from safetensors.torch import load_model
+
+    state = json.loads((path / "trainer_state.json").read_text())
+    int(state["step"])
+    blob = torch.load(path / "training_state.pt", weights_only=True, map_location="cpu")
+    _require(blob, "optimizer", "scheduler", "torch_rng", "cuda_rng")  # damaged: fail before anything changed
+    load_model(model, str(path / "model.safetensors"))  # reads the whole file before it copies into the model
+    optimizer.load_state_dict(blob["optimizer"])
+    scheduler.load_state_dict(blob["scheduler"])
+    torch.set_rng_state(blob["torch_rng"])
+    if blob["cuda_rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(blob["cuda_rng"])
+    return state
+
+
+# ------------------------------------------------------------------------------------------------ torchrun
+
+
+def _broadcast(obj, ctx: Dist):
+    """Rank 0's `obj` on every rank (objects prefpack built itself: ints, strings, lists)."""
+    if not ctx.enabled:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_ok(ok: bool, ctx: Dist) -> bool:
+    if not ctx.enabled:
+        return ok
+    flag = torch.tensor([0.0 if ok else 1.0], device=ctx.device)
+    return float(ctx.all_reduce_sum(flag).item()) == 0.0
+
+
+def save_checkpoint_distributed(run_dir: Path, step: int, module: nn.Module, optimizer, scheduler, state: dict,
+                                keep: int, ctx: Dist) -> Path:
+    """Sharded checkpoint with torch.distributed.checkpoint (every rank writes its part), then renamed.
+
+    Rank 0 writes the rest, hashes every file of the folder (all ranks' shards) into checksums.json and renames
+    it into place. A failed write on any rank removes the folder, and every rank raises.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    run_dir = Path(run_dir)
+    ckpt_root = run_dir / "checkpoints"
+    final = ckpt_root / f"step-{step:08d}"
+    pid = _broadcast(os.getpid(), ctx)  # rank 0's, so a stale folder can be matched with its (dead) process
+    tmp = ckpt_root / f".step-{step:08d}.tmp-{pid}"
+    if ctx.is_main:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        _own(tmp)
+    ctx.barrier()
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    needed = _tensor_bytes(model_sd) + _tensor_bytes(optim_sd) + _MARGIN  # DTensor.numel() is the global size
+    error: BaseException | None = None
+    try:  # dcp.save gathers every rank's write result, so a failure on one rank raises on all of them
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+    except _dcp_errors() as exc:  # reported below, after the folder is removed
+        error = exc
+    if ctx.is_main and error is None:
+        try:
+            torch.save({"scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()},
+                       tmp / "training_state.pt")
+            (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step, "world": ctx.world},
+                                                               indent=2))
+            _disown(tmp)
+            write_checksums(tmp)
+            _discard(final, pid)
+            os.replace(tmp, final)
+        except _dcp_errors() as exc:
+            error = exc
+    failed = not _all_ok(error is None, ctx)
+    if failed:
+        if ctx.is_main:
+            free_at_failure, written = _free_bytes(tmp), _tree_size(tmp)
+            _remove(tmp)
+            clear = _write_failure(error, final, needed=needed, written=written, free_at_failure=free_at_failure,
+                                   run_dir=run_dir) if error is not None else None
+            if clear is not None:
+                raise clear from error
+            if error is not None:
+                raise error
+        ctx.barrier()  # rank 0 has removed the folder
+        if error is not None:
+            raise error
+        raise CheckpointWriteError(f"rank 0 could not write {final} (its message says why); "
+                                   f"{_resume_hint(run_dir)}")
+    if ctx.is_main:
+        _fsync_dir(ckpt_root)
+        _retain(ckpt_root, keep)
+    ctx.barrier()
+    return final
+
+
+def load_checkpoint_distributed(path: Path, module: nn.Module, optimizer, scheduler, ctx: Dist) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    state = json.loads((path / "trainer_state.json").read_text())
+    int(state["step"])
+    if state.get("world") != ctx.world:
+        raise ModelError(f"checkpoint {path} was written by {state.get('world')} processes; resume it with the same "
+                         f"number (this run has {ctx.world})")
+    extra = torch.load(path / "training_state.pt", weights_only=True, map_location="cpu")
+    _require(extra, "scheduler", "torch_rng")  # a damaged file fails here, before anything changed
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    blob = {"model": model_sd, "optim": optim_sd}
+    dcp.load(blob, checkpoint_id=str(path / "dcp"))
+    set_state_dict(module, optimizer, model_state_dict=blob["model"], optim_state_dict=blob["optim"])
+    scheduler.load_state_dict(extra["scheduler"])
+    torch.set_rng_state(extra["torch_rng"])
+    state.pop("world", None)
+    return state
+
+
+# ------------------------------------------------------------------------------------------------ resume
+
+
+def _set_aside(path: Path) -> Path:
+    target = path.with_name(DAMAGED_PREFIX + path.name)
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{DAMAGED_PREFIX}{path.name}.{n}")
+    os.replace(path, target)
+    return target
+
+
+def resume_from_checkpoints(run_dir: Path, load: Callable[[Path], dict], *, ctx: Dist = SINGLE,
+                            log: Callable[[str], None] = print) -> tuple[Path, dict] | None:
+    """Load the newest intact checkpoint of a run folder with `load(path) -> trainer state`.
+
+    Each checkpoint, newest first, is checked against its checksums.json (rank 0 hashes, every rank hears the
+    verdict), then loaded; one that is damaged or fails to load is reported with the file and the reason and
+    the previous one is tried. Newer damaged checkpoints are then renamed `damaged-step-N` (kept, never deleted,
+    and no longer seen as checkpoints). None when there is no checkpoint at all; `CheckpointDamaged` when none is
+    intact.
+    """
+    run_dir = Path(run_dir)
+    candidates = list_checkpoints(run_dir)
+    if not candidates:
+        return None
+    errors = _load_errors()
+    damaged: list[Verdict] = []
+    for path in reversed(candidates):
+        t0 = time.perf_counter()
+        verdict = _broadcast(verify_checkpoint(path) if ctx.is_main else None, ctx)
+        verdict.path = path
+        if verdict.status == "damaged":
+            log(f"checkpoint {path} is damaged: {'; '.join(verdict.problems)}")
+            damaged.append(verdict)
+            continue
+        if verdict.status == "unverified":
+            log(f"note: checkpoint {path} has no {CHECKSUMS} (written before prefpack checked checkpoints), so it "
+                "cannot be verified")
+        else:
+            mib = _tree_size(path) / MiB if ctx.is_main else 0.0
+            log(f"checkpoint {path.name} verified ({mib:.1f} MiB hashed in {time.perf_counter() - t0:.2f} s)")
+        error: BaseException | None = None
+        try:
+            state = load(path)
+        except errors as exc:
+            if isinstance(exc, ModelError) and not isinstance(exc, CheckpointDamaged):
+                raise  # a usable checkpoint that does not fit this run (e.g. another number of processes)
+            error = exc
+        if not _all_ok(error is None, ctx):
+            reason = _reason(error) if error is not None else "it failed to load on another rank"
+            log(f"checkpoint {path} cannot be read: {reason[:500]}")
+            damaged.append(Verdict(path, "damaged", [f"cannot be read ({reason[:300]})"]))
+            continue
+        if damaged:
+            if ctx.is_main:
+                moved = [_set_aside(v.path) for v in damaged]
+                log(f"resuming from {path.name}, the newest intact checkpoint; the damaged "
+                    f"{'one was' if len(moved) == 1 else 'ones were'} renamed "
+                    f"{', '.join(m.name for m in moved)} (delete {'it' if len(moved) == 1 else 'them'} when no "
+                    "longer needed)")
+            ctx.barrier()
+        return path, state
+    lines = "\n".join(f"  - {v.describe()}" for v in damaged)
+    raise CheckpointDamaged(f"no intact checkpoint in {run_dir / 'checkpoints'}:\n{lines}\nnothing was changed; "
+                            "restore a checkpoint from a backup, or move the checkpoints folder away to train again "
+                            "from step 0")
+
+
+# ------------------------------------------------------------------------------------------------ final model
+
+
+def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module | None = None,
+               ctx: Dist = SINGLE, strategy: str = "ddp", dtype: torch.dtype | None = None) -> Path | None:
+    """`save_pretrained` the trained model (LoRA merged into it) and the tokenizer, atomically, on rank 0.
+
+    Under FSDP2 the shards are first gathered into one full state dict (every rank takes part). A failed write
+    (full disk) removes the temporary folder and raises `CheckpointWriteError` after the other ranks are released.
+    """
+    run_dir = Path(run_dir)
+    full_state = None
+    if ctx.enabled and strategy == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full_state = {k.removeprefix("model."): v for k, v in sd.items()}
+    final = run_dir / "final"
+    if not ctx.is_main:
+        ctx.barrier()
+        return final
+    tmp = run_dir / f".final.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        needed = _tensor_bytes(full_state if full_state is not None else policy.state_dict()) + _MARGIN
+        with _writing(tmp, final, needed=needed, run_dir=run_dir):
+            tmp.mkdir()
+            _own(tmp)
+            model = policy
+            if hasattr(policy, "merge_and_unload"):
+                policy.save_pretrained(tmp / "adapter")
+                model = policy.merge_and_unload()
+            if full_state is not None:
+                from transformers import AutoModelForCausalLM
+
+                model = AutoModelForCausalLM.from_config(policy.config)
+                model.load_state_dict(full_state)
+            if dtype is not None:  # run.save_dtype: cast after merging LoRA, so the merge happens in full precision
+                model = model.to(dtype)
+            model.save_pretrained(tmp)
+            try:
+                (tokenizer.load() if isinstance(tokenizer, TokenizerHandle) else tokenizer).save_pretrained(tmp)
+            except (ModelError, TokenizerError) as exc:  # the trained weights matter more than the tokenizer copy
+                print(f"warning: {exc}", file=sys.stderr)
+            _disown(tmp)
+            _discard(final)
+            os.replace(tmp, final)
+    finally:
+        ctx.barrier()  # the other ranks wait here whether or not the write succeeded
+    return final

@@ -1,0 +1,220 @@
+"""Resuming with a changed config: which keys may change, the refusal, and the record of accepted changes.
+
+`--resume` compares the new config with the run folder's `config.yaml`. A key that changes the result (the
+weights an uninterrupted run with either config would reach) is refused with its dotted path and old -> new
+value, unless `prefpack train --resume --allow-config-change`: then each change is printed, appended with the
+step it applies from to `RUN_DIR/config_changes.jsonl`, and `config.yaml` is updated.
+
+Keys that cannot change the result may change freely (FREE_KEYS): how often to log, evaluate and save, how many
+checkpoints to keep, TensorBoard and the plot, where the run folder is, the held-out store, and the permission
+flag model.allow_tokenizer_mismatch (the tokens are in the store already). `train.max_steps` and `train.epochs`
+decide the number of steps, and through it the length of the learning-rate schedule: with `optim.schedule`
+cosine or linear, or a warmup given as `optim.warmup_ratio`, another length changes the learning rate of every
+step, so they are refused; with a constant schedule and a fixed `optim.warmup_steps` (or none), step k's update
+does not depend on the length, so more (or fewer) steps give exactly the uninterrupted run of that length.
+Every other key (including ones added later) counts as changing the result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefpack.config import Config, ConfigError, config_to_dict, load_config, save_config
+
+CONFIG_FILE = "config.yaml"
+CHANGES_FILE = "config_changes.jsonl"
+
+FREE_KEYS = frozenset({
+    "run.log_every", "run.eval_every", "run.save_every", "run.keep_checkpoints", "run.tensorboard", "run.plot",
+    "run.output_dir", "data.eval", "model.allow_tokenizer_mismatch",
+})
+LENGTH_KEYS = ("train.max_steps", "train.epochs")
+PATH_KEYS = frozenset({"model.name_or_path", "model.tokenizer", "reference.model", "data.train"})
+
+
+@dataclass
+class Change:
+    key: str
+    old: Any
+    new: Any
+    changes_result: bool
+    why: str = ""
+
+    def __str__(self) -> str:
+        text = f"{self.key}: {_show(self.old)} -> {_show(self.new)}"
+        return f"{text} ({self.why})" if self.why else text
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, str | list | dict) or value is None else str(value)
+
+
+def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, dict) and not prefix:  # sections; values inside a section stay whole (loss.terms)
+            out.update(_flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def schedule_depends_on_length(cfg: Config) -> bool:
+    """Whether the learning rate of a step depends on the total number of steps (see prefpack.train.lr_lambda)."""
+    return cfg.optim.schedule != "constant" or (not cfg.optim.warmup_steps and cfg.optim.warmup_ratio > 0)
+
+
+def _same_path(a: Any, b: Any) -> bool:
+    try:
+        return isinstance(a, str) and isinstance(b, str) and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def config_changes(old: Config, new: Config) -> list[Change]:
+    """Every key whose value differs, marked with whether it changes the result of the run."""
+    a, b = _flatten(config_to_dict(old)), _flatten(config_to_dict(new))
+    length_matters = schedule_depends_on_length(old) or schedule_depends_on_length(new)
+    both_fixed = old.train.max_steps is not None and new.train.max_steps is not None
+    out = []
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key), b.get(key)
+        if va == vb or (key in PATH_KEYS and _same_path(va, vb)):
+            continue
+        if key in FREE_KEYS:
+            out.append(Change(key, va, vb, False))
+        elif key == "train.epochs" and both_fixed:
+            out.append(Change(key, va, vb, False, "not used: train.max_steps is set"))
+        elif key in LENGTH_KEYS and length_matters:
+            out.append(Change(key, va, vb, True, "sets the length of the learning-rate schedule"))
+        elif key in LENGTH_KEYS:
+            out.append(Change(key, va, vb, False, "the learning-rate schedule does not depend on the length"))
+        else:
+            out.append(Change(key, va, vb, True))
+    return out
+
+
+def _saved(run_dir: Path) -> tuple[Config | None, str | None]:
+    """The run folder's saved config, or (None, why it cannot be read); (None, None) when there is none."""
+    path = run_dir / CONFIG_FILE
+    if not path.exists():
+        return None, None
+    try:
+        return load_config(path, []), None
+    except ConfigError as exc:
+        return None, str(exc)
+
+
+def check_resume_config(cfg: Config, run_dir: Path, *, log: Callable[[str], None] = print) -> list[Change]:
+    """Refuse (ConfigError) a resume whose config changes the result; note the free changes. Every rank may call
+    it (all read the same file and decide the same)."""
+    run_dir = Path(run_dir)
+    old, unreadable = _saved(run_dir)
+    if unreadable is not None:
+        raise ConfigError(f"cannot compare this config with the run's: {run_dir / CONFIG_FILE} is unreadable "
+                          f"({unreadable}); pass --allow-config-change to replace it with this config")
+    if old is None:
+        log(f"note: {run_dir / CONFIG_FILE} is missing, so this config cannot be compared with the run's")
+        return []
+    changes = config_changes(old, cfg)
+    refused = [c for c in changes if c.changes_result]
+    if refused:
+        lines = "\n".join(f"  {c}" for c in refused)
+        raise ConfigError(
+            f"this config differs from the one {run_dir} was trained with ({run_dir / CONFIG_FILE}) in "
+            f"{'a key that changes' if len(refused) == 1 else 'keys that change'} the result:\n{lines}\n"
+            "resume with the run's config, or pass --allow-config-change to continue with the new values (each "
+            f"change is printed and recorded in {run_dir / CHANGES_FILE})")
+    for c in changes:
+        log(f"note: config change that does not change the result: {c}")
+    return changes
+
+
+def accept_config_changes(cfg: Config, *, step: int | None, log: Callable[[str], None] = print) -> list[Change]:
+    """For --allow-config-change: print every change, append them to RUN_DIR/config_changes.jsonl with the step
+    they apply from, and write the new config.yaml (so check_resume_config then finds no difference)."""
+    run_dir = Path(cfg.run.output_dir)
+    old, unreadable = _saved(run_dir)
+    if old is None and unreadable is None:
+        return []
+    changes = [] if old is None else config_changes(old, cfg)
+    if not changes and unreadable is None:
+        return []
+    where = f"step {step}" if step is not None else "step 0 (no checkpoint)"
+    if unreadable is not None:
+        log(f"config change: {run_dir / CONFIG_FILE} was unreadable ({unreadable}); replaced with this config")
+    for c in changes:
+        log(f"config change from {where}: {c}")
+    record = {"time": round(time.time(), 3), "step": step,
+              "changes": {c.key: {"old": c.old, "new": c.new, "changes_result": c.changes_result} for c in changes}}
+    if unreadable is not None:
+        record["replaced_unreadable_config"] = unreadable
+    _append_line(run_dir / CHANGES_FILE, json.dumps(record, ensure_ascii=False))
+    write_config(cfg, run_dir / CONFIG_FILE)
+    return changes
+
+
+def read_config_changes(run_dir: str | os.PathLike) -> list[dict]:
+    path = Path(run_dir) / CHANGES_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _append_line(path: Path, line: str) -> None:
+    from prefpack.checkpoint import CheckpointWriteError
+
+    try:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        raise CheckpointWriteError(f"could not write {path}: {exc}") from exc
+
+
+def config_unchanged(cfg: Config, path: str | os.PathLike) -> bool:
+    """Whether `path` holds this very config (then a resume need not write it: on a full disk it could not)."""
+    p = Path(path)
+    if not p.exists():
+        return False
+    try:
+        return config_to_dict(load_config(p, [])) == config_to_dict(cfg)
+    except ConfigError:
+        return False
+
+
+@contextmanager
+def config_write_errors(path: str | os.PathLike):
+    """Around prefpack.config.save_config (temporary file + rename): a failed write removes the temporary file
+    and raises CheckpointWriteError with the space needed and free; the previous file is unchanged."""
+    from prefpack.checkpoint import CheckpointWriteError, _free_bytes, _remove, _says_disk_full
+
+    p = Path(path)
+    try:
+        yield
+    except OSError as exc:
+        _remove(p.with_name(f".{p.name}.tmp-{os.getpid()}"))  # save_config's temporary file
+        free = _free_bytes(p.parent)
+        if _says_disk_full(exc):
+            raise CheckpointWriteError(
+                f"no space left on device writing {p}: needs about 1 MiB, {(free or 0) / (1 << 20):.0f} MiB free; "
+                f"the previous {p.name} is unchanged") from exc
+        raise CheckpointWriteError(f"could not write {p}: {exc}; the previous {p.name} is unchanged") from exc
+    except BaseException:
+        _remove(p.with_name(f".{p.name}.tmp-{os.getpid()}"))
+        raise
+
+
+def write_config(cfg: Config, path: str | os.PathLike) -> Path:
+    """save_config (atomic) with the clear error of config_write_errors."""
+    with config_write_errors(path):
+        return save_config(cfg, path)

@@ -1,0 +1,73 @@
+"""What only a GPU can show: torch's flash varlen kernel against the reference, in bfloat16, and device budgets.
+
+Skipped without CUDA (CI has none). On a GPU machine: ``PREFPACK_TEST_CUDA=1 pytest tests/test_gpu.py`` (the
+conftest hides CUDA from every other test so that CPU-exactness tests stay on the CPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefpack.ops import varlen_attention as va
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: PREFPACK_TEST_CUDA=1 on a GPU")
+
+
+def _packed_qkv(lengths, heads=8, kv_heads=2, dim=64, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    total = sum(lengths)
+    q = torch.randn(total, heads, dim, device="cuda", dtype=dtype, generator=g, requires_grad=True)
+    k = torch.randn(total, kv_heads, dim, device="cuda", dtype=dtype, generator=g, requires_grad=True)
+    v = torch.randn(total, kv_heads, dim, device="cuda", dtype=dtype, generator=g, requires_grad=True)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    return q, k, v, cu
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_torch_varlen_kernel_equals_the_reference(window):
+    assert va.torch_varlen_kernel() is not None, "this torch has no torch.nn.attention.varlen"
+    lengths = [1, 37, 200, 64, 5]
+    q, k, v, cu = _packed_qkv(lengths)
+    out = va._run_kernel(q, k, v, cu, max(lengths), None, window)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = va.reference_varlen(q32, k32, v32, cu.cpu(), window=window)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q32, k32, v32))
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a.float(), b, rtol=5e-2, atol=5e-2)
+
+
+def test_varlen_model_equals_sdpa_in_bfloat16():
+    import transformers as tf
+
+    va.register()
+    cfg = tf.LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).cuda().eval()
+    position_ids = torch.cat([torch.arange(n) for n in (70, 3, 1, 150)])[None].cuda()
+    ids = torch.randint(0, 300, position_ids.shape, device="cuda")
+    out = {}
+    for attn in ("sdpa", "varlen"):
+        model.set_attn_implementation(attn)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            out[attn] = model.model(input_ids=ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    torch.testing.assert_close(out["varlen"].float(), out["sdpa"].float(), rtol=3e-2, atol=3e-2)
+
+
+def test_cuda_budgets_grow_with_free_memory():
+    import transformers as tf
+
+    from prefpack.budgets import MAX_MICRO_BATCH_TOKENS, MIN_MICRO_BATCH_TOKENS, cuda_budgets
+
+    cfg = tf.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=8)
+    model = tf.LlamaForCausalLM(cfg).cuda()
+    trainable = sum(p.numel() for p in model.parameters())
+    budgets, free = cuda_budgets(model, torch.device("cuda"), trainable_params=trainable, autocast=True,
+                                 checkpointing=False, flattened=True)
+    assert MIN_MICRO_BATCH_TOKENS <= budgets.micro_batch_tokens <= MAX_MICRO_BATCH_TOKENS
+    assert budgets.chunk_size >= 1024 and budgets.row_tokens == min(budgets.micro_batch_tokens, 8192)
+    assert free > 0
