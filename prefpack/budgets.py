@@ -58,8 +58,9 @@ def cuda_budgets(model: nn.Module, device: torch.device, *, trainable_params: in
     """``(budgets, free bytes)`` for a CUDA device whose models are already loaded.
 
     What training will still allocate: float32 gradients and AdamW's two moments for the trained weights, and
-    under autocast one compute-dtype copy of the weights. Of what is left, 60% goes to activations and 4% to
-    the head's chunk of logits (three float32 buffers of ``chunk x vocabulary``). Rows: with a flattened
+    under autocast one compute-dtype copy of the weights. Of what is left, 60% goes to activations and 8% to
+    the head's chunk of logits (about 8 bytes per logit at its peak in backward: the float32 logits, turned in
+    place into their gradient, and its compute-dtype copy). Rows: with a flattened
     micro-batch (varlen or flash kernels) a row only limits the longest packed line, so 8,192; masked sdpa
     pays row^2 per row, so 2,048.
     """
@@ -72,7 +73,7 @@ def cuda_budgets(model: nn.Module, device: torch.device, *, trainable_params: in
     micro = max(MIN_MICRO_BATCH_TOKENS, min(MAX_MICRO_BATCH_TOKENS, micro))
     vocab = int(model.get_input_embeddings().weight.shape[0])
     chunk = 1024
-    while chunk < 16384 and 2 * chunk * vocab * 12 <= 0.04 * max(free - later, 0):
+    while chunk < 16384 and 2 * chunk * vocab * 8 <= 0.08 * max(free - later, 0):
         chunk *= 2
     row = min(micro, 8192 if flattened else 2048)
     return Budgets(micro, row, chunk), free

@@ -17,13 +17,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from prefpack.data.sources import SourceError
     from prefpack.data.store import StoreError
     from prefpack.distributed import LaunchError
+    from prefpack.metrics import MetricsWriteError
     from prefpack.models import ModelError
     from prefpack.plot import PlotError
     from prefpack.reference import ReferenceMismatch
     from prefpack.tokenizer import TokenizerError
 
     return (InvalidRow, PrepareError, SourceError, StoreError, TokenizerError, ConfigError, ModelError,
-            ReferenceMismatch, PlotError, FileExistsError, LaunchError)
+            ReferenceMismatch, PlotError, FileExistsError, LaunchError, MetricsWriteError)
 
 
 def _add_prepare(sub) -> None:

@@ -248,7 +248,10 @@ def _problems(cfg: Config, *, training: bool) -> list[str]:
             errs.append(msg)
 
     def positive(path: str, x: float) -> None:
-        need(math.isfinite(x) and x > 0, f"{path} must be > 0, got {x}")
+        if not math.isfinite(x):
+            errs.append(f"{path} must be a finite number, got {x}")
+        else:
+            need(x > 0, f"{path} must be > 0, got {x}")
 
     def at_least(path: str, x: int, low: int) -> None:
         need(x >= low, f"{path} must be >= {low}, got {x}")
@@ -488,6 +491,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             return float(value)
         if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
             return float(value)
+        if isinstance(value, str) and value.strip().lower().lstrip("+-.") in ("nan", "inf", "infinity"):
+            raise ConfigError(f"{path} must be a finite number, got {value!r}")
         raise _type_error(path, tp, value)
     if tp is str:
         if isinstance(value, str):

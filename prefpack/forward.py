@@ -220,7 +220,7 @@ def packing_leak(model: nn.Module) -> float:
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), compute_context(model, device):  # the kernel training will run, in its dtype
             for head in (first, other):
                 ids = torch.cat([head, second])[None].to(device)
                 out = body(input_ids=ids, position_ids=position_ids, attention_mask=None, use_cache=False)

@@ -59,6 +59,10 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return _parse_lines(p.read_text(encoding="utf-8"), p)
 
 
+class MetricsWriteError(OSError):
+    """metrics.jsonl could not be written (a full disk); the message names the file."""
+
+
 class MetricsLogger:
     """Appends metrics to ``run_dir/metrics.jsonl`` and, when requested and installed, to TensorBoard.
 
@@ -104,10 +108,14 @@ class MetricsLogger:
             if key in _RESERVED:
                 raise ValueError(f"metric name {key!r} is reserved (the record keys are {', '.join(_RESERVED)})")
             record[str(key)] = _plain_float(key, value)
-        if self._fh is None:
-            self._fh = open(self.path, "a", encoding="utf-8")
-        self._fh.write(json.dumps(record, allow_nan=False) + "\n")
-        self._fh.flush()
+        try:
+            if self._fh is None:
+                self._fh = open(self.path, "a", encoding="utf-8")
+            self._fh.write(json.dumps(record, allow_nan=False) + "\n")
+            self._fh.flush()
+        except OSError as exc:
+            raise MetricsWriteError(f"cannot write {self.path}: {exc.strerror or exc}; the run stays resumable from "
+                                    "its last checkpoint once there is room") from exc
         if self._writer_cls is not None:
             writer = self._tb_writer()
             for key, value in record.items():
@@ -152,11 +160,15 @@ class MetricsLogger:
             else:
                 kept_lines.append(line + "\n")
         tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.writelines(kept_lines)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.writelines(kept_lines)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise MetricsWriteError(f"cannot rewrite {self.path}: {exc.strerror or exc}; it is unchanged") from exc
         return dropped
 
     def _close_file(self) -> None:

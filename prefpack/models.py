@@ -102,7 +102,7 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
     disable_dropout(model)
     if attn_implementation == varlen_attention.NAME and _config_value(model, "attn_logit_softcapping"):
         raise ModelError(f"model {name_or_path!r} softcaps its attention logits, which the varlen kernel cannot do; "
-                         "set model.attn_implementation=eager and data.packing=false")
+                         "set model.attn_implementation=eager")
     model = model.to(device)
     set_compute_dtype(model, precision)
     if packed:

@@ -34,7 +34,7 @@ from prefpack.checkpoint import (
 )
 from prefpack.data.store import Store, StoreError
 from prefpack.distributed import SINGLE, Dist, clip_grad_norm, deal_step, grad_sync, init_from_env, wrap
-from prefpack.forward import SequenceLogps, uses_flash_attention
+from prefpack.forward import SequenceLogps, attention_name, uses_flash_attention
 from prefpack.losses import LossTerm, needs_reference
 from prefpack.models import (
     ModelError,
@@ -259,6 +259,9 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
     if precision.weights == torch.bfloat16 and cfg.optim.master_dtype == "bfloat16":
         log(pure_bfloat16_warning([p for p in policy.parameters() if p.requires_grad], cfg.optim.lr))
     cfg = _with_budgets(cfg, policy, device, precision, attn, log)
+    for what, store in (("train", train_store), ("eval", eval_store)):
+        if store is not None:
+            check_lengths(store, what, policy, cfg.data.max_tokens_per_row if cfg.data.packing else None, log)
     reference.chunk_size = cfg.train.chunk_size
     if reference.module is not None:
         reference.module.chunk_size = cfg.train.chunk_size
@@ -286,12 +289,36 @@ def _with_budgets(cfg, policy: nn.Module, device: torch.device, precision: Preci
     budgets, line = resolve_budgets(cfg.train, cfg.data, policy, device, trainable_params=trainable,
                                     autocast=precision.autocast, checkpointing=cfg.model.gradient_checkpointing,
                                     flattened=uses_flash_attention(policy))
-    log(f"{line}; precision: {precision.describe()}; attention: {attn}")
+    log(f"{line}; precision: {precision.describe()}; attention: {attention_name(policy) or attn}")
     resolved = copy.deepcopy(cfg)
     resolved.train.micro_batch_tokens = budgets.micro_batch_tokens
     resolved.data.max_tokens_per_row = budgets.row_tokens
     resolved.train.chunk_size = budgets.chunk_size
     return resolved
+
+
+def check_lengths(store: Store, what: str, model: nn.Module, row_budget: int | None, log) -> None:
+    """Refuse sequences longer than the model's positions (they would fail or silently extrapolate), and say
+    once how many examples are longer than a packed row (each of those gets a row of its own)."""
+    prompt = store.column("prompt_len")
+    if store.kind == "pairs":
+        chosen, rejected = store.column("chosen_len"), store.column("rejected_len")
+        longest, example, unit = prompt + np.maximum(chosen, rejected), 2 * prompt + chosen + rejected, "pairs"
+    else:
+        longest = example = prompt + store.column("completion_len")
+        unit = "examples"
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and limit > 0 and int(longest.max()) > limit:
+        n = int((longest > limit).sum())
+        raise ModelError(f"{what} store {str(store.path)!r}: {n} of {len(store)} {unit} have a sequence longer than "
+                         f"the model's max_position_embeddings ({limit}; the longest has {int(longest.max())} "
+                         f"tokens); prepare the data again with `prefpack prepare ... --max-length {limit}`")
+    if row_budget is not None:
+        n = int((example > row_budget).sum())
+        if n:
+            log(f"note: {n} of {len(store)} {unit} in the {what} store are longer than a row "
+                f"(data.max_tokens_per_row={row_budget}); each of them gets a row of its own")
 
 
 def _reference_hash(cfg, policy: nn.Module, ref_path: str, precision: Precision, attn) -> str:

@@ -43,6 +43,9 @@ def test_defaults():
     assert load_config(None, ["train.micro_batch_tokens=8192"]).train.micro_batch_tokens == 8192
     with pytest.raises(ConfigError, match="train.chunk_size: expected an int or one of 'auto'"):
         load_config(None, ["train.chunk_size=big"])
+    for text in ("nan", "inf", "-Infinity"):  # YAML reads these as strings on the command line
+        with pytest.raises(ConfigError, match=f"optim.lr must be a finite number, got '{text}'"):
+            load_config(None, [f"optim.lr={text}"])
     assert cfg.loss.terms == [LossTermConfig("sigmoid", 1.0)]
     assert cfg.reference.mode == "copy"
     assert cfg.lora.target_modules == "all-linear"
@@ -196,7 +199,7 @@ def test_validate_ok_and_partial():
     "overrides, message",
     [
         (["optim.lr=0"], "optim.lr must be > 0, got 0.0"),
-        (["optim.lr=.nan"], "optim.lr must be > 0"),
+        (["optim.lr=.nan"], "optim.lr must be a finite number, got nan"),
         (["loss.beta=-1"], "loss.beta must be > 0"),
         (["loss.label_smoothing=0.5"], "loss.label_smoothing must be in [0, 0.5)"),
         (["train.global_batch_pairs=0"], "train.global_batch_pairs must be >= 1"),

@@ -186,3 +186,30 @@ def test_plot_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(PlotError, match=r"pip install prefpack\[plot\]"):
         plot_run(tmp_path)
+
+
+def test_a_full_disk_names_the_metrics_file(tmp_path, monkeypatch):
+    import builtins
+    import errno
+
+    from prefpack.metrics import MetricsLogger, MetricsWriteError
+
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log(1, {"loss": 0.5})
+    logger.close()
+    real_open = builtins.open
+
+    def full(path, *args, **kwargs):
+        if str(path).endswith("metrics.jsonl") or ".metrics.jsonl.tmp-" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", full)
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    with pytest.raises(MetricsWriteError, match=r"cannot write .*metrics.jsonl: No space left on device"):
+        logger.log(2, {"loss": 0.4})
+    with pytest.raises(MetricsWriteError, match="it is unchanged"):
+        logger.truncate_after(0)
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert not list(tmp_path.glob(".metrics.jsonl.tmp-*"))

@@ -123,3 +123,21 @@ def test_save_dtype(world, tmp_path):  # noqa: F811
 def test_float16_training_is_refused(world, tmp_path):  # noqa: F811
     with pytest.raises(ConfigError, match="float16 cannot train"):
         _run(world, tmp_path / "fp16", "model.dtype=float16")
+
+
+def test_lora_in_bfloat16_keeps_float32_adapters_and_learns(world, tmp_path):  # noqa: F811
+    """LoRA: the frozen base runs in bfloat16, the trained adapters stay float32 under autocast."""
+    lines = []
+    res = _run(world, tmp_path / "lora", "model.dtype=bfloat16", "lora.enabled=true", "reference.mode=adapter",
+               "lora.r=4", "train.max_steps=4", "optim.lr=5.0e-3", log=lines.append)
+    assert any("bfloat16 frozen base weights, float32 LoRA adapters" in x for x in lines), lines
+    losses = [m["loss"] for m in metrics_lines(tmp_path / "lora")]
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-6) and losses[-1] < losses[0]
+    from prefpack.train import build
+
+    setup = build(cfg_for(world, tmp_path / "b", "train.device=cpu", "model.dtype=bfloat16", "lora.enabled=true",
+                          "reference.mode=adapter"), log=lambda m: None)
+    dtypes = {p.requires_grad: p.dtype for p in setup.policy.parameters()}
+    assert dtypes == {True: torch.float32, False: torch.bfloat16}
+    # the source checkpoint is float32, so run.save_dtype auto saves the merged model in float32
+    assert {v.dtype for v in load_file(str(res.final_dir / "model.safetensors")).values()} == {torch.float32}

@@ -113,7 +113,7 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     """query [B, H, L, D], key/value [B, Hkv, L, D] -> ([B, L, H, D], None), transformers' attention contract."""
     if kwargs.get("softcap") is not None:
         raise ValueError("this model softcaps its attention logits, which the varlen kernel cannot do; set "
-                         "model.attn_implementation=eager with data.packing=false")
+                         "model.attn_implementation=eager")
     position_ids = kwargs.get("position_ids")
     cu = kwargs.get("cu_seq_lens_q")
     packed = attention_mask is None and key.shape[2] == query.shape[2] and (

@@ -1,0 +1,74 @@
+"""Budgets for ``auto``: today's values on CPU; on CUDA sized from free memory (simulated here) and the model."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers as tf
+
+from prefpack import budgets as b
+
+CUDA = torch.device("cuda")
+
+
+def _model(layers=24, hidden=1024, vocab=151936):
+    cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=hidden // 64)
+    with torch.device("meta"):  # sizes only; nothing is allocated
+        return tf.LlamaForCausalLM(cfg)
+
+
+def _auto():
+    return (SimpleNamespace(micro_batch_tokens="auto", chunk_size="auto"), SimpleNamespace(max_tokens_per_row="auto"))
+
+
+def _cuda(monkeypatch, free_gib, model, **kw):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free_gib * 2**30), 80 * 2**30))
+    trainable = sum(p.numel() for p in model.parameters())
+    args = dict(trainable_params=trainable, autocast=True, checkpointing=False, flattened=True) | kw
+    return b.resolve_budgets(*_auto(), model, CUDA, **args)
+
+
+def test_cpu_keeps_todays_budgets():
+    budgets, line = b.resolve_budgets(*_auto(), _model(2, 64, 1000), torch.device("cpu"), trainable_params=0,
+                                      autocast=False, checkpointing=False, flattened=False)
+    assert budgets == b.CPU_BUDGETS == b.Budgets(4096, 2048, 1024)
+    assert line.startswith("budgets (cpu defaults)")
+
+
+def test_cuda_budgets_follow_free_memory_and_the_model(monkeypatch):
+    model = _model()  # the 0.7B-class preset of the GPU measurements
+    small, _ = _cuda(monkeypatch, 20, model)
+    big, line = _cuda(monkeypatch, 74, model)
+    assert "from 74.0 GiB free on cuda" in line and "micro-batch" in line
+    assert small.micro_batch_tokens < big.micro_batch_tokens <= b.MAX_MICRO_BATCH_TOKENS
+    assert big.micro_batch_tokens % 1024 == 0 and big.micro_batch_tokens >= 16384  # a GPU, not a CPU, budget
+    assert big.row_tokens == 8192 and big.chunk_size >= 2048
+    # the estimate, written out: what training still allocates, then 60% of the rest for activations
+    params = sum(p.numel() for p in model.parameters())
+    room = (74 * 2**30 - params * 12 - params * 2) * 0.6
+    per_token = 24 * (34 * 1024 + 10 * 4096)
+    assert big.micro_batch_tokens == min(65536, int(room // per_token) // 1024 * 1024)
+    ckpt, _ = _cuda(monkeypatch, 20, model, checkpointing=True)
+    assert ckpt.micro_batch_tokens > small.micro_batch_tokens  # checkpointing keeps one layer's activations
+    masked, _ = _cuda(monkeypatch, 74, model, flattened=False)
+    assert masked.row_tokens == 2048  # masked sdpa pays row^2
+    tiny, _ = _cuda(monkeypatch, 0.5, model)
+    assert tiny.micro_batch_tokens == b.MIN_MICRO_BATCH_TOKENS
+
+
+def test_explicit_budgets_are_kept(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * 2**30, 80 * 2**30))
+    train = SimpleNamespace(micro_batch_tokens=5000, chunk_size=77)
+    budgets, _ = b.resolve_budgets(train, SimpleNamespace(max_tokens_per_row=999), _model(), CUDA,
+                                   trainable_params=0, autocast=True, checkpointing=False, flattened=True)
+    assert budgets == b.Budgets(5000, 999, 77)
+
+
+@pytest.mark.parametrize("autocast", [True, False])
+def test_activation_estimate_grows_with_the_model(autocast):
+    small = b.activation_bytes_per_token(_model(24, 1024).config, autocast=autocast, checkpointing=False)
+    large = b.activation_bytes_per_token(_model(28, 1536).config, autocast=autocast, checkpointing=False)
+    assert large > small > 0
