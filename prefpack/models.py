@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import hashlib
 import os
@@ -81,7 +82,7 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
     if precision is None:
         precision = Precision(dtype or torch.float32, dtype or torch.float32)
     dtype = precision.weights
-    _check_model_path(name_or_path)
+    check_model_source(name_or_path)
     if device.type == "cuda" and attn_implementation == "sdpa":
         torch.backends.cuda.enable_cudnn_sdp(False)  # a new cuDNN plan per packed shape: 14.8 ms CPU per call
 
@@ -122,12 +123,48 @@ def _config_value(model: nn.Module, name: str):
     return getattr(text, name, None)
 
 
-def _check_model_path(name_or_path: str) -> None:
-    """A path that does not exist is named at once (transformers would retry it as a hub id for minutes)."""
+def check_model_source(name_or_path: str, what: str = "model") -> None:
+    """Name a missing model at once: transformers would retry a folder that does not exist as a hub id, for
+    half a minute or more when the hub cannot be reached, and then report a network error."""
+    if os.path.isdir(name_or_path):
+        return
     looks_local = (os.path.isabs(name_or_path) or name_or_path.startswith((".", "~")) or os.sep * 2 in name_or_path
                    or name_or_path.count("/") > 1 or "\\" in name_or_path)
-    if looks_local and not os.path.isdir(os.path.expanduser(name_or_path)):
-        raise ModelError(f"model folder {name_or_path!r} does not exist")
+    if looks_local:
+        raise ModelError(f"{what} folder {name_or_path!r} does not exist")
+    if not _hub_cached(name_or_path) and not _hub_reachable():
+        raise ModelError(f"{what} {name_or_path!r} is not a folder here, and the model hub cannot be reached to "
+                         "download it as a hub id (offline, or HF_HUB_OFFLINE is set): give a local model folder")
+
+
+def _hub_cached(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # not a valid repo id, or an older huggingface_hub
+        return False
+
+
+@functools.cache
+def _hub_reachable() -> bool:
+    """One TCP connection to the hub's endpoint, 3 s at most (HF_HUB_OFFLINE means unreachable)."""
+    import socket
+    from urllib.parse import urlparse
+
+    try:
+        from huggingface_hub import constants
+
+        if constants.HF_HUB_OFFLINE:
+            return False
+        url = urlparse(constants.ENDPOINT)
+    except Exception:
+        url = urlparse("https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=3).close()
+        return True
+    except OSError:
+        return False
 
 
 def source_dtype(name_or_path: str, *, trust_remote_code: bool = False) -> torch.dtype | None:
@@ -169,6 +206,7 @@ def resolve_tokenizer(model_path: str, store_meta: dict, store_tokenizer: Path, 
 
     A model folder without tokenizer files is paired with the store's own copy.
     """
+    check_model_source(model_path)
     if tokenizer is None and not has_tokenizer_files(model_path) and os.path.isdir(model_path):
         return load_tokenizer(store_tokenizer)
     source = tokenizer or model_path

@@ -39,6 +39,7 @@ from prefpack.losses import LossTerm, needs_reference
 from prefpack.models import (
     ModelError,
     TokenizerHandle,
+    check_model_source,
     check_vocab_fits,
     load_causal_lm,
     pick_attention,
@@ -210,6 +211,8 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
     open_store = partial(open_kto_store, paired_as_kto=cfg.data.paired_as_kto) if kto else open_pair_store
     train_store = open_store(cfg.data.train, "train")
     eval_store = open_store(cfg.data.eval, "eval") if cfg.data.eval else None
+    if cfg.reference.model and cfg.reference.mode in ("copy", "precomputed"):
+        check_model_source(cfg.reference.model, "reference model")
     device = device or pick_device(cfg.train.device)
     precision = resolve_precision(
         cfg.model.dtype, cfg.optim.master_dtype, device, lora=cfg.lora.enabled,

@@ -14,6 +14,7 @@ if os.environ.get("PREFPACK_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest
+import torch
 
 from prefpack.toy_tokenizer import build_toy_tokenizer
 
@@ -51,3 +52,26 @@ def toy_tokenizers(tmp_path_factory, hh_train) -> dict[str, Path]:
         tok.save_pretrained(root / style)
         out[style] = root / style
     return out
+
+
+def tiny_llama(tok_dir, out, seed):
+    """A 2-layer Llama (hidden 32, grouped-query heads) for a tokenizer folder, saved to ``out``."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: tiny models gain nothing from threads and slow 10x on shared cores; and a
+    killed subprocess (OMP_NUM_THREADS=1) and its in-process resumption then run the same kernels."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import tiny_llama, write_jsonl
 
 from prefpack.checkpoint import checkpoint_step, list_checkpoints
 from prefpack.cli import main as cli_main
@@ -24,29 +24,18 @@ from prefpack.train import train
 STEPS = 10
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Killed runs (subprocesses) and their resumption (here) must run the same kernels: one thread each."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# killed runs (subprocesses, OMP_NUM_THREADS=1) and their resumption (here) must run the same kernels
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, toy_tokenizers, hh_train):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("crash")
     tok_dir = toy_tokenizers["llama"]
     rows = [r for r in hh_train[:40] if r["chosen"].strip() and r["chosen"] != r["rejected"]][:24]
     prepare(PrepareOptions(inputs=[str(write_jsonl(root / "train.jsonl", rows))], tokenizer=str(tok_dir),
                            output=str(root / "train"), max_length=48, workers=1), log=lambda m: None)
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    torch.manual_seed(3)
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                 tie_word_embeddings=False)).save_pretrained(root / "policy")
+    tiny_llama(tok_dir, root / "policy", 3)
     full = root / "full"
     train(load_config(None, overrides(root, full)), progress=False, log=lambda m: None)
     return {"root": root, "full": full}

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import tiny_llama, write_jsonl
 
 from prefpack.checkpoint import (
     CHECKSUMS,
@@ -29,26 +29,7 @@ from prefpack.data.prepare import PrepareOptions, prepare
 from prefpack.resume_check import config_changes, read_config_changes, write_config
 from prefpack.train import TrainingInterrupted, train
 
-
-def _tiny_model(tok_dir, out, seed):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model gains nothing from threads, and two threads per process slow it 10x on shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +40,7 @@ def world(tmp_path_factory, toy_tokenizers, hh_train):
     for name, part in (("train", rows[:24]), ("eval", rows[24:30])):
         prepare(PrepareOptions(inputs=[str(write_jsonl(root / f"{name}.jsonl", part))], tokenizer=str(tok),
                                output=str(root / name), max_length=48, workers=1), log=lambda m: None)
-    return {"root": root, "train": root / "train", "eval": root / "eval", "policy": _tiny_model(tok, root / "policy", 1)}
+    return {"root": root, "train": root / "train", "eval": root / "eval", "policy": tiny_llama(tok, root / "policy", 1)}
 
 
 BASE = ("optim.lr=1.0e-3", "optim.schedule=constant", "train.global_batch_pairs=8", "train.max_steps=4",

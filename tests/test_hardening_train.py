@@ -55,3 +55,16 @@ def test_more_gpu_processes_than_gpus_stop_with_a_message(monkeypatch):
     with pytest.raises(LaunchError, match="--nproc-per-node at most that.*train.device=cpu"):
         init_from_env("cuda")
 
+
+
+def test_a_hub_id_that_is_no_folder_is_named_at_once_when_the_hub_is_unreachable(world, tmp_path, monkeypatch):  # noqa: F811
+    """`models/tiny` looks like a hub id; with no such folder and no hub, training says so before any retry."""
+    from prefpack import models
+
+    monkeypatch.setattr(models, "_hub_reachable", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    run = cfg_for(world, tmp_path / "run", "model.name_or_path=models/tiny", "train.device=cpu")
+    t = time.perf_counter()
+    with pytest.raises(ModelError, match="'models/tiny' is not a folder here, and the model hub cannot be reached"):
+        train(run, log=lambda m: None, progress=False)
+    assert time.perf_counter() - t < 5

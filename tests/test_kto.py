@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import tiny_llama, write_jsonl
 
 from prefpack.cli import main as cli_main
 from prefpack.config import ConfigError, load_config
@@ -37,18 +37,6 @@ from prefpack.train import build, evaluate, train
 # ---------------------------------------------------------------- fixtures
 
 
-def _tiny_model(tok_dir, out, seed):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def kworld(tmp_path_factory, toy_tokenizers, hh_train):
     """A 19-example unpaired train store (12 desirable), a 7-example eval store, a 6-pair store, two models."""
@@ -71,7 +59,7 @@ def kworld(tmp_path_factory, toy_tokenizers, hh_train):
         prepare(PrepareOptions(inputs=[str(write_jsonl(root / f"{name}.jsonl", part))], tokenizer=str(tok),
                                output=str(root / name), max_length=64, workers=1), log=lambda m: None)
     return {"root": root, "tok": tok, "train": root / "train", "eval": root / "eval", "pairs": root / "pairs",
-            "policy": _tiny_model(tok, root / "policy", 1), "ref": _tiny_model(tok, root / "ref", 2)}
+            "policy": tiny_llama(tok, root / "policy", 1), "ref": tiny_llama(tok, root / "ref", 2)}
 
 
 def kcfg(w, run_dir, *extra):

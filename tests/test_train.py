@@ -7,25 +7,13 @@ import math
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import tiny_llama, write_jsonl
 
 from prefpack.cli import main as cli_main
 from prefpack.config import load_config
 from prefpack.data.prepare import PrepareOptions, prepare
 from prefpack.data.store import Store
 from prefpack.train import TrainingInterrupted, build, evaluate, train
-
-
-def _tiny_model(tok_dir, out, seed):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +26,7 @@ def world(tmp_path_factory, toy_tokenizers, hh_train):
         prepare(PrepareOptions(inputs=[str(write_jsonl(root / f"{name}.jsonl", part))], tokenizer=str(tok),
                                output=str(root / name), max_length=48, workers=1), log=lambda m: None)
     return {"root": root, "tok": tok, "train": root / "train", "eval": root / "eval",
-            "policy": _tiny_model(tok, root / "policy", 1), "ref": _tiny_model(tok, root / "ref", 2)}
+            "policy": tiny_llama(tok, root / "policy", 1), "ref": tiny_llama(tok, root / "ref", 2)}
 
 
 def cfg_for(world, run_dir, *extra):

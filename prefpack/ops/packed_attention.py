@@ -22,7 +22,7 @@ from torch import nn
 
 NAME = "packed_sdpa"
 
-__all__ = ["NAME", "block_bounds", "packed_sdpa_attention", "register"]
+__all__ = ["NAME", "block_bounds", "causal_block", "no_mask_when_packed", "packed_sdpa_attention", "register"]
 
 
 def block_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
@@ -35,6 +35,20 @@ def block_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
         rows[r].append(i)
     length = pos.shape[-1]
     return [list(zip(r, [*r[1:], length], strict=True)) for r in rows]
+
+
+def causal_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                 window: int | None = None) -> torch.Tensor:
+    """Causal attention within one sequence: q [1, H, l, D], k/v [1, Hkv, l, D] -> [1, H, l, D]. A sliding
+    ``window`` lets query i see keys j with i - window < j <= i (a banded mask when the block is longer)."""
+    gqa = q.shape[1] != k.shape[1]
+    length = q.shape[2]
+    if window is not None and length > window:
+        d = torch.arange(length, device=q.device)
+        d = d[:, None] - d[None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(d >= 0) & (d < window), scale=scale,
+                                              enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
 
 
 def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -63,21 +77,15 @@ def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
                 v = value[b, :, s:e].transpose(0, 1)  # [1, Hkv, D]
                 pieces.append(v.repeat_interleave(groups, dim=1) if groups > 1 else v)
                 continue
-            q, k, v = query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e]
-            if window is not None and e - s > window:  # query i sees keys j with i - window < j <= i
-                d = torch.arange(e - s, device=q.device)
-                d = d[:, None] - d[None, :]
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=(d >= 0) & (d < window), scale=scaling,
-                                                   enable_gqa=groups > 1)
-            else:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=groups > 1)
+            o = causal_block(query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e], scale=scaling,
+                             window=window)
             pieces.append(o[0].transpose(0, 1))  # [l, H, D]
         rows.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
     out = torch.stack(rows)
     return out, None
 
 
-def _packed_sdpa_mask(*args, **kwargs):
+def no_mask_when_packed(*args, **kwargs):
     """No [L, L] mask for packed batches (the blocks come from position ids); the usual one otherwise."""
     if kwargs.get("attention_mask") is None:
         return None
@@ -92,4 +100,4 @@ def register() -> None:
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, packed_sdpa_attention)
-    AttentionMaskInterface.register(NAME, _packed_sdpa_mask)
+    AttentionMaskInterface.register(NAME, no_mask_when_packed)

@@ -23,8 +23,9 @@ import functools
 import inspect
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from prefpack.ops.packed_attention import causal_block, no_mask_when_packed
 
 NAME = "varlen"
 
@@ -55,7 +56,7 @@ def torch_varlen_kernel():
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
-    return varlen_attn, "enable_gqa" in params, "window_size" in params
+    return varlen_attn, "enable_gqa" in params, "window_size" in params  # 2.11: window, no gqa; 2.13: both
 
 
 def reference_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
@@ -65,20 +66,12 @@ def reference_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     The CPU stand-in for the CUDA kernel (tests compare the two paths' inputs and outputs through it) and the
     fallback for dtypes or devices the kernel does not take.
     """
-    groups = q.shape[1] // k.shape[1]
     out = []
     for s, e in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
         if e == s:
             continue
         qs, ks, vs = (t[s:e].transpose(0, 1)[None] for t in (q, k, v))  # [1, H, l, D]
-        if window is not None and e - s > window:
-            d = torch.arange(e - s, device=q.device)
-            d = d[:, None] - d[None, :]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=(d >= 0) & (d < window), scale=scale,
-                                               enable_gqa=groups > 1)
-        else:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=groups > 1)
-        out.append(o[0].transpose(0, 1))
+        out.append(causal_block(qs, ks, vs, scale=scale, window=window)[0].transpose(0, 1))
     return torch.cat(out) if len(out) > 1 else out[0]
 
 
@@ -94,7 +87,9 @@ def _run_kernel(q, k, v, cu, longest, scale, window):
     kernel = _usable_kernel(q)
     if kernel is None:
         return reference_varlen(q, k, v, cu, scale=scale, window=window)
-    fn, has_gqa, _ = kernel
+    fn, has_gqa, has_window = kernel
+    if not has_window and window is not None:  # a kernel with only is_causal cannot band the attention
+        return reference_varlen(q, k, v, cu, scale=scale, window=window)
     extra = {}
     if k.shape[1] != q.shape[1]:
         if has_gqa:
@@ -102,9 +97,12 @@ def _run_kernel(q, k, v, cu, longest, scale, window):
         else:  # torch 2.11: repeat each key/value head for its group of query heads
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    left = window - 1 if window is not None else -1
+    if has_window:
+        extra["window_size"] = (window - 1 if window is not None else -1, 0)  # (left, right): causal, banded
+    else:
+        extra["is_causal"] = True
     cu = cu.to(device=q.device, dtype=torch.int32)
-    return fn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(left, 0), **extra)
+    return fn(q, k, v, cu, cu, longest, longest, scale=scale, **extra)
 
 
 def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -140,19 +138,10 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return out.reshape(batch, length, heads, dim), None
 
 
-def _no_mask(*args, **kwargs):
-    """No mask for packed batches (boundaries come from cu_seqlens / position ids); sdpa's otherwise."""
-    if kwargs.get("attention_mask") is None:
-        return None
-    from transformers.masking_utils import sdpa_mask
-
-    return sdpa_mask(*args, **kwargs)
-
-
 def register() -> None:
     """Make ``varlen`` a valid ``attn_implementation`` for every transformers model (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, varlen_attention)
-    AttentionMaskInterface.register(NAME, _no_mask)
+    AttentionMaskInterface.register(NAME, no_mask_when_packed)
