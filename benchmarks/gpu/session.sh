@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call that measures what only a GPU shows, logs under $OUT. From the repository root, with .whl
+# carried (benchmarks/gpu/fetch_wheels.sh):   bash benchmarks/gpu/session.sh [tests|compare|all] [PRESETS]
+# tests:   the CUDA tests (torch's varlen kernel against the reference in bfloat16, budgets) and the CPU-exact
+#          precision/varlen tests;
+# compare: benchmarks/compare_trl.py against TRL 1.16 in bf16 mixed precision, 32 hh pairs per step, the
+#          GPU presets (default "0.7b 1.3b"), vocabulary 151,936; about 3-5 minutes per preset.
+set -uo pipefail
+py=${PYTHON:-python3}
+what=${1:-all}
+presets=${2:-"0.7b 1.3b"}
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+if [ -z "${NO_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then  # NO_WHEELS=1: use what is installed
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+"$py" - <<'PY' 2>&1 | tee "$OUT/env.txt"
+import torch, transformers
+print("torch", torch.__version__, "transformers", transformers.__version__,
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA")
+from prefpack.ops.varlen_attention import torch_varlen_kernel
+print("varlen kernel (fn, enable_gqa, window_size):", torch_varlen_kernel())
+PY
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  PREFPACK_TEST_CUDA=1 "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_varlen.py \
+    tests/test_precision.py tests/test_budgets.py 2>&1 | tee "$OUT/tests.log"
+fi
+if [ "$what" = compare ] || [ "$what" = all ]; then
+  for preset in $presets; do
+    "$py" benchmarks/compare_trl.py --device cuda --dtype bfloat16 --preset "$preset" --cases qwen \
+      --qwen-tokenizer none --batch-pairs 32 --steps 4 2>&1 | tee "$OUT/compare_$preset.log"
+  done
+fi
