@@ -50,6 +50,12 @@ def _add_prepare(sub) -> None:
     p.add_argument("--allow-duplicate-inputs", action="store_true",
                    help="store a file reached twice (by name, glob or link) twice, on purpose")
     p.add_argument("--trust-remote-code", action="store_true", help="allow custom tokenizer code from the hub")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="template variables for every chat row, as a JSON object, e.g. '{\"enable_thinking\": false}'; "
+                   "a row's own chat_template_kwargs column overrides them key by key")
+    p.add_argument("--tools", default=None, metavar="FILE",
+                   help="JSON file holding a list of tool (function) definitions, passed to the chat template for "
+                   "chat rows with no tools column value of their own")
 
 
 def _run_prepare(args, argv: list[str]) -> int:
@@ -61,6 +67,7 @@ def _run_prepare(args, argv: list[str]) -> int:
         split=args.split, max_length=args.max_length, truncation=args.truncation, workers=args.workers,
         skip_invalid=args.skip_invalid, overwrite=args.overwrite, trust_remote_code=args.trust_remote_code,
         allow_duplicate_inputs=args.allow_duplicate_inputs,
+        chat_template_kwargs=args.chat_template_kwargs, tools=args.tools,
         argv=argv,
     )
     report = prepare(opts, log=lambda m: print(m, file=sys.stderr))

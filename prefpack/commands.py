@@ -116,56 +116,79 @@ def _is_main_rank() -> bool:
 
 
 def add_eval(sub) -> None:
+    from prefpack.loss_params import LOSS_PARAMS
+
     p = sub.add_parser("eval", help="loss and metrics of a model over every pair (or KTO example) of a store")
     p.add_argument("--model", required=True, help="policy model folder or hub id")
     p.add_argument("--ref", default=None, help="reference model (default: the store's precomputed sidecar if any)")
     p.add_argument("--data", required=True, help="prepared store: pairs, or unpaired examples (KTO)")
+    p.add_argument("--config", default=None, metavar="RUN_DIR/config.yaml",
+                   help="score as that run trained: its loss terms, weights and parameters, precision, packing and "
+                   "KTO settings (flags given here override them)")
     p.add_argument("--loss", default=None, help="loss term(s), comma-separated, e.g. sigmoid or sigmoid,nll "
-                   "(default: sigmoid for a pair store, kto for an unpaired store or with --kto)")
-    p.add_argument("--beta", type=float, default=0.1)
-    p.add_argument("--label-smoothing", type=float, default=0.0)
+                   "(default: the --config run's terms, else sigmoid for a pair store, kto for an unpaired store "
+                   "or with --kto)")
+    for param in LOSS_PARAMS.values():  # every loss.* parameter of the loss registry
+        p.add_argument(param.flag, type=float, default=None, help=f"{param.help} (default {param.default:g})")
     p.add_argument("--kto", action="store_true", help="read a pair store as KTO examples (chosen = desirable, "
                    "rejected = undesirable)")
-    p.add_argument("--desirable-weight", type=float, default=1.0, help="KTO weight of desirable examples")
-    p.add_argument("--undesirable-weight", type=float, default=1.0, help="KTO weight of undesirable examples")
-    p.add_argument("--seed", type=int, default=0, help="seed of the KTO KL pairing (as given to precompute-ref)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the KTO KL pairing (as given to precompute-ref; "
+                   "default: the --config run's train.seed, else 0)")
     p.add_argument("--micro-batch-tokens", default="auto", help="tokens per micro-batch (default: auto, from the device)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="compute dtype (auto: bfloat16 on CUDA over float32 weights, as training runs)")
+    p.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16", "float16"),
+                   help="compute dtype (default: the --config run's, else auto: bfloat16 on CUDA over float32 "
+                   "weights, as training runs)")
     p.add_argument("--allow-tokenizer-mismatch", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def run_eval(args, argv) -> int:
-    from prefpack.config import load_config
+def eval_config(args):
+    """The typed config `eval` scores with: the --config run's (or the defaults), then what the flags say."""
+    from prefpack.config import Config, ConfigError, LossTermConfig, load_config
     from prefpack.data.store import Store
     from prefpack.kto import KTO_SIDECAR_NAME
+    from prefpack.loss_params import LOSS_PARAMS
     from prefpack.losses import UNPAIRED_LOSS_NAMES
     from prefpack.reference import SIDECAR_NAME
-    from prefpack.train import build, evaluate
 
-    loss = args.loss or ("kto" if args.kto or Store(args.data).kind == "unpaired" else "sigmoid")
-    names = [t.strip() for t in loss.split(",") if t.strip()]
-    kto = any(n in UNPAIRED_LOSS_NAMES for n in names)
-    terms = "[" + ", ".join(f"{{name: {n}, weight: 1.0}}" for n in names) + "]"
+    cfg = load_config(args.config, []) if args.config else Config()
+    if args.loss:
+        cfg.loss.terms = [LossTermConfig(n.strip(), 1.0) for n in args.loss.split(",") if n.strip()]
+    elif not args.config:
+        kind = Store(args.data).kind
+        cfg.loss.terms = [LossTermConfig("kto" if args.kto or kind == "unpaired" else "sigmoid", 1.0)]
+    for name in LOSS_PARAMS:
+        value = getattr(args, name)
+        if value is not None:
+            setattr(cfg.loss, name, value)
+    kto = any(t.name in UNPAIRED_LOSS_NAMES for t in cfg.loss.terms)
     sidecar = KTO_SIDECAR_NAME if kto else SIDECAR_NAME
     mode = "copy" if args.ref else ("precomputed" if (Path(args.data) / sidecar).exists() else "none")
-    overrides = [f"model.name_or_path={args.model}", f"data.train={args.data}", f"loss.terms={terms}",
-                 f"loss.beta={args.beta}", f"loss.label_smoothing={args.label_smoothing}",
-                 f"train.micro_batch_tokens={args.micro_batch_tokens}", f"train.device={args.device}",
-                 f"model.dtype={args.dtype}", f"reference.mode={mode}",
-                 f"model.allow_tokenizer_mismatch={'true' if args.allow_tokenizer_mismatch else 'false'}"]
-    if args.ref:
-        overrides.append(f"reference.model={args.ref}")
+    if args.micro_batch_tokens != "auto" and not str(args.micro_batch_tokens).isdigit():
+        raise ConfigError(f"--micro-batch-tokens must be a positive integer or auto, got {args.micro_batch_tokens!r}")
+    cfg.model.name_or_path, cfg.data.train, cfg.data.eval = args.model, args.data, None
+    cfg.model.dtype = args.dtype or (cfg.model.dtype if args.config else "auto")
+    cfg.model.allow_tokenizer_mismatch = args.allow_tokenizer_mismatch
+    cfg.reference.mode, cfg.reference.model = mode, args.ref
+    cfg.lora.enabled = False  # a trained run's final model has its adapter merged
+    cfg.train.micro_batch_tokens = "auto" if args.micro_batch_tokens == "auto" else int(args.micro_batch_tokens)
+    cfg.train.device = args.device
+    cfg.run.eval_every = cfg.run.save_every = 0
     if kto:
-        overrides += [f"loss.desirable_weight={args.desirable_weight}", f"train.seed={args.seed}",
-                      f"loss.undesirable_weight={args.undesirable_weight}",
-                      f"data.paired_as_kto={'true' if args.kto else 'false'}",
-                      f"loss.kl_pairing={'fixed' if mode == 'precomputed' else 'step'}"]
-    from prefpack.distributed import init_from_env, shutdown
+        cfg.train.seed = args.seed if args.seed is not None else (cfg.train.seed if args.config else 0)
+        cfg.data.paired_as_kto = args.kto or (cfg.data.paired_as_kto and bool(args.config))
+        cfg.loss.kl_pairing = "fixed" if mode == "precomputed" else "step"
+    return cfg
 
-    cfg = load_config(None, overrides)
+
+def run_eval(args, argv) -> int:
+    from prefpack.distributed import init_from_env, shutdown
+    from prefpack.losses import UNPAIRED_LOSS_NAMES
+    from prefpack.train import build, evaluate
+
+    cfg = eval_config(args)
+    kto = any(t.name in UNPAIRED_LOSS_NAMES for t in cfg.loss.terms)
     cfg.validate()
     ctx = init_from_env(args.device)  # under torchrun every rank scores a share of the store
     try:

@@ -31,6 +31,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from prefpack.loss_params import LOSS_PARAMS
+
 __all__ = [
     "Config",
     "ConfigError",
@@ -62,6 +64,12 @@ def _f(default: Any, help: str) -> Any:
     if isinstance(default, list | dict):
         return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
+
+
+def _param(name: str) -> Any:
+    """A ``loss.*`` field from the one table of loss parameters (prefpack.loss_params)."""
+    p = LOSS_PARAMS[name]
+    return _f(p.default, p.help)
 
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -103,7 +111,7 @@ class DataConfig:
 
 @dataclass
 class LossTermConfig:
-    name: str = field(metadata={"help": "loss name, see prefpack.losses.LOSS_NAMES"})
+    name: str = field(metadata={"help": "loss name, see prefpack.losses.PAIR_LOSSES (and kto, apo_zero_unpaired)"})
     weight: float = _f(1.0, "multiplier of this term in the total loss (0 = log only)")
 
 
@@ -113,11 +121,11 @@ class LossConfig:
         default_factory=lambda: [LossTermConfig("sigmoid", 1.0)],
         metadata={"help": "weighted loss terms summed into the training loss"},
     )
-    beta: float = _f(0.1, "inverse temperature shared by all terms (lambda for orpo)")
-    label_smoothing: float = _f(0.0, "cDPO / robust label-flip rate, in [0, 0.5)")
-    simpo_gamma: float = _f(0.5, "SimPO target reward margin")
-    desirable_weight: float = _f(1.0, "KTO weight of desirable examples (lambda_D)")
-    undesirable_weight: float = _f(1.0, "KTO weight of undesirable examples (lambda_U)")
+    beta: float = _param("beta")
+    label_smoothing: float = _param("label_smoothing")
+    simpo_gamma: float = _param("simpo_gamma")
+    desirable_weight: float = _param("desirable_weight")
+    undesirable_weight: float = _param("undesirable_weight")
     kl_pairing: KLPairing = _f("step", "KTO KL partners: step = from the same step, fixed = seeded per store")
 
 
@@ -171,7 +179,12 @@ class RunConfig:
     eval_every: int = _f(0, "evaluate every N steps; 0 = only at the end")
     save_every: int = _f(0, "checkpoint every N steps; 0 = only the final model")
     keep_checkpoints: int = _f(2, "how many most recent checkpoints to keep")
-    tensorboard: bool = _f(True, "also log to TensorBoard when it is installed")
+    report_to: Literal["tensorboard", "wandb", "none"] | list[Literal["tensorboard", "wandb", "none"]] = _f(
+        ["tensorboard"], "where metrics go besides metrics.jsonl (always written): tensorboard (when installed), "
+        "wandb (pip install 'prefpack[wandb]'), none")
+    wandb_project: str = _f("prefpack", "W&B project when report_to has wandb (run name = the run folder's name)")
+    tensorboard: bool | None = _f(None, "older switch: true adds tensorboard to report_to, false removes it, "
+                                  "null = report_to decides")
     plot: bool = _f(True, "write curves.png at the end")
     save_dtype: SaveDType = _f("auto", "dtype of the final model; auto = the dtype of the source checkpoint")
 
@@ -208,9 +221,9 @@ class Config:
 
     def needs_reference(self) -> bool:
         """Whether any loss term reads reference log-probs."""
-        from prefpack.losses import REFERENCE_FREE_LOSSES
+        from prefpack.losses import PAIR_LOSSES
 
-        return any(t.name not in REFERENCE_FREE_LOSSES for t in self.loss.terms)
+        return any(t.name not in PAIR_LOSSES or PAIR_LOSSES[t.name].needs_reference for t in self.loss.terms)
 
     def validate(self, *, training: bool = True) -> None:
         """Check values and cross-field rules; raise one ``ConfigError`` listing every problem found.
@@ -319,16 +332,20 @@ def _problems(cfg: Config, *, training: bool) -> list[str]:
     at_least("run.eval_every", run.eval_every, 0)
     at_least("run.save_every", run.save_every, 0)
     at_least("run.keep_checkpoints", run.keep_checkpoints, 1)
+    need("none" not in run.report_to or run.report_to in ("none", ["none"]) and not run.tensorboard,
+         f"run.report_to {run.report_to!r}: 'none' turns TensorBoard and W&B off, so it must be alone and not "
+         "with run.tensorboard=true (metrics.jsonl is always written)")
     if run.eval_every > 0 and d.eval is None:
         errs.append(f"run.eval_every is {run.eval_every} but data.eval is null; set data.eval or eval_every=0")
     return errs
 
 
 def _loss_problems(cfg: Config, errs: list[str]) -> None:
-    from prefpack.losses import LOSS_NAMES, REFERENCE_FREE_LOSSES, UNPAIRED_LOSS_NAMES
+    from prefpack.losses import PAIR_LOSSES, UNPAIRED_LOSS_NAMES
 
     terms = cfg.loss.terms
-    valid = (*LOSS_NAMES, *UNPAIRED_LOSS_NAMES)
+    valid = (*PAIR_LOSSES, *UNPAIRED_LOSS_NAMES)
+    reference_free = sorted(n for n, spec in PAIR_LOSSES.items() if not spec.needs_reference)
     if not terms:
         errs.append(f"loss.terms is empty; give at least one of: {', '.join(valid)}")
         return
@@ -356,12 +373,12 @@ def _loss_problems(cfg: Config, errs: list[str]) -> None:
         errs.append("reference.mode 'precomputed' with loss 'kto' needs loss.kl_pairing=fixed: with step pairing "
                     "an example's KL partner depends on its optimizer step, so no sidecar can hold its reference "
                     "KL log-prob (fixed pairing gives each example one seeded partner that precompute-ref scores)")
-    with_ref = [n for n in names if n in valid and n not in REFERENCE_FREE_LOSSES]
+    with_ref = [n for n in names if n in valid and n not in reference_free]
     if cfg.reference.mode == "none" and with_ref:
         errs.append(
             f"reference.mode is 'none' but loss {', '.join(repr(n) for n in with_ref)} needs a reference; "
             f"use reference.mode 'copy' (or 'adapter'/'precomputed') or only reference-free losses "
-            f"({', '.join(sorted(REFERENCE_FREE_LOSSES))})"
+            f"({', '.join(reference_free)})"
         )
 
 

@@ -1,10 +1,15 @@
-"""Run metrics: one JSON object per line in ``RUN_DIR/metrics.jsonl``, optionally mirrored to TensorBoard.
+"""Run metrics: one JSON object per line in ``RUN_DIR/metrics.jsonl``, optionally mirrored to TensorBoard and W&B.
 
 Each line is ``{"step": int, "split": str, "time": float, **metrics}`` with ``time`` in Unix seconds. JSON has
 no NaN or infinity, so non-finite values are written as ``null`` (and read back as ``None``): the file stays
 strict JSON that any tool can read, and the line still records that the metric was logged at that step.
 Every line is written with one ``write`` and flushed, so a crash loses at most the line being written;
 readers skip such a torn last line.
+
+``run.report_to`` picks the mirrors (``MetricsLogger.from_config``): TensorBoard writes ``RUN_DIR/tensorboard/``;
+W&B logs to a run named after the run folder, keeps its files in ``RUN_DIR/wandb/`` and its run id in
+``RUN_DIR/wandb_run_id`` (``--resume`` continues that W&B run). Both get each record as ``split/name`` scalars at
+its optimizer step; a null (NaN/inf) value is left out of them.
 """
 
 from __future__ import annotations
@@ -12,15 +17,22 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
+import string
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["METRICS_FILE", "MetricsLogger", "read_metrics"]
+from prefpack.config import ConfigError
+
+__all__ = ["METRICS_FILE", "WANDB_ID_FILE", "MetricsLogger", "MetricsSetupError", "check_report_to", "read_metrics",
+           "report_targets"]
 
 METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb_run_id"
 _RESERVED = ("step", "split", "time")
+_WANDB_INSTALL = "pip install 'prefpack[wandb]'"
 
 
 def _plain_float(key: str, value: Any) -> float | None:
@@ -63,15 +75,65 @@ class MetricsWriteError(OSError):
     """metrics.jsonl could not be written (a full disk); the message names the file."""
 
 
+class MetricsSetupError(ConfigError):
+    """A requested metrics destination cannot start (wandb not installed, W&B refusing to start a run)."""
+
+
+def report_targets(run: Any) -> set[str]:
+    """The mirrors a ``RunConfig`` asks for, from ``report_to`` (a name or a list) and the older ``tensorboard``
+    switch: true adds ``"tensorboard"``, false removes it, None leaves ``report_to`` alone. ``"none"`` adds
+    nothing (``Config.validate`` refuses it next to other names)."""
+    listed = [run.report_to] if isinstance(run.report_to, str) else list(run.report_to)
+    targets = {name for name in listed if name != "none"}
+    if run.tensorboard is True:
+        targets.add("tensorboard")
+    elif run.tensorboard is False:
+        targets.discard("tensorboard")
+    return targets
+
+
+def check_report_to(run: Any) -> None:
+    """Raise ``MetricsSetupError`` now if ``run`` (a ``RunConfig``) asks for W&B and W&B cannot work: what
+    ``MetricsLogger.from_config`` would find later, for a caller that wants to stop before loading models."""
+    if "wandb" in report_targets(run):
+        _import_wandb(run.wandb_project)
+
+
+def _import_wandb(project: str):
+    if not project or not project.strip():
+        raise MetricsSetupError("run.wandb_project must name a W&B project when run.report_to has 'wandb'")
+    try:
+        import wandb
+    except Exception as exc:  # ImportError, or a broken install (protobuf, pydantic versions)
+        raise MetricsSetupError(
+            f"run.report_to has 'wandb' but the wandb package cannot be imported ({type(exc).__name__}: "
+            f"{exc}); install it with {_WANDB_INSTALL}, or remove 'wandb' from run.report_to") from None
+    return wandb
+
+
+def _new_run_id() -> str:
+    """Eight lowercase letters and digits, as W&B's own run ids."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))
+
+
 class MetricsLogger:
-    """Appends metrics to ``run_dir/metrics.jsonl`` and, when requested and installed, to TensorBoard.
+    """Appends metrics to ``run_dir/metrics.jsonl`` and, when requested, to TensorBoard and W&B.
 
     ``enabled=False`` makes every method a no-op (use it on non-zero ranks so only one process writes).
     If TensorBoard was requested but cannot be imported, ``notice`` holds a one-line message for the caller
-    to print once; logging to the JSONL file goes on regardless.
+    to print once; logging to the JSONL file goes on regardless. W&B was asked for by name, so a missing
+    ``wandb`` package, or a W&B run that cannot start, raises ``MetricsSetupError`` here, before any step.
+
+    W&B (``wandb=True``): ``wandb.init`` with ``project=wandb_project``, the run folder's name as run name,
+    ``dir=run_dir`` (its files go to ``run_dir/wandb/``) and ``config=wandb_config``. The mode is W&B's own
+    (``WANDB_MODE=offline`` writes ``run_dir/wandb/offline-run-*`` and never uses the network). The run id is
+    kept in ``run_dir/wandb_run_id``: a new one for a new run, the same one with ``resume=True``.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True, enabled: bool = True) -> None:
+    def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True, wandb: bool = False,
+                 wandb_project: str = "prefpack", wandb_config: Mapping[str, Any] | None = None,
+                 resume: bool = False, enabled: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / METRICS_FILE
         self.enabled = enabled
@@ -80,6 +142,11 @@ class MetricsLogger:
         self._writer = None
         self._writer_cls = None
         self._purge_step: int | None = None
+        self._wandb = None  # the wandb module, when W&B is on
+        self._wandb_run = None  # the live run (None after close(); the next log() starts it again)
+        self._wandb_floor = 0  # the first step the W&B run accepts (a resumed online run already has the earlier)
+        self.wandb_run_id: str | None = None
+        self._wandb_init: dict[str, Any] = {}  # wandb.init's arguments, to start the run again after close()
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -87,14 +154,96 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except Exception as exc:  # ImportError, or a broken tensorboard/protobuf install
-                self.notice = (f"TensorBoard logging skipped ({type(exc).__name__}: {exc}); metrics go to "
-                               f"{self.path} only (pip install tensorboard to enable it)")
+                self._note(f"TensorBoard logging skipped ({type(exc).__name__}: {exc}); metrics go to "
+                           f"{self.path} only (pip install tensorboard to enable it)")
             else:
                 self._writer_cls = SummaryWriter
+        if wandb:
+            self._start_wandb(wandb_project, dict(wandb_config or {}), resume)
+
+    @classmethod
+    def from_config(cls, cfg: Any, run_dir: str | os.PathLike | None = None, *, resume: bool = False,
+                    enabled: bool = True) -> MetricsLogger:
+        """The logger ``cfg.run`` asks for (``report_to``, ``tensorboard``, ``wandb_project``); W&B gets the
+        whole resolved config (``config_to_dict(cfg)``, as in ``RUN_DIR/config.yaml``)."""
+        from prefpack.config import config_to_dict
+
+        targets = report_targets(cfg.run)
+        return cls(cfg.run.output_dir if run_dir is None else run_dir, tensorboard="tensorboard" in targets,
+                   wandb="wandb" in targets, wandb_project=cfg.run.wandb_project,
+                   wandb_config=config_to_dict(cfg) if "wandb" in targets else None, resume=resume,
+                   enabled=enabled)
+
+    def _note(self, text: str) -> None:
+        self.notice = text if self.notice is None else f"{self.notice}\n{text}"
 
     @property
     def tensorboard_active(self) -> bool:
         return self._writer_cls is not None
+
+    @property
+    def wandb_active(self) -> bool:
+        return self._wandb is not None
+
+    # ---------------------------------------------------------------------------------------------- W&B
+
+    def _start_wandb(self, project: str, config: dict, resume: bool) -> None:
+        wandb = _import_wandb(project)
+        id_file = self.run_dir / WANDB_ID_FILE
+        run_id = None
+        if resume and id_file.exists():
+            run_id = id_file.read_text(encoding="utf-8").strip() or None
+            if run_id is None:
+                self._note(f"{id_file} is empty: this run goes on in a new W&B run")
+        elif resume:
+            self._note(f"no {id_file}: this run goes on in a new W&B run")
+        resuming = run_id is not None
+        if run_id is None:
+            run_id = _new_run_id()
+            tmp = id_file.with_name(f".{id_file.name}.tmp-{os.getpid()}")
+            try:
+                tmp.write_text(run_id + "\n", encoding="utf-8")
+                os.replace(tmp, id_file)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                raise MetricsWriteError(f"cannot write {id_file}: {exc.strerror or exc}") from exc
+        self._wandb = wandb
+        self.wandb_run_id = run_id
+        self._wandb_init = {"project": project.strip(), "name": self.run_dir.resolve().name,
+                            "dir": str(self.run_dir), "id": run_id, "config": config, "allow_val_change": True}
+        run = self._wandb_start(resume="allow" if resuming else None)
+        self._wandb_floor = int(getattr(run, "starting_step", 0) or 0) if resuming else 0
+        if resuming and self._wandb_floor:
+            self._note(f"W&B: run {run_id} resumed; it already holds steps up to {self._wandb_floor - 1}, so records "
+                       f"of those steps logged again after the checkpoint go to {self.path} only")
+        elif resuming and getattr(run, "offline", False):
+            self._note(f"W&B: run {run_id} goes on offline in a new {self.run_dir / 'wandb'}/offline-run-*-{run_id}* "
+                       "folder; `wandb sync` those folders in order (oldest first)")
+        elif resuming:
+            self._note(f"W&B: run {run_id} resumed")
+
+    def _wandb_start(self, resume: str | None):
+        kwargs = dict(self._wandb_init)
+        if resume is not None:
+            kwargs["resume"] = resume
+        try:
+            self._wandb_run = self._wandb.init(**kwargs)
+        except Exception as exc:  # no API key, server unreachable, bad project name...
+            raise MetricsSetupError(
+                f"W&B could not start run {kwargs['id']} in project {kwargs['project']!r} ({type(exc).__name__}: "
+                f"{exc}); log in with `wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline to keep "
+                f"the run in {self.run_dir / 'wandb'} and `wandb sync` it later") from exc
+        return self._wandb_run
+
+    def _wandb_log(self, record: Mapping[str, Any], split: str, step: int) -> None:
+        if step < self._wandb_floor:
+            return  # already in the resumed W&B run (W&B steps only go forward)
+        data = {f"{split}/{key}": value for key, value in record.items()
+                if key not in _RESERVED and value is not None}
+        if not data:
+            return
+        run = self._wandb_run or self._wandb_start(resume="allow")  # closed earlier: the same run goes on
+        run.log(data, step=step)
 
     def log(self, step: int, metrics: Mapping[str, Any], split: str = "train") -> None:
         """Append one record for optimizer ``step``; values become plain floats, NaN/inf become null."""
@@ -122,6 +271,8 @@ class MetricsLogger:
                 if key not in _RESERVED and value is not None:
                     writer.add_scalar(f"{split}/{key}", value, step)
             writer.flush()
+        if self._wandb is not None:
+            self._wandb_log(record, str(split), step)
 
     def _tb_writer(self):
         if self._writer is None:
@@ -134,7 +285,9 @@ class MetricsLogger:
 
         The file is rewritten to a temporary file and renamed over the old one, so a crash during the
         rewrite leaves either the old or the new file, never a mix. TensorBoard events past ``step`` are
-        purged by the next writer (``purge_step``). Returns the number of records dropped.
+        purged by the next writer (``purge_step``). W&B cannot drop history: a resumed online W&B run keeps
+        what it has and takes records from its next step on (``notice`` says which). Returns the number of
+        records dropped.
         """
         if not self.enabled:
             return 0
@@ -177,11 +330,15 @@ class MetricsLogger:
             self._fh = None
 
     def close(self) -> None:
-        """Close the file and the TensorBoard writer; logging again reopens the file in append mode."""
+        """Close the file, the TensorBoard writer and the W&B run; logging again reopens the file in append mode
+        and resumes the same W&B run."""
         self._close_file()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb_run is not None:
+            run, self._wandb_run = self._wandb_run, None
+            run.finish()
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -6,7 +6,7 @@ value, unless `prefpack train --resume --allow-config-change`: then each change 
 step it applies from to `RUN_DIR/config_changes.jsonl`, and `config.yaml` is updated.
 
 Keys that cannot change the result may change freely (FREE_KEYS): how often to log, evaluate and save, how many
-checkpoints to keep, TensorBoard and the plot, where the run folder is, the held-out store, and the permission
+checkpoints to keep, TensorBoard, W&B and the plot, where the run folder is, the held-out store, and the permission
 flag model.allow_tokenizer_mismatch (the tokens are in the store already). `train.max_steps` and `train.epochs`
 decide the number of steps, and through it the length of the learning-rate schedule: with `optim.schedule`
 cosine or linear, or a warmup given as `optim.warmup_ratio`, another length changes the learning rate of every
@@ -33,7 +33,7 @@ CHANGES_FILE = "config_changes.jsonl"
 
 FREE_KEYS = frozenset({
     "run.log_every", "run.eval_every", "run.save_every", "run.keep_checkpoints", "run.tensorboard", "run.plot",
-    "run.output_dir", "data.eval", "model.allow_tokenizer_mismatch",
+    "run.report_to", "run.wandb_project", "run.output_dir", "data.eval", "model.allow_tokenizer_mismatch",
 })
 LENGTH_KEYS = ("train.max_steps", "train.epochs")
 PATH_KEYS = frozenset({"model.name_or_path", "model.tokenizer", "reference.model", "data.train"})

@@ -365,9 +365,10 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
     Under torchrun every rank runs this; only rank 0 prints, logs, plots and writes the final model.
     """
     from prefpack.config import ConfigError, save_config
-    from prefpack.metrics import MetricsLogger
+    from prefpack.metrics import MetricsLogger, check_report_to
 
     cfg.validate()
+    check_report_to(cfg.run)  # a missing wandb stops before any model loads
     if cfg.model.dtype == "float16":
         raise ConfigError("model.dtype float16 cannot train here: its narrow range needs loss scaling, which prefpack "
                           "does not do; use bfloat16 (float32 master weights are kept) or float32 (float16 is fine "
@@ -418,7 +419,7 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
     n_steps = total_steps(cfg, sched)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.optim.schedule, warmup_steps(cfg, n_steps), n_steps))
-    metrics = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard, enabled=main)
+    metrics = MetricsLogger.from_config(cfg, run_dir, resume=resume, enabled=main)  # run.report_to
     if metrics.notice:
         log(metrics.notice)
     state: dict[str, Any] = {}

@@ -9,17 +9,44 @@ Layouts:
   "\\n\\nHuman: ...\\n\\nAssistant: ..." or a message list); the prompt is their shared prefix cut back
   to the last assistant-turn boundary.
 - `unpaired`: prompt / completion / label (KTO); prompt and completion are strings or message lists.
+
+Chat rows may also carry, as TRL's conversational datasets do, a `tools` column (a list of JSON-schema function
+definitions) and a `chat_template_kwargs` column (an object of extra template variables such as
+`enable_thinking`); both are passed to the chat template when the row is rendered. Assistant messages may
+carry `tool_calls` (then their `content` may be null or absent) and prompts may hold `tool` messages; messages
+reach the template unchanged.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 LAYOUTS = ("pairs", "text-pairs", "messages", "implicit", "unpaired")
 
-# Where an assistant reply starts in a whole-conversation string; the implicit prompt ends right after one.
-ASSISTANT_MARKERS = ("\n\nAssistant:", "<|im_start|>assistant\n", "[/INST]", "<|start_header_id|>assistant<|end_header_id|>\n\n")
+# Where an assistant reply starts in a whole-conversation string; the implicit prompt ends right after the
+# last one that occurs in the two conversations' shared prefix. (name, marker), also listed in the README.
+ASSISTANT_MARKER_FAMILIES = (
+    ("Anthropic hh-rlhf", "\n\nAssistant:"),
+    ("ChatML (Qwen, Yi, OpenHermes...)", "<|im_start|>assistant\n"),
+    ("Llama 3", "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+    ("Mistral / Llama 2", "[/INST]"),
+    ("Gemma", "<start_of_turn>model\n"),
+    ("Phi-3 / Zephyr", "<|assistant|>\n"),
+    ("Phi-3 / Zephyr, no newline", "<|assistant|>"),
+)
+ASSISTANT_MARKERS = tuple(marker for _, marker in ASSISTANT_MARKER_FAMILIES)
+
+# Per-row columns read for chat rows (TRL's names).
+TOOLS_FIELD = "tools"
+KWARGS_FIELD = "chat_template_kwargs"
+# apply_chat_template's own arguments: a template variable of one of these names cannot be passed through.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "sanitize_control_tokens", "messages",
+})
 
 
 class InvalidRow(ValueError):
@@ -90,6 +117,8 @@ class Example:
     chat: bool
     label: int | None = None
     completion_fields: tuple[str, ...] = field(default_factory=tuple)
+    tools: list[dict] | None = None  # the row's own `tools` (None: not given)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # the row's own `chat_template_kwargs`
 
     def empty_fields(self) -> tuple[str, ...]:
         """Completions that are empty or only whitespace: kept (they become their whitespace and EOS, as in
@@ -100,11 +129,81 @@ class Example:
 def _is_empty(value: Any) -> bool:
     if isinstance(value, str):
         return not value.strip()
-    return not any(m["content"].strip() for m in value)
+    return not any((m.get("content") or "").strip() or m.get("tool_calls") for m in value)
 
 
 def extract(row: dict, layout: str, f: Fields) -> Example:
     """Check one row's fields and types and return its example, or raise InvalidRow."""
+    ex = _extract(row, layout, f)
+    tools = parse_tools(row.get(TOOLS_FIELD), TOOLS_FIELD)
+    kwargs = parse_template_kwargs(row.get(KWARGS_FIELD), KWARGS_FIELD)
+    # A key set to null counts as unset: Parquet and `datasets` fill the keys other rows have with null.
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if not ex.chat:
+        for name, value in ((TOOLS_FIELD, tools), (KWARGS_FIELD, kwargs)):
+            if value:
+                raise InvalidRow("tools_without_chat", name, f"field {name!r} is set but this row's prompt and "
+                                 "replies are plain strings, tokenised as they are; tools and chat_template_kwargs "
+                                 "only reach the model through the chat template: give them as message lists")
+        return ex
+    ex.tools = tools
+    ex.template_kwargs = kwargs
+    return ex
+
+
+def parse_tools(value: Any, name: str) -> list[dict] | None:
+    """A `tools` value: a list of function definitions (JSON objects), or a string holding one as JSON (the
+    usual way to store tools whose schemas differ from row to row in Parquet). None when absent or null."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise InvalidRow("wrong_type", name, f"field {name!r} must be a list of function definitions (JSON "
+                             f"objects); got a string that is not JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(value, list):
+        raise InvalidRow("wrong_type", name, f"field {name!r} must be a list of function definitions (JSON "
+                         f"objects), got {_json_type(value)}")
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict):
+            raise InvalidRow("wrong_type", name, f"field {name!r}: tool {i} must be a JSON object (a function "
+                             f"definition such as {{\"type\": \"function\", \"function\": {{...}}}}), "
+                             f"got {_json_type(tool)}")
+    return value
+
+
+def parse_template_kwargs(value: Any, name: str) -> dict[str, Any]:
+    """A `chat_template_kwargs` value: an object of template variables, or a string holding one as JSON."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise InvalidRow("wrong_type", name, f"field {name!r} must be a JSON object of template variables, "
+                             f"e.g. {{\"enable_thinking\": false}}; got a string that is not JSON ({exc.msg} at "
+                             f"column {exc.colno})") from None
+    if not isinstance(value, dict):
+        raise InvalidRow("wrong_type", name, f"field {name!r} must be a JSON object of template variables, e.g. "
+                         f"{{\"enable_thinking\": false}}; got {_json_type(value)}")
+    for key in value:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise InvalidRow("wrong_type", name, f"field {name!r}: key {key!r} is not a template variable name")
+        if key in RESERVED_TEMPLATE_KWARGS:
+            hint = " (give tools in the 'tools' column or with --tools)" if key == "tools" else ""
+            raise InvalidRow("wrong_type", name, f"field {name!r}: key {key!r} is set by prepare itself, not a "
+                             f"template variable{hint}")
+    return dict(value)
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _extract(row: dict, layout: str, f: Fields) -> Example:
     if layout in ("pairs", "text-pairs"):
         prompt = _get_str(row, f.prompt)
         chosen = _get_str(row, f.chosen)
@@ -158,10 +257,27 @@ def _get_str(row: dict, name: str) -> str:
 
 
 def _check_message(msg: Any, name: str, i: int) -> dict:
-    if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
+    """Check one message; it is passed to the chat template unchanged (extra keys such as `tool_call_id`,
+    `name` or `reasoning_content` included)."""
+    if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
         raise InvalidRow("wrong_type", name, f"field {name!r}: message {i} must be an object with string "
                          "'role' and 'content'")
-    _check_text(msg["content"], name)
+    calls = msg.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise InvalidRow("wrong_type", name, f"field {name!r}: message {i}'s 'tool_calls' must be a list of "
+                             "objects (each e.g. {'type': 'function', 'function': {'name': ..., 'arguments': "
+                             "{...}}})")
+        if calls and msg["role"] != "assistant":
+            raise InvalidRow("wrong_type", name, f"field {name!r}: message {i} has 'tool_calls' but role "
+                             f"{msg['role']!r}; only assistant messages call tools")
+    content = msg.get("content")
+    if content is None and calls:
+        return msg  # a pure tool call: no text
+    if not isinstance(content, str):
+        raise InvalidRow("wrong_type", name, f"field {name!r}: message {i} must be an object with string "
+                         "'role' and 'content' (content may be null only beside 'tool_calls')")
+    _check_text(content, name)
     return msg
 
 

@@ -22,7 +22,14 @@ from typing import Any
 import numpy as np
 
 import prefpack
-from prefpack.data.formats import InvalidRow, detect_layout, extract, resolve_fields
+from prefpack.data.formats import (
+    InvalidRow,
+    detect_layout,
+    extract,
+    parse_template_kwargs,
+    parse_tools,
+    resolve_fields,
+)
 from prefpack.data.sources import RawRow, Source, file_sha256, iter_rows, peek_first_row, resolve_inputs
 from prefpack.data.store import (
     FLAG_COMPLETION_TRUNCATED,
@@ -55,6 +62,9 @@ class PrepareOptions:
     allow_duplicate_inputs: bool = False  # store a file given twice (by name or glob) twice, on purpose
     chunk_rows: int = 1000
     trust_remote_code: bool = False
+    # template variables for every chat row (an object, or its JSON text); a row's own override them per key
+    chat_template_kwargs: dict | str | None = None
+    tools: str | list | None = None  # JSON file (or list) of tools for chat rows that have no `tools` of their own
     argv: list[str] = field(default_factory=list)
 
 
@@ -71,6 +81,7 @@ class PrepareReport:
     truncated: dict[str, int]
     seconds: float
     empty_completions: dict[str, int] = field(default_factory=dict)
+    chat: dict[str, int] = field(default_factory=dict)  # "examples" rendered by the chat template, "with_tools"
 
     def summary(self) -> str:
         lines = [
@@ -87,6 +98,9 @@ class PrepareReport:
         if self.empty_completions:
             lines.append("kept empty or whitespace-only completions (each is its whitespace then EOS, as TRL "
                          "trains them): " + ", ".join(f"{k}={v}" for k, v in sorted(self.empty_completions.items())))
+        if self.chat.get("with_tools"):
+            lines.append(f"rendered with tools: {self.chat['with_tools']} of {self.chat.get('examples', 0)} chat "
+                         "examples")
         return "\n".join(lines)
 
 
@@ -115,6 +129,7 @@ class ChunkResult:
     problems: list[dict]  # invalid rows and drops, in input order: {loc, reason, field, message, raw, kind}
     truncated: Counter
     empty: Counter  # completions kept although empty or whitespace-only, by field
+    chat: Counter  # examples rendered by the chat template ("examples") and those with tools ("with_tools")
 
 
 def _process_chunk(chunk: list[RawRow]) -> ChunkResult:
@@ -136,6 +151,7 @@ def _process_chunk(chunk: list[RawRow]) -> ChunkResult:
     truncated: Counter = Counter()
     offset = 0
     empty: Counter = Counter()
+    chat: Counter = Counter()
     for raw, ex, res in zip(origin, examples, results):
         if isinstance(res, InvalidRow):
             problems.append(_problem(raw, res.reason, res.field, res.message, raw.row))
@@ -145,6 +161,9 @@ def _process_chunk(chunk: list[RawRow]) -> ChunkResult:
             continue
         assert isinstance(res, TokenizedExample)
         empty.update(ex.empty_fields())
+        if ex.chat:
+            chat["examples"] += 1
+            chat["with_tools"] += bool(ex.tools if ex.tools is not None else tokenize.cfg.tools)
         flags = 0
         for what in res.truncated:
             truncated[what] += 1
@@ -161,7 +180,7 @@ def _process_chunk(chunk: list[RawRow]) -> ChunkResult:
     width = 7
     index = np.asarray(rows, dtype=np.int64).reshape(-1, width)
     problems.sort(key=lambda p: (p["file_index"], p["row"]))
-    return ChunkResult(tokens, index, problems, truncated, empty)
+    return ChunkResult(tokens, index, problems, truncated, empty, chat)
 
 
 def _problem(raw: Any, reason: str, field_name: str | None, message: str, content: Any, kind: str = "invalid") -> dict:
@@ -238,15 +257,18 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
     specials = special_tokens(tok)
     layout, reason = _choose_layout(opts, sources)
     log(f"layout: {layout} ({reason})")
+    template_kwargs, tools, tools_sha = _template_options(opts, layout)
     kind = "unpaired" if layout == "unpaired" else "pairs"
     fields = resolve_fields(layout, opts.fields)
     workers = opts.workers or os.cpu_count() or 1
-    tcfg = TokenizeConfig(max_length=opts.max_length, truncation=opts.truncation)
+    tcfg = TokenizeConfig(max_length=opts.max_length, truncation=opts.truncation,
+                          chat_template_kwargs=template_kwargs, tools=tools)
     writer = StoreWriter(opts.output, kind=kind, vocab_size=specials.vocab_size, overwrite=opts.overwrite, log=log)
     skipped: Counter = Counter()
     empty: Counter = Counter()
     dropped: Counter = Counter()
     truncated: Counter = Counter()
+    chat: Counter = Counter()
     rows_per_file: Counter = Counter()
     skipped_fh = None
     try:
@@ -270,6 +292,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
                                             ensure_ascii=True, default=str) + "\n")
             truncated.update(res.truncated)
             empty.update(res.empty)
+            chat.update(res.chat)
             writer.append(res.tokens, res.index)
         if skipped_fh is not None:
             skipped_fh.close()
@@ -286,18 +309,25 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
                           "hash_version": HASH_VERSION, "has_chat_template": bool(tok.chat_template), **specials.to_json()},
             "counts": {"rows_read": rows_read, "examples": writer.n_rows, "skipped": dict(skipped),
                        "dropped": dict(dropped), "truncated": dict(truncated),
-                       "empty_completions": dict(empty)},
+                       "empty_completions": dict(empty), "chat_examples": chat["examples"],
+                       "examples_with_tools": chat["with_tools"]},
             "sources": [{"path": s.path, "kind": s.kind, "rows": rows_per_file[s.file_index],
                          "sha256": file_sha256(s.path)} for s in sources],
             "args": {"inputs": opts.inputs, "tokenizer": opts.tokenizer, "format": opts.layout,
                      "fields": opts.fields, "split": opts.split, "max_length": opts.max_length,
                      "truncation": opts.truncation, "skip_invalid": opts.skip_invalid, "workers": workers,
-                     "allow_duplicate_inputs": opts.allow_duplicate_inputs},
+                     "allow_duplicate_inputs": opts.allow_duplicate_inputs,
+                     "chat_template_kwargs": template_kwargs or None,
+                     "tools": opts.tools,
+                     "tools_sha256": tools_sha},
             "argv": opts.argv,
         }
         if writer.n_rows == 0:
             raise PrepareError(f"no examples left to write from {rows_read} rows (skipped: {dict(skipped)}, "
                                f"dropped: {dict(dropped)}); nothing was written")
+        if (template_kwargs or tools is not None) and not chat["examples"]:
+            log("note: --chat-template-kwargs / --tools had no effect: no row was rendered through the chat "
+                "template (the rows hold plain strings)")
         path = writer.commit(meta, overwrite=opts.overwrite)
     except BaseException:
         if skipped_fh is not None:
@@ -305,7 +335,44 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
         writer.abort()
         raise
     return PrepareReport(path, layout, reason, writer.n_rows, writer.n_tokens, rows_read, dict(skipped),
-                         dict(dropped), dict(truncated), time.perf_counter() - t0, dict(empty))
+                         dict(dropped), dict(truncated), time.perf_counter() - t0, dict(empty), dict(chat))
+
+
+def _template_options(opts: PrepareOptions, layout: str) -> tuple[dict, list | None, str | None]:
+    """Check --chat-template-kwargs and --tools; return the variables, the tools and the tools file's sha256."""
+    kwargs = opts.chat_template_kwargs
+    try:
+        if isinstance(kwargs, str):
+            try:
+                kwargs = json.loads(kwargs)
+            except json.JSONDecodeError as exc:
+                raise PrepareError(f"--chat-template-kwargs must be a JSON object such as '{{\"enable_thinking\": "
+                                   f"false}}'; {kwargs!r} is not JSON ({exc.msg} at column {exc.colno})") from None
+        kwargs = parse_template_kwargs(kwargs, "--chat-template-kwargs")
+    except InvalidRow as err:
+        raise PrepareError(err.message.replace("field '--chat-template-kwargs'", "--chat-template-kwargs")) from None
+    tools, sha = opts.tools, None
+    if isinstance(tools, str):
+        path = tools
+        try:
+            with open(path, encoding="utf-8") as fh:
+                tools = json.load(fh)
+        except OSError as exc:
+            raise PrepareError(f"--tools {path!r}: cannot read it ({exc.strerror or exc})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise PrepareError(f"--tools {path!r}: not a JSON file ({exc})") from None
+        sha = file_sha256(path)
+        if not isinstance(tools, list):
+            raise PrepareError(f"--tools {path!r} must hold a JSON list of function definitions, got "
+                               f"{type(tools).__name__}")
+    try:
+        tools = parse_tools(tools, "--tools")
+    except InvalidRow as err:
+        raise PrepareError(err.message.replace("field '--tools'", "--tools")) from None
+    if (kwargs or tools is not None) and layout in ("pairs", "text-pairs"):
+        raise PrepareError(f"--chat-template-kwargs and --tools apply to chat rows, but the layout {layout!r} holds "
+                           "plain strings, which are tokenised as they are; give message lists instead")
+    return kwargs, tools, sha
 
 
 def _check_inputs_outside(sources: list[Source], output: str) -> None:

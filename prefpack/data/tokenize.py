@@ -3,12 +3,14 @@
 Tokenising the joined string would let BPE merge across the prompt/completion boundary and shift the
 split; tokenising apart keeps the boundary exact. Chat rows are rendered through the tokenizer's chat
 template: the prompt with the generation prompt, and each completion as what the full rendering adds
-after it (the template must be prefix-stable for that to be well defined).
+after it (the template must be prefix-stable for that to be well defined). Both renderings get the same
+tools and template variables: the row's own, else those given to prepare (per key for the variables).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from prefpack.data.formats import Example, InvalidRow
 from prefpack.tokenizer import SpecialTokens
@@ -21,6 +23,8 @@ class TokenizeConfig:
     max_length: int | None = None  # longest prompt + completion sequence, in tokens
     truncation: str = "prompt-left"  # "prompt-left": cut the prompt's start, then completions' ends; "drop"
     min_prompt_tokens: int = 1  # never cut a prompt below this (the first completion token needs context)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template variables for every chat row
+    tools: list[dict] | None = None  # tools for chat rows that give none of their own
 
 
 @dataclass
@@ -39,15 +43,24 @@ class Dropped(Exception):
         self.reason = reason
 
 
-def render_chat(tok, ex: Example) -> tuple[str, list[str]]:
-    """Render a chat example into a prompt string and one completion string per reply."""
+def render_chat(tok, ex: Example, kwargs: dict[str, Any] | None = None,
+                tools: list[dict] | None = None) -> tuple[str, list[str]]:
+    """Render a chat example into a prompt string and one completion string per reply.
+
+    `kwargs` and `tools` are the defaults given to prepare; the row's own tools replace `tools`, and its own
+    template variables override `kwargs` key by key. Messages go to the template unchanged.
+    """
     if not tok.chat_template:
         raise InvalidRow("no_chat_template", None, "the row holds chat messages but the tokenizer has no chat "
                          "template; use a tokenizer with one, or give plain strings")
-    prompt_text = tok.apply_chat_template(ex.prompt, tokenize=False, add_generation_prompt=True)
+    template_kwargs = {**(kwargs or {}), **ex.template_kwargs}
+    row_tools = ex.tools if ex.tools is not None else tools
+    if row_tools is not None:
+        template_kwargs["tools"] = row_tools
+    prompt_text = _apply(tok, ex.prompt, None, add_generation_prompt=True, **template_kwargs)
     completions = []
     for reply, name in zip(ex.completions, ex.completion_fields):
-        full = tok.apply_chat_template(list(ex.prompt) + list(reply), tokenize=False)
+        full = _apply(tok, list(ex.prompt) + list(reply), name, **template_kwargs)
         if not full.startswith(prompt_text):
             raise InvalidRow(
                 "template_not_prefix_stable", name,
@@ -57,6 +70,22 @@ def render_chat(tok, ex: Example) -> tuple[str, list[str]]:
             )
         completions.append(full[len(prompt_text):])
     return prompt_text, completions
+
+
+def _apply(tok, messages: list[dict], name: str | None, **kwargs) -> str:
+    try:
+        return tok.apply_chat_template(messages, tokenize=False, **kwargs)
+    except Exception as exc:  # jinja2 errors, templates' raise_exception(), str + None in a template...
+        what = "the prompt" if name is None else f"the conversation with field {name!r}"
+        raise InvalidRow("template_error", name, f"the chat template failed on {what}: "
+                         f"{type(exc).__name__}: {exc}") from None
+
+
+def _template_source(tok) -> str:
+    template = tok.chat_template
+    if isinstance(template, dict):
+        return "\n".join(str(t) for t in template.values())
+    return str(template or "")
 
 
 class ExampleTokenizer:
@@ -69,6 +98,22 @@ class ExampleTokenizer:
         self.specials = specials
         self.cfg = cfg
         self._ws_cache: dict[int, bool] = {}
+        source = _template_source(tok)
+        # A template that never reads `tools` or `tool_calls` would silently drop them: refuse such rows.
+        self._template_reads_tools = "tools" in source
+        self._template_reads_tool_calls = "tool_calls" in source
+
+    def _check_tool_support(self, ex: Example) -> None:
+        tools = ex.tools if ex.tools is not None else self.cfg.tools
+        if tools and not self._template_reads_tools:
+            raise InvalidRow("template_ignores_tools", "tools", "the row has tools but the tokenizer's chat "
+                             "template never reads `tools`, so they would be left out of the prompt; use a "
+                             "tokenizer whose template supports tool use")
+        for part, name in ((ex.prompt, None), *zip(ex.completions, ex.completion_fields)):
+            if not self._template_reads_tool_calls and any(m.get("tool_calls") for m in part):
+                raise InvalidRow("template_ignores_tools", name, "a message has 'tool_calls' but the tokenizer's "
+                                 "chat template never reads `tool_calls`, so the calls would be left out; use a "
+                                 "tokenizer whose template supports tool use")
 
     def _is_whitespace(self, tid: int) -> bool:
         hit = self._ws_cache.get(tid)
@@ -91,7 +136,8 @@ class ExampleTokenizer:
         for ex in examples:
             try:
                 if ex.chat:
-                    prompt, comps = render_chat(self.tok, ex)
+                    self._check_tool_support(ex)
+                    prompt, comps = render_chat(self.tok, ex, self.cfg.chat_template_kwargs, self.cfg.tools)
                 else:
                     prompt, comps = ex.prompt, list(ex.completions)
             except InvalidRow as err:

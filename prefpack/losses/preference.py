@@ -20,20 +20,27 @@ Conventions shared by all losses:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from prefpack.loss_params import LOSS_PARAMS, LossParam
+
 __all__ = [
     "LENGTH_NORMALISED_LOSSES",
     "LOSS_NAMES",
+    "LOSS_PARAMS",
+    "PAIR_LOSSES",
     "REFERENCE_FREE_LOSSES",
     "LossOutput",
+    "LossParam",
     "LossTerm",
+    "PairInputs",
     "PairLogps",
+    "PairLossSpec",
     "apo_down_loss",
     "apo_zero_loss",
     "bco_pair_loss",
@@ -43,31 +50,11 @@ __all__ = [
     "nll_loss",
     "orpo_loss",
     "preference_loss",
+    "register_pair_loss",
     "robust_loss",
     "sigmoid_loss",
     "simpo_loss",
 ]
-
-LOSS_NAMES: tuple[str, ...] = (
-    "sigmoid",
-    "sigmoid_ref_free",
-    "robust",
-    "ipo",
-    "hinge",
-    "bco_pair",
-    "apo_zero",
-    "apo_down",
-    "simpo",
-    "orpo",
-    "nll",
-)
-"""Every loss name accepted by :class:`LossTerm`."""
-
-REFERENCE_FREE_LOSSES: frozenset[str] = frozenset({"sigmoid_ref_free", "simpo", "orpo", "nll"})
-"""Losses that never read the reference log-probs (all others raise if they are missing)."""
-
-LENGTH_NORMALISED_LOSSES: frozenset[str] = frozenset({"ipo", "simpo", "orpo", "nll"})
-"""Losses that divide by the completion token count and therefore reject zero-length completions."""
 
 # ORPO's odds need log(1 - p) with p = exp(mean token log-prob); at p == 1 that is -inf and its gradient is
 # NaN. The mean log-prob is clamped to at most this value inside the odds term only (the NLL part of ORPO is
@@ -130,8 +117,8 @@ class LossTerm:
     weight: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.name not in LOSS_NAMES:
-            raise ValueError(f"unknown loss {self.name!r}; valid names are: {', '.join(LOSS_NAMES)}")
+        if self.name not in PAIR_LOSSES:
+            raise ValueError(f"unknown loss {self.name!r}; valid names are: {', '.join(PAIR_LOSSES)}")
         if not math.isfinite(self.weight) or self.weight < 0:
             raise ValueError(f"loss {self.name!r}: weight must be finite and >= 0, got {self.weight}")
 
@@ -393,19 +380,15 @@ def nll_loss(policy_chosen: Tensor, chosen_tokens: Tensor) -> Tensor:
 
 def needs_reference(terms: Sequence[LossTerm]) -> bool:
     """Whether any term reads reference log-probs (so the trainer must run or precompute the reference)."""
-    return any(term.name not in REFERENCE_FREE_LOSSES for term in terms)
+    return any(PAIR_LOSSES[term.name].needs_reference for term in terms)
 
 
 def _reward_kind(terms: Sequence[LossTerm], has_reference: bool) -> str:
-    """How ``rewards/*`` are defined: by the first preference (non-nll) term; see ``preference_loss``."""
+    """How ``rewards/*`` are defined: by the first term that defines rewards; see ``preference_loss``."""
     for term in terms:
-        if term.name == "nll":
-            continue
-        if term.name in ("simpo", "orpo"):
-            return "mean_logp"
-        if term.name == "sigmoid_ref_free":
-            return "logp"
-        return "logratio"
+        kind = PAIR_LOSSES[term.name].rewards
+        if kind is not None:
+            return kind
     return "logratio" if has_reference else "logp"
 
 
@@ -434,21 +417,21 @@ def preference_loss(
     by max(tokens, 1) so an empty completion cannot make the metric NaN (the ``nll`` loss term still raises).
     """
     if not terms:
-        raise ValueError(f"no loss terms given; choose from: {', '.join(LOSS_NAMES)}")
+        raise ValueError(f"no loss terms given; choose from: {', '.join(PAIR_LOSSES)}")
     names = [term.name for term in terms]
     for name in names:
-        if name not in LOSS_NAMES:  # LossTerm validates too; this guards duck-typed terms
-            raise ValueError(f"unknown loss {name!r}; valid names are: {', '.join(LOSS_NAMES)}")
+        if name not in PAIR_LOSSES:  # LossTerm validates too; this guards duck-typed terms
+            raise ValueError(f"unknown loss {name!r}; valid names are: {', '.join(PAIR_LOSSES)}")
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise ValueError(f"loss terms listed more than once: {', '.join(duplicates)}; merge their weights")
     _check_beta(beta)
-    missing_ref = [name for name in names if name not in REFERENCE_FREE_LOSSES]
+    missing_ref = [name for name in names if PAIR_LOSSES[name].needs_reference]
     if missing_ref and not logps.has_reference:
         raise ValueError(
             f"loss {', '.join(repr(n) for n in missing_ref)} needs reference log-probs but ref_chosen/"
             f"ref_rejected are None; provide them or use a reference-free loss "
-            f"({', '.join(sorted(REFERENCE_FREE_LOSSES))})"
+            f"({', '.join(sorted(n for n, spec in PAIR_LOSSES.items() if not spec.needs_reference))})"
         )
 
     pc, pr = logps.policy_chosen, logps.policy_rejected
@@ -460,34 +443,13 @@ def preference_loss(
     else:
         chosen_lr = rejected_lr = None
 
+    inputs = PairInputs(pc, pr, nc, nr, chosen_lr, rejected_lr, beta=beta, label_smoothing=label_smoothing,
+                        simpo_gamma=simpo_gamma, bco_delta=bco_delta)
     total = torch.zeros_like(pc)
     metrics: dict[str, Tensor] = {}
     for term in terms:
         name = term.name
-        if name == "sigmoid":
-            value = sigmoid_loss(chosen_lr, rejected_lr, beta, label_smoothing)
-        elif name == "sigmoid_ref_free":
-            value = sigmoid_loss(pc, pr, beta, label_smoothing)
-        elif name == "robust":
-            value = robust_loss(chosen_lr, rejected_lr, beta, label_smoothing)
-        elif name == "ipo":
-            value = ipo_loss(chosen_lr, rejected_lr, nc, nr, beta)
-        elif name == "hinge":
-            value = hinge_loss(chosen_lr, rejected_lr, beta)
-        elif name == "bco_pair":
-            value = bco_pair_loss(chosen_lr, rejected_lr, beta, bco_delta)
-        elif name == "apo_zero":
-            value = apo_zero_loss(chosen_lr, rejected_lr, beta)
-        elif name == "apo_down":
-            value = apo_down_loss(chosen_lr, rejected_lr, beta)
-        elif name == "simpo":
-            value = simpo_loss(pc, pr, nc, nr, beta, simpo_gamma, label_smoothing)
-        elif name == "orpo":
-            value = orpo_loss(pc, pr, nc, nr, beta)
-        elif name == "nll":
-            value = nll_loss(pc, nc)
-        else:  # pragma: no cover - LOSS_NAMES and this dispatch must stay in sync
-            raise AssertionError(f"loss {name!r} listed in LOSS_NAMES but not implemented")
+        value = PAIR_LOSSES[name].compute(inputs)
         total = total + term.weight * value
         metrics[f"loss/{name}"] = value.detach()
 
@@ -508,3 +470,100 @@ def preference_loss(
         metrics["logps/rejected"] = pr.detach()
         metrics["nll"] = (-pc / nc.clamp(min=1).to(pc.dtype)).detach()
     return LossOutput(loss=total, metrics=metrics)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The registry: one entry per loss name. Adding a loss = a pure function above + one register_pair_loss call
+# below (+ its float64 test); config validation, `prefpack eval`, the reference decision and the reward
+# metrics read everything from here.
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PairInputs:
+    """What a pair loss may read: per-pair ``[P]`` tensors (log-ratios None without a reference) and the
+    shared ``loss.*`` parameters."""
+
+    policy_chosen: Tensor
+    policy_rejected: Tensor
+    chosen_tokens: Tensor
+    rejected_tokens: Tensor
+    chosen_logratio: Tensor | None
+    rejected_logratio: Tensor | None
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    bco_delta: float | Tensor = 0.0
+
+
+@dataclass(frozen=True)
+class PairLossSpec:
+    """A registered pair loss.
+
+    ``rewards``: how ``rewards/*`` are defined when this is the first term that defines them: ``logratio``
+    (beta * (policy - ref), TRL's DPOTrainer), ``mean_logp`` (beta * policy / tokens, TRL's CPO/ORPO),
+    ``logp`` (beta * policy), or None (an auxiliary term such as ``nll``). ``params``: the ``loss.*``
+    parameters it reads (see ``LOSS_PARAMS``).
+    """
+
+    name: str
+    compute: Callable[[PairInputs], Tensor]
+    needs_reference: bool
+    rewards: str | None
+    params: tuple[str, ...] = ("beta",)
+    length_normalised: bool = False
+    summary: str = ""
+
+
+PAIR_LOSSES: dict[str, PairLossSpec] = {}
+
+
+def register_pair_loss(spec: PairLossSpec) -> PairLossSpec:
+    if spec.name in PAIR_LOSSES:
+        raise ValueError(f"pair loss {spec.name!r} is registered twice")
+    unknown = [p for p in spec.params if p not in LOSS_PARAMS]
+    if unknown:
+        raise ValueError(f"pair loss {spec.name!r} reads unknown parameters {unknown}; add them to LOSS_PARAMS")
+    PAIR_LOSSES[spec.name] = spec
+    return spec
+
+
+for _spec in (
+    PairLossSpec("sigmoid", lambda x: sigmoid_loss(x.chosen_logratio, x.rejected_logratio, x.beta, x.label_smoothing),
+                 True, "logratio", ("beta", "label_smoothing"), summary="DPO; cDPO with label_smoothing"),
+    PairLossSpec("sigmoid_ref_free", lambda x: sigmoid_loss(x.policy_chosen, x.policy_rejected, x.beta,
+                                                            x.label_smoothing),
+                 False, "logp", ("beta", "label_smoothing"), summary="DPO with the reference taken as 0"),
+    PairLossSpec("robust", lambda x: robust_loss(x.chosen_logratio, x.rejected_logratio, x.beta, x.label_smoothing),
+                 True, "logratio", ("beta", "label_smoothing"), summary="robust DPO (label-flip rate)"),
+    PairLossSpec("ipo", lambda x: ipo_loss(x.chosen_logratio, x.rejected_logratio, x.chosen_tokens,
+                                           x.rejected_tokens, x.beta),
+                 True, "logratio", length_normalised=True, summary="IPO, per-token log-ratios"),
+    PairLossSpec("hinge", lambda x: hinge_loss(x.chosen_logratio, x.rejected_logratio, x.beta),
+                 True, "logratio", summary="SLiC hinge"),
+    PairLossSpec("bco_pair", lambda x: bco_pair_loss(x.chosen_logratio, x.rejected_logratio, x.beta, x.bco_delta),
+                 True, "logratio", summary="paired BCO with a running reward mean"),
+    PairLossSpec("apo_zero", lambda x: apo_zero_loss(x.chosen_logratio, x.rejected_logratio, x.beta),
+                 True, "logratio", summary="APO-zero"),
+    PairLossSpec("apo_down", lambda x: apo_down_loss(x.chosen_logratio, x.rejected_logratio, x.beta),
+                 True, "logratio", summary="APO-down"),
+    PairLossSpec("simpo", lambda x: simpo_loss(x.policy_chosen, x.policy_rejected, x.chosen_tokens,
+                                               x.rejected_tokens, x.beta, x.simpo_gamma, x.label_smoothing),
+                 False, "mean_logp", ("beta", "simpo_gamma", "label_smoothing"), length_normalised=True,
+                 summary="SimPO, reference-free"),
+    PairLossSpec("orpo", lambda x: orpo_loss(x.policy_chosen, x.policy_rejected, x.chosen_tokens,
+                                             x.rejected_tokens, x.beta),
+                 False, "mean_logp", length_normalised=True, summary="ORPO (includes its NLL)"),
+    PairLossSpec("nll", lambda x: nll_loss(x.policy_chosen, x.chosen_tokens), False, None, (),
+                 length_normalised=True, summary="NLL of the chosen completion (RPO with sigmoid)"),
+):
+    register_pair_loss(_spec)
+
+LOSS_NAMES: tuple[str, ...] = tuple(PAIR_LOSSES)
+"""Every pair loss name accepted by :class:`LossTerm` (a view of ``PAIR_LOSSES``)."""
+
+REFERENCE_FREE_LOSSES: frozenset[str] = frozenset(n for n, s in PAIR_LOSSES.items() if not s.needs_reference)
+"""Losses that never read the reference log-probs (all others raise if they are missing)."""
+
+LENGTH_NORMALISED_LOSSES: frozenset[str] = frozenset(n for n, s in PAIR_LOSSES.items() if s.length_normalised)
+"""Losses that divide by the completion token count and therefore reject zero-length completions."""

@@ -1,0 +1,31 @@
+"""The ``loss.*`` hyper-parameters: name, default and help, in one table without torch.
+
+The config's ``loss`` section, ``prefpack eval``'s flags and the loss registry (``prefpack.losses``, which
+says which parameters each loss reads) all come from this table, so a new parameter is declared once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["LOSS_PARAMS", "LossParam"]
+
+
+@dataclass(frozen=True)
+class LossParam:
+    name: str
+    default: float
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+LOSS_PARAMS: dict[str, LossParam] = {p.name: p for p in (
+    LossParam("beta", 0.1, "inverse temperature shared by all terms (lambda for orpo)"),
+    LossParam("label_smoothing", 0.0, "cDPO / robust label-flip rate, in [0, 0.5)"),
+    LossParam("simpo_gamma", 0.5, "SimPO target reward margin"),
+    LossParam("desirable_weight", 1.0, "KTO weight of desirable examples (lambda_D)"),
+    LossParam("undesirable_weight", 1.0, "KTO weight of undesirable examples (lambda_U)"),
+)}

@@ -1,0 +1,433 @@
+"""run.report_to: TensorBoard and W&B mirrors of metrics.jsonl (W&B faked, or real and offline when installed)."""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import pytest
+from conftest import tiny_llama, write_jsonl
+
+from prefpack.cli import main as cli_main
+from prefpack.config import Config, ConfigError, config_to_dict, load_config
+from prefpack.metrics import (
+    WANDB_ID_FILE,
+    MetricsLogger,
+    MetricsSetupError,
+    check_report_to,
+    read_metrics,
+    report_targets,
+)
+
+INSTALL_HINT = "pip install 'prefpack[wandb]'"
+
+
+class FakeRun:
+    def __init__(self, calls: list, kwargs: dict, starting_step: int, offline: bool) -> None:
+        self.calls, self.id, self.starting_step, self.offline = calls, kwargs["id"], starting_step, offline
+
+    def log(self, data, step=None):
+        self.calls.append(("log", self.id, dict(data), step))
+
+    def finish(self):
+        self.calls.append(("finish", self.id))
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    """A stand-in ``wandb`` module: ``calls`` records init kwargs, logs and finishes in order."""
+    calls: list = []
+    mod = types.ModuleType("wandb")
+    mod.starting_step = 0  # what a resumed run reports as its next step (0: new, or offline)
+
+    def init(**kwargs):
+        calls.append(("init", kwargs))
+        return FakeRun(calls, kwargs, mod.starting_step if kwargs.get("resume") else 0, offline=False)
+
+    mod.init = init
+    mod.calls = calls
+    monkeypatch.setitem(sys.modules, "wandb", mod)
+    return mod
+
+
+def run_cfg(run_dir, *overrides: str) -> Config:
+    return load_config(None, [f"run.output_dir={run_dir}", *overrides])
+
+
+def of(calls, kind):
+    return [c for c in calls if c[0] == kind]
+
+
+# ------------------------------------------------------------------------------------ config semantics
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ([], {"tensorboard"}),  # today's default: TensorBoard when installed
+    (["run.report_to=wandb"], {"wandb"}),  # a bare name is a one-item list
+    (["run.report_to=[wandb, tensorboard]"], {"wandb", "tensorboard"}),
+    (["run.report_to=none"], set()),
+    (["run.report_to=[none]"], set()),
+    (["run.report_to=[]"], set()),
+    (["run.tensorboard=false"], set()),  # an old config's switch still turns TensorBoard off
+    (["run.tensorboard=true"], {"tensorboard"}),
+    (["run.report_to=[wandb]", "run.tensorboard=true"], {"wandb", "tensorboard"}),  # true adds it
+    (["run.report_to=[wandb, tensorboard]", "run.tensorboard=false"], {"wandb"}),  # false removes it
+])
+def test_report_targets(tmp_path, overrides, expected):
+    cfg = run_cfg(tmp_path, *overrides)
+    cfg.validate(training=False)
+    assert report_targets(cfg.run) == expected
+
+
+def test_report_to_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"run\.report_to: expected one of 'tensorboard', 'wandb', 'none'"):
+        run_cfg(tmp_path, "run.report_to=wandbb")
+    with pytest.raises(ConfigError, match=r"run\.report_to: expected"):
+        run_cfg(tmp_path, "run.report_to=[tensorboard, mlflow]")
+    for bad in (["run.report_to=[none, wandb]"], ["run.report_to=none", "run.tensorboard=true"]):
+        with pytest.raises(ConfigError, match="'none' turns TensorBoard and W&B off, so it must be alone"):
+            run_cfg(tmp_path, *bad).validate(training=False)
+
+
+def test_old_config_without_report_to_keeps_its_tensorboard_setting(tmp_path):
+    """A config.yaml written before report_to existed (tensorboard: true/false, no report_to) means what it did."""
+    for value, expected in (("true", {"tensorboard"}), ("false", set())):
+        path = tmp_path / f"old-{value}.yaml"
+        path.write_text(f"run:\n  output_dir: {tmp_path / 'r'}\n  tensorboard: {value}\n  plot: false\n")
+        cfg = load_config(path, [])
+        assert cfg.run.report_to == ["tensorboard"] and report_targets(cfg.run) == expected
+
+
+def test_report_to_round_trips_through_config_yaml(tmp_path):
+    from prefpack.config import save_config
+
+    cfg = run_cfg(tmp_path, "run.report_to=[wandb, tensorboard]", "run.wandb_project=my-proj")
+    save_config(cfg, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml", [])
+    assert again.run.report_to == ["wandb", "tensorboard"] and again.run.wandb_project == "my-proj"
+    assert again.run.tensorboard is None and config_to_dict(again) == config_to_dict(cfg)
+
+
+# ------------------------------------------------------------------------------------ W&B with a fake module
+
+
+def test_wandb_gets_every_record_with_its_step_and_the_config(tmp_path, fake_wandb):
+    run_dir = tmp_path / "my-run"
+    cfg = run_cfg(run_dir, "run.report_to=[wandb]", "run.wandb_project=proj-x", "loss.beta=0.25")
+    logger = MetricsLogger.from_config(cfg)
+    assert logger.wandb_active and not logger.tensorboard_active and logger.notice is None
+    [init] = of(fake_wandb.calls, "init")
+    kwargs = init[1]
+    run_id = (run_dir / WANDB_ID_FILE).read_text().strip()
+    assert kwargs["id"] == run_id == logger.wandb_run_id and len(run_id) == 8
+    assert kwargs["project"] == "proj-x" and kwargs["name"] == "my-run" and kwargs["dir"] == str(run_dir)
+    assert "resume" not in kwargs  # a new run
+    assert kwargs["config"] == config_to_dict(cfg) and kwargs["config"]["loss"]["beta"] == 0.25
+    assert kwargs["config"]["run"]["report_to"] == ["wandb"]
+
+    logger.log(0, {"loss": 0.69, "rewards/accuracies": 0.5}, split="eval")
+    logger.log(1, {"loss": 0.6, "grad_norm": math.nan, "lr": 1e-3, "rewards/margins": 0.1})
+    logger.log(2, {"loss": 0.5, "grad_norm": 2.0, "lr": 1e-3, "rewards/margins": 0.2})
+    logger.log(2, {"loss": 0.55, "rewards/accuracies": 0.75}, split="eval")
+    logger.log(3, {"grad_norm": math.inf})  # nothing finite: nothing to send, as TensorBoard writes nothing
+    logger.close()
+    assert fake_wandb.calls[1:] == [
+        ("log", run_id, {"eval/loss": 0.69, "eval/rewards/accuracies": 0.5}, 0),
+        ("log", run_id, {"train/loss": 0.6, "train/lr": 1e-3, "train/rewards/margins": 0.1}, 1),  # NaN left out
+        ("log", run_id, {"train/loss": 0.5, "train/grad_norm": 2.0, "train/lr": 1e-3, "train/rewards/margins": 0.2}, 2),
+        ("log", run_id, {"eval/loss": 0.55, "eval/rewards/accuracies": 0.75}, 2),
+        ("finish", run_id),
+    ]
+    # metrics.jsonl is written as always, with the records W&B got (and the all-null one)
+    assert [(r["step"], r["split"]) for r in read_metrics(run_dir)] == [(0, "eval"), (1, "train"), (2, "train"),
+                                                                      (2, "eval"), (3, "train")]
+
+
+def test_wandb_and_tensorboard_get_the_same_scalars(tmp_path, fake_wandb, monkeypatch):
+    tb: list = []
+
+    class FakeWriter:
+        def __init__(self, log_dir, **kwargs):
+            pass
+
+        def add_scalar(self, tag, value, step):
+            tb.append((tag, value, step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=FakeWriter))
+    logger = MetricsLogger.from_config(run_cfg(tmp_path / "r", "run.report_to=[tensorboard, wandb]"))
+    assert logger.tensorboard_active and logger.wandb_active
+    logger.log(1, {"loss": 0.6, "rewards/chosen": -0.1, "grad_norm": math.nan, "tokens/s": 1000})
+    logger.log(1, {"loss": 0.7, "logps/chosen": -12.5}, split="eval")
+    logger.log(2, {"loss": 0.4, "nll": 3.0})
+    logger.close()
+    sent = [(tag, value, c[3]) for c in of(fake_wandb.calls, "log") for tag, value in c[2].items()]
+    assert sent == tb and len(tb) == 7
+    assert ("train/rewards/chosen", -0.1, 1) in tb and ("eval/logps/chosen", -12.5, 1) in tb
+
+
+def test_wandb_resume_reuses_the_run_id(tmp_path, fake_wandb):
+    run_dir = tmp_path / "run"
+    cfg = run_cfg(run_dir, "run.report_to=wandb")
+    first = MetricsLogger.from_config(cfg)
+    for step in (1, 2, 3):
+        first.log(step, {"loss": 1.0 / step})
+    first.close()
+    run_id = first.wandb_run_id
+
+    # --resume from the checkpoint at step 2, while W&B already holds steps up to 3 (an online run)
+    fake_wandb.starting_step = 4
+    second = MetricsLogger.from_config(cfg, resume=True)
+    init = of(fake_wandb.calls, "init")[-1][1]
+    assert init["id"] == run_id and init["resume"] == "allow" and init["name"] == "run"
+    assert (run_dir / WANDB_ID_FILE).read_text().strip() == run_id
+    assert "already holds steps up to 3" in second.notice and str(run_dir / "metrics.jsonl") in second.notice
+    assert second.truncate_after(2) == 1
+    for step in (3, 4, 5):
+        second.log(step, {"loss": 1.0 / step})
+    second.close()
+    logged = [(c[1], c[3]) for c in of(fake_wandb.calls, "log")]
+    assert logged == [(run_id, 1), (run_id, 2), (run_id, 3), (run_id, 4), (run_id, 5)]  # step 3 once: W&B had it
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4, 5]  # the file has the replayed step 3
+
+    # a resumed offline run starts a new local segment at step 0: everything after the checkpoint goes to it
+    fake_wandb.starting_step = 0
+    third = MetricsLogger.from_config(cfg, resume=True)
+    third.log(5, {"loss": 0.2})
+    assert of(fake_wandb.calls, "log")[-1][1:] == (run_id, {"train/loss": 0.2}, 5)
+    third.close()
+
+    # a new run (no --resume) in a folder that held one gets a new W&B run, and its id replaces the old one
+    fresh = MetricsLogger.from_config(cfg)
+    new_id = of(fake_wandb.calls, "init")[-1][1]["id"]
+    assert "resume" not in of(fake_wandb.calls, "init")[-1][1]
+    assert new_id != run_id and fresh.wandb_run_id == new_id
+    assert (run_dir / WANDB_ID_FILE).read_text().strip() == new_id
+    fresh.close()
+
+
+def test_wandb_resume_without_a_stored_id_starts_a_new_run(tmp_path, fake_wandb):
+    """A run that did not report to W&B before and is resumed with report_to=wandb."""
+    logger = MetricsLogger.from_config(run_cfg(tmp_path / "r", "run.report_to=wandb"), resume=True)
+    init = of(fake_wandb.calls, "init")[0][1]
+    assert "resume" not in init and init["id"] == (tmp_path / "r" / WANDB_ID_FILE).read_text().strip()
+    assert "goes on in a new W&B run" in logger.notice
+    logger.close()
+
+
+def test_logging_after_close_continues_the_same_wandb_run(tmp_path, fake_wandb):
+    logger = MetricsLogger.from_config(run_cfg(tmp_path / "r", "run.report_to=wandb"))
+    logger.log(1, {"loss": 1.0})
+    logger.close()
+    logger.log(2, {"loss": 0.5})
+    logger.close()
+    inits = of(fake_wandb.calls, "init")
+    assert len(inits) == 2 and inits[1][1]["id"] == inits[0][1]["id"] and inits[1][1]["resume"] == "allow"
+    assert [c[0] for c in fake_wandb.calls] == ["init", "log", "finish", "init", "log", "finish"]
+
+
+def test_only_the_enabled_rank_starts_wandb(tmp_path, fake_wandb):
+    logger = MetricsLogger.from_config(run_cfg(tmp_path / "rank1", "run.report_to=wandb"), enabled=False)
+    logger.log(1, {"loss": 1.0})
+    logger.close()
+    assert fake_wandb.calls == [] and not (tmp_path / "rank1").exists()
+
+
+def test_wandb_init_failure_is_a_clear_error(tmp_path, monkeypatch):
+    mod = types.ModuleType("wandb")
+
+    def init(**kwargs):
+        raise RuntimeError("api_key not configured (no-tty)")
+
+    mod.init = init
+    monkeypatch.setitem(sys.modules, "wandb", mod)
+    with pytest.raises(MetricsSetupError, match=r"api_key not configured.*WANDB_MODE=offline"):
+        MetricsLogger.from_config(run_cfg(tmp_path / "r", "run.report_to=wandb"))
+    with pytest.raises(MetricsSetupError, match="run.wandb_project must name a W&B project"):
+        MetricsLogger.from_config(run_cfg(tmp_path / "s", "run.report_to=wandb", "run.wandb_project=' '"))
+
+
+# ------------------------------------------------------------------------------------ wandb not installed
+
+
+def test_wandb_not_installed_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail
+    with pytest.raises(MetricsSetupError) as info:
+        MetricsLogger.from_config(run_cfg(tmp_path / "r", "run.report_to=[tensorboard, wandb]"))
+    assert isinstance(info.value, ConfigError)
+    assert INSTALL_HINT in str(info.value) and "run.report_to" in str(info.value)
+    assert not (tmp_path / "r" / WANDB_ID_FILE).exists() and not (tmp_path / "r" / "metrics.jsonl").exists()
+    with pytest.raises(MetricsSetupError, match=r"pip install 'prefpack\[wandb\]'"):  # the early check says the same
+        check_report_to(run_cfg(tmp_path / "r", "run.report_to=wandb").run)
+    check_report_to(run_cfg(tmp_path / "r", "run.report_to=tensorboard").run)  # nothing to import
+    # without wandb in report_to nothing imports it
+    MetricsLogger.from_config(run_cfg(tmp_path / "s", "run.report_to=none")).log(1, {"loss": 1.0})
+    assert read_metrics(tmp_path / "s")[0]["loss"] == 1.0
+
+
+# ------------------------------------------------------------------------------------ through `prefpack train`
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, toy_tokenizers, hh_train):
+    from prefpack.data.prepare import PrepareOptions, prepare
+
+    root = tmp_path_factory.mktemp("report_to")
+    tok = toy_tokenizers["llama"]
+    rows = [r for r in hh_train[:40] if r["chosen"].strip() and r["chosen"] != r["rejected"]]
+    for name, part in (("train", rows[:16]), ("eval", rows[16:22])):
+        prepare(PrepareOptions(inputs=[str(write_jsonl(root / f"{name}.jsonl", part))], tokenizer=str(tok),
+                               output=str(root / name), max_length=48, workers=1), log=lambda m: None)
+    return {"train": root / "train", "eval": root / "eval", "policy": tiny_llama(tok, root / "policy", 1)}
+
+
+def train_args(world, run_dir, *extra):
+    return [f"model.name_or_path={world['policy']}", f"data.train={world['train']}", f"data.eval={world['eval']}",
+            f"run.output_dir={run_dir}", "optim.lr=1.0e-3", "optim.schedule=constant", "train.global_batch_pairs=4",
+            "train.max_steps=4", "run.save_every=2", "run.plot=false", "run.report_to=[wandb]",
+            "train.micro_batch_tokens=4096", "data.max_tokens_per_row=1024", *extra]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_train_and_resume_report_to_wandb(world, tmp_path, fake_wandb):
+    from prefpack.train import TrainingInterrupted, train
+
+    run_dir = tmp_path / "wb-run"
+    cfg = load_config(None, train_args(world, run_dir))
+    with pytest.raises(TrainingInterrupted):
+        train(cfg, stop_after_steps=3, progress=False, log=lambda m: None)
+    run_id = (run_dir / WANDB_ID_FILE).read_text().strip()
+    [init] = of(fake_wandb.calls, "init")
+    assert init[1]["id"] == run_id and init[1]["name"] == "wb-run" and init[1]["dir"] == str(run_dir)
+    assert init[1]["config"] == config_to_dict(cfg)
+    first = [(c[3], sorted({k.split("/")[0] for k in c[2]})) for c in of(fake_wandb.calls, "log")]
+    assert first == [(0, ["eval"]), (1, ["train"]), (2, ["train"]), (3, ["train"])]
+    assert fake_wandb.calls[-1] == ("finish", run_id)
+
+    n = len(fake_wandb.calls)
+    train(load_config(None, train_args(world, run_dir)), resume=True, progress=False, log=lambda m: None)
+    resumed = fake_wandb.calls[n:]
+    assert resumed[0][0] == "init" and resumed[0][1]["id"] == run_id and resumed[0][1]["resume"] == "allow"
+    # resumed from the checkpoint at step 2: steps 3 and 4, then the final eval at 4 (the same W&B step)
+    assert [(c[3], sorted({k.split("/")[0] for k in c[2]})) for c in of(resumed, "log")] == [
+        (3, ["train"]), (4, ["train"]), (4, ["eval"])]
+    assert resumed[-1] == ("finish", run_id)
+    # what W&B got is what metrics.jsonl holds
+    wb = {(c[3], k): v for c in of(fake_wandb.calls, "log") for k, v in c[2].items()}
+    for rec in read_metrics(run_dir):
+        for k, v in rec.items():
+            if k not in ("step", "split", "time") and v is not None:
+                assert wb[(rec["step"], f"{rec['split']}/{k}")] == v
+
+
+def test_cli_train_without_wandb_stops_before_training(world, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    run_dir = tmp_path / "run"
+    assert cli_main(["train", *train_args(world, run_dir), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert INSTALL_HINT in err and "Traceback" not in err
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------------------------ the real wandb, offline
+
+
+def wandb_records(path):
+    """The records of a ``run-ID.wandb`` transaction log (LevelDB log blocks of W&B protobuf records)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    if data[:4] != b":W&B" or struct.unpack("<HB", data[4:7]) != (0xBEE1, 0):
+        pytest.skip(f"this wandb writes another transaction log format ({data[:7]!r})")
+    pos, buf, out = 7, b"", []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            break
+        buf += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            record = pb.Record()
+            record.ParseFromString(buf)
+            out.append(record)
+            buf = b""
+    return out
+
+
+def offline_history(segment, run_id):
+    import json
+
+    records = wandb_records(segment / f"run-{run_id}.wandb")
+    [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    config = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "config":
+            config.update({i.key: json.loads(i.value_json) for i in r.config.update})
+    config.update({i.key: json.loads(i.value_json) for i in run.config.update})
+    history = []
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            history.append({k: v for k, v in row.items() if not k.startswith("_")} | {"step": row["_step"]})
+    return run, config, history
+
+
+def test_real_wandb_offline_writes_under_the_run_folder(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    for key in ("WANDB_API_KEY", "WANDB_DIR", "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_PROJECT", "WANDB_NAME"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")  # leave the repository alone
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    for key, sub in (("WANDB_CONFIG_DIR", "cfg"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+        monkeypatch.setenv(key, str(tmp_path / "home" / sub))
+    run_dir = tmp_path / "offline-run"
+    cfg = run_cfg(run_dir, "run.report_to=wandb", "run.wandb_project=pp-test", "loss.beta=0.25")
+    logger = MetricsLogger.from_config(cfg)
+    assert wandb.run is not None and wandb.run.id == logger.wandb_run_id
+    logger.log(0, {"loss": 0.69}, split="eval")
+    for step in (1, 2, 3):
+        logger.log(step, {"loss": 1.0 / step, "lr": 1e-3, "grad_norm": math.nan if step == 2 else 0.5})
+    logger.log(3, {"loss": 0.7}, split="eval")
+    logger.close()
+    assert wandb.run is None  # finished
+    run_id = logger.wandb_run_id
+    segments = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}*"))
+    assert len(segments) == 1
+    assert not list((tmp_path / "home").glob("**/offline-run-*"))  # nothing outside the run folder
+    run, config, history = offline_history(segments[0], run_id)
+    assert run.run_id == run_id and run.project == "pp-test" and run.display_name == "offline-run"
+    assert config["loss"]["beta"] == 0.25 and config["run"]["report_to"] == "wandb"
+    assert {k: config[k] for k in config_to_dict(cfg)} == config_to_dict(cfg)
+    assert history == [
+        {"step": 0, "eval/loss": 0.69},
+        {"step": 1, "train/loss": 1.0, "train/lr": 1e-3, "train/grad_norm": 0.5},
+        {"step": 2, "train/loss": 0.5, "train/lr": 1e-3},  # the NaN grad_norm is left out, as in TensorBoard
+        {"step": 3, "train/loss": 1.0 / 3, "train/lr": 1e-3, "train/grad_norm": 0.5, "eval/loss": 0.7},
+    ]
+
+    # --resume from a checkpoint at step 2: the same id, in a second offline folder (`wandb sync` them in order)
+    again = MetricsLogger.from_config(cfg, resume=True)
+    assert again.wandb_run_id == run_id and "offline" in again.notice
+    again.truncate_after(2)
+    again.log(3, {"loss": 0.3})
+    again.log(4, {"loss": 0.2})
+    again.close()
+    segments = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}*"))
+    assert len(segments) == 2
+    newest = max(segments, key=lambda p: p.stat().st_mtime_ns)
+    run, _, history = offline_history(newest, run_id)
+    assert run.run_id == run_id
+    assert history == [{"step": 3, "train/loss": 0.3}, {"step": 4, "train/loss": 0.2}]
