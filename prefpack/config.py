@@ -124,6 +124,7 @@ class LossConfig:
     beta: float = _param("beta")
     label_smoothing: float = _param("label_smoothing")
     simpo_gamma: float = _param("simpo_gamma")
+    discopop_tau: float = _param("discopop_tau")
     desirable_weight: float = _param("desirable_weight")
     undesirable_weight: float = _param("undesirable_weight")
     kl_pairing: KLPairing = _f("step", "KTO KL partners: step = from the same step, fixed = seeded per store")
@@ -290,6 +291,9 @@ def _problems(cfg: Config, *, training: bool) -> list[str]:
     positive("loss.beta", lo.beta)
     need(0.0 <= lo.label_smoothing < 0.5, f"loss.label_smoothing must be in [0, 0.5), got {lo.label_smoothing}")
     need(math.isfinite(lo.simpo_gamma), f"loss.simpo_gamma must be finite, got {lo.simpo_gamma}")
+    positive("loss.discopop_tau", lo.discopop_tau)
+    if any(t.name == "exo_pair" for t in lo.terms):
+        need(lo.label_smoothing > 0, "loss exo_pair needs loss.label_smoothing > 0 (its epsilon; TRL uses 1e-3)")
     positive("loss.desirable_weight", lo.desirable_weight)
     positive("loss.undesirable_weight", lo.undesirable_weight)
 

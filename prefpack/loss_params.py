@@ -24,8 +24,10 @@ class LossParam:
 
 LOSS_PARAMS: dict[str, LossParam] = {p.name: p for p in (
     LossParam("beta", 0.1, "inverse temperature shared by all terms (lambda for orpo)"),
-    LossParam("label_smoothing", 0.0, "cDPO / robust label-flip rate, in [0, 0.5)"),
+    LossParam("label_smoothing", 0.0, "label-flip rate in [0, 0.5): cDPO (sigmoid, simpo), robust, exo_pair "
+              "(must be > 0 there), aot"),
     LossParam("simpo_gamma", 0.5, "SimPO target reward margin"),
+    LossParam("discopop_tau", 0.05, "DiscoPOP temperature of the log-ratio modulation, > 0 (TRL's discopop_tau)"),
     LossParam("desirable_weight", 1.0, "KTO weight of desirable examples (lambda_D)"),
     LossParam("undesirable_weight", 1.0, "KTO weight of undesirable examples (lambda_U)"),
 )}

@@ -107,7 +107,7 @@ class PairTask:
         self.pad_id = pad_id
         self.pairs = StorePairs(store)
         self.terms = [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
-        self.bco = "bco_pair" in {t.name for t in self.terms}
+        self.bco = "bco_pair_running" in {t.name for t in self.terms}  # bco_pair (TRL 1.16) has no running mean
 
     def __len__(self) -> int:
         return len(self.store)
@@ -167,13 +167,15 @@ class PairTask:
             ref_rejected=None if ref is None else ref[1],
         )
         out = preference_loss(logps, self.terms, beta=cfg.loss.beta, label_smoothing=cfg.loss.label_smoothing,
-                              simpo_gamma=cfg.loss.simpo_gamma, bco_delta=step_state.get("bco_delta", 0.0))
+                              simpo_gamma=cfg.loss.simpo_gamma, bco_delta=step_state.get("bco_delta", 0.0),
+                              discopop_tau=cfg.loss.discopop_tau)
         # Whether the policy itself ranks chosen above rejected (meaningful even when the reference equals it).
         out.metrics["logps/accuracies"] = (pol.chosen.detach() > pol.rejected.detach()).to(pol.chosen.dtype)
         return out
 
     def after_micro_batch(self, out: LossOutput, state: dict) -> None:
-        """BCO's delta: the running mean of every reward seen so far (TRL keeps the same running moment)."""
+        """bco_pair_running's delta: the running mean of every reward seen so far (older TRL releases kept such a
+        running moment for bco_pair; TRL 1.16's bco_pair has none, and prefpack's bco_pair follows it)."""
         if not self.bco:
             return
         rewards = torch.cat([out.metrics["rewards/chosen"], out.metrics["rewards/rejected"]]).double()

@@ -206,6 +206,8 @@ def test_validate_ok_and_partial():
         (["train.micro_batch_tokens=1", "data.packing=false"], "train.micro_batch_tokens must be >= 2"),
         (["train.chunk_size=0"], "train.chunk_size must be >= 1"),
         (["optim.master_dtype=bfloat16", "model.dtype=float32"], "optim.master_dtype bfloat16 with model.dtype"),
+        (["loss.terms=[{name: exo_pair}]"], "loss exo_pair needs loss.label_smoothing > 0"),
+        (["loss.discopop_tau=0"], "loss.discopop_tau must be > 0"),
         (["data.max_tokens_per_row=1"], "data.max_tokens_per_row must be >= 2"),
         (["optim.warmup_ratio=1.0"], "optim.warmup_ratio must be in [0, 1)"),
         (["train.epochs=0"], "train.epochs must be > 0"),

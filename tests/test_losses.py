@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_losses_trl import FORMULAS as TRL_FORMULAS  # the TRL 1.16 losses added in issue 14, tested there
 
 from prefpack.losses import (
     LENGTH_NORMALISED_LOSSES,
@@ -119,7 +120,11 @@ def f_hinge(r, b, eps, g, d):
     return max(0.0, 1 - b * ((r[0] - r[2]) - (r[1] - r[3])))
 
 
-def f_bco_pair(r, b, eps, g, d):
+def f_bco_pair(r, b, eps, g, d):  # TRL 1.16: no reward shift (the caller's delta is ignored)
+    return -log_sigmoid(b * (r[0] - r[2])) - log_sigmoid(-(b * (r[1] - r[3])))
+
+
+def f_bco_pair_running(r, b, eps, g, d):
     return -log_sigmoid(b * (r[0] - r[2]) - d) - log_sigmoid(-(b * (r[1] - r[3]) - d))
 
 
@@ -153,6 +158,7 @@ FORMULAS = {
     "ipo": f_ipo,
     "hinge": f_hinge,
     "bco_pair": f_bco_pair,
+    "bco_pair_running": f_bco_pair_running,
     "apo_zero": f_apo_zero,
     "apo_down": f_apo_down,
     "simpo": f_simpo,
@@ -175,10 +181,10 @@ def close(actual: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def test_every_loss_has_a_reference_formula():
-    assert set(FORMULAS) == set(LOSS_NAMES)
+    assert set(FORMULAS) | set(TRL_FORMULAS) == set(LOSS_NAMES)
 
 
-@pytest.mark.parametrize("name", LOSS_NAMES)
+@pytest.mark.parametrize("name", sorted(FORMULAS))
 @pytest.mark.parametrize("beta", [0.1, 0.7])
 def test_loss_matches_formula(name, beta):
     eps = 0.2 if name in ("sigmoid", "sigmoid_ref_free", "robust", "simpo") else 0.0
@@ -209,7 +215,7 @@ def test_individual_functions_match_formulas():
     close(ipo_loss(cl, rl, nc, nr, b), expected("ipo", ROWS, b))
     close(hinge_loss(cl, rl, b), expected("hinge", ROWS, b))
     close(bco_pair_loss(cl, rl, b), expected("bco_pair", ROWS, b, delta=0.0))
-    close(bco_pair_loss(cl, rl, b, torch.tensor(-0.4, dtype=DT)), expected("bco_pair", ROWS, b, delta=-0.4))
+    close(bco_pair_loss(cl, rl, b, torch.tensor(-0.4, dtype=DT)), expected("bco_pair_running", ROWS, b, delta=-0.4))
     close(apo_zero_loss(cl, rl, b), expected("apo_zero", ROWS, b))
     close(apo_down_loss(cl, rl, b), expected("apo_down", ROWS, b))
     close(simpo_loss(pc, pr, nc, nr, b, 1.2), expected("simpo", ROWS, b, gamma=1.2))
@@ -349,11 +355,11 @@ def test_per_pair_values_do_not_depend_on_batch_split():
 def test_gradients_reach_policy_not_reference(name):
     rows = ROWS  # includes the large-magnitude rows: gradients must stay finite there too
     lp = pair_logps(rows, grad=True)
-    out = preference_loss(lp, [LossTerm(name)], label_smoothing=0.1 if name == "robust" else 0.0)
+    out = preference_loss(lp, [LossTerm(name)], label_smoothing=0.1 if name in ("robust", "exo_pair") else 0.0)
     out.loss.sum().backward()
     assert lp.policy_chosen.grad is not None and torch.isfinite(lp.policy_chosen.grad).all()
     assert lp.policy_chosen.grad.abs().sum() > 0
-    if name != "nll":  # nll only sees the chosen completion
+    if name not in ("nll", "sft"):  # nll and sft only see the chosen completion
         assert lp.policy_rejected.grad is not None and torch.isfinite(lp.policy_rejected.grad).all()
         assert lp.policy_rejected.grad.abs().sum() > 0
     assert lp.ref_chosen.grad is None and lp.ref_rejected.grad is None
@@ -486,6 +492,7 @@ ZERO_LENGTH_CASES = [
     (name, side) for name in sorted(LENGTH_NORMALISED_LOSSES) for side in ("chosen", "rejected")
 ]
 ZERO_LENGTH_CASES.remove(("nll", "rejected"))  # nll reads only the chosen completion
+ZERO_LENGTH_CASES.remove(("sft", "rejected"))  # so does sft
 
 
 @pytest.mark.parametrize(("name", "side"), ZERO_LENGTH_CASES)

@@ -4,15 +4,18 @@ Every loss here is a function of per-sequence log-probabilities (log p summed ov
 and completion lengths, and returns one value per pair (shape ``[P]``, never reduced). The trainer sums
 these and divides by the number of pairs in the whole optimizer step, so the result does not depend on how
 pairs are split into micro-batches. Nothing here reads model outputs, keeps state or syncs across devices.
+Exceptions: the batch-coupled losses (``BATCH_COUPLED_LOSSES``: ``aot``, ``aot_unpaired``, ``sft``) combine,
+as TRL's do, all pairs passed in one call (a sort over them, or one token mean over them); prefpack calls
+them once per micro-batch, so their result depends on how pairs are split (see their docstrings).
 
 Conventions shared by all losses:
 
 * ``logratio = policy_logp - ref_logp`` (sums over completion tokens). Reference log-probs are detached:
   the reference model is a constant, so gradients reach only the policy inputs.
 * ``h = chosen_logratio - rejected_logratio`` is the DPO "implicit reward" margin divided by ``beta``.
-* Length-normalised losses (``ipo``, ``simpo``, ``orpo``, ``nll``) divide by the completion token count and
-  raise ``ValueError`` on a zero-length completion instead of clamping (an empty completion is a data bug,
-  and dividing by a clamped 1 would silently train on it).
+* Length-normalised losses (``ipo``, ``sigmoid_norm``, ``simpo``, ``orpo``, ``nll``, ``sft``) divide by the
+  completion token count and raise ``ValueError`` on a zero-length completion instead of clamping (an empty
+  completion is a data bug, and dividing by a clamped 1 would silently train on it).
 * Numerics use ``F.logsigmoid`` / ``sigmoid(-x)`` rather than ``log(sigmoid(x))`` / ``1 - sigmoid(x)`` so
   large-magnitude margins give finite losses and gradients. Computation stays in the input dtype.
 """
@@ -41,19 +44,28 @@ __all__ = [
     "PairInputs",
     "PairLogps",
     "PairLossSpec",
+    "BATCH_COUPLED_LOSSES",
+    "aot_loss",
+    "aot_unpaired_loss",
     "apo_down_loss",
     "apo_zero_loss",
     "bco_pair_loss",
+    "discopop_loss",
+    "exo_pair_loss",
     "hinge_loss",
     "ipo_loss",
+    "nca_pair_loss",
     "needs_reference",
     "nll_loss",
     "orpo_loss",
     "preference_loss",
     "register_pair_loss",
     "robust_loss",
+    "sft_loss",
     "sigmoid_loss",
+    "sigmoid_norm_loss",
     "simpo_loss",
+    "sppo_hard_loss",
 ]
 
 # ORPO's odds need log(1 - p) with p = exp(mean token log-prob); at p == 1 that is -inf and its gradient is
@@ -247,14 +259,21 @@ def hinge_loss(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float) 
 def bco_pair_loss(
     chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float, delta: float | Tensor = 0.0
 ) -> Tensor:
-    """Paired Binary Classifier Optimization (BCO), Jung et al. 2024 (arXiv:2404.04656), as in TRL's bco_pair.
+    """Paired Binary Classifier Optimization (BCO), Jung et al. 2024 (arXiv:2404.04656).
 
         L = -log sigma(beta * chosen_logratio - delta) - log sigma(-(beta * rejected_logratio - delta))
 
-    Chosen and rejected are classified independently against the reward shift ``delta``. TRL keeps delta as a
-    running mean of the rewards beta * logratio over chosen and rejected; this function is pure, so the
-    caller owns that running mean (update it from ``rewards/chosen`` and ``rewards/rejected``) and passes it
-    in. ``delta`` is treated as a constant (detached). Default 0 means no shift.
+    Chosen and rejected are classified independently (chosen -> 1, rejected -> 0) against the reward shift
+    ``delta``. Two registered names use this function:
+
+    * ``bco_pair`` is TRL 1.16's ``bco_pair``: ``delta = 0`` (TRL 1.16 keeps no reward shift; its code is
+      ``-logsigmoid(beta * chosen_logratios) - logsigmoid(-beta * rejected_logratios)``).
+    * ``bco_pair_running`` is the paper's reward shift as earlier TRL versions kept it: ``delta`` is the
+      running mean of every reward beta * logratio (chosen and rejected) seen so far. This function is pure,
+      so the caller owns that running mean (``PairTask.after_micro_batch`` updates it from ``rewards/chosen``
+      and ``rewards/rejected``) and passes it in as ``bco_delta``.
+
+    ``delta`` is treated as a constant (detached). Default 0 means no shift.
     """
     _check_beta(beta)
     if isinstance(delta, Tensor):
@@ -374,6 +393,206 @@ def nll_loss(policy_chosen: Tensor, chosen_tokens: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------------------
+# TRL 1.16 DPOTrainer loss types (trl/trainer/dpo_trainer.py, `_compute_loss`), under TRL's names. Where TRL's
+# code and the paper differ, the docstring says so and the code follows TRL.
+# --------------------------------------------------------------------------------------------------------
+
+
+def exo_pair_loss(
+    chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float, label_smoothing: float
+) -> Tensor:
+    """EXO-pref for two completions, Ji et al. 2024, "Towards Efficient Exact Optimization of Language Model
+    Alignment" (arXiv:2402.00856), Eq. 16 (the equation TRL cites), as TRL's ``exo_pair``:
+
+        L = KL(q || p) = q_w * (log q_w - log(1 - eps)) + q_l * (log q_l - log eps),
+        q_w = sigma(beta * h),  q_l = sigma(-beta * h),  p = (1 - eps, eps)
+
+    i.e. the reverse KL from the policy's two-way distribution softmax(beta * logratio) over {chosen,
+    rejected} to the label-smoothed preference distribution. ``label_smoothing`` is eps and must be in
+    (0, 1): at eps = 0 the target puts zero mass on the rejected completion and log eps is -inf (TRL refuses
+    eps = 0 for the same reason; the paper recommends eps = 1e-3). ``beta`` is the paper's beta_pi; the
+    pairwise form has no separate reward temperature beta_r. Only the K = 2 preference form is implemented,
+    not EXO with K > 2 sampled completions. (TRL builds eps as a float32 tensor, so its log(eps) and
+    log(1 - eps) carry float32 rounding, about 1e-8 relative, even in a float64 run; here they are exact.)
+    """
+    _check_beta(beta)
+    if not 0.0 < label_smoothing < 1.0:
+        raise ValueError(
+            f"exo_pair: label_smoothing (eps) must be in (0, 1), got {label_smoothing}; EXO's target puts eps on "
+            "the rejected completion and log(0) is -inf (the EXO paper recommends 1e-3)"
+        )
+    logits = beta * (chosen_logratio - rejected_logratio)
+    log_qw, log_ql = F.logsigmoid(logits), F.logsigmoid(-logits)
+    qw, ql = torch.sigmoid(logits), torch.sigmoid(-logits)
+    return qw * (log_qw - math.log1p(-label_smoothing)) + ql * (log_ql - math.log(label_smoothing))
+
+
+def nca_pair_loss(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float) -> Tensor:
+    """NCA for pairwise preferences, Chen et al. 2024, "Noise Contrastive Alignment of Language Models with
+    Explicit Rewards" (arXiv:2402.05369), the binary-preference (K = 2) NCA loss, as TRL's ``nca_pair``:
+
+        L = -log sigma(r_w) - 1/2 * log sigma(-r_w) - 1/2 * log sigma(-r_l),   r = beta * logratio
+
+    Unlike DPO it scores each completion's absolute reward r (not only the margin), which keeps the chosen
+    likelihood from falling. TRL's code cites no equation number; the formula above is TRL's code.
+    """
+    _check_beta(beta)
+    chosen_reward = beta * chosen_logratio
+    rejected_reward = beta * rejected_logratio
+    return -F.logsigmoid(chosen_reward) - 0.5 * F.logsigmoid(-chosen_reward) - 0.5 * F.logsigmoid(-rejected_reward)
+
+
+def sppo_hard_loss(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float) -> Tensor:
+    """SPPO with hard probabilities, Wu et al. 2024, "Self-Play Preference Optimization for Language Model
+    Alignment" (arXiv:2405.00675), Eq. (4.7) of Algorithm 1, as TRL's ``sppo_hard``:
+
+        L = (chosen_logratio - 1 / (2 * beta))**2 + (rejected_logratio + 1 / (2 * beta))**2
+
+    The paper's square loss is (log pi(y)/pi_t(y) - eta * (P(y > pi_t) - 1/2))**2 with P estimated by a
+    preference model (PairRM) and eta = 1/beta. TRL's (and this) version sets the winner's P to 1 and the
+    loser's to 0, so the targets are +-eta/2; the log-ratios are summed over completion tokens (not
+    length-normalised), as in TRL.
+    """
+    _check_beta(beta)
+    target = 0.5 / beta
+    return (chosen_logratio - target) ** 2 + (rejected_logratio + target) ** 2
+
+
+def _smoothed_logistic(logits: Tensor, label_smoothing: float) -> Tensor:
+    loss = -F.logsigmoid(logits)
+    if label_smoothing:
+        loss = (1.0 - label_smoothing) * loss - label_smoothing * F.logsigmoid(-logits)
+    return loss
+
+
+def aot_loss(
+    policy_chosen: Tensor,
+    policy_rejected: Tensor,
+    ref_chosen: Tensor,
+    ref_rejected: Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+) -> Tensor:
+    """AOT, paired, Melnyk et al. 2024, "Distributional Preference Alignment of LLMs via Optimal Transport"
+    (arXiv:2406.05882), as TRL's ``aot``: the policy's chosen-vs-rejected log-likelihood ratio should
+    dominate the reference's in the first order, a 1-D optimal transport problem solved by sorting:
+
+        m = sort(policy_chosen - policy_rejected),  m_ref = sort(ref_chosen - ref_rejected)  (over the pairs)
+        L_j = -(1 - eps) * log sigma(beta * (m_j - m_ref_j)) - eps * log sigma(-beta * (m_j - m_ref_j))
+
+    with the logistic cost and TRL's cDPO-style ``label_smoothing`` eps (the paper allows other convex
+    costs and soft sorting; TRL implements hard sorting with this cost, and so does prefpack).
+
+    Batch coupling. The per-pair values are not per pair: the sort couples every pair passed in the same
+    call, and entry j belongs to the j-th order statistics, not to pair j. prefpack calls the loss once per
+    micro-batch and divides the sum by the step's pair count, so the loss is TRL's exactly when a prefpack
+    micro-batch holds the same pairs as one of TRL's per-device micro-batches (TRL too sorts within one
+    forward pass, per device and per accumulation micro-batch, never over the whole optimizer batch).
+    prefpack fills micro-batches up to a token budget (``train.micro_batch_tokens``), so the sort runs over a
+    different and varying number of pairs than TRL's fixed ``per_device_train_batch_size``, and unlike every
+    per-pair loss the result depends on how pairs are split into micro-batches (and ranks). A micro-batch of
+    one pair reduces to the smoothed logistic loss of that pair's margins. Larger micro-batches estimate the
+    distributional objective better (TRL's documentation: larger per-GPU batch sizes help).
+    """
+    _check_beta(beta)
+    _check_smoothing(label_smoothing, upper=0.5, inclusive=True, loss="aot")
+    margins, _ = torch.sort(policy_chosen - policy_rejected, dim=0)
+    ref_margins, _ = torch.sort((ref_chosen - ref_rejected).detach(), dim=0)
+    return _smoothed_logistic(beta * (margins - ref_margins), label_smoothing)
+
+
+def aot_unpaired_loss(
+    chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float, label_smoothing: float = 0.0
+) -> Tensor:
+    """AOT, unpaired, Melnyk et al. 2024 (arXiv:2406.05882), as TRL's ``aot_unpaired``: the distribution of
+    chosen log-ratios should dominate that of rejected log-ratios in the first order (pairing is ignored):
+
+        c = sort(chosen_logratio),  r = sort(rejected_logratio)   (each over the pairs)
+        L_j = -(1 - eps) * log sigma(beta * (c_j - r_j)) - eps * log sigma(-beta * (c_j - r_j))
+
+    Batch coupling exactly as for ``aot`` (see :func:`aot_loss`): entry j is the j-th order statistics, the
+    sort runs over the pairs of one micro-batch, and the loss equals TRL's only when that micro-batch holds
+    the same pairs as one of TRL's per-device micro-batches; it depends on how pairs are split.
+    """
+    _check_beta(beta)
+    _check_smoothing(label_smoothing, upper=0.5, inclusive=True, loss="aot_unpaired")
+    chosen_sorted, _ = torch.sort(chosen_logratio, dim=0)
+    rejected_sorted, _ = torch.sort(rejected_logratio, dim=0)
+    return _smoothed_logistic(beta * (chosen_sorted - rejected_sorted), label_smoothing)
+
+
+def discopop_loss(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float, tau: float) -> Tensor:
+    """DiscoPOP (log-ratio modulated loss, LRML), Lu et al. 2024, "Discovering Preference Optimization
+    Algorithms with and for Large Language Models" (arXiv:2406.08414), Eq. 5 (the equation TRL cites), as
+    TRL's ``discopop``:
+
+        x = beta * h,  w = sigma(x / tau)
+        L = (1 - w) * (-log sigma(x)) + w * exp(-x)
+
+    a blend of the logistic (DPO) and exponential losses, weighted by the log-ratio difference itself.
+    ``tau`` is ``loss.discopop_tau`` (TRL's ``discopop_tau``, default 0.05, the paper's value). The
+    exponential term is evaluated as exp(log sigma(x / tau) - x), which is the same number wherever TRL's
+    ``exp(-x) * sigma(x / tau)`` is finite; TRL's form overflows to inf * 0 = NaN for very negative x (about
+    x < -89 in float32), this one stays finite for tau < 1 (it decays like exp(x * (1/tau - 1))).
+    """
+    _check_beta(beta)
+    if not (math.isfinite(tau) and tau > 0):
+        raise ValueError(f"discopop: tau (loss.discopop_tau) must be finite and > 0, got {tau}")
+    logits = beta * (chosen_logratio - rejected_logratio)
+    logistic = -F.logsigmoid(logits)
+    exponential = torch.exp(F.logsigmoid(logits / tau) - logits)  # = sigma(x / tau) * exp(-x)
+    return torch.sigmoid(-logits / tau) * logistic + exponential
+
+
+def sigmoid_norm_loss(
+    chosen_logratio: Tensor,
+    rejected_logratio: Tensor,
+    chosen_tokens: Tensor,
+    rejected_tokens: Tensor,
+    beta: float,
+) -> Tensor:
+    """Length-normalised DPO, as TRL's ``sigmoid_norm``: DPO on log-ratios averaged per completion token,
+
+        L = -log sigma(beta * (chosen_logratio / |y_w| - rejected_logratio / |y_l|))
+
+    This is the length-normalised DPO of the Tulu 3 report, Lambert et al. 2024 (arXiv:2411.15124),
+    Sec. 5.1.2, Eq. 6 (the source named by the TRL pull request that added it; Tulu 3 credits SimPO, Meng et al.
+    2024, arXiv:2405.14734, Sec. 2.2). It keeps the reference model, unlike SimPO. Difference from TRL: TRL
+    clamps a zero token count to 1; prefpack raises on a zero-length completion (see the module notes).
+    """
+    _check_beta(beta)
+    h = _per_token(chosen_logratio, chosen_tokens, what="sigmoid_norm") - _per_token(
+        rejected_logratio, rejected_tokens, what="sigmoid_norm"
+    )
+    return -F.logsigmoid(beta * h)
+
+
+def sft_loss(policy_chosen: Tensor, chosen_tokens: Tensor) -> Tensor:
+    """TRL's ``sft`` term: the NLL of the chosen completions as one token mean over the pairs passed in.
+
+    TRL 1.16 computes, per forward pass (one per-device micro-batch of B pairs),
+        L_TRL = -sum_i logp(y_w,i) / sum_i |y_w,i|                (mean over every chosen completion token)
+    and broadcasts that scalar to the B pairs. prefpack sums per-pair values and divides by the step's pair
+    count, so the per-pair value here is the same token mean rescaled by the number of pairs P in the call:
+        L_i = -logp(y_w,i) * P / sum_j |y_w,j|                    (j over the P pairs of the call)
+    so that mean_i L_i = L_TRL exactly for the pairs given together, and each pair's gradient weight is
+    P / sum_j |y_w,j| (longer completions weigh more, as in a token mean). Over a step, prefpack's value is
+    sum_mb (P_mb / P_step) * L_TRL(mb): the pair-weighted mean of micro-batch token means, which is what TRL
+    computes across accumulation steps and devices (its micro-batches all have B pairs). So it equals TRL's
+    ``sft`` when prefpack's micro-batches hold the same pairs as TRL's; with packing to a token budget they
+    generally do not, and the value depends on how pairs are split into micro-batches. For an NLL that does
+    not depend on the split, use ``nll`` (each sequence's own token mean).
+
+    Raises on a zero-length chosen completion (TRL would just count zero tokens for it), like every
+    length-normalised loss here, so that whether a run raises does not depend on micro-batch composition.
+    The MPO recipe (Wang et al. 2024, arXiv:2411.10442) combines ``sigmoid``, ``bco_pair`` and ``sft``.
+    """
+    _per_token(policy_chosen, chosen_tokens, what="sft")  # refuses zero-length chosen completions
+    total_tokens = chosen_tokens.to(policy_chosen.dtype).sum()
+    return -policy_chosen * (policy_chosen.shape[0] / total_tokens)
+
+
+# --------------------------------------------------------------------------------------------------------
 # Combined entry point
 # --------------------------------------------------------------------------------------------------------
 
@@ -400,13 +619,16 @@ def preference_loss(
     label_smoothing: float = 0.0,
     simpo_gamma: float = 0.5,
     bco_delta: float | Tensor = 0.0,
+    discopop_tau: float = LOSS_PARAMS["discopop_tau"].default,
 ) -> LossOutput:
     """Weighted sum of the configured loss terms, per pair, plus detached per-pair metrics.
 
     ``terms`` e.g. ``[LossTerm("sigmoid", 1.0), LossTerm("nll", 0.2)]`` (= RPO). Each name may appear once.
     ``beta`` is shared by all terms (it is lambda for ``orpo``); ``label_smoothing`` is eps for ``sigmoid``,
-    ``sigmoid_ref_free``, ``simpo`` (cDPO smoothing) and ``robust`` (flip rate); ``simpo_gamma`` is SimPO's
-    absolute margin; ``bco_delta`` is the caller-owned running reward mean for ``bco_pair``.
+    ``sigmoid_ref_free``, ``simpo``, ``aot``, ``aot_unpaired`` (cDPO smoothing), ``robust`` (flip rate) and
+    ``exo_pair`` (target mass on the rejected completion); ``simpo_gamma`` is SimPO's absolute margin;
+    ``bco_delta`` is the caller-owned running reward mean for ``bco_pair_running`` (``bco_pair`` ignores it);
+    ``discopop_tau`` is DiscoPOP's temperature.
 
     Reward metrics follow the first non-``nll`` term (so they mean the same thing as in TRL's trainer for it):
       * reference-based losses: beta * (policy - ref), completion sums (TRL DPOTrainer; for ``ipo`` too);
@@ -444,7 +666,9 @@ def preference_loss(
         chosen_lr = rejected_lr = None
 
     inputs = PairInputs(pc, pr, nc, nr, chosen_lr, rejected_lr, beta=beta, label_smoothing=label_smoothing,
-                        simpo_gamma=simpo_gamma, bco_delta=bco_delta)
+                        simpo_gamma=simpo_gamma, bco_delta=bco_delta, discopop_tau=discopop_tau,
+                        ref_chosen=None if logps.ref_chosen is None else logps.ref_chosen.detach(),
+                        ref_rejected=None if logps.ref_rejected is None else logps.ref_rejected.detach())
     total = torch.zeros_like(pc)
     metrics: dict[str, Tensor] = {}
     for term in terms:
@@ -494,6 +718,9 @@ class PairInputs:
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
     bco_delta: float | Tensor = 0.0
+    discopop_tau: float = LOSS_PARAMS["discopop_tau"].default
+    ref_chosen: Tensor | None = None  # detached reference sums (``aot`` sorts reference margins itself)
+    ref_rejected: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -503,7 +730,8 @@ class PairLossSpec:
     ``rewards``: how ``rewards/*`` are defined when this is the first term that defines them: ``logratio``
     (beta * (policy - ref), TRL's DPOTrainer), ``mean_logp`` (beta * policy / tokens, TRL's CPO/ORPO),
     ``logp`` (beta * policy), or None (an auxiliary term such as ``nll``). ``params``: the ``loss.*``
-    parameters it reads (see ``LOSS_PARAMS``).
+    parameters it reads (see ``LOSS_PARAMS``). ``batch_coupled``: the values of one call depend on every pair
+    in it (a sort, a token mean over the call), so the loss depends on how pairs are split into micro-batches.
     """
 
     name: str
@@ -513,6 +741,7 @@ class PairLossSpec:
     params: tuple[str, ...] = ("beta",)
     length_normalised: bool = False
     summary: str = ""
+    batch_coupled: bool = False
 
 
 PAIR_LOSSES: dict[str, PairLossSpec] = {}
@@ -541,8 +770,11 @@ for _spec in (
                  True, "logratio", length_normalised=True, summary="IPO, per-token log-ratios"),
     PairLossSpec("hinge", lambda x: hinge_loss(x.chosen_logratio, x.rejected_logratio, x.beta),
                  True, "logratio", summary="SLiC hinge"),
-    PairLossSpec("bco_pair", lambda x: bco_pair_loss(x.chosen_logratio, x.rejected_logratio, x.beta, x.bco_delta),
-                 True, "logratio", summary="paired BCO with a running reward mean"),
+    PairLossSpec("bco_pair", lambda x: bco_pair_loss(x.chosen_logratio, x.rejected_logratio, x.beta),
+                 True, "logratio", summary="paired BCO without reward shift (TRL 1.16)"),
+    PairLossSpec("bco_pair_running", lambda x: bco_pair_loss(x.chosen_logratio, x.rejected_logratio, x.beta,
+                                                             x.bco_delta),
+                 True, "logratio", summary="paired BCO with a running-mean reward shift"),
     PairLossSpec("apo_zero", lambda x: apo_zero_loss(x.chosen_logratio, x.rejected_logratio, x.beta),
                  True, "logratio", summary="APO-zero"),
     PairLossSpec("apo_down", lambda x: apo_down_loss(x.chosen_logratio, x.rejected_logratio, x.beta),
@@ -556,6 +788,30 @@ for _spec in (
                  False, "mean_logp", length_normalised=True, summary="ORPO (includes its NLL)"),
     PairLossSpec("nll", lambda x: nll_loss(x.policy_chosen, x.chosen_tokens), False, None, (),
                  length_normalised=True, summary="NLL of the chosen completion (RPO with sigmoid)"),
+    PairLossSpec("exo_pair", lambda x: exo_pair_loss(x.chosen_logratio, x.rejected_logratio, x.beta,
+                                                     x.label_smoothing),
+                 True, "logratio", ("beta", "label_smoothing"), summary="EXO, pairwise (label_smoothing > 0)"),
+    PairLossSpec("nca_pair", lambda x: nca_pair_loss(x.chosen_logratio, x.rejected_logratio, x.beta),
+                 True, "logratio", summary="NCA, pairwise"),
+    PairLossSpec("sppo_hard", lambda x: sppo_hard_loss(x.chosen_logratio, x.rejected_logratio, x.beta),
+                 True, "logratio", summary="SPPO with hard win probabilities"),
+    PairLossSpec("aot", lambda x: aot_loss(x.policy_chosen, x.policy_rejected, x.ref_chosen, x.ref_rejected,
+                                           x.beta, x.label_smoothing),
+                 True, "logratio", ("beta", "label_smoothing"), batch_coupled=True,
+                 summary="AOT, paired (sorts within the micro-batch)"),
+    PairLossSpec("aot_unpaired", lambda x: aot_unpaired_loss(x.chosen_logratio, x.rejected_logratio, x.beta,
+                                                             x.label_smoothing),
+                 True, "logratio", ("beta", "label_smoothing"), batch_coupled=True,
+                 summary="AOT, unpaired (sorts within the micro-batch)"),
+    PairLossSpec("discopop", lambda x: discopop_loss(x.chosen_logratio, x.rejected_logratio, x.beta,
+                                                     x.discopop_tau),
+                 True, "logratio", ("beta", "discopop_tau"), summary="DiscoPOP (log-ratio modulated)"),
+    PairLossSpec("sigmoid_norm", lambda x: sigmoid_norm_loss(x.chosen_logratio, x.rejected_logratio,
+                                                             x.chosen_tokens, x.rejected_tokens, x.beta),
+                 True, "logratio", length_normalised=True, summary="DPO on per-token log-ratios"),
+    PairLossSpec("sft", lambda x: sft_loss(x.policy_chosen, x.chosen_tokens), False, None, (),
+                 length_normalised=True, batch_coupled=True,
+                 summary="chosen NLL as one token mean over the micro-batch (TRL's sft)"),
 ):
     register_pair_loss(_spec)
 
@@ -567,3 +823,6 @@ REFERENCE_FREE_LOSSES: frozenset[str] = frozenset(n for n, s in PAIR_LOSSES.item
 
 LENGTH_NORMALISED_LOSSES: frozenset[str] = frozenset(n for n, s in PAIR_LOSSES.items() if s.length_normalised)
 """Losses that divide by the completion token count and therefore reject zero-length completions."""
+
+BATCH_COUPLED_LOSSES: frozenset[str] = frozenset(n for n, s in PAIR_LOSSES.items() if s.batch_coupled)
+"""Losses whose values depend on every pair of the call (one micro-batch), so on how pairs are split."""
