@@ -35,7 +35,7 @@ from prefpack.checkpoint import (
 from prefpack.data.store import Store, StoreError
 from prefpack.distributed import SINGLE, Dist, clip_grad_norm, deal_step, grad_sync, init_from_env, wrap
 from prefpack.forward import SequenceLogps, attention_name, uses_flash_attention
-from prefpack.losses import LossTerm, needs_reference
+from prefpack.losses import BATCH_COUPLED_LOSSES, LossTerm, needs_reference
 from prefpack.models import (
     ModelError,
     TokenizerHandle,
@@ -230,6 +230,10 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
                             trust_remote_code=cfg.model.trust_remote_code, packed=cfg.data.packing)
     check_vocab_fits(policy, train_store.meta, cfg.data.train)
     terms = [] if kto else [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
+    coupled = [t.name for t in terms if t.name in BATCH_COUPLED_LOSSES]
+    if coupled:
+        log(f"note: {', '.join(coupled)} couple the pairs of one micro-batch (as TRL's do within one forward pass), "
+            "so their values depend on which pairs share a micro-batch (train.micro_batch_tokens)")
     mode = cfg.reference.mode
     if not kto and not needs_reference(terms) and mode != "none":
         log(f"note: the losses {[t.name for t in terms]} need no reference; reference.mode {mode!r} is ignored")

@@ -11,6 +11,7 @@ from prefpack.losses.kto import (
     unpaired_loss,
 )
 from prefpack.losses.preference import (
+    BATCH_COUPLED_LOSSES,
     LENGTH_NORMALISED_LOSSES,
     LOSS_NAMES,
     LOSS_PARAMS,
@@ -38,6 +39,7 @@ from prefpack.losses.preference import (
 )
 
 __all__ = [
+    "BATCH_COUPLED_LOSSES",
     "LENGTH_NORMALISED_LOSSES",
     "LOSS_NAMES",
     "LOSS_PARAMS",
