@@ -12,6 +12,7 @@ import mpmath
 import numpy as np
 import pytest
 import torch
+from test_losses import HAND_ROWS, pair_logps, random_rows
 
 from prefpack.config import LossConfig
 from prefpack.loss_params import LOSS_PARAMS
@@ -53,44 +54,9 @@ def sigmoid(x: float) -> float:
     return e / (1.0 + e)
 
 
-# Each row: (policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens).
-HAND_ROWS = [
-    (-10.0, -12.0, -11.0, -11.5, 5, 7),
-    (-3.2, -1.1, -2.0, -2.5, 1, 2),
-    (-50.0, -49.0, -50.0, -49.0, 20, 20),  # zero margin
-    (-1.0e4, -10.0, -10.0, -1.0e4, 100, 3),  # huge negative margin: beta * h = -1998 at beta 0.1
-    (-5.0, -9000.0, -7000.0, -5.0, 4, 900),  # huge positive margin
-]
-
-
-def random_rows(n: int, seed: int) -> list[tuple[float, float, float, float, int, int]]:
-    rng = np.random.default_rng(seed)
-    rows = []
-    for _ in range(n):
-        nc, nr = (int(v) for v in rng.integers(1, 64, size=2))
-        pc = -nc * float(rng.uniform(0.02, 3.0))
-        pr = -nr * float(rng.uniform(0.02, 3.0))
-        rows.append((pc, pr, pc + float(rng.normal(0, 4)), pr + float(rng.normal(0, 4)), nc, nr))
-    return rows
-
-
+# Rows as in test_losses (policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens).
 ROWS = HAND_ROWS + random_rows(8, seed=3)
 
-
-def pair_logps(rows, *, with_ref: bool = True, grad: bool = False, dtype=DT) -> PairLogps:
-    cols = list(zip(*rows))
-
-    def t(i, requires_grad=False):
-        return torch.tensor(cols[i], dtype=dtype, requires_grad=requires_grad)
-
-    return PairLogps(
-        policy_chosen=t(0, grad),
-        policy_rejected=t(1, grad),
-        chosen_tokens=torch.tensor(cols[4], dtype=torch.long),
-        rejected_tokens=torch.tensor(cols[5], dtype=torch.long),
-        ref_chosen=t(2, grad) if with_ref else None,  # requires_grad only to prove no gradient reaches it
-        ref_rejected=t(3, grad) if with_ref else None,
-    )
 
 
 def cl(r):  # chosen log-ratio
