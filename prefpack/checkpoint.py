@@ -403,8 +403,15 @@ def _writing(tmp: Path, target: Path, *, needed: int, run_dir: Path):
 # ------------------------------------------------------------------------------------------------ one process
 
 
-def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, scheduler, state: dict, keep: int) -> Path:
-    """Weights (safetensors), optimizer/scheduler/RNG (tensors only), trainer state and checksums, atomically."""
+REFERENCE_FILE = "reference.safetensors"
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, scheduler, state: dict, keep: int,
+                    *, reference: nn.Module | None = None) -> Path:
+    """Weights (safetensors), optimizer/scheduler/RNG (tensors only), trainer state and checksums, atomically.
+
+    ``reference``: a reference model that changes during training (``reference.sync``, TR-DPO), saved as
+    ``reference.safetensors`` (covered by the checksums like every file) so that a resume continues from it."""
     from safetensors.torch import save_model
 
     run_dir = Path(run_dir)
@@ -418,10 +425,14 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, sched
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     needed = _tensor_bytes(model.state_dict()) + _tensor_bytes(blob) + _MARGIN
+    if reference is not None:
+        needed += _tensor_bytes(reference.state_dict())
     with _writing(tmp, final, needed=needed, run_dir=run_dir):
         tmp.mkdir()
         _own(tmp)
         save_model(model, str(tmp / "model.safetensors"))
+        if reference is not None:
+            save_model(reference, str(tmp / REFERENCE_FILE))
         torch.save(blob, tmp / "training_state.pt")
         (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=2))
         _disown(tmp)
@@ -471,15 +482,23 @@ def _load_errors() -> tuple[type[BaseException], ...]:
     return (*_LOAD_ERRORS, SafetensorError, CheckpointException)
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer, scheduler) -> dict:
-    """Restore a checkpoint; every file is read (and may fail) before the model or optimizer is changed."""
-    from safetensors.torch import load_model
+def load_checkpoint(path: Path, model: nn.Module, optimizer, scheduler, *, reference: nn.Module | None = None) -> dict:
+    """Restore a checkpoint; every file is read (and may fail) before the model or optimizer is changed.
+
+    ``reference``: the reference copy, restored from ``reference.safetensors`` when the checkpoint has one (a run
+    with ``reference.sync``); without that file the reference was never changed and stays as loaded."""
+    from safetensors.torch import load_file, load_model
 
     state = json.loads((path / "trainer_state.json").read_text())
     int(state["step"])
     blob = torch.load(path / "training_state.pt", weights_only=True, map_location="cpu")
     _require(blob, "optimizer", "scheduler", "torch_rng", "cuda_rng")  # damaged: fail before anything changed
+    ref_file = path / REFERENCE_FILE
+    if reference is not None and ref_file.exists():
+        load_file(str(ref_file))  # read it whole (a damaged file fails here) before anything changes
     load_model(model, str(path / "model.safetensors"))  # reads the whole file before it copies into the model
+    if reference is not None and ref_file.exists():
+        load_model(reference, str(ref_file))
     optimizer.load_state_dict(blob["optimizer"])
     scheduler.load_state_dict(blob["scheduler"])
     torch.set_rng_state(blob["torch_rng"])
@@ -510,8 +529,11 @@ def _all_ok(ok: bool, ctx: Dist) -> bool:
 
 
 def save_checkpoint_distributed(run_dir: Path, step: int, module: nn.Module, optimizer, scheduler, state: dict,
-                                keep: int, ctx: Dist) -> Path:
+                                keep: int, ctx: Dist, *, reference: nn.Module | None = None) -> Path:
     """Sharded checkpoint with torch.distributed.checkpoint (every rank writes its part), then renamed.
+
+    ``reference``: the (wrapped) reference module of a run whose reference changes (``reference.sync``), saved
+    under the DCP key ``reference`` beside ``model`` and ``optim``.
 
     Rank 0 writes the rest, hashes every file of the folder (all ranks' shards) into checksums.json and renames
     it into place. A failed write on any rank removes the folder, and every rank raises.
@@ -531,10 +553,15 @@ def save_checkpoint_distributed(run_dir: Path, step: int, module: nn.Module, opt
         _own(tmp)
     ctx.barrier()
     model_sd, optim_sd = get_state_dict(module, optimizer)
-    needed = _tensor_bytes(model_sd) + _tensor_bytes(optim_sd) + _MARGIN  # DTensor.numel() is the global size
+    content = {"model": model_sd, "optim": optim_sd}
+    if reference is not None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        content["reference"] = get_model_state_dict(reference)
+    needed = sum(_tensor_bytes(v) for v in content.values()) + _MARGIN  # DTensor.numel() is the global size
     error: BaseException | None = None
     try:  # dcp.save gathers every rank's write result, so a failure on one rank raises on all of them
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        dcp.save(content, checkpoint_id=str(tmp / "dcp"))
     except _dcp_errors() as exc:  # reported below, after the folder is removed
         error = exc
     if ctx.is_main and error is None:
@@ -572,9 +599,16 @@ def save_checkpoint_distributed(run_dir: Path, step: int, module: nn.Module, opt
     return final
 
 
-def load_checkpoint_distributed(path: Path, module: nn.Module, optimizer, scheduler, ctx: Dist) -> dict:
+def load_checkpoint_distributed(path: Path, module: nn.Module, optimizer, scheduler, ctx: Dist, *,
+                                reference: nn.Module | None = None) -> dict:
+    """Restore a sharded checkpoint; ``reference`` (the wrapped reference copy) is restored when it holds one."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     state = json.loads((path / "trainer_state.json").read_text())
     int(state["step"])
@@ -585,8 +619,14 @@ def load_checkpoint_distributed(path: Path, module: nn.Module, optimizer, schedu
     _require(extra, "scheduler", "torch_rng")  # a damaged file fails here, before anything changed
     model_sd, optim_sd = get_state_dict(module, optimizer)
     blob = {"model": model_sd, "optim": optim_sd}
+    if reference is not None:
+        saved = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
+        if any(key.startswith("reference.") for key in saved):
+            blob["reference"] = get_model_state_dict(reference)
     dcp.load(blob, checkpoint_id=str(path / "dcp"))
     set_state_dict(module, optimizer, model_state_dict=blob["model"], optim_state_dict=blob["optim"])
+    if "reference" in blob:
+        set_model_state_dict(reference, blob["reference"])
     scheduler.load_state_dict(extra["scheduler"])
     torch.set_rng_state(extra["torch_rng"])
     state.pop("world", None)

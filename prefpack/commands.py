@@ -116,6 +116,9 @@ def _is_main_rank() -> bool:
 
 
 def add_eval(sub) -> None:
+    from typing import get_args
+
+    from prefpack.config import FDivergence
     from prefpack.loss_params import LOSS_PARAMS
 
     p = sub.add_parser("eval", help="loss and metrics of a model over every pair (or KTO example) of a store")
@@ -130,6 +133,8 @@ def add_eval(sub) -> None:
                    "or with --kto)")
     for param in LOSS_PARAMS.values():  # every loss.* parameter of the loss registry
         p.add_argument(param.flag, type=float, default=None, help=f"{param.help} (default {param.default:g})")
+    p.add_argument("--f-divergence-type", default=None, choices=get_args(FDivergence),
+                   help="f-DPO regulariser (default: the --config run's, else reverse_kl = plain DPO)")
     p.add_argument("--kto", action="store_true", help="read a pair store as KTO examples (chosen = desirable, "
                    "rejected = undesirable)")
     p.add_argument("--seed", type=int, default=None, help="seed of the KTO KL pairing (as given to precompute-ref; "
@@ -162,6 +167,8 @@ def eval_config(args):
         value = getattr(args, name)
         if value is not None:
             setattr(cfg.loss, name, value)
+    if args.f_divergence_type:
+        cfg.loss.f_divergence_type = args.f_divergence_type
     kto = any(t.name in UNPAIRED_LOSS_NAMES for t in cfg.loss.terms)
     sidecar = KTO_SIDECAR_NAME if kto else SIDECAR_NAME
     mode = "copy" if args.ref else ("precomputed" if (Path(args.data) / sidecar).exists() else "none")
@@ -171,6 +178,7 @@ def eval_config(args):
     cfg.model.dtype = args.dtype or (cfg.model.dtype if args.config else "auto")
     cfg.model.allow_tokenizer_mismatch = args.allow_tokenizer_mismatch
     cfg.reference.mode, cfg.reference.model = mode, args.ref
+    cfg.reference.sync = False  # eval scores fixed models: a run's TR-DPO syncing does not apply
     cfg.lora.enabled = False  # a trained run's final model has its adapter merged
     cfg.train.micro_batch_tokens = "auto" if args.micro_batch_tokens == "auto" else int(args.micro_batch_tokens)
     cfg.train.device = args.device

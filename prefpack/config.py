@@ -79,6 +79,7 @@ SaveDType = Literal["auto", "float32", "bfloat16"]
 Budget = int | Literal["auto"]
 ReferenceMode = Literal["copy", "adapter", "precomputed", "none"]
 KLPairing = Literal["step", "fixed"]
+FDivergence = Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"]  # losses.F_DIVERGENCES
 Schedule = Literal["cosine", "linear", "constant"]
 Device = Literal["auto", "cpu", "cuda"]
 
@@ -125,6 +126,12 @@ class LossConfig:
     label_smoothing: float = _param("label_smoothing")
     simpo_gamma: float = _param("simpo_gamma")
     discopop_tau: float = _param("discopop_tau")
+    # a choice, not a float, so not a row of LOSS_PARAMS (prefpack eval takes it from --config)
+    f_divergence_type: FDivergence = _f(
+        "reverse_kl", "f-DPO regulariser (TRL's f_divergence_type): reverse_kl = plain DPO, forward_kl, js_divergence, "
+        "alpha_divergence; other than reverse_kl only with sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, "
+        "discopop (+ nll, sft)")
+    f_alpha_divergence_coef: float = _param("f_alpha_divergence_coef")
     desirable_weight: float = _param("desirable_weight")
     undesirable_weight: float = _param("undesirable_weight")
     kl_pairing: KLPairing = _f("step", "KTO KL partners: step = from the same step, fixed = seeded per store")
@@ -134,6 +141,10 @@ class LossConfig:
 class ReferenceConfig:
     mode: ReferenceMode = _f("copy", "copy = frozen copy, adapter = LoRA base, precomputed = from store, none")
     model: str | None = _f(None, "reference weights for copy/precomputed; null = model.name_or_path")
+    sync: bool = _f(False, "TR-DPO (TRL's sync_ref_model): every sync_steps optimizer steps the reference becomes "
+                    "mixup_alpha * policy + (1 - mixup_alpha) * reference; mode copy only, no LoRA")
+    mixup_alpha: float = _f(0.6, "TR-DPO alpha in (0, 1] (TRL's ref_model_mixup_alpha); 1 = copy the policy")
+    sync_steps: int = _f(512, "TR-DPO tau: sync after every sync_steps-th optimizer step (TRL's ref_model_sync_steps)")
 
 
 @dataclass
@@ -246,6 +257,10 @@ class Config:
                 f"reference.mode is {self.reference.mode!r} but no loss term reads the reference "
                 f"({', '.join(t.name for t in self.loss.terms)}); reference.mode=none saves memory and time"
             )
+        ref = self.reference
+        if not ref.sync and (ref.mixup_alpha != 0.6 or ref.sync_steps != 512):
+            out.append("reference.mixup_alpha / reference.sync_steps are set but reference.sync is false, so the "
+                       "reference is never synced; set reference.sync=true to use them")
         return out
 
 
@@ -292,6 +307,8 @@ def _problems(cfg: Config, *, training: bool) -> list[str]:
     need(0.0 <= lo.label_smoothing < 0.5, f"loss.label_smoothing must be in [0, 0.5), got {lo.label_smoothing}")
     need(math.isfinite(lo.simpo_gamma), f"loss.simpo_gamma must be finite, got {lo.simpo_gamma}")
     positive("loss.discopop_tau", lo.discopop_tau)
+    need(math.isfinite(lo.f_alpha_divergence_coef),
+         f"loss.f_alpha_divergence_coef must be finite, got {lo.f_alpha_divergence_coef}")
     if any(t.name == "exo_pair" for t in lo.terms):
         need(lo.label_smoothing > 0, "loss exo_pair needs loss.label_smoothing > 0 (its epsilon; TRL uses 1e-3)")
     positive("loss.desirable_weight", lo.desirable_weight)
@@ -303,6 +320,21 @@ def _problems(cfg: Config, *, training: bool) -> list[str]:
     if ref.model is not None and ref.mode in ("adapter", "none"):
         errs.append(f"reference.model is only used with reference.mode 'copy' or 'precomputed', "
                     f"not {ref.mode!r}; remove it")
+    if ref.sync:
+        if ref.mode != "copy":
+            errs.append(f"reference.sync (TR-DPO) moves a reference model towards the policy, so it needs "
+                        f"reference.mode 'copy', not {ref.mode!r}" + {
+                            "precomputed": " (precomputed log-probs would be stale after the first sync)",
+                            "adapter": " (the adapter-off policy is no separate model to update)",
+                            "none": " (there is no reference)"}.get(ref.mode, ""))
+        elif lora.enabled:
+            errs.append("reference.sync with lora.enabled is not supported (as in TRL): the synced reference would "
+                        "need the merged adapter; set reference.sync=false or train all weights")
+        elif cfg.loss.terms and not cfg.needs_reference():
+            errs.append("reference.sync is set but no loss term reads the reference; set reference.sync=false")
+        need(math.isfinite(ref.mixup_alpha) and 0.0 < ref.mixup_alpha <= 1.0,
+             f"reference.mixup_alpha must be in (0, 1], got {ref.mixup_alpha}")
+        at_least("reference.sync_steps", ref.sync_steps, 1)
 
     at_least("lora.r", lora.r, 1)
     positive("lora.alpha", lora.alpha)
@@ -378,6 +410,15 @@ def _loss_problems(cfg: Config, errs: list[str]) -> None:
                     "an example's KL partner depends on its optimizer step, so no sidecar can hold its reference "
                     "KL log-prob (fixed pairing gives each example one seeded partner that precompute-ref scores)")
     with_ref = [n for n in names if n in valid and n not in reference_free]
+    if cfg.loss.f_divergence_type != "reverse_kl":
+        from prefpack.losses import F_DIVERGENCE_COMPATIBLE, F_DIVERGENCE_LOSSES
+
+        refused = [n for n in names if n not in F_DIVERGENCE_COMPATIBLE]
+        if refused:
+            errs.append(f"loss.f_divergence_type {cfg.loss.f_divergence_type!r} works only with the losses "
+                        f"{', '.join(sorted(F_DIVERGENCE_LOSSES))} (TRL 1.16's list; nll and sft may be added): "
+                        f"{', '.join(refused)} {'has' if len(refused) == 1 else 'have'} no f-divergence form; use "
+                        f"loss.f_divergence_type=reverse_kl with {'it' if len(refused) == 1 else 'them'}")
     if cfg.reference.mode == "none" and with_ref:
         errs.append(
             f"reference.mode is 'none' but loss {', '.join(repr(n) for n in with_ref)} needs a reference; "

@@ -28,6 +28,9 @@ LOSS_PARAMS: dict[str, LossParam] = {p.name: p for p in (
               "(must be > 0 there), aot"),
     LossParam("simpo_gamma", 0.5, "SimPO target reward margin"),
     LossParam("discopop_tau", 0.05, "DiscoPOP temperature of the log-ratio modulation, > 0 (TRL's discopop_tau)"),
+    LossParam("f_alpha_divergence_coef", 0.5, "alpha of loss.f_divergence_type=alpha_divergence: f'(u) = "
+              "(u^(alpha-1) - 1)/(alpha-1), TRL's f_alpha_divergence_coef (= 1 - the f-DPO paper's alpha); 1 = "
+              "reverse_kl"),
     LossParam("desirable_weight", 1.0, "KTO weight of desirable examples (lambda_D)"),
     LossParam("undesirable_weight", 1.0, "KTO weight of undesirable examples (lambda_U)"),
 )}

@@ -168,7 +168,8 @@ class PairTask:
         )
         out = preference_loss(logps, self.terms, beta=cfg.loss.beta, label_smoothing=cfg.loss.label_smoothing,
                               simpo_gamma=cfg.loss.simpo_gamma, bco_delta=step_state.get("bco_delta", 0.0),
-                              discopop_tau=cfg.loss.discopop_tau)
+                              discopop_tau=cfg.loss.discopop_tau, f_divergence_type=cfg.loss.f_divergence_type,
+                              f_alpha_divergence_coef=cfg.loss.f_alpha_divergence_coef)
         # Whether the policy itself ranks chosen above rejected (meaningful even when the reference equals it).
         out.metrics["logps/accuracies"] = (pol.chosen.detach() > pol.rejected.detach()).to(pol.chosen.dtype)
         return out

@@ -50,7 +50,7 @@ from prefpack.models import (
     weights_hash,
 )
 from prefpack.precision import DTYPES, Precision, pure_bfloat16_warning, resolve_precision
-from prefpack.reference import SIDECAR_NAME, Reference, read_sidecar
+from prefpack.reference import SIDECAR_NAME, Reference, read_sidecar, sync_reference
 from prefpack.tasks import PairTask, StepTotals, Task
 from prefpack.tokenizer import tokenizer_matches
 
@@ -432,9 +432,11 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
         from prefpack.checkpoint import resume_from_checkpoints
 
         def load(path: Path) -> dict:
+            # a synced (TR-DPO) reference is part of the state: a checkpoint that holds one restores it
             if ctx.enabled:
-                return load_checkpoint_distributed(path, module, optimizer, scheduler, ctx)
-            return load_checkpoint(path, policy, optimizer, scheduler)
+                return load_checkpoint_distributed(path, module, optimizer, scheduler, ctx,
+                                                   reference=reference.module if reference.mode == "copy" else None)
+            return load_checkpoint(path, policy, optimizer, scheduler, reference=reference.model)
 
         if latest_checkpoint(run_dir) is None:
             log(f"no checkpoint in {run_dir / 'checkpoints'}; starting from step 0")
@@ -464,6 +466,7 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
         bar = tqdm(total=n_steps, initial=start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
     last: dict[str, float] = {}
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else float("inf")
+    synced = cfg.reference.sync and reference.mode == "copy"  # TR-DPO: the reference moves, checkpoints keep it
     for step in range(start, n_steps):
         t0 = time.perf_counter()
         epoch, ids = sched.pairs_for_step(step)
@@ -489,6 +492,9 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
+        if synced and (step + 1) % cfg.reference.sync_steps == 0:  # TRL: global_step % ref_model_sync_steps == 0
+            sync_reference(policy, reference.model, cfg.reference.mixup_alpha,
+                           wrappers=(module, reference.module) if strategy == "fsdp2" and ctx.enabled else ())
         totals = _reduce_totals(totals, ctx)
         dt = time.perf_counter() - t0
         last = totals.means()
@@ -510,9 +516,11 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
         if cfg.run.save_every and done % cfg.run.save_every == 0 and done < n_steps:
             if ctx.enabled:
                 save_checkpoint_distributed(run_dir, done, module, optimizer, scheduler, state,
-                                            cfg.run.keep_checkpoints, ctx)
+                                            cfg.run.keep_checkpoints, ctx,
+                                            reference=reference.module if synced else None)
             else:
-                save_checkpoint(run_dir, done, policy, optimizer, scheduler, state, cfg.run.keep_checkpoints)
+                save_checkpoint(run_dir, done, policy, optimizer, scheduler, state, cfg.run.keep_checkpoints,
+                                reference=reference.model if synced else None)
         if stop_after_steps is not None and done >= stop_after_steps and done < n_steps:
             if bar is not None:
                 bar.close()

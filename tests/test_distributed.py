@@ -202,3 +202,43 @@ def test_shutdown_frees_the_process_group_and_its_threads(tmp_path):
     assert len(counts) == 2
     for before, during, after in counts:
         assert during > before and after == before, (before, during, after)
+
+
+# ---------------------------------------------------------------- TR-DPO reference syncing under torchrun
+
+SYNC = ("reference.sync=true", "reference.sync_steps=2", "reference.mixup_alpha=0.5")
+
+
+@pytest.fixture(scope="module")
+def single_sync(world):
+    return _run(world, world["root"] / "single-sync", *SYNC)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_reference_sync_two_processes_equal_one_process(world, single, single_sync, strategy):
+    """Each rank mixes its own copy (DDP) or shard (FSDP2) of the reference: the losses after the sync at step 2
+    (which read the synced reference) and the final weights match one process."""
+    run = _run(world, world["root"] / f"two-sync-{strategy}", f"distributed.strategy={strategy}", *SYNC, nproc=2)
+    one, two = _losses(single_sync), _losses(run)
+    assert _losses(single)[2][1] != pytest.approx(one[2][1], abs=1e-6)  # the sync changed step 3's loss
+    for (s1, l1, g1), (s2, l2, g2) in zip(one, two, strict=True):
+        assert s1 == s2 and l1 == pytest.approx(l2, abs=1e-6) and g1 == pytest.approx(g2, rel=1e-5)
+    w1, w2 = _weights(single_sync), _weights(run)
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=ATOL, rtol=0)
+
+
+def test_reference_sync_distributed_resume_equals_uninterrupted(world):
+    """The DCP checkpoint holds the synced reference (key `reference`), and --resume restores it."""
+    full = _run(world, world["root"] / "full-sync-fsdp2", "distributed.strategy=fsdp2", *SYNC, nproc=2)
+    cut = world["root"] / "cut-sync-fsdp2"
+    _run(world, cut, "distributed.strategy=fsdp2", *SYNC, nproc=2, stop=3)
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(cut / "checkpoints" / "step-00000002" / "dcp")).read_metadata()
+    assert any(k.startswith("reference.") for k in meta.state_dict_metadata)
+    _run(world, cut, "distributed.strategy=fsdp2", *SYNC, nproc=2, resume=True)
+    w1, w2 = _weights(full), _weights(cut)
+    for k in w1:
+        assert torch.equal(w1[k], w2[k]), k
+    assert _losses(full) == _losses(cut)

@@ -12,6 +12,9 @@ from prefpack.losses.kto import (
 )
 from prefpack.losses.preference import (
     BATCH_COUPLED_LOSSES,
+    F_DIVERGENCE_COMPATIBLE,
+    F_DIVERGENCE_LOSSES,
+    F_DIVERGENCES,
     LENGTH_NORMALISED_LOSSES,
     LOSS_NAMES,
     LOSS_PARAMS,
@@ -26,6 +29,7 @@ from prefpack.losses.preference import (
     apo_down_loss,
     apo_zero_loss,
     bco_pair_loss,
+    f_divergence_scores,
     hinge_loss,
     ipo_loss,
     needs_reference,
@@ -40,6 +44,9 @@ from prefpack.losses.preference import (
 
 __all__ = [
     "BATCH_COUPLED_LOSSES",
+    "F_DIVERGENCES",
+    "F_DIVERGENCE_COMPATIBLE",
+    "F_DIVERGENCE_LOSSES",
     "LENGTH_NORMALISED_LOSSES",
     "LOSS_NAMES",
     "LOSS_PARAMS",
@@ -58,6 +65,7 @@ __all__ = [
     "apo_zero_loss",
     "apo_zero_unpaired_loss",
     "bco_pair_loss",
+    "f_divergence_scores",
     "class_balance_warning",
     "hinge_loss",
     "ipo_loss",

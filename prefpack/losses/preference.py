@@ -45,6 +45,9 @@ __all__ = [
     "PairLogps",
     "PairLossSpec",
     "BATCH_COUPLED_LOSSES",
+    "F_DIVERGENCE_COMPATIBLE",
+    "F_DIVERGENCE_LOSSES",
+    "F_DIVERGENCES",
     "aot_loss",
     "aot_unpaired_loss",
     "apo_down_loss",
@@ -52,6 +55,7 @@ __all__ = [
     "bco_pair_loss",
     "discopop_loss",
     "exo_pair_loss",
+    "f_divergence_scores",
     "hinge_loss",
     "ipo_loss",
     "nca_pair_loss",
@@ -593,6 +597,59 @@ def sft_loss(policy_chosen: Tensor, chosen_tokens: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------------------
+# f-divergence regularisers (f-DPO)
+# --------------------------------------------------------------------------------------------------------
+
+F_DIVERGENCES: tuple[str, ...] = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
+"""``loss.f_divergence_type`` values, as TRL 1.16's ``DPOConfig.f_divergence_type``; reverse_kl is plain DPO."""
+
+# TRL caps t = (alpha - 1) * logratio before exp so that the score stays representable after casting back.
+_ALPHA_EXP_CAP = {torch.float16: 11.0}
+_ALPHA_EXP_CAP_DEFAULT = 80.0
+
+
+def f_divergence_scores(logratio: Tensor, divergence: str, alpha: float = 0.5) -> Tensor:
+    """The f-DPO score f'(u) of a log-ratio ``logratio = log u = log pi(y|x) - log ref(y|x)``, per sequence.
+
+    f-DPO, Wang et al. 2023, "Beyond Reverse KL: Generalizing Direct Preference Optimization with Diverse
+    Divergence Constraints" (arXiv:2309.16240), Thm. 1: with an f-divergence regulariser the implicit reward is
+    beta * f'(pi/ref) (+ a beta * log Z(x) term that cancels only in the chosen - rejected difference), so the
+    pair losses built on that difference take f'(u_w) - f'(u_l) in place of h = log u_w - log u_l. As in
+    TRL 1.16 (``DPOTrainer._compute_loss``), per divergence:
+
+    * ``reverse_kl``: f'(u) = log u, the log-ratio itself (the same tensor is returned: plain DPO, bitwise);
+    * ``forward_kl``: f'(u) = 1 - 1/u = 1 - exp(-logratio) (not capped: below about -88 in float32 it
+      overflows to -inf, as in TRL);
+    * ``js_divergence``: f'(u) = log(2u / (1 + u)) = log 2 + logsigmoid(logratio);
+    * ``alpha_divergence``: f'(u) = (u^(alpha - 1) - 1) / (alpha - 1) with t = (alpha - 1) * logratio capped at
+      80 (11 in float16) before exp, so the score is finite, and its gradient 0 beyond the cap; |alpha - 1| <
+      1e-6 is the limit log u (reverse_kl). Half-precision inputs are exponentiated in float32 and cast back,
+      as in TRL; float32 and float64 stay in their dtype (TRL 1.16 has no cap for float64 and fails on it).
+
+    TRL's ``alpha`` (``f_alpha_divergence_coef``, default 0.5) is 1 - the paper's alpha: the paper writes the
+    alpha-divergence as f'(u) = (1 - u^(-alpha)) / alpha, which is the formula above with alpha -> 1 - alpha.
+    At the default 0.5 both agree; alpha -> 1 here (paper 0) is reverse KL and alpha -> 0 (paper 1) forward KL.
+    """
+    if divergence == "reverse_kl":
+        return logratio
+    if divergence == "forward_kl":
+        return 1 - torch.exp(-logratio)
+    if divergence == "js_divergence":
+        return math.log(2) + F.logsigmoid(logratio)
+    if divergence == "alpha_divergence":
+        if not math.isfinite(alpha):
+            raise ValueError(f"f_alpha_divergence_coef must be finite, got {alpha}")
+        if abs(alpha - 1.0) < 1e-6:
+            return logratio
+        dtype = logratio.dtype
+        t = (alpha - 1.0) * logratio
+        work = t if dtype in (torch.float32, torch.float64) else t.float()
+        cap = _ALPHA_EXP_CAP.get(dtype, _ALPHA_EXP_CAP_DEFAULT)
+        return (torch.exp(torch.clamp(work, max=cap)) - 1.0).to(dtype) * (1.0 / (alpha - 1.0))
+    raise ValueError(f"unknown f-divergence {divergence!r}; choose one of: {', '.join(F_DIVERGENCES)}")
+
+
+# --------------------------------------------------------------------------------------------------------
 # Combined entry point
 # --------------------------------------------------------------------------------------------------------
 
@@ -620,6 +677,8 @@ def preference_loss(
     simpo_gamma: float = 0.5,
     bco_delta: float | Tensor = 0.0,
     discopop_tau: float = LOSS_PARAMS["discopop_tau"].default,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = LOSS_PARAMS["f_alpha_divergence_coef"].default,
 ) -> LossOutput:
     """Weighted sum of the configured loss terms, per pair, plus detached per-pair metrics.
 
@@ -628,7 +687,10 @@ def preference_loss(
     ``sigmoid_ref_free``, ``simpo``, ``aot``, ``aot_unpaired`` (cDPO smoothing), ``robust`` (flip rate) and
     ``exo_pair`` (target mass on the rejected completion); ``simpo_gamma`` is SimPO's absolute margin;
     ``bco_delta`` is the caller-owned running reward mean for ``bco_pair_running`` (``bco_pair`` ignores it);
-    ``discopop_tau`` is DiscoPOP's temperature.
+    ``discopop_tau`` is DiscoPOP's temperature. ``f_divergence_type`` (``F_DIVERGENCES``) replaces the log-ratios
+    by their f-DPO scores ``f_divergence_scores`` in the terms that TRL 1.16 generalises (``F_DIVERGENCE_LOSSES``);
+    with any other term (except the reference-free auxiliary ``nll``/``sft``) a value other than ``reverse_kl``
+    raises. ``f_alpha_divergence_coef`` is alpha of ``alpha_divergence``. Reward metrics stay beta * log-ratio.
 
     Reward metrics follow the first non-``nll`` term (so they mean the same thing as in TRL's trainer for it):
       * reference-based losses: beta * (policy - ref), completion sums (TRL DPOTrainer; for ``ipo`` too);
@@ -648,6 +710,14 @@ def preference_loss(
     if duplicates:
         raise ValueError(f"loss terms listed more than once: {', '.join(duplicates)}; merge their weights")
     _check_beta(beta)
+    if f_divergence_type not in F_DIVERGENCES:
+        raise ValueError(f"unknown f-divergence {f_divergence_type!r}; choose one of: {', '.join(F_DIVERGENCES)}")
+    if f_divergence_type != "reverse_kl":
+        refused = [name for name in names if name not in F_DIVERGENCE_COMPATIBLE]
+        if refused:
+            raise ValueError(f"f_divergence_type {f_divergence_type!r} works only with the losses "
+                             f"{', '.join(sorted(F_DIVERGENCE_LOSSES))} (as in TRL 1.16; nll and sft may be added); "
+                             f"{', '.join(refused)} {'has' if len(refused) == 1 else 'have'} no f-divergence form")
     missing_ref = [name for name in names if PAIR_LOSSES[name].needs_reference]
     if missing_ref and not logps.has_reference:
         raise ValueError(
@@ -664,11 +734,16 @@ def preference_loss(
         rejected_lr = pr - logps.ref_rejected.detach()
     else:
         chosen_lr = rejected_lr = None
+    chosen_score, rejected_score = chosen_lr, rejected_lr  # reverse_kl: the log-ratios themselves
+    if chosen_lr is not None and f_divergence_type != "reverse_kl":
+        chosen_score = f_divergence_scores(chosen_lr, f_divergence_type, f_alpha_divergence_coef)
+        rejected_score = f_divergence_scores(rejected_lr, f_divergence_type, f_alpha_divergence_coef)
 
     inputs = PairInputs(pc, pr, nc, nr, chosen_lr, rejected_lr, beta=beta, label_smoothing=label_smoothing,
                         simpo_gamma=simpo_gamma, bco_delta=bco_delta, discopop_tau=discopop_tau,
                         ref_chosen=None if logps.ref_chosen is None else logps.ref_chosen.detach(),
-                        ref_rejected=None if logps.ref_rejected is None else logps.ref_rejected.detach())
+                        ref_rejected=None if logps.ref_rejected is None else logps.ref_rejected.detach(),
+                        chosen_score=chosen_score, rejected_score=rejected_score)
     total = torch.zeros_like(pc)
     metrics: dict[str, Tensor] = {}
     for term in terms:
@@ -721,6 +796,14 @@ class PairInputs:
     discopop_tau: float = LOSS_PARAMS["discopop_tau"].default
     ref_chosen: Tensor | None = None  # detached reference sums (``aot`` sorts reference margins itself)
     ref_rejected: Tensor | None = None
+    # f-DPO scores f'(pi/ref) of the log-ratios (``f_divergence_scores``); the log-ratios under reverse_kl
+    chosen_score: Tensor | None = None
+    rejected_score: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.chosen_score is None and self.rejected_score is None:  # reverse_kl: the log-ratios themselves
+            object.__setattr__(self, "chosen_score", self.chosen_logratio)
+            object.__setattr__(self, "rejected_score", self.rejected_logratio)
 
 
 @dataclass(frozen=True)
@@ -732,6 +815,9 @@ class PairLossSpec:
     ``logp`` (beta * policy), or None (an auxiliary term such as ``nll``). ``params``: the ``loss.*``
     parameters it reads (see ``LOSS_PARAMS``). ``batch_coupled``: the values of one call depend on every pair
     in it (a sort, a token mean over the call), so the loss depends on how pairs are split into micro-batches.
+    ``f_divergence``: it is built on the chosen - rejected reward difference and reads the f-DPO scores
+    (``PairInputs.chosen_score``) in place of the log-ratios, so ``loss.f_divergence_type`` applies to it (TRL 1.16's
+    list: sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, discopop).
     """
 
     name: str
@@ -742,6 +828,7 @@ class PairLossSpec:
     length_normalised: bool = False
     summary: str = ""
     batch_coupled: bool = False
+    f_divergence: bool = False
 
 
 PAIR_LOSSES: dict[str, PairLossSpec] = {}
@@ -758,18 +845,20 @@ def register_pair_loss(spec: PairLossSpec) -> PairLossSpec:
 
 
 for _spec in (
-    PairLossSpec("sigmoid", lambda x: sigmoid_loss(x.chosen_logratio, x.rejected_logratio, x.beta, x.label_smoothing),
-                 True, "logratio", ("beta", "label_smoothing"), summary="DPO; cDPO with label_smoothing"),
+    PairLossSpec("sigmoid", lambda x: sigmoid_loss(x.chosen_score, x.rejected_score, x.beta, x.label_smoothing),
+                 True, "logratio", ("beta", "label_smoothing"), summary="DPO; cDPO with label_smoothing",
+                 f_divergence=True),
     PairLossSpec("sigmoid_ref_free", lambda x: sigmoid_loss(x.policy_chosen, x.policy_rejected, x.beta,
                                                             x.label_smoothing),
                  False, "logp", ("beta", "label_smoothing"), summary="DPO with the reference taken as 0"),
-    PairLossSpec("robust", lambda x: robust_loss(x.chosen_logratio, x.rejected_logratio, x.beta, x.label_smoothing),
-                 True, "logratio", ("beta", "label_smoothing"), summary="robust DPO (label-flip rate)"),
-    PairLossSpec("ipo", lambda x: ipo_loss(x.chosen_logratio, x.rejected_logratio, x.chosen_tokens,
+    PairLossSpec("robust", lambda x: robust_loss(x.chosen_score, x.rejected_score, x.beta, x.label_smoothing),
+                 True, "logratio", ("beta", "label_smoothing"), summary="robust DPO (label-flip rate)",
+                 f_divergence=True),
+    PairLossSpec("ipo", lambda x: ipo_loss(x.chosen_score, x.rejected_score, x.chosen_tokens,
                                            x.rejected_tokens, x.beta),
-                 True, "logratio", length_normalised=True, summary="IPO, per-token log-ratios"),
-    PairLossSpec("hinge", lambda x: hinge_loss(x.chosen_logratio, x.rejected_logratio, x.beta),
-                 True, "logratio", summary="SLiC hinge"),
+                 True, "logratio", length_normalised=True, summary="IPO, per-token log-ratios", f_divergence=True),
+    PairLossSpec("hinge", lambda x: hinge_loss(x.chosen_score, x.rejected_score, x.beta),
+                 True, "logratio", summary="SLiC hinge", f_divergence=True),
     PairLossSpec("bco_pair", lambda x: bco_pair_loss(x.chosen_logratio, x.rejected_logratio, x.beta),
                  True, "logratio", summary="paired BCO without reward shift (TRL 1.16)"),
     PairLossSpec("bco_pair_running", lambda x: bco_pair_loss(x.chosen_logratio, x.rejected_logratio, x.beta,
@@ -788,9 +877,10 @@ for _spec in (
                  False, "mean_logp", length_normalised=True, summary="ORPO (includes its NLL)"),
     PairLossSpec("nll", lambda x: nll_loss(x.policy_chosen, x.chosen_tokens), False, None, (),
                  length_normalised=True, summary="NLL of the chosen completion (RPO with sigmoid)"),
-    PairLossSpec("exo_pair", lambda x: exo_pair_loss(x.chosen_logratio, x.rejected_logratio, x.beta,
+    PairLossSpec("exo_pair", lambda x: exo_pair_loss(x.chosen_score, x.rejected_score, x.beta,
                                                      x.label_smoothing),
-                 True, "logratio", ("beta", "label_smoothing"), summary="EXO, pairwise (label_smoothing > 0)"),
+                 True, "logratio", ("beta", "label_smoothing"), summary="EXO, pairwise (label_smoothing > 0)",
+                 f_divergence=True),
     PairLossSpec("nca_pair", lambda x: nca_pair_loss(x.chosen_logratio, x.rejected_logratio, x.beta),
                  True, "logratio", summary="NCA, pairwise"),
     PairLossSpec("sppo_hard", lambda x: sppo_hard_loss(x.chosen_logratio, x.rejected_logratio, x.beta),
@@ -803,12 +893,14 @@ for _spec in (
                                                              x.label_smoothing),
                  True, "logratio", ("beta", "label_smoothing"), batch_coupled=True,
                  summary="AOT, unpaired (sorts within the micro-batch)"),
-    PairLossSpec("discopop", lambda x: discopop_loss(x.chosen_logratio, x.rejected_logratio, x.beta,
+    PairLossSpec("discopop", lambda x: discopop_loss(x.chosen_score, x.rejected_score, x.beta,
                                                      x.discopop_tau),
-                 True, "logratio", ("beta", "discopop_tau"), summary="DiscoPOP (log-ratio modulated)"),
-    PairLossSpec("sigmoid_norm", lambda x: sigmoid_norm_loss(x.chosen_logratio, x.rejected_logratio,
+                 True, "logratio", ("beta", "discopop_tau"), summary="DiscoPOP (log-ratio modulated)",
+                 f_divergence=True),
+    PairLossSpec("sigmoid_norm", lambda x: sigmoid_norm_loss(x.chosen_score, x.rejected_score,
                                                              x.chosen_tokens, x.rejected_tokens, x.beta),
-                 True, "logratio", length_normalised=True, summary="DPO on per-token log-ratios"),
+                 True, "logratio", length_normalised=True, summary="DPO on per-token log-ratios",
+                 f_divergence=True),
     PairLossSpec("sft", lambda x: sft_loss(x.policy_chosen, x.chosen_tokens), False, None, (),
                  length_normalised=True, batch_coupled=True,
                  summary="chosen NLL as one token mean over the micro-batch (TRL's sft)"),
@@ -826,3 +918,11 @@ LENGTH_NORMALISED_LOSSES: frozenset[str] = frozenset(n for n, s in PAIR_LOSSES.i
 
 BATCH_COUPLED_LOSSES: frozenset[str] = frozenset(n for n, s in PAIR_LOSSES.items() if s.batch_coupled)
 """Losses whose values depend on every pair of the call (one micro-batch), so on how pairs are split."""
+
+F_DIVERGENCE_LOSSES: frozenset[str] = frozenset(n for n, s in PAIR_LOSSES.items() if s.f_divergence)
+"""Losses that read the f-DPO scores, so ``loss.f_divergence_type`` changes them (TRL 1.16's list)."""
+
+F_DIVERGENCE_COMPATIBLE: frozenset[str] = F_DIVERGENCE_LOSSES | frozenset(
+    n for n, s in PAIR_LOSSES.items() if s.rewards is None)
+"""Losses allowed beside a non-default ``loss.f_divergence_type``: the f-DPO ones and the auxiliary terms that read
+no log-ratio (``nll``, ``sft``; TRL allows its ``sft`` too). Every other loss is refused, as TRL refuses it."""
