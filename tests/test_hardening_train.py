@@ -46,7 +46,7 @@ def test_a_missing_model_folder_is_named_at_once(tmp_path):
     with pytest.raises(ModelError, match="model folder .* does not exist"):
         load_causal_lm(str(tmp_path / "no" / "such" / "model"), attn_implementation="sdpa",
                        device=torch.device("cpu"))
-    assert time.perf_counter() - t < 5  # no hub retries
+    assert time.perf_counter() - t < 15  # no hub retries (they took 25-96 s)
 
 
 def test_more_gpu_processes_than_gpus_stop_with_a_message(monkeypatch):
@@ -67,4 +67,4 @@ def test_a_hub_id_that_is_no_folder_is_named_at_once_when_the_hub_is_unreachable
     t = time.perf_counter()
     with pytest.raises(ModelError, match="'models/tiny' is not a folder here, and the model hub cannot be reached"):
         train(run, log=lambda m: None, progress=False)
-    assert time.perf_counter() - t < 5
+    assert time.perf_counter() - t < 15  # hub retries took 25-96 s
