@@ -240,6 +240,9 @@ def test_whitespace_only_and_empty_completions_are_kept_like_trl(tmp_path, toy_t
     assert list(st.pair(1).chosen) == tok(" ", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert list(st.pair(2).chosen) == [tok.eos_token_id]  # TRL: tokenizer("") + [eos]
     assert st.meta["counts"]["empty_completions"] == {"chosen": 2} and "chosen=2" in r.summary()
+    from prefpack.data.inspect import inspect_store
+
+    assert "counted    empty_completions=chosen:2" in inspect_store(str(r.path))
     # a reply list with no message at all is still malformed
     msgs = [{"prompt": [{"role": "user", "content": "hi"}], "chosen": [], "rejected": [{"role": "assistant",
                                                                                         "content": "b"}]}]

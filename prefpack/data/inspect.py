@@ -74,6 +74,11 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
     for key in ("skipped", "dropped", "truncated"):
         if c.get(key):
             lines.append(f"{key:<10} " + ", ".join(f"{k}={v}" for k, v in sorted(c[key].items())))
+    kept = {k: c[k] for k in ("empty_completions", "chat_examples", "examples_with_tools") if c.get(k)}
+    if kept:  # counted, not skipped: what prepare kept that a reader may want to know about
+        shown = [f"{k}=" + (" ".join(f"{p}:{n}" for p, n in sorted(v.items())) if isinstance(v, dict) else str(v))
+                 for k, v in kept.items()]
+        lines.append("counted    " + ", ".join(shown))
     lines.append("")
     lines.append(f"{'lengths':<12}{'mean':>9}{'p50':>7}{'p90':>7}{'max':>7}")
     for part in ("prompt", "chosen", "rejected", "completion", "pair_tokens"):
