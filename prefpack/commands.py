@@ -132,7 +132,8 @@ def add_eval(sub) -> None:
                    "(default: the --config run's terms, else sigmoid for a pair store, kto for an unpaired store "
                    "or with --kto)")
     for param in LOSS_PARAMS.values():  # every loss.* parameter of the loss registry
-        p.add_argument(param.flag, type=float, default=None, help=f"{param.help} (default {param.default:g})")
+        p.add_argument(param.flag, type=float, default=None, help=f"{param.help} (default "
+                       f"{'from the model' if param.default is None else format(param.default, 'g')})")
     p.add_argument("--f-divergence-type", default=None, choices=get_args(FDivergence),
                    help="f-DPO regulariser (default: the --config run's, else reverse_kl = plain DPO)")
     p.add_argument("--kto", action="store_true", help="read a pair store as KTO examples (chosen = desirable, "

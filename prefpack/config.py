@@ -134,6 +134,7 @@ class LossConfig:
     f_alpha_divergence_coef: float = _param("f_alpha_divergence_coef")
     desirable_weight: float = _param("desirable_weight")
     undesirable_weight: float = _param("undesirable_weight")
+    router_aux_loss_coef: float | None = _param("router_aux_loss_coef")
     kl_pairing: KLPairing = _f("step", "KTO KL partners: step = from the same step, fixed = seeded per store")
 
 
@@ -313,6 +314,10 @@ def _problems(cfg: Config, *, training: bool) -> list[str]:
         need(lo.label_smoothing > 0, "loss exo_pair needs loss.label_smoothing > 0 (its epsilon; TRL uses 1e-3)")
     positive("loss.desirable_weight", lo.desirable_weight)
     positive("loss.undesirable_weight", lo.undesirable_weight)
+    if lo.router_aux_loss_coef is not None:
+        need(math.isfinite(lo.router_aux_loss_coef) and lo.router_aux_loss_coef >= 0,
+             f"loss.router_aux_loss_coef must be finite and >= 0 (or null = the model config's), "
+             f"got {lo.router_aux_loss_coef}")
 
     if ref.mode == "adapter" and not lora.enabled:
         errs.append("reference.mode 'adapter' uses the base model under a LoRA adapter; set lora.enabled=true "

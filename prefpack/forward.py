@@ -19,10 +19,17 @@ The model runs in its recorded compute dtype (``prefpack.precision``: autocast o
 
 Only hidden states whose next token is a completion token are gathered, before the LM head; the head
 and log-softmax run chunked (``prefpack.ops.logprobs``).
+
+MoE router load-balancing loss (``router_aux=True``, see :func:`router_aux_loss_coef`): ``model(...)`` adds it when
+called with ``output_router_logits=True``; since the body is called directly here, the body is asked for its router
+logits and the model's own ``load_balancing_loss_func`` (from its modeling module) is applied over the real tokens
+only (row padding of a packed or padded batch is masked out). :func:`sequence_logps` then returns a third value,
+the scalar aux loss; without ``router_aux`` it returns ``(logp_sum, n_tokens)`` exactly as before.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import torch
@@ -45,6 +52,8 @@ __all__ = [
     "check_against_model",
     "packing_leak",
     "pair_logps",
+    "router_aux_loss_coef",
+    "router_aux_loss_func",
     "sequence_logps",
     "split_pairs",
     "uses_flash_attention",
@@ -85,18 +94,64 @@ def _hidden(out) -> torch.Tensor:
     return h
 
 
+def _text_config(model: nn.Module):
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def router_aux_loss_coef(model: nn.Module, coef: float | None) -> float:
+    """The effective weight of the MoE load-balancing loss, TRL 1.16's rule (``DPOTrainer.__init__``).
+
+    ``coef`` is ``loss.router_aux_loss_coef``: None = the model config's ``router_aux_loss_coef`` (0.0 when the
+    config declares none, e.g. a dense model); a number overrides it, 0.0 disables. The loss is added only for
+    models whose config has ``output_router_logits`` (MoE); a non-zero ``coef`` for another model is an error.
+    Returns 0.0 when nothing is to be added.
+    """
+    text_config = _text_config(model)
+    value = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
+    moe = hasattr(text_config, "output_router_logits")
+    if coef and not moe:
+        raise ValueError(f"loss.router_aux_loss_coef is {coef} but {type(model).__name__} is not a Mixture-of-Experts "
+                         "model that returns its router logits, so there is no auxiliary loss to weight")
+    return float(value or 0.0) if moe else 0.0
+
+
+def router_aux_loss_func(model: nn.Module):
+    """``(load_balancing_loss_func, num_experts, top_k)`` of a MoE causal LM, from its own modeling module."""
+    base = getattr(model, "get_base_model", None)
+    base = base() if callable(base) else model  # peft: the transformers model inside
+    func = None
+    for cls in type(base).__mro__:
+        func = getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None)
+        if func is not None:
+            break
+    if func is None:
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as func
+    text_config = _text_config(base)
+    n_experts = getattr(base, "num_experts", None) or getattr(text_config, "num_local_experts", None) \
+        or getattr(text_config, "num_experts", None)
+    top_k = getattr(base, "num_experts_per_tok", None) or getattr(text_config, "num_experts_per_tok", None)
+    if n_experts is None or top_k is None:
+        raise ValueError(f"{type(base).__name__}: cannot tell its number of experts / experts per token")
+    return func, int(n_experts), int(top_k)
+
+
 def sequence_logps(
     model: nn.Module,
     batch: Batch,
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     flatten: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    router_aux: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """``(logp_sum [S], n_tokens [S])``: completion log-prob sum and completion token count per sequence.
 
     Sequence ``2p`` is the chosen and ``2p + 1`` the rejected sequence of the batch's p-th pair. Gradients
     flow to the model when called under autograd. ``flatten`` (packed batches only; default: only for flash
-    attention) runs the micro-batch as a single row without its padding.
+    attention) runs the micro-batch as a single row without its padding. ``router_aux`` (MoE models only):
+    also return the router load-balancing loss over the micro-batch's real tokens, ``(logp_sum, n_tokens, aux)``
+    with ``aux`` a float32 scalar, as ``model(..., output_router_logits=True).aux_loss`` computes it.
     """
     body, _ = body_and_head(model)
     spec = head_spec(model)
@@ -106,12 +161,27 @@ def sequence_logps(
     extra = {}
     if batch.packed and flatten and attention_name(model) == varlen_attention.NAME:
         extra = _boundary_kwargs(batch.position_ids[batch.token_mask], device)
+    aux = router_aux_loss_func(model) if router_aux else None
+    if aux is not None:
+        extra = {**extra, "output_router_logits": True}
     batch = batch.to(device, non_blocking=True)
     with compute_context(model, device):
-        return _sequence_logps(body, spec, batch, flatten, chunk_size, extra)
+        return _sequence_logps(body, spec, batch, flatten, chunk_size, extra, aux)
 
 
-def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, extra: dict):
+def _aux_loss(out, aux, mask: torch.Tensor | None) -> torch.Tensor:
+    """The model's load-balancing loss over its router logits; ``mask`` [B, L] is 1 on real tokens, 0 on padding
+    (None: every position is real)."""
+    func, n_experts, top_k = aux
+    logits = getattr(out, "router_logits", None)
+    if logits is None:
+        raise ValueError("the model body returned no router_logits with output_router_logits=True")
+    value = func(tuple(logits), n_experts, top_k, mask)
+    return torch.as_tensor(value, dtype=torch.float32, device=logits[0].device).float()
+
+
+def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, extra: dict, aux=None):
+    mask = None
     if batch.packed:
         input_ids, position_ids = batch.input_ids, batch.position_ids
         loss_mask, targets, seq_index = batch.loss_mask, batch.target_ids, batch.seq_index
@@ -119,6 +189,8 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
             keep = batch.token_mask
             input_ids, position_ids = input_ids[keep][None], position_ids[keep][None]
             loss_mask, targets, seq_index = loss_mask[keep][None], targets[keep][None], seq_index[keep][None]
+        elif not bool(batch.token_mask.all()):
+            mask = batch.token_mask.long()
         out = body(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False, **extra)
     else:
         loss_mask, targets, seq_index = batch.loss_mask, batch.target_ids, batch.seq_index
@@ -127,7 +199,9 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
             position_ids=batch.position_ids,
             attention_mask=batch.attention_mask,
             use_cache=False,
+            **extra,
         )
+        mask = batch.attention_mask
     hidden = _hidden(out)
     h = hidden[loss_mask]  # [N, H]: gathered before the head
     logp = completion_logprobs(
@@ -140,6 +214,8 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
         softcap=spec.softcap,
     )
     logp_sum = segment_sum(logp, seq_index[loss_mask], batch.num_sequences)
+    if aux is not None:
+        return logp_sum, batch.completion_tokens, _aux_loss(out, aux, mask)
     return logp_sum, batch.completion_tokens
 
 
@@ -161,16 +237,22 @@ class SequenceLogps(nn.Module):
     :func:`sequence_logps` calls the body and head submodules directly, bypassing the outer model's
     ``forward``; DDP's gradient hooks and FSDP2's root pre-forward run only through a wrapped ``forward``,
     so wrap this module, not the bare causal LM.
+
+    ``router_aux`` (MoE): the forward returns ``(logp_sum, n_tokens, aux_loss)``; see :func:`sequence_logps`.
+    The aux loss goes out through ``forward`` (not stashed on the module) so DDP / FSDP2 see its graph.
     """
 
-    def __init__(self, model: nn.Module, chunk_size: int = DEFAULT_CHUNK_SIZE, flatten: bool | None = None):
+    def __init__(self, model: nn.Module, chunk_size: int = DEFAULT_CHUNK_SIZE, flatten: bool | None = None,
+                 router_aux: bool = False):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
         self.flatten = flatten
+        self.router_aux = router_aux
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return sequence_logps(self.model, batch, chunk_size=self.chunk_size, flatten=self.flatten)
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+        return sequence_logps(self.model, batch, chunk_size=self.chunk_size, flatten=self.flatten,
+                              router_aux=self.router_aux)
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ __all__ = ["LOSS_PARAMS", "LossParam"]
 @dataclass(frozen=True)
 class LossParam:
     name: str
-    default: float
+    default: float | None  # None: decided at run time (router_aux_loss_coef: the model config's)
     help: str
 
     @property
@@ -33,4 +33,8 @@ LOSS_PARAMS: dict[str, LossParam] = {p.name: p for p in (
               "reverse_kl"),
     LossParam("desirable_weight", 1.0, "KTO weight of desirable examples (lambda_D)"),
     LossParam("undesirable_weight", 1.0, "KTO weight of undesirable examples (lambda_U)"),
+    LossParam("router_aux_loss_coef", None, "weight of the MoE router load-balancing loss added to the pair loss "
+              "(TRL's router_aux_loss_coef): null = the model config's router_aux_loss_coef, 0 = off; only for "
+              "models whose config has output_router_logits (Mixtral, Qwen2/3-MoE), an error otherwise; pair "
+              "losses only (not KTO)"),
 )}

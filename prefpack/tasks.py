@@ -108,6 +108,9 @@ class PairTask:
         self.pairs = StorePairs(store)
         self.terms = [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
         self.bco = "bco_pair_running" in {t.name for t in self.terms}  # bco_pair (TRL 1.16) has no running mean
+        # MoE load-balancing weight, resolved against the model by train.build (forward.router_aux_loss_coef);
+        # when non-zero the policy module must be SequenceLogps(..., router_aux=True).
+        self.router_aux_loss_coef = 0.0
 
     def __len__(self) -> int:
         return len(self.store)
@@ -148,7 +151,9 @@ class PairTask:
 
     def loss(self, policy: nn.Module, reference: Reference, batch, step_state: dict) -> LossOutput:
         cfg = self.cfg
-        pol = split_pairs(*policy(batch))  # `policy` maps a batch to per-sequence sums (SequenceLogps)
+        res = policy(batch)  # `policy` maps a batch to per-sequence sums (SequenceLogps), + aux loss for MoE
+        pol = split_pairs(res[0], res[1])
+        aux = res[2] if len(res) > 2 else None
         ids = batch.pair_indices.numpy()  # StorePairs over the whole store: local index == global id
         if reference.mode == "precomputed":
             if self.ref_table is None:
@@ -172,6 +177,14 @@ class PairTask:
                               f_alpha_divergence_coef=cfg.loss.f_alpha_divergence_coef)
         # Whether the policy itself ranks chosen above rejected (meaningful even when the reference equals it).
         out.metrics["logps/accuracies"] = (pol.chosen.detach() > pol.rejected.detach()).to(pol.chosen.dtype)
+        if aux is not None and self.router_aux_loss_coef:
+            # MoE router load-balancing loss (TRL: loss + coef * aux_loss, per forward). Losses here are per pair and
+            # the loop divides the step's sum by its pair count, so coef * aux is added to EVERY pair of this
+            # micro-batch: the micro-batch adds P_micro * coef * aux, and a step whose micro-batches share one aux
+            # value adds exactly coef * aux (otherwise the pair-weighted mean of the micro-batches' aux values).
+            aux = aux.to(out.loss.device, out.loss.dtype)
+            out = LossOutput(out.loss + self.router_aux_loss_coef * aux, out.metrics)
+            out.metrics["aux_loss"] = aux.detach().expand(out.loss.shape[0])
         return out
 
     def after_micro_batch(self, out: LossOutput, state: dict) -> None:

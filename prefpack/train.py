@@ -34,7 +34,7 @@ from prefpack.checkpoint import (
 )
 from prefpack.data.store import Store, StoreError
 from prefpack.distributed import SINGLE, Dist, clip_grad_norm, deal_step, grad_sync, init_from_env, wrap
-from prefpack.forward import SequenceLogps, attention_name, uses_flash_attention
+from prefpack.forward import SequenceLogps, attention_name, router_aux_loss_coef, uses_flash_attention
 from prefpack.losses import BATCH_COUPLED_LOSSES, LossTerm, needs_reference
 from prefpack.models import (
     ModelError,
@@ -128,7 +128,8 @@ def evaluate(policy: nn.Module, reference: Reference, task: Task, *, module: nn.
     are dealt across them and the sums all-reduced.
     """
     if module is None:
-        module = SequenceLogps(policy, chunk_size=task.cfg.train.chunk_size)
+        module = SequenceLogps(policy, chunk_size=task.cfg.train.chunk_size,
+                               router_aux=bool(getattr(task, "router_aux_loss_coef", 0.0)))
     was_training = policy.training
     policy.eval()
     share = deal_step(task, np.arange(len(task)), seed=None, world=ctx.world, balance=balance)[ctx.rank]
@@ -277,6 +278,9 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
     del tok  # loaded again to be saved with the final model; training needs only the ids
     release_freed_memory()
     if kto:
+        if cfg.loss.router_aux_loss_coef:
+            raise ModelError("loss.router_aux_loss_coef: the MoE load-balancing loss is added to pair losses only, "
+                             "not to KTO's; leave it null or 0")
         train_task, eval_task = make_kto_tasks(cfg, train_store, eval_store, pad_id, reference_hash=expected, log=log)
     else:
         def table(store: Store):
@@ -286,6 +290,15 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
 
         train_task = PairTask(train_store, cfg, pad_id, ref_table=table(train_store))
         eval_task = PairTask(eval_store, cfg, pad_id, ref_table=table(eval_store)) if eval_store is not None else None
+        try:  # TRL's rule: null = the model config's coefficient, added only for MoE models
+            coef = router_aux_loss_coef(policy, cfg.loss.router_aux_loss_coef)
+        except ValueError as e:
+            raise ModelError(str(e)) from None
+        if coef:
+            log(f"MoE router load-balancing loss added with weight {coef:g} (loss.router_aux_loss_coef)")
+        for t in (train_task, eval_task):
+            if t is not None:
+                t.router_aux_loss_coef = coef
     return Setup(policy, reference, tokenizer, train_store, eval_store, device, dtype, pad_id, train_task, eval_task,
                  precision, cfg)
 
@@ -410,7 +423,9 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
     strategy = cfg.distributed.strategy
     chunk = setup.cfg.train.chunk_size
     mixed = setup.precision.compute if setup.precision.sharded_mixed else None
-    module = wrap(SequenceLogps(policy, chunk_size=chunk), policy, strategy, ctx, trainable=True, compute_dtype=mixed)
+    router_aux = bool(getattr(setup.train_task, "router_aux_loss_coef", 0.0))  # MoE: also return the aux loss
+    module = wrap(SequenceLogps(policy, chunk_size=chunk, router_aux=router_aux), policy, strategy, ctx,
+                  trainable=True, compute_dtype=mixed)
     if reference.mode == "copy":
         reference.module = wrap(SequenceLogps(reference.model, chunk_size=chunk), reference.model,
                                 strategy, ctx, trainable=False, compute_dtype=mixed)
