@@ -75,3 +75,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def prepare_hh_splits(root, tok_dir, hh_rows, sizes: dict[str, int], max_length: int = 48) -> dict:
+    """Consecutive splits (``{"train": 24, "eval": 10}``) of usable hh pairs, each prepared into ``root / name``."""
+    from prefpack.data.prepare import PrepareOptions, prepare
+
+    rows = [r for r in hh_rows[:100] if r["chosen"].strip() and r["chosen"] != r["rejected"]]
+    out, start = {}, 0
+    for name, n in sizes.items():
+        part = rows[start:start + n]
+        start += n
+        prepare(PrepareOptions(inputs=[str(write_jsonl(root / f"{name}.jsonl", part))], tokenizer=str(tok_dir),
+                               output=str(root / name), max_length=max_length, workers=1), log=lambda m: None)
+        out[name] = root / name
+    return out

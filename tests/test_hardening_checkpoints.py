@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_llama, write_jsonl
+from conftest import prepare_hh_splits, tiny_llama
 
 from prefpack.checkpoint import (
     CHECKSUMS,
@@ -25,7 +25,6 @@ from prefpack.checkpoint import (
 )
 from prefpack.cli import main as cli_main
 from prefpack.config import ConfigError, load_config
-from prefpack.data.prepare import PrepareOptions, prepare
 from prefpack.resume_check import config_changes, read_config_changes, write_config
 from prefpack.train import TrainingInterrupted, train
 
@@ -36,11 +35,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def world(tmp_path_factory, toy_tokenizers, hh_train):
     root = tmp_path_factory.mktemp("hardening")
     tok = toy_tokenizers["llama"]
-    rows = [r for r in hh_train[:60] if r["chosen"].strip() and r["chosen"] != r["rejected"]]
-    for name, part in (("train", rows[:24]), ("eval", rows[24:30])):
-        prepare(PrepareOptions(inputs=[str(write_jsonl(root / f"{name}.jsonl", part))], tokenizer=str(tok),
-                               output=str(root / name), max_length=48, workers=1), log=lambda m: None)
-    return {"root": root, "train": root / "train", "eval": root / "eval", "policy": tiny_llama(tok, root / "policy", 1)}
+    stores = prepare_hh_splits(root, tok, hh_train, {"train": 24, "eval": 6})
+    return {"root": root, **stores, "policy": tiny_llama(tok, root / "policy", 1)}
 
 
 BASE = ("optim.lr=1.0e-3", "optim.schedule=constant", "train.global_batch_pairs=8", "train.max_steps=4",

@@ -7,7 +7,7 @@ import sys
 import types
 
 import pytest
-from conftest import tiny_llama, write_jsonl
+from conftest import prepare_hh_splits, tiny_llama
 
 from prefpack.cli import main as cli_main
 from prefpack.config import Config, ConfigError, config_to_dict, load_config
@@ -276,15 +276,10 @@ def test_wandb_not_installed_is_a_config_error(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, toy_tokenizers, hh_train):
-    from prefpack.data.prepare import PrepareOptions, prepare
-
     root = tmp_path_factory.mktemp("report_to")
     tok = toy_tokenizers["llama"]
-    rows = [r for r in hh_train[:40] if r["chosen"].strip() and r["chosen"] != r["rejected"]]
-    for name, part in (("train", rows[:16]), ("eval", rows[16:22])):
-        prepare(PrepareOptions(inputs=[str(write_jsonl(root / f"{name}.jsonl", part))], tokenizer=str(tok),
-                               output=str(root / name), max_length=48, workers=1), log=lambda m: None)
-    return {"train": root / "train", "eval": root / "eval", "policy": tiny_llama(tok, root / "policy", 1)}
+    stores = prepare_hh_splits(root, tok, hh_train, {"train": 16, "eval": 6})
+    return {**stores, "policy": tiny_llama(tok, root / "policy", 1)}
 
 
 def train_args(world, run_dir, *extra):

@@ -7,11 +7,10 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_llama, write_jsonl
+from conftest import prepare_hh_splits, tiny_llama
 
 from prefpack.cli import main as cli_main
 from prefpack.config import load_config
-from prefpack.data.prepare import PrepareOptions, prepare
 from prefpack.data.store import Store
 from prefpack.train import TrainingInterrupted, build, evaluate, train
 
@@ -21,11 +20,8 @@ def world(tmp_path_factory, toy_tokenizers, hh_train):
     """A 24-pair train store, a 10-pair eval store, a policy and a different reference (tiny Llamas)."""
     root = tmp_path_factory.mktemp("train")
     tok = toy_tokenizers["llama"]
-    rows = [r for r in hh_train[:60] if r["chosen"].strip() and r["chosen"] != r["rejected"]]
-    for name, part in (("train", rows[:24]), ("eval", rows[24:34])):
-        prepare(PrepareOptions(inputs=[str(write_jsonl(root / f"{name}.jsonl", part))], tokenizer=str(tok),
-                               output=str(root / name), max_length=48, workers=1), log=lambda m: None)
-    return {"root": root, "tok": tok, "train": root / "train", "eval": root / "eval",
+    stores = prepare_hh_splits(root, tok, hh_train, {"train": 24, "eval": 10})
+    return {"root": root, "tok": tok, **stores,
             "policy": tiny_llama(tok, root / "policy", 1), "ref": tiny_llama(tok, root / "ref", 2)}
 
 
