@@ -100,7 +100,19 @@ CASES = [(t, {}) for t in READS if t != "exo_pair"] + [
     ("aot", {"label_smoothing": 0.1}),
     ("aot_unpaired", {"label_smoothing": 0.1}),
     ("discopop", {"discopop_tau": 0.2}),
+    # DPO options on top of a loss type (TRL_OPTIONS): LD-DPO, WPO, f-DPO
+    ("sigmoid", {"ld_alpha": 0.5}),
+    ("ipo", {"ld_alpha": 0.3}),
+    ("sft", {"ld_alpha": 0.5}),  # TRL's sft reads the raw token log-probs: ld_alpha must not change it
+    ("sigmoid", {"use_weighting": True}),
+    # ("sft", {"use_weighting": True}) is not recorded: TRL 1.16 raises ("more than one element of the written-to
+    # tensor refers to a single memory location": it multiplies the expanded sft scalar in place)
+    ("hinge", {"use_weighting": True, "ld_alpha": 0.5}),
+    ("sigmoid", {"f_divergence_type": "js_divergence"}),
+    ("sigmoid", {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3}),
 ]
+# DPOConfig options (not loss hyper-parameters) a case may set, each read by every loss type it is given with
+TRL_OPTIONS = ("ld_alpha", "use_weighting", "f_divergence_type", "f_alpha_divergence_coef")
 # the prefpack loss that corresponds to a TRL loss type, where the name differs (none today)
 PREFPACK_NAME: dict[str, str] = {}
 # the policy folder a loss type is scored with (see the module docstring)
@@ -108,7 +120,10 @@ POLICY = {"sppo_hard": "policy_sppo"}
 
 
 def case_id(loss_type: str, changed: dict) -> str:
-    return loss_type + ("[" + ",".join(f"{k}={v:g}" for k, v in sorted(changed.items())) + "]" if changed else "")
+    def show(v):
+        return str(v) if isinstance(v, (bool, str)) else f"{v:g}"
+
+    return loss_type + ("[" + ",".join(f"{k}={show(v)}" for k, v in sorted(changed.items())) + "]" if changed else "")
 
 
 # ------------------------------------------------------------------------------------------------ assets
@@ -353,7 +368,7 @@ def main() -> None:
             log(f"  {cid:<38} TRL loss {loss:.7f} (float64: {exact:.7f}, float32 error {loss - exact:+.1e})")
             results.append({
                 "id": cid, "trl_loss_type": loss_type, "prefpack_loss": PREFPACK_NAME.get(loss_type, loss_type),
-                "policy": policy, "trl_defaults": not changed, "settings": settings, "reads": list(READS[loss_type]),
+                "policy": policy, "trl_defaults": not changed, "settings": settings, "reads": list(READS[loss_type]) + [k for k in changed if k in TRL_OPTIONS],
                 "reduction": REDUCTION.get(loss_type, "mean over pairs of a per-pair loss"), "loss": loss,
                 "loss_float64": exact,
                 "metrics": {k.removeprefix("eval_"): v for k, v in sorted(metrics.items())

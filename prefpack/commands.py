@@ -136,6 +136,8 @@ def add_eval(sub) -> None:
                        f"{'from the model' if param.default is None else format(param.default, 'g')})")
     p.add_argument("--f-divergence-type", default=None, choices=get_args(FDivergence),
                    help="f-DPO regulariser (default: the --config run's, else reverse_kl = plain DPO)")
+    p.add_argument("--use-weighting", action=argparse.BooleanOptionalAction, default=None,
+                   help="WPO weighting of each pair's loss (default: the --config run's, else off)")
     p.add_argument("--kto", action="store_true", help="read a pair store as KTO examples (chosen = desirable, "
                    "rejected = undesirable)")
     p.add_argument("--seed", type=int, default=None, help="seed of the KTO KL pairing (as given to precompute-ref; "
@@ -170,6 +172,8 @@ def eval_config(args):
             setattr(cfg.loss, name, value)
     if args.f_divergence_type:
         cfg.loss.f_divergence_type = args.f_divergence_type
+    if args.use_weighting is not None:
+        cfg.loss.use_weighting = args.use_weighting
     kto = any(t.name in UNPAIRED_LOSS_NAMES for t in cfg.loss.terms)
     sidecar = KTO_SIDECAR_NAME if kto else SIDECAR_NAME
     mode = "copy" if args.ref else ("precomputed" if (Path(args.data) / sidecar).exists() else "none")
@@ -265,16 +269,17 @@ def run_precompute(args, argv) -> int:
     check_vocab_fits(model, store.meta, args.data)
     budgets = _scoring_budgets(args, model, device)
     try:
-        chosen, rejected = compute_store_logps(model, store, micro_batch_tokens=budgets.micro_batch_tokens,
-                                               row_tokens=budgets.row_tokens, chunk_size=budgets.chunk_size,
-                                               progress=True, ctx=ctx)
+        table = compute_store_logps(model, store, micro_batch_tokens=budgets.micro_batch_tokens,
+                                    row_tokens=budgets.row_tokens, chunk_size=budgets.chunk_size, progress=True, ctx=ctx)
         ctx.barrier()  # no rank leaves while another is still in a collective
     finally:
         shutdown()
     if not ctx.is_main:
         return 0
-    path = write_sidecar(Path(args.data) / SIDECAR_NAME, store, chosen, rejected,
-                         reference_hash=weights_hash(model), reference_name=args.model)
+    chosen, rejected = table["chosen"], table["rejected"]
+    path = write_sidecar(Path(args.data) / SIDECAR_NAME, store, chosen, rejected, chosen_tail=table["chosen_tail"],
+                         rejected_tail=table["rejected_tail"], reference_hash=weights_hash(model),
+                         reference_name=args.model)
     print(json.dumps({"sidecar": str(path), "pairs": len(store), "mean_chosen": float(chosen.mean()),
                       "mean_rejected": float(rejected.mean())}))
     return 0

@@ -24,7 +24,10 @@ MoE router load-balancing loss (``router_aux=True``, see :func:`router_aux_loss_
 called with ``output_router_logits=True``; since the body is called directly here, the body is asked for its router
 logits and the model's own ``load_balancing_loss_func`` (from its modeling module) is applied over the real tokens
 only (row padding of a packed or padded batch is masked out). :func:`sequence_logps` then returns a third value,
-the scalar aux loss; without ``router_aux`` it returns ``(logp_sum, n_tokens)`` exactly as before.
+the scalar aux loss.
+
+What a forward returns is a :class:`SequenceOutput`; the optional fields are filled only when asked for, so a
+plain forward costs nothing more: ``pair_tails`` (LD-DPO) and ``wpo`` (WPO weights) are read by pair losses.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from prefpack.precision import compute_context
 
 __all__ = [
     "PairLogps",
+    "SequenceOutput",
     "SequenceLogps",
     "check_against_model",
     "packing_leak",
@@ -67,6 +71,17 @@ class PairLogps(NamedTuple):
     rejected: torch.Tensor  # [P]
     chosen_tokens: torch.Tensor  # [P]
     rejected_tokens: torch.Tensor  # [P]
+
+
+class SequenceOutput(NamedTuple):
+    """Per-sequence results of one forward over a micro-batch (sequence ``2p``/``2p + 1`` = pair p's chosen/rejected
+    in a pair batch). Optional fields are None unless requested."""
+
+    logp_sum: torch.Tensor  # [S] completion log-prob sums (with gradient under autograd)
+    n_tokens: torch.Tensor  # [S] completion token counts (host tensor)
+    aux_loss: torch.Tensor | None = None  # scalar MoE router load-balancing loss (``router_aux``)
+    tail_sum: torch.Tensor | None = None  # [S] sum over the tokens past the shorter completion of the pair (LD-DPO)
+    wpo_mean: torch.Tensor | None = None  # [S] detached mean over tokens of log p - log sum_v p_v^2 (WPO)
 
 
 def attention_name(model: nn.Module) -> str:
@@ -144,14 +159,18 @@ def sequence_logps(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     flatten: bool | None = None,
     router_aux: bool = False,
-) -> tuple[torch.Tensor, ...]:
-    """``(logp_sum [S], n_tokens [S])``: completion log-prob sum and completion token count per sequence.
+    pair_tails: bool = False,
+    wpo: bool = False,
+) -> SequenceOutput:
+    """Completion log-prob sum and completion token count per sequence, and what the options ask for.
 
     Sequence ``2p`` is the chosen and ``2p + 1`` the rejected sequence of the batch's p-th pair. Gradients
     flow to the model when called under autograd. ``flatten`` (packed batches only; default: only for flash
     attention) runs the micro-batch as a single row without its padding. ``router_aux`` (MoE models only):
-    also return the router load-balancing loss over the micro-batch's real tokens, ``(logp_sum, n_tokens, aux)``
-    with ``aux`` a float32 scalar, as ``model(..., output_router_logits=True).aux_loss`` computes it.
+    also return the router load-balancing loss over the micro-batch's real tokens (``aux_loss``, a float32 scalar, as
+    ``model(..., output_router_logits=True).aux_loss`` computes it). ``pair_tails`` (pair batches): also the sum over
+    each completion's tokens past the length of the shorter completion of its pair (``tail_sum``; LD-DPO weights it).
+    ``wpo``: also WPO's per-sequence ``wpo_mean`` (see :func:`_wpo_means`).
     """
     body, _ = body_and_head(model)
     spec = head_spec(model)
@@ -166,7 +185,7 @@ def sequence_logps(
         extra = {**extra, "output_router_logits": True}
     batch = batch.to(device, non_blocking=True)
     with compute_context(model, device):
-        return _sequence_logps(body, spec, batch, flatten, chunk_size, extra, aux)
+        return _sequence_logps(body, spec, batch, flatten, chunk_size, extra, aux, pair_tails, wpo)
 
 
 def _aux_loss(out, aux, mask: torch.Tensor | None) -> torch.Tensor:
@@ -180,7 +199,35 @@ def _aux_loss(out, aux, mask: torch.Tensor | None) -> torch.Tensor:
     return torch.as_tensor(value, dtype=torch.float32, device=logits[0].device).float()
 
 
-def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, extra: dict, aux=None):
+def _tail_mask(index: torch.Tensor, n_tokens: torch.Tensor) -> torch.Tensor:
+    """1 at the completion tokens past ``min(len chosen, len rejected)`` of their pair, else 0 (float).
+
+    ``index`` [N] gives each gathered token's sequence; a sequence's tokens are contiguous and in order in every
+    layout (packed, flattened, padded), so a token's place in its completion is its offset from the sequence's
+    first token. Pair p owns sequences 2p and 2p + 1. Computed on the device without a host sync.
+    """
+    n = n_tokens.to(index.device)
+    if n.numel() % 2:
+        raise ValueError(f"pair tails need a pair batch (chosen, rejected alternating), got {n.numel()} sequences")
+    shared = torch.minimum(n[0::2], n[1::2]).repeat_interleave(2)
+    index = index.long()
+    where = torch.arange(index.numel(), device=index.device)
+    first = torch.full((n.numel(),), index.numel(), dtype=torch.long, device=index.device)
+    first = first.scatter_reduce(0, index, where, "amin")
+    return ((where - first[index]) >= shared[index]).float()
+
+
+def _wpo_means(logp: torch.Tensor, log_sum_sq: torch.Tensor, index: torch.Tensor, n_tokens: torch.Tensor):
+    """WPO (Zhou et al. 2024, arXiv:2406.11827, Eq. 2, as TRL 1.16 computes it): per sequence, the mean over its
+    completion tokens of ``log p(token) - log sum_v p_v^2``, without gradient (a pair's weight is the exp of its
+    chosen + rejected means)."""
+    per_token = logp.detach() - log_sum_sq
+    sums = segment_sum(per_token, index, n_tokens.numel())
+    return sums / n_tokens.to(sums.device, sums.dtype).clamp(min=1.0)
+
+
+def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, extra: dict, aux=None,
+                    pair_tails: bool = False, wpo: bool = False) -> SequenceOutput:
     mask = None
     if batch.packed:
         input_ids, position_ids = batch.input_ids, batch.position_ids
@@ -212,11 +259,20 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
         chunk_size=chunk_size,
         scale=spec.scale,
         softcap=spec.softcap,
+        with_log_sum_sq=wpo,
     )
-    logp_sum = segment_sum(logp, seq_index[loss_mask], batch.num_sequences)
-    if aux is not None:
-        return logp_sum, batch.completion_tokens, _aux_loss(out, aux, mask)
-    return logp_sum, batch.completion_tokens
+    if wpo:
+        logp, log_sum_sq = logp
+    index = seq_index[loss_mask]
+    logp_sum = segment_sum(logp, index, batch.num_sequences)
+    tail_sum = wpo_mean = None
+    if pair_tails:
+        tail_sum = segment_sum(logp * _tail_mask(index, batch.completion_tokens).to(logp.dtype), index,
+                               batch.num_sequences)
+    if wpo:
+        wpo_mean = _wpo_means(logp, log_sum_sq, index, batch.completion_tokens)
+    return SequenceOutput(logp_sum, batch.completion_tokens, None if aux is None else _aux_loss(out, aux, mask),
+                          tail_sum, wpo_mean)
 
 
 def split_pairs(logp_sum: torch.Tensor, n_tokens: torch.Tensor) -> PairLogps:
@@ -228,7 +284,8 @@ def pair_logps(
     model: nn.Module, batch: Batch, *, chunk_size: int = DEFAULT_CHUNK_SIZE, flatten: bool | None = None
 ) -> PairLogps:
     """:func:`sequence_logps` split into chosen / rejected per pair."""
-    return split_pairs(*sequence_logps(model, batch, chunk_size=chunk_size, flatten=flatten))
+    out = sequence_logps(model, batch, chunk_size=chunk_size, flatten=flatten)
+    return split_pairs(out.logp_sum, out.n_tokens)
 
 
 class SequenceLogps(nn.Module):
@@ -238,21 +295,23 @@ class SequenceLogps(nn.Module):
     ``forward``; DDP's gradient hooks and FSDP2's root pre-forward run only through a wrapped ``forward``,
     so wrap this module, not the bare causal LM.
 
-    ``router_aux`` (MoE): the forward returns ``(logp_sum, n_tokens, aux_loss)``; see :func:`sequence_logps`.
-    The aux loss goes out through ``forward`` (not stashed on the module) so DDP / FSDP2 see its graph.
+    ``router_aux``, ``pair_tails``, ``wpo``: the optional outputs of :func:`sequence_logps`. The aux loss goes out
+    through ``forward`` (not stashed on the module) so DDP / FSDP2 see its graph.
     """
 
     def __init__(self, model: nn.Module, chunk_size: int = DEFAULT_CHUNK_SIZE, flatten: bool | None = None,
-                 router_aux: bool = False):
+                 router_aux: bool = False, pair_tails: bool = False, wpo: bool = False):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
         self.flatten = flatten
         self.router_aux = router_aux
+        self.pair_tails = pair_tails
+        self.wpo = wpo
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+    def forward(self, batch: Batch) -> SequenceOutput:
         return sequence_logps(self.model, batch, chunk_size=self.chunk_size, flatten=self.flatten,
-                              router_aux=self.router_aux)
+                              router_aux=self.router_aux, pair_tails=self.pair_tails, wpo=self.wpo)
 
 
 @torch.no_grad()

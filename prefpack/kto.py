@@ -517,6 +517,10 @@ class KTOTask:
                                           reference_hash=reference_hash,
                                           partners=self.fixed_partners() if self.needs_kl else None)
 
+    def forward_options(self) -> dict:
+        """KTO reads only the per-sequence sums (no MoE aux loss, LD-DPO or WPO: those are pair options)."""
+        return {}
+
     def __len__(self) -> int:
         return len(self.view)
 
@@ -642,7 +646,8 @@ class KTOTask:
     def _policy_logps(policy: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``policy`` maps a batch to per-sequence sums (``prefpack.forward.SequenceLogps``, maybe wrapped)."""
         n = int(batch.completion_tokens.shape[0])
-        logp, tokens = policy(batch)
+        res = policy(batch)
+        logp, tokens = res[0], res[1]
         return logp[:n], tokens[:n]
 
     @torch.no_grad()
@@ -783,7 +788,7 @@ def compute_kto_store_logps(model: nn.Module, store: Store, *, paired_as_kto: bo
             local.append(list(range(at, at + len(r))))
             at += len(r)
         main, _ = collate_sequences([(view.prompt(i), view.completion(i)) for i in flat], local, ids=flat)
-        logp, _ = sequence_logps(model, main, chunk_size=chunk_size)
+        logp = sequence_logps(model, main, chunk_size=chunk_size).logp_sum
         completion[flat] = logp[: len(flat)].double().cpu().numpy()
         seen[flat] += 1
         has = [i for i in flat if partners[i] >= 0]
@@ -791,7 +796,7 @@ def compute_kto_store_logps(model: nn.Module, store: Store, *, paired_as_kto: bo
             sizes = view.prompt_len[has] + view.completion_len[partners[has]]
             kl_batch, _ = collate_sequences([(view.prompt(i), view.completion(int(partners[i]))) for i in has],
                                             balanced_rows(sizes, row_budget), ids=has)
-            logp, _ = sequence_logps(model, kl_batch, chunk_size=chunk_size)
+            logp = sequence_logps(model, kl_batch, chunk_size=chunk_size).logp_sum
             kl[has] = logp[: len(has)].double().cpu().numpy()
     model.train(was_training)
     if world > 1:

@@ -31,6 +31,9 @@ LOSS_PARAMS: dict[str, LossParam] = {p.name: p for p in (
     LossParam("f_alpha_divergence_coef", 0.5, "alpha of loss.f_divergence_type=alpha_divergence: f'(u) = "
               "(u^(alpha-1) - 1)/(alpha-1), TRL's f_alpha_divergence_coef (= 1 - the f-DPO paper's alpha); 1 = "
               "reverse_kl"),
+    LossParam("ld_alpha", None, "LD-DPO (Liu et al. 2024, arXiv:2409.06411; TRL's ld_alpha): completion tokens past the "
+              "shorter completion of the pair count with this weight in [0, 1] in policy and reference log-probs; "
+              "null = off (1 = plain sums); pair losses only"),
     LossParam("desirable_weight", 1.0, "KTO weight of desirable examples (lambda_D)"),
     LossParam("undesirable_weight", 1.0, "KTO weight of undesirable examples (lambda_U)"),
     LossParam("router_aux_loss_coef", None, "weight of the MoE router load-balancing loss added to the pair loss "

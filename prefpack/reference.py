@@ -1,7 +1,8 @@
 """Reference log-probs: a frozen copy, the policy with its adapter off, a precomputed sidecar, or none.
 
 The reference never runs under autograd. The sidecar (`ref_logps.safetensors` beside the store) holds
-one chosen and one rejected log-prob sum per pair, tagged with the store's content hash and the
+one chosen and one rejected log-prob sum per pair (and, since LD-DPO, their sums past the shorter completion, so
+one sidecar serves every `loss.ld_alpha`), tagged with the store's content hash and the
 reference weights' hash, so training refuses a sidecar computed for other data or another model.
 """
 
@@ -16,7 +17,7 @@ from torch import nn
 
 from prefpack.data.packing import Batch, collate, plan_micro_batches
 from prefpack.data.store import Store
-from prefpack.forward import SequenceLogps, pair_logps
+from prefpack.forward import SequenceLogps, sequence_logps
 
 SIDECAR_NAME = "ref_logps.safetensors"
 SIDECAR_FORMAT = "prefpack-ref-logps"
@@ -66,8 +67,9 @@ def iter_store_batches(store: Store, *, micro_batch_tokens: int, row_tokens: int
 
 @torch.no_grad()
 def compute_store_logps(model: nn.Module, store: Store, *, micro_batch_tokens: int = 4096, row_tokens: int = 2048,
-                        chunk_size: int = 1024, progress: bool = False, ctx=None) -> tuple[np.ndarray, np.ndarray]:
-    """Chosen and rejected log-prob sums of every pair of a store (float64 arrays, store order).
+                        chunk_size: int = 1024, progress: bool = False, ctx=None) -> dict[str, np.ndarray]:
+    """Chosen and rejected log-prob sums of every pair of a store, and their LD-DPO tail sums (float64 arrays in
+    store order, keys ``chosen``, ``rejected``, ``chosen_tail``, ``rejected_tail``).
 
     Under torchrun (`ctx` from prefpack.distributed) each rank scores every world-th micro-batch with its
     own full copy of the model, and the results are summed across ranks (each pair is scored by one rank).
@@ -75,9 +77,8 @@ def compute_store_logps(model: nn.Module, store: Store, *, micro_batch_tokens: i
     rank, world = (ctx.rank, ctx.world) if ctx is not None else (0, 1)
     was_training = model.training
     model.eval()
-    chosen = np.zeros(len(store), dtype=np.float64)
-    rejected = np.zeros(len(store), dtype=np.float64)
-    seen = np.zeros(len(store), dtype=np.float64)
+    keys = ("chosen", "rejected", "chosen_tail", "rejected_tail")
+    table = np.zeros((len(keys) + 1, len(store)), dtype=np.float64)  # + how often each pair was scored
     batches = iter_store_batches(store, micro_batch_tokens=micro_batch_tokens, row_tokens=row_tokens)
     if progress and rank == 0:
         from tqdm import tqdm
@@ -86,36 +87,42 @@ def compute_store_logps(model: nn.Module, store: Store, *, micro_batch_tokens: i
     for k, (batch, ids) in enumerate(batches):
         if k % world != rank:
             continue
-        out = pair_logps(model, batch, chunk_size=chunk_size)
-        chosen[ids] = out.chosen.double().cpu().numpy()
-        rejected[ids] = out.rejected.double().cpu().numpy()
-        seen[ids] += 1
+        out = sequence_logps(model, batch, chunk_size=chunk_size, pair_tails=True)
+        total, tail = out.logp_sum.double().cpu().numpy(), out.tail_sum.double().cpu().numpy()
+        for row, values in enumerate((total[0::2], total[1::2], tail[0::2], tail[1::2])):
+            table[row, ids] = values
+        table[-1, ids] += 1
     model.train(was_training)
     if world > 1:
-        both = torch.from_numpy(np.stack([chosen, rejected, seen]))
+        both = torch.from_numpy(table)
         ctx.all_reduce_sum(both)
-        chosen, rejected, seen = (x.numpy() for x in both)
-    assert (seen == 1).all(), "every pair must be scored exactly once"
-    return chosen, rejected
+        table = both.numpy()
+    assert (table[-1] == 1).all(), "every pair must be scored exactly once"
+    return {k: table[i] for i, k in enumerate(keys)}
 
 
 def write_sidecar(path: str | Path, store: Store, chosen: np.ndarray, rejected: np.ndarray, *,
-                  reference_hash: str, reference_name: str) -> Path:
-    """Write the sidecar atomically (temporary name, then rename)."""
+                  reference_hash: str, reference_name: str, chosen_tail: np.ndarray | None = None,
+                  rejected_tail: np.ndarray | None = None) -> Path:
+    """Write the sidecar atomically (temporary name, then rename); the tails are optional (LD-DPO)."""
     from safetensors.numpy import save_file
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     meta = {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "store_hash": store_hash(store),
             "reference_hash": reference_hash, "reference": reference_name, "pairs": str(len(store))}
-    save_file({"chosen": np.ascontiguousarray(chosen, dtype=np.float64),
-               "rejected": np.ascontiguousarray(rejected, dtype=np.float64)}, str(tmp), metadata=meta)
+    tensors = {"chosen": chosen, "rejected": rejected, "chosen_tail": chosen_tail, "rejected_tail": rejected_tail}
+    save_file({k: np.ascontiguousarray(v, dtype=np.float64) for k, v in tensors.items() if v is not None}, str(tmp),
+              metadata=meta)
     os.replace(tmp, path)
     return path
 
 
-def read_sidecar(path: str | Path, store: Store, *, reference_hash: str | None) -> tuple[np.ndarray, np.ndarray]:
-    """Load a sidecar, refusing one made for another store or (when given) other reference weights."""
+def read_sidecar(path: str | Path, store: Store, *, reference_hash: str | None,
+                 need_tails: bool = False) -> tuple[np.ndarray, ...]:
+    """Load a sidecar as ``(chosen, rejected, chosen_tail, rejected_tail)``, refusing one made for another store or
+    (when given) other reference weights; the tails are None in a sidecar written before LD-DPO (refused when
+    ``need_tails``)."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -126,6 +133,8 @@ def read_sidecar(path: str | Path, store: Store, *, reference_hash: str | None) 
         with safe_open(str(path), framework="numpy") as fh:
             meta = fh.metadata() or {}
             chosen, rejected = fh.get_tensor("chosen"), fh.get_tensor("rejected")
+            names = set(fh.keys())
+            tails = tuple(fh.get_tensor(k) if k in names else None for k in ("chosen_tail", "rejected_tail"))
     except Exception as exc:  # safetensors raises its own error types for corrupt files
         raise ReferenceMismatch(f"{path}: cannot read reference log-probs ({exc})") from exc
     if meta.get("format") != SIDECAR_FORMAT or meta.get("version") != SIDECAR_VERSION:
@@ -137,7 +146,12 @@ def read_sidecar(path: str | Path, store: Store, *, reference_hash: str | None) 
         raise ReferenceMismatch(
             f"{path} was computed with other reference weights ({meta.get('reference')!r}) than this run's "
             "reference; run precompute-ref again with the reference model of this run")
-    return chosen, rejected
+    if any(t is not None and len(t) != len(store) for t in tails) or (tails[0] is None) != (tails[1] is None):
+        raise ReferenceMismatch(f"{path}: its tail log-probs do not match its pairs; run precompute-ref again")
+    if need_tails and tails[0] is None:
+        raise ReferenceMismatch(f"{path} was written by an earlier prefpack without the log-probs past the shorter "
+                                "completion that loss.ld_alpha (LD-DPO) needs; run precompute-ref again on this store")
+    return chosen, rejected, *tails
 
 
 class Reference:
@@ -155,6 +169,7 @@ class Reference:
         self.policy = policy
         self.chunk_size = chunk_size
         self.module = module
+        self.pair_tails = False  # LD-DPO: also the sums past the shorter completion (set by train.build)
         if mode == "copy":
             assert model is not None
             model.eval()
@@ -163,31 +178,40 @@ class Reference:
                 self.module = SequenceLogps(model, chunk_size=chunk_size)
 
     @torch.no_grad()
-    def sequence_logps(self, batch: Batch) -> torch.Tensor:
-        """Per-sequence reference sums for copy/adapter modes."""
+    def outputs(self, batch: Batch):
+        """The reference forward (``prefpack.forward.SequenceOutput``) for copy/adapter modes."""
         if self.mode == "copy":
-            return self.module(batch)[0]
+            return self.module(batch)
         if self.mode == "adapter":
             was_training = self.policy.training
             self.policy.eval()  # dropout is off anyway; eval keeps the reference pass free of train-only hooks
             try:
                 with self.policy.disable_adapter():
-                    module = self.module if self.module is not None else SequenceLogps(self.policy, self.chunk_size)
-                    return module(batch)[0]
+                    module = self.module if self.module is not None else SequenceLogps(
+                        self.policy, self.chunk_size, pair_tails=self.pair_tails)
+                    return module(batch)
             finally:
                 self.policy.train(was_training)
         raise ValueError(f"reference mode {self.mode!r} computes no log-probs")
 
     @torch.no_grad()
+    def sequence_logps(self, batch: Batch) -> torch.Tensor:
+        """Per-sequence reference sums for copy/adapter modes."""
+        return self.outputs(batch)[0]
+
+    @torch.no_grad()
     def logps(self, batch: Batch, global_ids: np.ndarray, device: torch.device,
-              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Chosen and rejected reference sums of a pair batch, in its pair order (None in mode none)."""
+              dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
+        """Chosen and rejected reference sums of a pair batch, in its pair order (None in mode none), then their
+        LD-DPO tail sums (None unless the module computes ``pair_tails``)."""
         if self.mode == "none":
             return None
         if self.mode == "precomputed":
             raise ValueError("precomputed reference log-probs are read by the task from its own store's sidecar")
-        seq = self.sequence_logps(batch)
-        return seq[0::2].to(dtype), seq[1::2].to(dtype)
+        out = self.outputs(batch)
+        seq, tail = out[0].to(device, dtype), out[3] if len(out) > 3 else None
+        tails = (None, None) if tail is None else (tail[0::2].to(device, dtype), tail[1::2].to(device, dtype))
+        return seq[0::2], seq[1::2], *tails
 
 
 # ------------------------------------------------------------------------------------------------ TR-DPO

@@ -18,7 +18,7 @@ from torch import nn
 from prefpack.data.packing import collate, plan_micro_batches
 from prefpack.data.store import Store
 from prefpack.forward import split_pairs
-from prefpack.losses import LossOutput, LossTerm, PairLogps, preference_loss
+from prefpack.losses import LossOutput, LossTerm, PairLogps, preference_loss, wpo_weights
 from prefpack.reference import Reference, StorePairs
 
 
@@ -45,6 +45,8 @@ class Task(Protocol):
     def plan(self, ids: np.ndarray, *, seed: Any) -> list[Planned]: ...
 
     def collate(self, planned: Planned) -> Any: ...
+
+    def forward_options(self) -> dict: ...
 
     def begin_step(self, policy: nn.Module, reference: Reference, batches: list[Any],
                    weights: list[float] | None = None) -> dict: ...
@@ -112,6 +114,12 @@ class PairTask:
         # when non-zero the policy module must be SequenceLogps(..., router_aux=True).
         self.router_aux_loss_coef = 0.0
 
+    def forward_options(self) -> dict:
+        """What the policy forward (``prefpack.forward.SequenceLogps``) must return besides the sums: the MoE aux
+        loss, LD-DPO's tail sums, WPO's means. The reference forward needs only ``pair_tails``."""
+        return {"router_aux": bool(self.router_aux_loss_coef), "pair_tails": self.cfg.loss.ld_alpha is not None,
+                "wpo": bool(self.cfg.loss.use_weighting)}
+
     def __len__(self) -> int:
         return len(self.store)
 
@@ -151,30 +159,44 @@ class PairTask:
 
     def loss(self, policy: nn.Module, reference: Reference, batch, step_state: dict) -> LossOutput:
         cfg = self.cfg
-        res = policy(batch)  # `policy` maps a batch to per-sequence sums (SequenceLogps), + aux loss for MoE
+        res = policy(batch)  # `policy` maps a batch to a SequenceOutput (SequenceLogps, maybe wrapped)
         pol = split_pairs(res[0], res[1])
-        aux = res[2] if len(res) > 2 else None
+        aux, tail, wpo_mean = (res[i] if len(res) > i else None for i in (2, 3, 4))
+        ld_alpha = cfg.loss.ld_alpha
+        if ld_alpha is not None and tail is None:
+            raise ValueError("loss.ld_alpha needs the policy forward to return tail sums (SequenceLogps(pair_tails=True))")
+        if cfg.loss.use_weighting and wpo_mean is None:
+            raise ValueError("loss.use_weighting needs the policy forward to return WPO means (SequenceLogps(wpo=True))")
         ids = batch.pair_indices.numpy()  # StorePairs over the whole store: local index == global id
+        device, dtype = pol.chosen.device, pol.chosen.dtype
         if reference.mode == "precomputed":
             if self.ref_table is None:
                 raise ValueError(f"no precomputed reference log-probs loaded for the store {str(self.store.path)!r}")
-            chosen, rejected = self.ref_table
-            ref = (torch.as_tensor(chosen[ids], device=pol.chosen.device, dtype=pol.chosen.dtype),
-                   torch.as_tensor(rejected[ids], device=pol.chosen.device, dtype=pol.chosen.dtype))
+            ref = tuple(None if t is None else torch.as_tensor(t[ids], device=device, dtype=dtype)
+                        for t in (*self.ref_table, None, None)[:4])
         else:
-            ref = reference.logps(batch, ids, pol.chosen.device, pol.chosen.dtype)
+            ref = reference.logps(batch, ids, device, dtype)
+        ref = (None,) * 4 if ref is None else (*ref, None, None)[:4]
         logps = PairLogps(
             policy_chosen=pol.chosen,
             policy_rejected=pol.rejected,
-            chosen_tokens=pol.chosen_tokens.to(pol.chosen.device),
-            rejected_tokens=pol.rejected_tokens.to(pol.chosen.device),
-            ref_chosen=None if ref is None else ref[0],
-            ref_rejected=None if ref is None else ref[1],
+            chosen_tokens=pol.chosen_tokens.to(device),
+            rejected_tokens=pol.rejected_tokens.to(device),
+            ref_chosen=ref[0],
+            ref_rejected=ref[1],
+            policy_chosen_tail=None if tail is None else tail[0::2],
+            policy_rejected_tail=None if tail is None else tail[1::2],
+            ref_chosen_tail=ref[2] if ld_alpha is not None else None,
+            ref_rejected_tail=ref[3] if ld_alpha is not None else None,
         )
+        weights = None
+        if cfg.loss.use_weighting:
+            weights = wpo_weights(wpo_mean[0::2], wpo_mean[1::2]).to(device, dtype)
         out = preference_loss(logps, self.terms, beta=cfg.loss.beta, label_smoothing=cfg.loss.label_smoothing,
                               simpo_gamma=cfg.loss.simpo_gamma, bco_delta=step_state.get("bco_delta", 0.0),
                               discopop_tau=cfg.loss.discopop_tau, f_divergence_type=cfg.loss.f_divergence_type,
-                              f_alpha_divergence_coef=cfg.loss.f_alpha_divergence_coef)
+                              f_alpha_divergence_coef=cfg.loss.f_alpha_divergence_coef, ld_alpha=ld_alpha,
+                              pair_weights=weights)
         # Whether the policy itself ranks chosen above rejected (meaningful even when the reference equals it).
         out.metrics["logps/accuracies"] = (pol.chosen.detach() > pol.rejected.detach()).to(pol.chosen.dtype)
         if aux is not None and self.router_aux_loss_coef:

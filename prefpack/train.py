@@ -128,8 +128,7 @@ def evaluate(policy: nn.Module, reference: Reference, task: Task, *, module: nn.
     are dealt across them and the sums all-reduced.
     """
     if module is None:
-        module = SequenceLogps(policy, chunk_size=task.cfg.train.chunk_size,
-                               router_aux=bool(getattr(task, "router_aux_loss_coef", 0.0)))
+        module = SequenceLogps(policy, chunk_size=task.cfg.train.chunk_size, **task.forward_options())
     was_training = policy.training
     policy.eval()
     share = deal_step(task, np.arange(len(task)), seed=None, world=ctx.world, balance=balance)[ctx.rank]
@@ -271,8 +270,10 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
         if store is not None:
             check_lengths(store, what, policy, cfg.data.max_tokens_per_row if cfg.data.packing else None, log)
     reference.chunk_size = cfg.train.chunk_size
+    reference.pair_tails = cfg.loss.ld_alpha is not None  # LD-DPO weights the reference's sums too
     if reference.module is not None:
         reference.module.chunk_size = cfg.train.chunk_size
+        reference.module.pair_tails = reference.pair_tails
     pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     tokenizer = TokenizerHandle.of(tok, trust_remote_code=cfg.model.trust_remote_code)
     del tok  # loaded again to be saved with the final model; training needs only the ids
@@ -286,7 +287,8 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
         def table(store: Store):
             if mode != "precomputed":
                 return None
-            return read_sidecar(store.path / SIDECAR_NAME, store, reference_hash=expected)
+            return read_sidecar(store.path / SIDECAR_NAME, store, reference_hash=expected,
+                                need_tails=cfg.loss.ld_alpha is not None)
 
         train_task = PairTask(train_store, cfg, pad_id, ref_table=table(train_store))
         eval_task = PairTask(eval_store, cfg, pad_id, ref_table=table(eval_store)) if eval_store is not None else None
@@ -423,11 +425,12 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
     strategy = cfg.distributed.strategy
     chunk = setup.cfg.train.chunk_size
     mixed = setup.precision.compute if setup.precision.sharded_mixed else None
-    router_aux = bool(getattr(setup.train_task, "router_aux_loss_coef", 0.0))  # MoE: also return the aux loss
-    module = wrap(SequenceLogps(policy, chunk_size=chunk, router_aux=router_aux), policy, strategy, ctx,
+    options = setup.train_task.forward_options()  # MoE aux loss, LD-DPO tails, WPO means
+    module = wrap(SequenceLogps(policy, chunk_size=chunk, **options), policy, strategy, ctx,
                   trainable=True, compute_dtype=mixed)
     if reference.mode == "copy":
-        reference.module = wrap(SequenceLogps(reference.model, chunk_size=chunk), reference.model,
+        reference.module = wrap(SequenceLogps(reference.model, chunk_size=chunk,
+                                              pair_tails=options.get("pair_tails", False)), reference.model,
                                 strategy, ctx, trainable=False, compute_dtype=mixed)
     elif reference.mode == "adapter":
         reference.module = module

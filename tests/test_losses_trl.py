@@ -444,7 +444,7 @@ class _FakeStore:
 
 
 def _task(names, **loss):
-    params = {n: p.default for n, p in LOSS_PARAMS.items()} | {"f_divergence_type": "reverse_kl"} | loss
+    params = {n: p.default for n, p in LOSS_PARAMS.items()} | {"f_divergence_type": "reverse_kl", "use_weighting": False} | loss
     cfg = SimpleNamespace(loss=SimpleNamespace(terms=[SimpleNamespace(name=n, weight=1.0) for n in names], **params))
     return PairTask(_FakeStore(len(ROWS)), cfg, pad_id=0,
                     ref_table=(np.array([r[2] for r in ROWS]), np.array([r[3] for r in ROWS])))

@@ -73,6 +73,10 @@ def flags_for(case) -> list[str]:
     for key, value in case["settings"].items():
         if key in LOSS_PARAMS:
             flags += [LOSS_PARAMS[key].flag, repr(float(value))]
+        elif key == "use_weighting":
+            flags += ["--use-weighting" if value else "--no-use-weighting"]
+        elif key == "f_divergence_type":
+            flags += ["--f-divergence-type", value]
         elif key in case["reads"] and not case["trl_defaults"]:
             pytest.skip(f"{case['id']}: prefpack has no loss.{key} parameter to pass {TRL}'s {key}={value} "
                         f"({TRL} loss {case['loss']:.7f})")
@@ -105,7 +109,9 @@ def test_prefpack_eval_gives_trls_loss(case, store, capsys):
     got = prefpack_eval(store, capsys, name, flags_for(case), case["policy"])
     assert got["pairs"] == store["pairs"]
     diff = got["loss"] - case["loss"]
-    assert abs(diff) <= TOL, (
+    # WPO's weights make these losses tiny on the toy models (about 4e-5): also hold them to 0.1% of their value
+    tol = min(TOL, 1e-3 * abs(case["loss"])) if case["settings"].get("use_weighting") else TOL
+    assert abs(diff) <= tol, (
         f"{case['id']}: prefpack eval --loss {name} gives {got['loss']:.7f}, {TRL} gives {case['loss']:.7f} "
-        f"(float64: {case['loss_float64']:.7f}) with {case['policy']}; difference {diff:+.2e} > {TOL:g}. "
+        f"(float64: {case['loss_float64']:.7f}) with {case['policy']}; difference {diff:+.2e} > {tol:g}. "
         f"TRL's reduction: {case['reduction']}; settings {case['settings']} (TRL reads {case['reads']})")

@@ -32,6 +32,7 @@ from prefpack.losses.preference import (
     f_divergence_scores,
     hinge_loss,
     ipo_loss,
+    length_desensitised,
     needs_reference,
     nll_loss,
     orpo_loss,
@@ -40,6 +41,7 @@ from prefpack.losses.preference import (
     robust_loss,
     sigmoid_loss,
     simpo_loss,
+    wpo_weights,
 )
 
 __all__ = [
@@ -71,6 +73,7 @@ __all__ = [
     "ipo_loss",
     "kl_reference_point",
     "kto_loss",
+    "length_desensitised",
     "needs_reference",
     "nll_loss",
     "orpo_loss",
@@ -80,4 +83,5 @@ __all__ = [
     "sigmoid_loss",
     "simpo_loss",
     "unpaired_loss",
+    "wpo_weights",
 ]

@@ -58,6 +58,7 @@ __all__ = [
     "f_divergence_scores",
     "hinge_loss",
     "ipo_loss",
+    "length_desensitised",
     "nca_pair_loss",
     "needs_reference",
     "nll_loss",
@@ -70,6 +71,7 @@ __all__ = [
     "sigmoid_norm_loss",
     "simpo_loss",
     "sppo_hard_loss",
+    "wpo_weights",
 ]
 
 # ORPO's odds need log(1 - p) with p = exp(mean token log-prob); at p == 1 that is -inf and its gradient is
@@ -89,7 +91,9 @@ class PairLogps:
 
     ``policy_*`` / ``ref_*`` are sums of token log-probs over the completion only (prompt excluded).
     ``*_tokens`` are the completion token counts (int or float tensors). ``ref_*`` may be ``None`` when
-    only reference-free losses are used; they are given together or not at all.
+    only reference-free losses are used; they are given together or not at all. ``*_tail`` (LD-DPO only) are the
+    parts of those sums over the tokens past the shorter completion of the pair (``prefpack.forward``'s
+    ``tail_sum``).
     """
 
     policy_chosen: Tensor
@@ -98,6 +102,10 @@ class PairLogps:
     rejected_tokens: Tensor
     ref_chosen: Tensor | None = None
     ref_rejected: Tensor | None = None
+    policy_chosen_tail: Tensor | None = None
+    policy_rejected_tail: Tensor | None = None
+    ref_chosen_tail: Tensor | None = None
+    ref_rejected_tail: Tensor | None = None
 
     def __post_init__(self) -> None:
         if (self.ref_chosen is None) != (self.ref_rejected is None):
@@ -109,7 +117,8 @@ class PairLogps:
             raise ValueError(
                 f"PairLogps: expected 1-D [P] tensors, got policy_chosen of shape {tuple(shape)}"
             )
-        for name in ("policy_rejected", "chosen_tokens", "rejected_tokens", "ref_chosen", "ref_rejected"):
+        for name in ("policy_rejected", "chosen_tokens", "rejected_tokens", "ref_chosen", "ref_rejected",
+                     "policy_chosen_tail", "policy_rejected_tail", "ref_chosen_tail", "ref_rejected_tail"):
             value = getattr(self, name)
             if value is not None and value.shape != shape:
                 raise ValueError(
@@ -668,6 +677,24 @@ def _reward_kind(terms: Sequence[LossTerm], has_reference: bool) -> str:
     return "logratio" if has_reference else "logp"
 
 
+def length_desensitised(total: Tensor, tail: Tensor, alpha: float) -> Tensor:
+    """LD-DPO's log-prob (Liu et al. 2024, arXiv:2409.06411, Eq. 9; TRL 1.16's ``ld_alpha``): the tokens up to the
+    shorter completion's length count fully, the rest with weight ``alpha``:
+
+        logp_LD = sum_{t <= l_p} log p_t + alpha * sum_{t > l_p} log p_t = total - (1 - alpha) * tail
+
+    with ``l_p = min(|y_w|, |y_l|)`` of the pair and ``tail`` the sum over ``t > l_p``."""
+    return total - (1.0 - alpha) * tail
+
+
+def wpo_weights(chosen_mean: Tensor, rejected_mean: Tensor) -> Tensor:
+    """WPO's pair weight (Zhou et al. 2024, arXiv:2406.11827, Eq. 2, as TRL 1.16's ``use_weighting``): the product
+    of the chosen and rejected completions' ``exp(mean_t [log p_t - log sum_v p_v^2])`` (``prefpack.forward``'s
+    ``wpo_mean``; the probabilities renormalised by the policy's own sampling concentration). No gradient, no
+    clamp (TRL 1.16 has none)."""
+    return torch.exp(chosen_mean.detach() + rejected_mean.detach())
+
+
 def preference_loss(
     logps: PairLogps,
     terms: Sequence[LossTerm],
@@ -679,6 +706,8 @@ def preference_loss(
     discopop_tau: float = LOSS_PARAMS["discopop_tau"].default,
     f_divergence_type: str = "reverse_kl",
     f_alpha_divergence_coef: float = LOSS_PARAMS["f_alpha_divergence_coef"].default,
+    ld_alpha: float | None = None,
+    pair_weights: Tensor | None = None,
 ) -> LossOutput:
     """Weighted sum of the configured loss terms, per pair, plus detached per-pair metrics.
 
@@ -687,7 +716,13 @@ def preference_loss(
     ``sigmoid_ref_free``, ``simpo``, ``aot``, ``aot_unpaired`` (cDPO smoothing), ``robust`` (flip rate) and
     ``exo_pair`` (target mass on the rejected completion); ``simpo_gamma`` is SimPO's absolute margin;
     ``bco_delta`` is the caller-owned running reward mean for ``bco_pair_running`` (``bco_pair`` ignores it);
-    ``discopop_tau`` is DiscoPOP's temperature. ``f_divergence_type`` (``F_DIVERGENCES``) replaces the log-ratios
+    ``discopop_tau`` is DiscoPOP's temperature. ``ld_alpha`` (LD-DPO, :func:`length_desensitised`) replaces every
+    policy and reference sum by its length-desensitised form (the ``*_tail`` fields are then required) in every term
+    except ``nll`` and ``sft``, which stay token means of the plain sums (as TRL's ``sft`` reads raw token log-probs).
+    ``pair_weights`` (WPO, :func:`wpo_weights`, detached) multiply each pair's total; for ``sft``, whose TRL value is
+    one scalar per micro-batch, they multiply that scalar (so the micro-batch mean is TRL's ``mean(w) * sft``).
+    ``loss/<name>`` metrics are the terms as weighted; ``wpo/weight`` is logged when weights are given.
+    ``f_divergence_type`` (``F_DIVERGENCES``) replaces the log-ratios
     by their f-DPO scores ``f_divergence_scores`` in the terms that TRL 1.16 generalises (``F_DIVERGENCE_LOSSES``);
     with any other term (except the reference-free auxiliary ``nll``/``sft``) a value other than ``reverse_kl``
     raises. ``f_alpha_divergence_coef`` is alpha of ``alpha_divergence``. Reward metrics stay beta * log-ratio.
@@ -728,10 +763,33 @@ def preference_loss(
 
     pc, pr = logps.policy_chosen, logps.policy_rejected
     nc, nr = logps.chosen_tokens, logps.rejected_tokens
+    plain_chosen = pc
+    ref_chosen, ref_rejected = logps.ref_chosen, logps.ref_rejected
+    if ld_alpha is not None:
+        if not (math.isfinite(ld_alpha) and 0.0 <= ld_alpha <= 1.0):
+            raise ValueError(f"ld_alpha must be in [0, 1], got {ld_alpha}")
+        tails = [logps.policy_chosen_tail, logps.policy_rejected_tail]
+        if logps.has_reference:
+            tails += [logps.ref_chosen_tail, logps.ref_rejected_tail]
+        if any(t is None for t in tails):
+            raise ValueError("ld_alpha needs the tail sums of every policy (and reference) log-prob in PairLogps")
+        pc = length_desensitised(pc, logps.policy_chosen_tail, ld_alpha)
+        pr = length_desensitised(pr, logps.policy_rejected_tail, ld_alpha)
+        if logps.has_reference:
+            ref_chosen = length_desensitised(ref_chosen, logps.ref_chosen_tail, ld_alpha)
+            ref_rejected = length_desensitised(ref_rejected, logps.ref_rejected_tail, ld_alpha)
+    if pair_weights is not None:
+        if pair_weights.shape != pc.shape:
+            raise ValueError(f"pair_weights has shape {tuple(pair_weights.shape)}, expected {tuple(pc.shape)}")
+        sorting = [name for name in names if name in ("aot", "aot_unpaired")]
+        if sorting:
+            raise ValueError(f"pair weights (WPO) cannot weight {', '.join(sorting)}: those losses sort the pairs, "
+                             "so a pair's weight would meet another pair's loss")
+        pair_weights = pair_weights.detach().to(pc.dtype)
     if logps.has_reference:
-        assert logps.ref_chosen is not None and logps.ref_rejected is not None
-        chosen_lr = pc - logps.ref_chosen.detach()
-        rejected_lr = pr - logps.ref_rejected.detach()
+        assert ref_chosen is not None and ref_rejected is not None
+        chosen_lr = pc - ref_chosen.detach()
+        rejected_lr = pr - ref_rejected.detach()
     else:
         chosen_lr = rejected_lr = None
     chosen_score, rejected_score = chosen_lr, rejected_lr  # reverse_kl: the log-ratios themselves
@@ -741,16 +799,20 @@ def preference_loss(
 
     inputs = PairInputs(pc, pr, nc, nr, chosen_lr, rejected_lr, beta=beta, label_smoothing=label_smoothing,
                         simpo_gamma=simpo_gamma, bco_delta=bco_delta, discopop_tau=discopop_tau,
-                        ref_chosen=None if logps.ref_chosen is None else logps.ref_chosen.detach(),
-                        ref_rejected=None if logps.ref_rejected is None else logps.ref_rejected.detach(),
-                        chosen_score=chosen_score, rejected_score=rejected_score)
+                        ref_chosen=None if ref_chosen is None else ref_chosen.detach(),
+                        ref_rejected=None if ref_rejected is None else ref_rejected.detach(),
+                        chosen_score=chosen_score, rejected_score=rejected_score, policy_chosen_plain=plain_chosen)
     total = torch.zeros_like(pc)
     metrics: dict[str, Tensor] = {}
     for term in terms:
         name = term.name
         value = PAIR_LOSSES[name].compute(inputs)
+        if pair_weights is not None:
+            value = pair_weights * (value.mean() if PAIR_LOSSES[name].micro_batch_scalar else value)
         total = total + term.weight * value
         metrics[f"loss/{name}"] = value.detach()
+    if pair_weights is not None:
+        metrics["wpo/weight"] = pair_weights
 
     with torch.no_grad():
         kind = _reward_kind(terms, logps.has_reference)
@@ -767,7 +829,7 @@ def preference_loss(
         metrics["rewards/accuracies"] = (chosen_reward > rejected_reward).to(pc.dtype)
         metrics["logps/chosen"] = pc.detach()
         metrics["logps/rejected"] = pr.detach()
-        metrics["nll"] = (-pc / nc.clamp(min=1).to(pc.dtype)).detach()
+        metrics["nll"] = (-plain_chosen / nc.clamp(min=1).to(pc.dtype)).detach()
     return LossOutput(loss=total, metrics=metrics)
 
 
@@ -799,11 +861,15 @@ class PairInputs:
     # f-DPO scores f'(pi/ref) of the log-ratios (``f_divergence_scores``); the log-ratios under reverse_kl
     chosen_score: Tensor | None = None
     rejected_score: Tensor | None = None
+    # the chosen sum without LD-DPO's weighting (``nll`` and ``sft`` are token means of it); policy_chosen otherwise
+    policy_chosen_plain: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.chosen_score is None and self.rejected_score is None:  # reverse_kl: the log-ratios themselves
             object.__setattr__(self, "chosen_score", self.chosen_logratio)
             object.__setattr__(self, "rejected_score", self.rejected_logratio)
+        if self.policy_chosen_plain is None:
+            object.__setattr__(self, "policy_chosen_plain", self.policy_chosen)
 
 
 @dataclass(frozen=True)
@@ -817,7 +883,8 @@ class PairLossSpec:
     in it (a sort, a token mean over the call), so the loss depends on how pairs are split into micro-batches.
     ``f_divergence``: it is built on the chosen - rejected reward difference and reads the f-DPO scores
     (``PairInputs.chosen_score``) in place of the log-ratios, so ``loss.f_divergence_type`` applies to it (TRL 1.16's
-    list: sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, discopop).
+    list: sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, discopop). ``micro_batch_scalar``: TRL's value is
+    one scalar per micro-batch spread over its pairs (``sft``), so WPO's pair weights multiply that scalar.
     """
 
     name: str
@@ -829,6 +896,7 @@ class PairLossSpec:
     summary: str = ""
     batch_coupled: bool = False
     f_divergence: bool = False
+    micro_batch_scalar: bool = False
 
 
 PAIR_LOSSES: dict[str, PairLossSpec] = {}
@@ -875,7 +943,7 @@ for _spec in (
     PairLossSpec("orpo", lambda x: orpo_loss(x.policy_chosen, x.policy_rejected, x.chosen_tokens,
                                              x.rejected_tokens, x.beta),
                  False, "mean_logp", length_normalised=True, summary="ORPO (includes its NLL)"),
-    PairLossSpec("nll", lambda x: nll_loss(x.policy_chosen, x.chosen_tokens), False, None, (),
+    PairLossSpec("nll", lambda x: nll_loss(x.policy_chosen_plain, x.chosen_tokens), False, None, (),
                  length_normalised=True, summary="NLL of the chosen completion (RPO with sigmoid)"),
     PairLossSpec("exo_pair", lambda x: exo_pair_loss(x.chosen_score, x.rejected_score, x.beta,
                                                      x.label_smoothing),
@@ -901,8 +969,8 @@ for _spec in (
                                                              x.chosen_tokens, x.rejected_tokens, x.beta),
                  True, "logratio", length_normalised=True, summary="DPO on per-token log-ratios",
                  f_divergence=True),
-    PairLossSpec("sft", lambda x: sft_loss(x.policy_chosen, x.chosen_tokens), False, None, (),
-                 length_normalised=True, batch_coupled=True,
+    PairLossSpec("sft", lambda x: sft_loss(x.policy_chosen_plain, x.chosen_tokens), False, None, (),
+                 length_normalised=True, batch_coupled=True, micro_batch_scalar=True,
                  summary="chosen NLL as one token mean over the micro-batch (TRL's sft)"),
 ):
     register_pair_loss(_spec)

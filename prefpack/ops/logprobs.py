@@ -81,12 +81,13 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, targets, chunk_size, scale, softcap):
+    def forward(ctx, h, weight, bias, targets, chunk_size, scale, softcap, with_log_sum_sq):
         mm_dtype = _matmul_dtype(h, weight)
         out_dtype = _out_dtype(mm_dtype)
         n = h.shape[0]
         logp = torch.empty(n, dtype=out_dtype, device=h.device)
         lse = torch.empty(n, dtype=out_dtype, device=h.device)
+        log_sum_sq = torch.empty(n if with_log_sum_sq else 0, dtype=out_dtype, device=h.device)
         with torch.autocast(h.device.type, enabled=False):
             w, b = _cast(weight, mm_dtype), _cast(bias, mm_dtype)
             for s in range(0, n, chunk_size):
@@ -96,15 +97,21 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
                 # logsumexp in place (torch.logsumexp would allocate a second chunk-sized temporary)
                 m = z.amax(dim=1, keepdim=True)
                 m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-                lse[s:e] = z.sub_(m).exp_().sum(dim=1).log_().add_(m.squeeze(1))
+                scaled = z.sub_(m).exp_()  # exp(z - m), in place
+                log_total = scaled.sum(dim=1).log_()
+                lse[s:e] = log_total + m.squeeze(1)
+                if with_log_sum_sq:
+                    # log sum_v p_v^2 = 2 log ||exp(z - m)|| - 2 log sum exp(z - m); the norm needs no temporary
+                    log_sum_sq[s:e] = 2.0 * (torch.linalg.vector_norm(scaled, dim=1).log_() - log_total)
                 logp[s:e] = target_z - lse[s:e]
-                del z
+                del z, scaled
         ctx.save_for_backward(h, weight, bias, targets, lse)
         ctx.chunk_size, ctx.scale, ctx.softcap, ctx.mm_dtype = chunk_size, scale, softcap, mm_dtype
-        return logp
+        ctx.mark_non_differentiable(log_sum_sq)
+        return logp, log_sum_sq
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_log_sum_sq):
         h, weight, bias, targets, lse = ctx.saved_tensors
         chunk_size, scale, softcap, mm_dtype = ctx.chunk_size, ctx.scale, ctx.softcap, ctx.mm_dtype
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -153,7 +160,7 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
             grad_w = grad_w.to(weight.dtype)
         if need_b:
             grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def completion_logprobs(
@@ -166,7 +173,8 @@ def completion_logprobs(
     scale: float = 1.0,
     softcap: float | None = None,
     max_chunk_elements: int | None = None,
-) -> torch.Tensor:
+    with_log_sum_sq: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-position ``log p(target)`` from gathered hidden states.
 
     ``hidden`` [N, H] must already be gathered at the positions whose next token is a completion token
@@ -179,6 +187,9 @@ def completion_logprobs(
     ``MAX_CHUNK_ELEMENTS`` on CPU and none on accelerators, whose chunk size is sized to their memory
     (``prefpack.budgets``): small chunks there leave the device waiting on small kernels. The result is float32
     (float64 for float64 inputs); logsumexp is always computed in that precision, also for bf16 models.
+
+    ``with_log_sum_sq`` also returns, without gradient, ``log sum_v p_v^2`` per position (WPO's weight needs it,
+    Zhou et al. 2024 Eq. 2; TRL's ``log_sum_sq_probs``), computed from the same chunk of logits.
     """
     if hidden.ndim != 2 or targets.ndim != 1 or hidden.shape[0] != targets.shape[0]:
         raise ValueError(
@@ -194,7 +205,7 @@ def completion_logprobs(
         raise ValueError(f"max_chunk_elements must be >= 1, got {max_chunk_elements}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive, got {softcap}")
-    return _ChunkedTokenLogprob.apply(
+    logp, log_sum_sq = _ChunkedTokenLogprob.apply(
         hidden,
         weight,
         bias,
@@ -202,7 +213,9 @@ def completion_logprobs(
         chunk_rows(chunk_size, weight.shape[0], max_chunk_elements),
         float(scale),
         None if softcap is None else float(softcap),
+        bool(with_log_sum_sq),
     )
+    return (logp, log_sum_sq) if with_log_sum_sq else logp
 
 
 def segment_sum(values: torch.Tensor, index: torch.Tensor, num_segments: int) -> torch.Tensor:

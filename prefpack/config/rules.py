@@ -1,0 +1,211 @@
+"""Value rules of a config: what ``Config.validate()`` refuses and what ``Config.warnings()`` points out.
+
+Apart from the schema because they read several sections at once (and the loss registry), and grow with every
+loss and option; parsing (``io``) only checks keys and types.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+
+from prefpack.config.schema import Config, ConfigError
+
+
+def validate(cfg: Config, *, training: bool = True) -> None:
+    """``Config.validate``: raise one ``ConfigError`` listing every problem of ``cfg``."""
+    problems = _problems(cfg, training=training)
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def warnings(cfg: Config) -> list[str]:
+    """``Config.warnings``: allowed but probably unintended settings, for the CLI to print."""
+    out = []
+    if cfg.reference.mode != "none" and cfg.loss.terms and not cfg.needs_reference():
+        out.append(
+            f"reference.mode is {cfg.reference.mode!r} but no loss term reads the reference "
+            f"({', '.join(t.name for t in cfg.loss.terms)}); reference.mode=none saves memory and time"
+        )
+    ref = cfg.reference
+    if not ref.sync and (ref.mixup_alpha != 0.6 or ref.sync_steps != 512):
+        out.append("reference.mixup_alpha / reference.sync_steps are set but reference.sync is false, so the "
+                   "reference is never synced; set reference.sync=true to use them")
+    return out
+
+
+def _problems(cfg: Config, *, training: bool) -> list[str]:
+    errs: list[str] = []
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            errs.append(msg)
+
+    def positive(path: str, x: float) -> None:
+        if not math.isfinite(x):
+            errs.append(f"{path} must be a finite number, got {x}")
+        else:
+            need(x > 0, f"{path} must be > 0, got {x}")
+
+    def at_least(path: str, x: int, low: int) -> None:
+        need(x >= low, f"{path} must be >= {low}, got {x}")
+
+    m, d, lo, ref, lora, opt, tr, run = (
+        cfg.model, cfg.data, cfg.loss, cfg.reference, cfg.lora, cfg.optim, cfg.train, cfg.run
+    )
+    if training:
+        need(bool(m.name_or_path), "model.name_or_path is required: a local model folder or a hub id")
+        need(bool(d.train), "data.train is required: a store folder written by `prefpack prepare`")
+    need(not (tr.device == "cpu" and m.attn_implementation == "flash_attention_2"),
+         "model.attn_implementation 'flash_attention_2' needs CUDA but train.device is 'cpu'")
+    need(not (opt.master_dtype == "bfloat16" and m.dtype == "float32"),
+         "optim.master_dtype bfloat16 with model.dtype float32 would compute in float32 on bfloat16 weights; "
+         "set model.dtype=bfloat16 (pure bfloat16) or leave optim.master_dtype at auto")
+
+    if d.max_tokens_per_row != "auto":
+        at_least("data.max_tokens_per_row", d.max_tokens_per_row, 2)
+    if d.pad_to_multiple_of is not None:
+        at_least("data.pad_to_multiple_of", d.pad_to_multiple_of, 1)
+
+    _loss_problems(cfg, errs)
+    positive("loss.beta", lo.beta)
+    need(0.0 <= lo.label_smoothing < 0.5, f"loss.label_smoothing must be in [0, 0.5), got {lo.label_smoothing}")
+    need(math.isfinite(lo.simpo_gamma), f"loss.simpo_gamma must be finite, got {lo.simpo_gamma}")
+    positive("loss.discopop_tau", lo.discopop_tau)
+    need(math.isfinite(lo.f_alpha_divergence_coef),
+         f"loss.f_alpha_divergence_coef must be finite, got {lo.f_alpha_divergence_coef}")
+    if lo.ld_alpha is not None:
+        need(math.isfinite(lo.ld_alpha) and 0.0 <= lo.ld_alpha <= 1.0,
+             f"loss.ld_alpha must be in [0, 1] (or null = off), got {lo.ld_alpha}")
+    if any(t.name == "exo_pair" for t in lo.terms):
+        need(lo.label_smoothing > 0, "loss exo_pair needs loss.label_smoothing > 0 (its epsilon; TRL uses 1e-3)")
+    positive("loss.desirable_weight", lo.desirable_weight)
+    positive("loss.undesirable_weight", lo.undesirable_weight)
+    if lo.router_aux_loss_coef is not None:
+        need(math.isfinite(lo.router_aux_loss_coef) and lo.router_aux_loss_coef >= 0,
+             f"loss.router_aux_loss_coef must be finite and >= 0 (or null = the model config's), "
+             f"got {lo.router_aux_loss_coef}")
+
+    if ref.mode == "adapter" and not lora.enabled:
+        errs.append("reference.mode 'adapter' uses the base model under a LoRA adapter; set lora.enabled=true "
+                    "or use reference.mode 'copy'")
+    if ref.model is not None and ref.mode in ("adapter", "none"):
+        errs.append(f"reference.model is only used with reference.mode 'copy' or 'precomputed', "
+                    f"not {ref.mode!r}; remove it")
+    if ref.sync:
+        if ref.mode != "copy":
+            errs.append(f"reference.sync (TR-DPO) moves a reference model towards the policy, so it needs "
+                        f"reference.mode 'copy', not {ref.mode!r}" + {
+                            "precomputed": " (precomputed log-probs would be stale after the first sync)",
+                            "adapter": " (the adapter-off policy is no separate model to update)",
+                            "none": " (there is no reference)"}.get(ref.mode, ""))
+        elif lora.enabled:
+            errs.append("reference.sync with lora.enabled is not supported (as in TRL): the synced reference would "
+                        "need the merged adapter; set reference.sync=false or train all weights")
+        elif cfg.loss.terms and not cfg.needs_reference():
+            errs.append("reference.sync is set but no loss term reads the reference; set reference.sync=false")
+        need(math.isfinite(ref.mixup_alpha) and 0.0 < ref.mixup_alpha <= 1.0,
+             f"reference.mixup_alpha must be in (0, 1], got {ref.mixup_alpha}")
+        at_least("reference.sync_steps", ref.sync_steps, 1)
+
+    at_least("lora.r", lora.r, 1)
+    positive("lora.alpha", lora.alpha)
+    need(0.0 <= lora.dropout < 1.0, f"lora.dropout must be in [0, 1), got {lora.dropout}")
+    tm = lora.target_modules
+    need(bool(tm) and (isinstance(tm, str) or all(tm)),
+         "lora.target_modules must be 'all-linear' or a non-empty list of non-empty module names")
+
+    positive("optim.lr", opt.lr)
+    need(math.isfinite(opt.weight_decay) and opt.weight_decay >= 0,
+         f"optim.weight_decay must be >= 0, got {opt.weight_decay}")
+    need(all(0.0 <= b < 1.0 for b in opt.betas), f"optim.betas must each be in [0, 1), got {list(opt.betas)}")
+    positive("optim.eps", opt.eps)
+    at_least("optim.warmup_steps", opt.warmup_steps, 0)
+    need(0.0 <= opt.warmup_ratio < 1.0, f"optim.warmup_ratio must be in [0, 1), got {opt.warmup_ratio}")
+    if opt.max_grad_norm is not None:
+        positive("optim.max_grad_norm", opt.max_grad_norm)
+
+    at_least("train.global_batch_pairs", tr.global_batch_pairs, 1)
+    if tr.micro_batch_tokens != "auto":
+        at_least("train.micro_batch_tokens", tr.micro_batch_tokens, 2)
+    positive("train.epochs", tr.epochs)
+    if tr.max_steps is not None:
+        at_least("train.max_steps", tr.max_steps, 1)
+    need(0 <= tr.seed < 2**32, f"train.seed must be in [0, 2**32), got {tr.seed}")
+    if tr.chunk_size != "auto":
+        at_least("train.chunk_size", tr.chunk_size, 1)
+
+    need(bool(run.output_dir), "run.output_dir must not be empty")
+    at_least("run.log_every", run.log_every, 1)
+    at_least("run.eval_every", run.eval_every, 0)
+    at_least("run.save_every", run.save_every, 0)
+    at_least("run.keep_checkpoints", run.keep_checkpoints, 1)
+    need("none" not in run.report_to or run.report_to in ("none", ["none"]) and not run.tensorboard,
+         f"run.report_to {run.report_to!r}: 'none' turns TensorBoard and W&B off, so it must be alone and not "
+         "with run.tensorboard=true (metrics.jsonl is always written)")
+    if run.eval_every > 0 and d.eval is None:
+        errs.append(f"run.eval_every is {run.eval_every} but data.eval is null; set data.eval or eval_every=0")
+    return errs
+
+
+def _loss_problems(cfg: Config, errs: list[str]) -> None:
+    from prefpack.losses import PAIR_LOSSES, UNPAIRED_LOSS_NAMES
+
+    terms = cfg.loss.terms
+    valid = (*PAIR_LOSSES, *UNPAIRED_LOSS_NAMES)
+    reference_free = sorted(n for n, spec in PAIR_LOSSES.items() if not spec.needs_reference)
+    if not terms:
+        errs.append(f"loss.terms is empty; give at least one of: {', '.join(valid)}")
+        return
+    names = [t.name for t in terms]
+    for i, t in enumerate(terms):
+        if t.name not in valid:
+            hint = difflib.get_close_matches(t.name, valid, n=1)
+            did = f" (did you mean {hint[0]!r}?)" if hint else ""
+            errs.append(f"loss.terms[{i}].name: unknown loss {t.name!r}{did}; valid: {', '.join(valid)}")
+        if not (math.isfinite(t.weight) and t.weight >= 0):
+            errs.append(f"loss.terms[{i}].weight must be finite and >= 0, got {t.weight}")
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        errs.append(f"loss.terms lists {', '.join(dupes)} more than once; merge their weights")
+    if all(t.weight == 0 for t in terms):
+        errs.append("every loss.terms weight is 0, so nothing would train")
+    unpaired = [n for n in names if n in UNPAIRED_LOSS_NAMES]
+    if unpaired and len(names) > 1:
+        errs.append(f"loss.terms: {', '.join(unpaired)} (KTO family, unpaired examples) must be the only term, "
+                    f"got {', '.join(names)}")
+    if cfg.data.paired_as_kto and not unpaired:
+        errs.append(f"data.paired_as_kto reads pairs as KTO examples but loss.terms has no unpaired loss; use "
+                    f"loss.terms=[{{name: kto}}] (or {', '.join(UNPAIRED_LOSS_NAMES[1:])}) or paired_as_kto=false")
+    if unpaired and (cfg.loss.ld_alpha is not None or cfg.loss.use_weighting):
+        on = [k for k, v in (("ld_alpha", cfg.loss.ld_alpha is not None), ("use_weighting", cfg.loss.use_weighting))
+              if v]
+        errs.append(f"loss.{' and loss.'.join(on)} weight(s) a pair's chosen and rejected completions against each "
+                    f"other (TRL's DPOConfig, not KTOConfig); {', '.join(unpaired)} has no pairs: remove "
+                    f"{'them' if len(on) > 1 else 'it'}")
+    sorting = [n for n in names if n in ("aot", "aot_unpaired")]
+    if cfg.loss.use_weighting and sorting:
+        errs.append(f"loss.use_weighting (WPO) cannot weight {', '.join(sorting)}: those losses sort the pairs of a "
+                    "micro-batch, so a pair's weight would meet another pair's loss (TRL 1.16 refuses it too)")
+    if "kto" in unpaired and cfg.reference.mode == "precomputed" and cfg.loss.kl_pairing != "fixed":
+        errs.append("reference.mode 'precomputed' with loss 'kto' needs loss.kl_pairing=fixed: with step pairing "
+                    "an example's KL partner depends on its optimizer step, so no sidecar can hold its reference "
+                    "KL log-prob (fixed pairing gives each example one seeded partner that precompute-ref scores)")
+    with_ref = [n for n in names if n in valid and n not in reference_free]
+    if cfg.loss.f_divergence_type != "reverse_kl":
+        from prefpack.losses import F_DIVERGENCE_COMPATIBLE, F_DIVERGENCE_LOSSES
+
+        refused = [n for n in names if n not in F_DIVERGENCE_COMPATIBLE]
+        if refused:
+            errs.append(f"loss.f_divergence_type {cfg.loss.f_divergence_type!r} works only with the losses "
+                        f"{', '.join(sorted(F_DIVERGENCE_LOSSES))} (TRL 1.16's list; nll and sft may be added): "
+                        f"{', '.join(refused)} {'has' if len(refused) == 1 else 'have'} no f-divergence form; use "
+                        f"loss.f_divergence_type=reverse_kl with {'it' if len(refused) == 1 else 'them'}")
+    if cfg.reference.mode == "none" and with_ref:
+        errs.append(
+            f"reference.mode is 'none' but loss {', '.join(repr(n) for n in with_ref)} needs a reference; "
+            f"use reference.mode 'copy' (or 'adapter'/'precomputed') or only reference-free losses "
+            f"({', '.join(reference_free)})"
+        )

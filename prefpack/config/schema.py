@@ -1,0 +1,221 @@
+"""The config tree itself: typed sections with their choices, defaults and one-line help.
+
+Apart from the value rules (``rules``) and from reading and writing YAML (``io``), so that a new field is
+one line here; ``io`` reads the annotations, ``save_config`` writes the help as comments.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from prefpack.loss_params import LOSS_PARAMS
+
+
+class ConfigError(ValueError):
+    """A config file, override or value is wrong; the message names the dotted key and what was expected."""
+
+
+ConfigError.__module__ = "prefpack.config"  # where users import it from (and what tracebacks name)
+
+
+def _f(default: Any, help: str) -> Any:
+    """A dataclass field with a one-line ``help`` (also written as a comment by ``save_config``)."""
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def _param(name: str) -> Any:
+    """A ``loss.*`` field from the one table of loss parameters (prefpack.loss_params)."""
+    p = LOSS_PARAMS[name]
+    return _f(p.default, p.help)
+
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+AttnImpl = Literal["auto", "sdpa", "packed_sdpa", "varlen", "eager", "flash_attention_2"]
+MasterDType = Literal["auto", "float32", "bfloat16"]
+SaveDType = Literal["auto", "float32", "bfloat16"]
+Budget = int | Literal["auto"]
+ReferenceMode = Literal["copy", "adapter", "precomputed", "none"]
+KLPairing = Literal["step", "fixed"]
+FDivergence = Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"]  # losses.F_DIVERGENCES
+Schedule = Literal["cosine", "linear", "constant"]
+Device = Literal["auto", "cpu", "cuda"]
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str | None = _f(None, "policy weights: local folder or hub id (required for train)")
+    tokenizer: str | None = _f(None, "tokenizer folder; null = the model's own, else the store's copy")
+    dtype: DType = _f("auto", "compute dtype; auto = float32 on CPU, bfloat16 on CUDA (float32 master weights, "
+                      "see optim.master_dtype)")
+    attn_implementation: AttnImpl = _f(
+        "auto", "attention kernel: auto = packed_sdpa on CPU; on CUDA flash_attention_2 if installed, else torch's "
+        "varlen (half-precision compute), else sdpa")
+    trust_remote_code: bool = _f(False, "allow custom model code from the hub")
+    allow_tokenizer_mismatch: bool = _f(False, "train even if the store was tokenised by another tokenizer")
+    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+
+
+@dataclass
+class DataConfig:
+    train: str | None = _f(None, "prepared store folder to train on (required for train)")
+    eval: str | None = _f(None, "prepared held-out store folder; null = no evaluation")
+    packing: bool = _f(True, "pack several pairs into each row; false = one padded pair per row")
+    max_tokens_per_row: Budget = _f("auto", "row length budget in tokens when packing; auto = 2048 on CPU, "
+                                    "sized from the device on CUDA")
+    pad_to_multiple_of: int | None = _f(None, "pad row length up to a multiple of this; null = no rounding")
+    shuffle: bool = _f(True, "shuffle pairs every epoch (seeded by train.seed)")
+    paired_as_kto: bool = _f(False, "KTO on a pair store: chosen = desirable, rejected = undesirable")
+
+
+@dataclass
+class LossTermConfig:
+    name: str = field(metadata={"help": "loss name, see prefpack.losses.PAIR_LOSSES (and kto, apo_zero_unpaired)"})
+    weight: float = _f(1.0, "multiplier of this term in the total loss (0 = log only)")
+
+
+@dataclass
+class LossConfig:
+    terms: list[LossTermConfig] = field(
+        default_factory=lambda: [LossTermConfig("sigmoid", 1.0)],
+        metadata={"help": "weighted loss terms summed into the training loss"},
+    )
+    beta: float = _param("beta")
+    label_smoothing: float = _param("label_smoothing")
+    simpo_gamma: float = _param("simpo_gamma")
+    discopop_tau: float = _param("discopop_tau")
+    # a choice, not a float, so not a row of LOSS_PARAMS (prefpack eval takes it from --config)
+    f_divergence_type: FDivergence = _f(
+        "reverse_kl", "f-DPO regulariser (TRL's f_divergence_type): reverse_kl = plain DPO, forward_kl, js_divergence, "
+        "alpha_divergence; other than reverse_kl only with sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, "
+        "discopop (+ nll, sft)")
+    f_alpha_divergence_coef: float = _param("f_alpha_divergence_coef")
+    ld_alpha: float | None = _param("ld_alpha")
+    # a switch, not a float, so not a row of LOSS_PARAMS (prefpack eval has --use-weighting)
+    use_weighting: bool = _f(False, "WPO (Zhou et al. 2024, arXiv:2406.11827; TRL's use_weighting): weight each pair's "
+                             "loss by exp(mean token log p - log sum p^2) of chosen times that of rejected, from the "
+                             "policy, without gradient; not with aot/aot_unpaired; pair losses only")
+    desirable_weight: float = _param("desirable_weight")
+    undesirable_weight: float = _param("undesirable_weight")
+    router_aux_loss_coef: float | None = _param("router_aux_loss_coef")
+    kl_pairing: KLPairing = _f("step", "KTO KL partners: step = from the same step, fixed = seeded per store")
+
+
+@dataclass
+class ReferenceConfig:
+    mode: ReferenceMode = _f("copy", "copy = frozen copy, adapter = LoRA base, precomputed = from store, none")
+    model: str | None = _f(None, "reference weights for copy/precomputed; null = model.name_or_path")
+    sync: bool = _f(False, "TR-DPO (TRL's sync_ref_model): every sync_steps optimizer steps the reference becomes "
+                    "mixup_alpha * policy + (1 - mixup_alpha) * reference; mode copy only, no LoRA")
+    mixup_alpha: float = _f(0.6, "TR-DPO alpha in (0, 1] (TRL's ref_model_mixup_alpha); 1 = copy the policy")
+    sync_steps: int = _f(512, "TR-DPO tau: sync after every sync_steps-th optimizer step (TRL's ref_model_sync_steps)")
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = _f(False, "train LoRA adapters instead of all weights (needs peft)")
+    r: int = _f(8, "adapter rank")
+    alpha: int = _f(16, "adapter scaling numerator (scale = alpha / r)")
+    dropout: float = _f(0.0, "dropout on the adapter input")
+    target_modules: str | list[str] = _f("all-linear", "modules to adapt: 'all-linear' or a list of names")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(5.0e-7, "peak learning rate (AdamW)")
+    weight_decay: float = _f(0.0, "AdamW decoupled weight decay")
+    betas: tuple[float, float] = _f((0.9, 0.999), "AdamW moment decay rates")
+    eps: float = _f(1.0e-8, "AdamW denominator epsilon")
+    schedule: Schedule = _f("cosine", "learning-rate decay after warmup")
+    warmup_steps: int = _f(0, "linear warmup steps")
+    warmup_ratio: float = _f(0.0, "warmup as a fraction of all steps, used when warmup_steps is 0")
+    max_grad_norm: float | None = _f(1.0, "clip the global gradient norm to this; null = no clipping")
+    master_dtype: MasterDType = _f(
+        "auto", "dtype of the trained weights and optimizer state; auto = float32 (bfloat16 loses updates "
+        "smaller than half a bf16 ulp, most of them at DPO learning rates)")
+
+
+@dataclass
+class TrainConfig:
+    global_batch_pairs: int = _f(8, "pairs (KTO: examples) per optimizer step (over all micro-batches and ranks)")
+    micro_batch_tokens: Budget = _f("auto", "token budget of one micro-batch (all its rows); auto = 4096 on CPU, "
+                                    "sized from free memory and the model on CUDA")
+    epochs: float = _f(1.0, "passes over the training store (fractions allowed)")
+    max_steps: int | None = _f(None, "optimizer steps to run; overrides epochs when set")
+    seed: int = _f(0, "seed for shuffling, dropout and initialisation")
+    chunk_size: Budget = _f("auto", "tokens per chunk of the memory-bounded log-softmax; auto = 1024 on CPU, "
+                            "sized from the device on CUDA")
+    device: Device = _f("auto", "auto = cuda when available, else cpu")
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = _f("runs/prefpack", "folder for checkpoints, metrics and the final model")
+    log_every: int = _f(1, "log train metrics every N optimizer steps")
+    eval_every: int = _f(0, "evaluate every N steps; 0 = only at the end")
+    save_every: int = _f(0, "checkpoint every N steps; 0 = only the final model")
+    keep_checkpoints: int = _f(2, "how many most recent checkpoints to keep")
+    report_to: Literal["tensorboard", "wandb", "none"] | list[Literal["tensorboard", "wandb", "none"]] = _f(
+        ["tensorboard"], "where metrics go besides metrics.jsonl (always written): tensorboard (when installed), "
+        "wandb (pip install 'prefpack[wandb]'), none")
+    wandb_project: str = _f("prefpack", "W&B project when report_to has wandb (run name = the run folder's name)")
+    tensorboard: bool | None = _f(None, "older switch: true adds tensorboard to report_to, false removes it, "
+                                  "null = report_to decides")
+    plot: bool = _f(True, "write curves.png at the end")
+    save_dtype: SaveDType = _f("auto", "dtype of the final model; auto = the dtype of the source checkpoint")
+
+
+Strategy = Literal["ddp", "fsdp2"]
+Balance = Literal["tokens", "count"]
+
+
+@dataclass
+class DistributedConfig:
+    strategy: Strategy = _f("ddp", "under torchrun: ddp (model fits one device) or fsdp2 (shard it)")
+    balance: Balance = _f("tokens", "ranks get micro-batches balanced by tokens, or equal pair counts packed per rank (count)")
+
+
+@dataclass
+class Config:
+    """The whole resolved config of one run. ``validate()`` before training."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def loss_terms(self) -> list:
+        """The terms as ``prefpack.losses.LossTerm`` objects (imports torch, hence lazily)."""
+        from prefpack.losses import LossTerm
+
+        return [LossTerm(t.name, float(t.weight)) for t in self.loss.terms]
+
+    def needs_reference(self) -> bool:
+        """Whether any loss term reads reference log-probs."""
+        from prefpack.losses import PAIR_LOSSES
+
+        return any(t.name not in PAIR_LOSSES or PAIR_LOSSES[t.name].needs_reference for t in self.loss.terms)
+
+    def validate(self, *, training: bool = True) -> None:
+        """Check values and cross-field rules; raise one ``ConfigError`` listing every problem found.
+
+        ``training=False`` skips the keys only ``train`` needs (``model.name_or_path``, ``data.train``) so
+        ``eval`` and tests can check partial configs.
+        """
+        from prefpack.config.rules import validate  # here, not at the top: rules imports this module
+
+        validate(self, training=training)
+
+    def warnings(self) -> list[str]:
+        """Allowed but probably unintended settings, for the CLI to print."""
+        from prefpack.config.rules import warnings
+
+        return warnings(self)
