@@ -43,12 +43,13 @@ def worker(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from prefpack.data.packing import collate, plan_micro_batches
+    from prefpack.batching.collate import collate
+    from prefpack.batching.plan import plan_micro_batches
     from prefpack.data.store import Store
+    from prefpack.data.views import StorePairs
     from prefpack.forward import pair_logps
     from prefpack.losses import sigmoid_loss
     from prefpack.models import pick_attention, register_packed_attention
-    from prefpack.reference import StorePairs
 
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count() or 1)

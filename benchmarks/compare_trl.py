@@ -131,7 +131,7 @@ def run_prefpack(a) -> dict:
     import torch
 
     from prefpack.config import load_config
-    from prefpack.train import train
+    from prefpack.training import train
 
     torch.set_num_threads(a.threads)
     overrides = [f"model.name_or_path={a.model}", f"data.train={a.store}", "data.shuffle=false",

@@ -35,7 +35,7 @@ def add_train(sub) -> None:
 def run_train(args, argv) -> int:
     from prefpack.config import load_config
     from prefpack.distributed import shutdown
-    from prefpack.train import TrainingInterrupted, train
+    from prefpack.training import TrainingInterrupted, train
 
     config, overrides = args.config, list(args.overrides)
     if "=" in config and not Path(config).exists():  # `prefpack train key=value ...` with no file
@@ -71,8 +71,8 @@ def run_train(args, argv) -> int:
 def _accept_config_changes(cfg) -> None:
     """--allow-config-change: print and record the changes with the step of the checkpoint the resume starts from
     (the newest one that matches its checksums), then update config.yaml; train() then finds no difference."""
-    from prefpack.checkpoint import list_checkpoints, verify_checkpoint
-    from prefpack.resume_check import accept_config_changes
+    from prefpack.training.checkpoint import list_checkpoints, verify_checkpoint
+    from prefpack.training.resume_check import accept_config_changes
 
     cfg.validate()
     intact = (v for v in map(verify_checkpoint, reversed(list_checkpoints(Path(cfg.run.output_dir))))
@@ -85,7 +85,7 @@ def _interrupted_message(cfg, argv: list[str]) -> str:
     """Ctrl-C: the last checkpoint and the exact command that continues from it."""
     import shlex
 
-    from prefpack.checkpoint import checkpoint_step, latest_checkpoint
+    from prefpack.training.checkpoint import checkpoint_step, latest_checkpoint
 
     last = latest_checkpoint(Path(cfg.run.output_dir))
     words, skip = [], False
@@ -155,10 +155,9 @@ def eval_config(args):
     """The typed config `eval` scores with: the --config run's (or the defaults), then what the flags say."""
     from prefpack.config import Config, ConfigError, LossTermConfig, load_config
     from prefpack.data.store import Store
-    from prefpack.kto import KTO_SIDECAR_NAME
     from prefpack.loss_params import LOSS_PARAMS
     from prefpack.losses import UNPAIRED_LOSS_NAMES
-    from prefpack.reference import SIDECAR_NAME
+    from prefpack.reference import KTO_SIDECAR_NAME, SIDECAR_NAME
 
     cfg = load_config(args.config, []) if args.config else Config()
     if args.loss:
@@ -198,7 +197,7 @@ def eval_config(args):
 def run_eval(args, argv) -> int:
     from prefpack.distributed import init_from_env, shutdown
     from prefpack.losses import UNPAIRED_LOSS_NAMES
-    from prefpack.train import build, evaluate
+    from prefpack.training import build, evaluate
 
     cfg = eval_config(args)
     kto = any(t.name in UNPAIRED_LOSS_NAMES for t in cfg.loss.terms)
@@ -257,7 +256,7 @@ def run_precompute(args, argv) -> int:
         weights_hash,
     )
     from prefpack.reference import SIDECAR_NAME, compute_store_logps, write_sidecar
-    from prefpack.train import open_pair_store
+    from prefpack.training import open_pair_store
 
     if args.kto or Store(args.data).kind == "unpaired":
         return _precompute_kto(args)
@@ -313,14 +312,9 @@ def _precompute_kto(args) -> int:
     """precompute-ref for KTO: every example's completion and its fixed KL sequence (prefpack.kto)."""
     import numpy as np
 
+    from prefpack.data.views import UnpairedView
     from prefpack.distributed import init_from_env, shutdown
-    from prefpack.kto import (
-        KTO_SIDECAR_NAME,
-        UnpairedView,
-        compute_kto_store_logps,
-        open_kto_store,
-        write_kto_sidecar,
-    )
+    from prefpack.kto import compute_kto_store_logps, open_kto_store
     from prefpack.models import (
         check_vocab_fits,
         load_scoring_model,
@@ -328,6 +322,7 @@ def _precompute_kto(args) -> int:
         resolve_tokenizer,
         weights_hash,
     )
+    from prefpack.reference import KTO_SIDECAR_NAME, write_kto_sidecar
 
     store = open_kto_store(args.data, "reference", paired_as_kto=args.kto)
     resolve_tokenizer(args.model, store.meta, store.tokenizer_path(), allow_mismatch=args.allow_tokenizer_mismatch)

@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from prefpack.data.packing import Batch
+from prefpack.batching.collate import Batch
 from prefpack.ops import varlen_attention
 from prefpack.ops.logprobs import (
     DEFAULT_CHUNK_SIZE,
@@ -50,7 +50,7 @@ from prefpack.ops.logprobs import (
 from prefpack.precision import compute_context
 
 __all__ = [
-    "PairLogps",
+    "PairSums",
     "SequenceOutput",
     "SequenceLogps",
     "check_against_model",
@@ -64,7 +64,7 @@ __all__ = [
 ]
 
 
-class PairLogps(NamedTuple):
+class PairSums(NamedTuple):
     """Per-pair log-prob sums and completion token counts, in the batch's pair order."""
 
     chosen: torch.Tensor  # [P]
@@ -275,14 +275,14 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
                           tail_sum, wpo_mean)
 
 
-def split_pairs(logp_sum: torch.Tensor, n_tokens: torch.Tensor) -> PairLogps:
+def split_pairs(logp_sum: torch.Tensor, n_tokens: torch.Tensor) -> PairSums:
     """Split per-sequence values (chosen at even, rejected at odd indices) into per-pair tensors."""
-    return PairLogps(logp_sum[0::2], logp_sum[1::2], n_tokens[0::2], n_tokens[1::2])
+    return PairSums(logp_sum[0::2], logp_sum[1::2], n_tokens[0::2], n_tokens[1::2])
 
 
 def pair_logps(
     model: nn.Module, batch: Batch, *, chunk_size: int = DEFAULT_CHUNK_SIZE, flatten: bool | None = None
-) -> PairLogps:
+) -> PairSums:
     """:func:`sequence_logps` split into chosen / rejected per pair."""
     out = sequence_logps(model, batch, chunk_size=chunk_size, flatten=flatten)
     return split_pairs(out.logp_sum, out.n_tokens)

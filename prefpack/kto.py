@@ -9,24 +9,9 @@ The KL reference point
 ----------------------
 KTO compares each reward r = log pi(y|x) - log ref(y|x) with z0 = max(0, E[log pi(y'|x) - log ref(y'|x)]),
 estimated on *mismatched* sequences: each example's prompt x with the completion y' of another example
-(its "KL partner"). The pairing rule:
-
-* ``loss.kl_pairing: step`` (default, as TRL): the partners come from the same optimizer step. The step's
-  examples are grouped by prompt (examples with identical prompt tokens, such as the two halves of a pair
-  read as KTO, form one group: prompt + a completion of the same prompt is a real example, not a mismatched
-  one), the groups are put in one random cycle seeded by ``(train.seed, step)``, and each example takes a
-  completion from the next group of the cycle. So a partner is never the example itself, nor an example with
-  the same prompt while the step holds another prompt, for any step size (odd ones included). The pairing
-  is computed over the whole scheduled step, even when a rank plans only its share of it under torchrun,
-  so it does not depend on packing, micro-batching, the number of ranks or the dealing: N ranks give the
-  update of one process. A step with a single group (one example, the two halves of one pair, or a single
-  prompt) has no mismatched completion: its examples take their partner from the fixed pairing below (a
-  deterministic other example of the store, with another prompt when the store has one, possibly outside
-  the step).
-* ``loss.kl_pairing: fixed``: one seeded cycle over the prompt groups of the whole store (seed
-  ``train.seed``); each example has the same partner in every step. This is what a precomputed reference
-  needs: the sidecar can hold an example's reference KL log-prob only if its partner does not depend on the
-  step. Evaluation passes (``prefpack eval``, ``data.eval``) always use this pairing.
+(its "KL partner"), chosen by ``loss.kl_pairing`` (``prefpack.data.kl_pairing``: ``step``, the default as in
+TRL, pairs inside the optimizer step; ``fixed`` gives each example one seeded partner, which a precomputed
+reference and every evaluation pass use).
 
 The KL sequences are scored in :meth:`KTOTask.begin_step`, under ``torch.no_grad`` for the policy and the
 reference, over every micro-batch of the step before any loss: z0 needs the whole step, it is a constant for
@@ -40,7 +25,8 @@ Batches
 A micro-batch holds whole examples with their KL sequences (an example and its KL sequence always land in
 the same micro-batch). Packed (default): main sequences are packed into rows of at most
 ``data.max_tokens_per_row`` tokens, ``train.micro_batch_tokens // max_tokens_per_row`` rows per micro-batch
-(the budget of the gradient pass); the micro-batch's KL sequences are packed into their own rows under the
+(the budget of the gradient pass; ``prefpack.batching``'s one planner and collator, an example being a group of
+one sequence); the micro-batch's KL sequences are packed into their own rows under the
 same row budget for the no-grad pass. Padded (``data.packing=false``): one sequence per row. Either way the
 batch reads with the key names TRL's KTO collator uses: ``input_ids``, ``attention_mask``,
 ``completion_mask`` for the policy branch, ``KL_input_ids``, ``KL_attention_mask``, ``KL_completion_mask``
@@ -50,8 +36,6 @@ for the KL branch, and ``label``. ``completion_mask`` is 1 where the *input* tok
 
 from __future__ import annotations
 
-import hashlib
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -61,17 +45,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from prefpack.data.packing import (
-    IGNORE_INDEX,
-    Batch,
-    balanced_rows,
-    group_rows,
-    round_up,
-    sequence_arrays,
-)
+from prefpack.batching.collate import Batch, collate_groups
+from prefpack.batching.plan import balanced_rows, plan_groups, round_up
+from prefpack.batching.schedule import StepKey, StepSchedule
+from prefpack.data.kl_pairing import SALT_STEP, fixed_kl_partners, step_kl_partners
 from prefpack.data.store import Store, StoreError
+from prefpack.data.views import UnpairedView
 from prefpack.forward import sequence_logps
-from prefpack.losses.kto import (
+from prefpack.losses.pairwise import LossOutput
+from prefpack.losses.unpaired import (
     UNPAIRED_LOSS_NAMES,
     UNPAIRED_LOSSES_WITH_KL,
     UnpairedLogps,
@@ -79,287 +61,30 @@ from prefpack.losses.kto import (
     kl_reference_point,
     unpaired_loss,
 )
-from prefpack.losses.preference import LossOutput
-from prefpack.reference import SIDECAR_FORMAT, Reference, ReferenceMismatch, store_hash
+from prefpack.reference import KTO_SIDECAR_NAME, Reference, ReferenceMismatch, read_kto_sidecar
 from prefpack.tasks import Planned
 
 __all__ = [
-    "KTO_SIDECAR_NAME",
     "KTOBatch",
     "KTOPlanned",
     "KTOTask",
-    "UnpairedView",
     "all_reduce_sum",
-    "collate_sequences",
     "compute_kto_store_logps",
-    "cycle_partners",
-    "fixed_kl_partners",
     "make_kto_tasks",
     "open_kto_store",
-    "plan_examples",
-    "read_kto_sidecar",
-    "step_kl_partners",
     "uses_unpaired_loss",
-    "write_kto_sidecar",
 ]
 
-KTO_SIDECAR_NAME = "ref_logps_kto.safetensors"
-KTO_SIDECAR_VERSION = "1"
-_SALT_FIXED = 0x4B4C_0001  # separate random streams for the pairings and the packing order
-_SALT_STEP = 0x4B4C_0002
-
-
-# --------------------------------------------------------------------------------------------------------
-# Examples
-
-
-class UnpairedView:
-    """A store as KTO examples: ``view[i] = (prompt, completion, label)``, with lengths, labels and groups.
-
-    Unpaired store: example i is row i. Pair store (``paired_as_kto``): example 2p is the chosen half of
-    pair p (desirable), 2p + 1 the rejected half (undesirable). ``groups`` numbers the distinct prompts:
-    examples with the same prompt tokens (the two halves of a pair, or several completions of one prompt)
-    share a group, and the KL pairing never pairs an example with its own group when another group exists
-    (prompt + a completion of the same prompt is a real example, not a mismatched one).
-    """
-
-    def __init__(self, store: Store, *, paired_as_kto: bool = False):
-        self.store = store
-        if store.kind == "unpaired":
-            self.paired = False
-            self.prompt_len = store.column("prompt_len").astype(np.int64)
-            self.completion_len = store.column("completion_len").astype(np.int64)
-            self.labels = store.column("label").astype(bool)
-            prompts = np.arange(len(store))
-        elif store.kind == "pairs":
-            if not paired_as_kto:
-                raise StoreError(f"store {str(store.path)!r} holds pairs; set data.paired_as_kto=true to train KTO "
-                                 "on it (chosen = desirable, rejected = undesirable)")
-            self.paired = True
-            self.prompt_len = np.repeat(store.column("prompt_len"), 2).astype(np.int64)
-            self.completion_len = np.stack([store.column("chosen_len"), store.column("rejected_len")],
-                                           axis=1).reshape(-1).astype(np.int64)
-            self.labels = np.tile(np.array([True, False]), len(store))
-            prompts = np.repeat(np.arange(len(store)), 2)
-        else:
-            raise StoreError(f"store {str(store.path)!r} has unknown kind {store.kind!r}")
-        self.groups = _prompt_groups(store)[prompts]
-
-    @property
-    def source(self) -> str:
-        return "paired_as_kto" if self.paired else "unpaired"
-
-    def __len__(self) -> int:
-        return int(self.labels.shape[0])
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray, bool]:
-        i = int(i)
-        if self.paired:
-            p = self.store.pair(i // 2)
-            return p.prompt, (p.rejected if i % 2 else p.chosen), not bool(i % 2)
-        u = self.store.unpaired(i)
-        return u.prompt, u.completion, bool(u.label)
-
-    def prompt(self, i: int) -> np.ndarray:
-        return self[i][0]
-
-    def completion(self, i: int) -> np.ndarray:
-        return self[i][1]
-
-
-def _prompt_groups(store: Store) -> np.ndarray:
-    """A group id per store row: rows whose prompt tokens are identical share one (hashed, 16 bytes each)."""
-    offsets, lengths = store.column("offset"), store.column("prompt_len")
-    tokens = store.tokens
-    seen: dict[bytes, int] = {}
-    out = np.empty(len(store), dtype=np.int64)
-    for i in range(len(store)):
-        o, n = int(offsets[i]), int(lengths[i])
-        key = hashlib.blake2b(np.asarray(tokens[o : o + n]).tobytes(), digest_size=16).digest()
-        out[i] = seen.setdefault(key, len(seen))
-    return out
-
-
-# --------------------------------------------------------------------------------------------------------
-# KL pairing
-
-
-def cycle_partners(ids: np.ndarray, groups: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """A KL partner for each of ``ids``, taken among ``ids``: the groups present are put in one random cycle
-    and each example takes a random member of the next group. Never the example itself, never its group.
-    All -1 when ``ids`` span fewer than two groups (no valid partner among them)."""
-    ids = np.asarray(ids, dtype=np.int64)
-    if ids.size == 0:
-        return ids.copy()
-    uniq, slot = np.unique(groups[ids], return_inverse=True)
-    n_groups = len(uniq)
-    if n_groups < 2:
-        return np.full(ids.shape[0], -1, dtype=np.int64)
-    order = rng.permutation(n_groups)
-    nxt = np.empty(n_groups, dtype=np.int64)
-    nxt[order] = np.roll(order, -1)  # order[k] -> order[k + 1]: one cycle, no fixed point
-    by_slot = np.argsort(slot, kind="stable")
-    counts = np.bincount(slot, minlength=n_groups)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    target = nxt[slot]
-    pick = starts[target] + rng.integers(0, counts[target])
-    return ids[by_slot[pick]]
-
-
-def fixed_kl_partners(groups: np.ndarray, seed: int) -> np.ndarray:
-    """The store-level pairing: :func:`cycle_partners` over every example, seeded by ``seed`` only.
-
-    With a single group of several examples (one pair as KTO) the halves are paired with each other; with a
-    single example there is no partner (-1)."""
-    n = int(groups.shape[0])
-    ids = np.arange(n, dtype=np.int64)
-    out = cycle_partners(ids, groups, np.random.default_rng([int(seed), _SALT_FIXED]))
-    if n >= 2 and (out < 0).any():
-        out = np.roll(ids, -1)  # one group only: another member of it is the only other completion
-    return out
-
-
-def step_kl_partners(ids: np.ndarray, groups: np.ndarray, key: Sequence[int],
-                     fallback: np.ndarray | None) -> np.ndarray:
-    """Partners of a step's examples inside the step (see the module docstring); ``key`` seeds the cycle.
-
-    Where the step spans fewer than two groups, ``fallback[ids]`` (the fixed store-level pairing) is used."""
-    out = cycle_partners(ids, groups, np.random.default_rng([int(k) for k in key]))
-    if ids.size and (out < 0).any() and fallback is not None:
-        out = fallback[np.asarray(ids, dtype=np.int64)]
-    return out
 
 
 # --------------------------------------------------------------------------------------------------------
 # Planning from lengths only
 
 
-def plan_examples(lengths, *, token_budget: int, packing: bool = True, row_budget: int | None = None,
-                  pad_to_multiple_of: int | None = None, window: int = 1024,
-                  seed: Any = 0, min_filling: float = 0.95) -> list[list[list[int]]]:
-    """Group examples (``lengths``: tokens of each main sequence) into micro-batches of rows.
-
-    The same policy as ``prefpack.data.packing.plan_micro_batches`` with one sequence per example: packed,
-    as few rows of at most ``row_budget`` tokens as first-fit decreasing needs inside shuffled windows, with
-    their loads evened out, then at most ``token_budget // row_budget`` rows per micro-batch while it keeps
-    ``min_filling`` of its positions real; padded, examples of similar length share a micro-batch while
-    ``examples * padded_length <= token_budget`` (one row each). Deterministic for a seed; ``seed=None``
-    keeps the input order. Returns micro-batches of rows of indices into ``lengths``.
-    """
-    sizes = np.asarray(lengths, dtype=np.int64)
-    m = 1 if pad_to_multiple_of is None else int(pad_to_multiple_of)
-    if m < 1 or int(token_budget) < 1 or window < 1:
-        raise ValueError("pad_to_multiple_of, token_budget and window must be >= 1")
-    if (sizes < 1).any():
-        raise ValueError("every sequence needs at least one token")
-    rng = None if seed is None else np.random.default_rng(seed)
-    n = sizes.shape[0]
-    order = rng.permutation(n) if rng is not None else np.arange(n)
-    batches: list[list[list[int]]] = []
-    if packing:
-        row_budget = int(token_budget if row_budget is None else row_budget)
-        capacity = max((row_budget // m) * m, 1)
-        rows_per_batch = max(int(token_budget) // row_budget, 1)
-        for w in range(0, n, window):
-            idx = order[w : w + window]
-            rows = [[int(idx[i]) for i in b] for b in balanced_rows(sizes[idx], capacity)]
-            big = [r for r in rows if int(sizes[r].sum()) > capacity]
-            normal = [r for r in rows if int(sizes[r].sum()) <= capacity]
-            batches.extend(group_rows(normal, sizes, rows_per_batch, min_filling))
-            batches.extend([r] for r in big)
-    else:
-        padded = -(-sizes // m) * m
-        for w in range(0, n, window):
-            idx = order[w : w + window]
-            idx = idx[np.argsort(-padded[idx], kind="stable")]
-            cur: list[int] = []
-            cur_len = 0
-            for i in idx:
-                i = int(i)
-                new_len = max(cur_len, int(padded[i]))
-                if cur and (len(cur) + 1) * new_len > int(token_budget):
-                    batches.append([[p] for p in cur])
-                    cur, new_len = [], int(padded[i])
-                cur.append(i)
-                cur_len = new_len
-            if cur:
-                batches.append([[p] for p in cur])
-    if rng is not None:
-        batches = [batches[i] for i in rng.permutation(len(batches))]
-    return batches
-
-
 def _computed(row_sizes: list[int], m: int) -> int:
     if not row_sizes:
         return 0
     return len(row_sizes) * round_up(max(row_sizes), m)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Materialising sequences
-
-
-def _sequence(prompt: np.ndarray, completion: np.ndarray):
-    """:func:`prefpack.data.packing.sequence_arrays` plus the input-aligned completion mask."""
-    prompt = np.asarray(prompt).astype(np.int64, copy=False)
-    completion = np.asarray(completion).astype(np.int64, copy=False)
-    tokens, positions, targets = sequence_arrays(prompt, completion)
-    is_completion = np.zeros(tokens.shape[0], dtype=np.int64)
-    is_completion[prompt.shape[0] :] = 1
-    return tokens, positions, targets, is_completion
-
-
-def collate_sequences(seqs: Sequence[tuple[np.ndarray, np.ndarray]], rows: list[list[int]] | None, *,
-                      ids: Sequence[int], pad_id: int = 0,
-                      pad_to_multiple_of: int | None = None) -> tuple[Batch, torch.Tensor]:
-    """A :class:`Batch` of arbitrary (prompt, completion) sequences, plus its input-aligned completion mask.
-
-    ``rows`` lists, per packed row, indices into ``seqs``; ``rows=None`` gives the padded layout (sequence k
-    in row k, with an attention mask). Sequence k has ``seq_index`` k in both layouts, and ``pair_indices``
-    holds ``ids`` (one id per sequence), so ``prefpack.forward.sequence_logps`` returns the per-sequence sums
-    in its first ``len(seqs)`` entries (``Batch.num_sequences`` counts two per id; the rest are zero).
-    Packed row padding is a block of its own (positions restart at 0) after every real token.
-    """
-    m = 1 if pad_to_multiple_of is None else int(pad_to_multiple_of)
-    if not seqs:
-        raise ValueError("a micro-batch needs at least one sequence")
-    packed = rows is not None
-    layout = rows if packed else [[k] for k in range(len(seqs))]
-    built = [_sequence(*seqs[k]) for k in range(len(seqs))]
-    length = round_up(max(sum(built[k][0].shape[0] for k in row) for row in layout), m)
-    b = len(layout)
-    input_ids = np.full((b, length), pad_id, dtype=np.int64)
-    position_ids = np.zeros((b, length), dtype=np.int64)
-    target_ids = np.full((b, length), IGNORE_INDEX, dtype=np.int64)
-    seq_index = np.full((b, length), -1, dtype=np.int64)
-    token_mask = np.zeros((b, length), dtype=bool)
-    completion_mask = np.zeros((b, length), dtype=np.int64)
-    for r, row in enumerate(layout):
-        at = 0
-        for k in row:
-            t, p, g, c = built[k]
-            s = slice(at, at + t.shape[0])
-            input_ids[r, s], position_ids[r, s], target_ids[r, s], completion_mask[r, s] = t, p, g, c
-            seq_index[r, s] = k
-            token_mask[r, s] = True
-            at += t.shape[0]
-        if packed:
-            position_ids[r, at:] = np.arange(length - at)
-    loss_mask = target_ids != IGNORE_INDEX
-    completion_tokens = np.bincount(seq_index[loss_mask], minlength=len(seqs)).astype(np.int64)
-    batch = Batch(
-        input_ids=torch.from_numpy(input_ids),
-        position_ids=torch.from_numpy(position_ids),
-        target_ids=torch.from_numpy(target_ids),
-        loss_mask=torch.from_numpy(loss_mask),
-        seq_index=torch.from_numpy(seq_index),
-        token_mask=torch.from_numpy(token_mask),
-        attention_mask=None if packed else torch.from_numpy(token_mask.astype(np.int64)),
-        completion_tokens=torch.from_numpy(completion_tokens),
-        pair_indices=torch.as_tensor(list(ids), dtype=torch.int64),
-        packed=packed,
-    )
-    return batch, torch.from_numpy(completion_mask)
 
 
 @dataclass
@@ -540,7 +265,7 @@ class KTOTask:
         """KL partners of ``ids`` (``seed`` as given to :meth:`plan`).
 
         * ``kl_pairing: fixed``, or ``seed=None`` (an evaluation pass over the store): the fixed pairing.
-        * ``seed=[train.seed, step]`` (how the training loop plans step ``step``) and ``ids`` inside that
+        * ``seed=StepKey(train.seed, step)`` (how the training loop plans step ``step``) and ``ids`` inside that
           scheduled step: the pairing of the *whole* step, computed from the step schedule, so a rank that
           plans only its share of the step gets the partners a single process would (the update does not
           depend on the number of ranks or on the dealing).
@@ -557,21 +282,19 @@ class KTOTask:
             pos = order[np.minimum(pos, len(order) - 1)]
             if len(step_ids) and np.array_equal(step_ids[pos], ids):
                 return partners[pos]
-        return step_kl_partners(ids, self.view.groups, [*_seed_key(seed), _SALT_STEP], self.fixed_partners())
+        return step_kl_partners(ids, self.view.groups, [*_seed_key(seed), SALT_STEP], self.fixed_partners())
 
     def _scheduled_step_partners(self, seed: Any) -> tuple[np.ndarray, np.ndarray] | None:
-        """(step ids, their partners) of the training step that ``seed = [train.seed, step]`` names."""
-        if not (isinstance(seed, list | tuple) and len(seed) == 2 and int(seed[0]) == self.seed):
+        """(step ids, their partners) of the training step that ``seed`` (a :class:`StepKey`) names."""
+        if not (isinstance(seed, StepKey) and int(seed.seed) == self.seed):
             return None
-        step = int(seed[1])
+        step = int(seed.step)
         if self._step_cache is not None and self._step_cache[0] == step:
             return self._step_cache[1]
-        from prefpack.train import StepSchedule  # the loop's own schedule (imported here: train imports us)
-
         tr = self.cfg.train
         _, step_ids = StepSchedule(len(self), tr.global_batch_pairs, self.seed, self.cfg.data.shuffle
                                    ).pairs_for_step(step)
-        partners = step_kl_partners(step_ids, self.view.groups, [self.seed, step, _SALT_STEP], self.fixed_partners())
+        partners = step_kl_partners(step_ids, self.view.groups, [self.seed, step, SALT_STEP], self.fixed_partners())
         self._step_cache = (step, (step_ids, partners))
         return step_ids, partners
 
@@ -594,8 +317,8 @@ class KTOTask:
         row_budget = min(d.max_tokens_per_row, tr.micro_batch_tokens)
         m = d.pad_to_multiple_of or 1
         out = []
-        for mb in plan_examples(main_len, token_budget=tr.micro_batch_tokens, packing=d.packing,
-                                row_budget=row_budget, pad_to_multiple_of=d.pad_to_multiple_of, seed=seed):
+        for mb in plan_groups(main_len, token_budget=tr.micro_batch_tokens, packing=d.packing, row_budget=row_budget,
+                              pad_to_multiple_of=d.pad_to_multiple_of, seed=seed):
             flat = [i for r in mb for i in r]
             if d.packing:
                 main_rows = [int(main_len[r].sum()) for r in mb]
@@ -630,13 +353,15 @@ class KTOTask:
         for r in planned.rows:
             local_rows.append(list(range(at, at + len(r))))
             at += len(r)
-        main, cmask = collate_sequences([(p, c) for p, c, _ in examples], local_rows if d.packing else None,
-                                        ids=flat, pad_id=self.pad_id, pad_to_multiple_of=d.pad_to_multiple_of)
+        main, cmask = collate_groups([(p, (c,)) for p, c, _ in examples], local_rows if d.packing else None,
+                                     ids=flat, pad_id=self.pad_id, pad_to_multiple_of=d.pad_to_multiple_of,
+                                     completion_mask=True)
         kl = kl_cmask = None
         if self.needs_kl:
-            kl_seqs = [(examples[k][0], v.completion(partners[k])) for k in range(len(flat))]
-            kl, kl_cmask = collate_sequences(kl_seqs, planned.kl_rows if d.packing else None, ids=flat,
-                                             pad_id=self.pad_id, pad_to_multiple_of=d.pad_to_multiple_of)
+            kl_groups = [(examples[k][0], (v.completion(partners[k]),)) for k in range(len(flat))]
+            kl, kl_cmask = collate_groups(kl_groups, planned.kl_rows if d.packing else None, ids=flat,
+                                          pad_id=self.pad_id, pad_to_multiple_of=d.pad_to_multiple_of,
+                                          completion_mask=True)
         return KTOBatch(main=main, kl=kl, completion_mask=cmask, kl_completion_mask=kl_cmask,
                         label=torch.tensor([lab for _, _, lab in examples], dtype=torch.bool),
                         example_ids=torch.tensor(flat, dtype=torch.int64),
@@ -719,7 +444,7 @@ _STEP_PAIRING_PRECOMPUTED = (
 
 
 # --------------------------------------------------------------------------------------------------------
-# Building (used by prefpack.train.build and the CLI)
+# Building (used by prefpack.training.setup.build and the CLI)
 
 
 def uses_unpaired_loss(cfg) -> bool:
@@ -774,7 +499,7 @@ def compute_kto_store_logps(model: nn.Module, store: Store, *, paired_as_kto: bo
     model.eval()
     row_budget = min(row_tokens, micro_batch_tokens)
     main_len = view.prompt_len + view.completion_len
-    plans = plan_examples(main_len, token_budget=micro_batch_tokens, row_budget=row_budget, seed=None)
+    plans = plan_groups(main_len, token_budget=micro_batch_tokens, row_budget=row_budget, seed=None)
     if progress and rank == 0:
         from tqdm import tqdm
 
@@ -787,15 +512,15 @@ def compute_kto_store_logps(model: nn.Module, store: Store, *, paired_as_kto: bo
         for r in mb:
             local.append(list(range(at, at + len(r))))
             at += len(r)
-        main, _ = collate_sequences([(view.prompt(i), view.completion(i)) for i in flat], local, ids=flat)
+        main = collate_groups([(view.prompt(i), (view.completion(i),)) for i in flat], local, ids=flat)
         logp = sequence_logps(model, main, chunk_size=chunk_size).logp_sum
         completion[flat] = logp[: len(flat)].double().cpu().numpy()
         seen[flat] += 1
         has = [i for i in flat if partners[i] >= 0]
         if has:
             sizes = view.prompt_len[has] + view.completion_len[partners[has]]
-            kl_batch, _ = collate_sequences([(view.prompt(i), view.completion(int(partners[i]))) for i in has],
-                                            balanced_rows(sizes, row_budget), ids=has)
+            kl_batch = collate_groups([(view.prompt(i), (view.completion(int(partners[i])),)) for i in has],
+                                      balanced_rows(sizes, row_budget), ids=has)
             logp = sequence_logps(model, kl_batch, chunk_size=chunk_size).logp_sum
             kl[has] = logp[: len(has)].double().cpu().numpy()
     model.train(was_training)
@@ -808,59 +533,3 @@ def compute_kto_store_logps(model: nn.Module, store: Store, *, paired_as_kto: bo
     return {"completion": completion, "kl": kl, "kl_partner": partners.astype(np.int64)}
 
 
-def write_kto_sidecar(path: str | Path, view: UnpairedView, arrays: dict[str, np.ndarray], *, seed: int,
-                      reference_hash: str, reference_name: str) -> Path:
-    """Write the KTO sidecar atomically; tagged with the store's and the weights' hashes, the view and seed."""
-    from safetensors.numpy import save_file
-
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    meta = {"format": SIDECAR_FORMAT, "version": KTO_SIDECAR_VERSION, "kind": "unpaired",
-            "view": view.source, "store_hash": store_hash(view.store), "reference_hash": reference_hash,
-            "reference": reference_name, "examples": str(len(view)), "kl_seed": str(int(seed))}
-    tensors = {"completion": np.ascontiguousarray(arrays["completion"], dtype=np.float64),
-               "kl": np.ascontiguousarray(arrays["kl"], dtype=np.float64),
-               "kl_partner": np.ascontiguousarray(arrays["kl_partner"], dtype=np.int64)}
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
-    return path
-
-
-def read_kto_sidecar(path: str | Path, view: UnpairedView, *, reference_hash: str | None,
-                     partners: np.ndarray | None) -> dict[str, np.ndarray]:
-    """Load a KTO sidecar, refusing one made for other data, another view, other reference weights or
-    (when ``partners`` is given) another KL pairing."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    store = view.store
-    kto_flag = " --kto" if view.paired else ""
-    if not path.is_file():
-        raise ReferenceMismatch(f"no precomputed KTO reference log-probs at {str(path)!r}; run "
-                                f"`prefpack precompute-ref --model REF --data {store.path}{kto_flag}` first")
-    try:
-        with safe_open(str(path), framework="numpy") as fh:
-            meta = fh.metadata() or {}
-            table = {k: fh.get_tensor(k) for k in ("completion", "kl", "kl_partner")}
-    except Exception as exc:  # safetensors raises its own error types for corrupt files
-        raise ReferenceMismatch(f"{path}: cannot read KTO reference log-probs ({exc})") from exc
-    if meta.get("format") != SIDECAR_FORMAT or meta.get("version") != KTO_SIDECAR_VERSION or \
-            meta.get("kind") != "unpaired":
-        raise ReferenceMismatch(f"{path}: not a prefpack KTO reference sidecar of version {KTO_SIDECAR_VERSION}")
-    if meta.get("store_hash") != store_hash(store) or any(len(v) != len(view) for v in table.values()):
-        raise ReferenceMismatch(f"{path} was computed for other data than the store {str(store.path)!r}; run "
-                                "precompute-ref again on this store")
-    if meta.get("view") != view.source:
-        raise ReferenceMismatch(f"{path} scores the store as {meta.get('view')!r} examples but this run reads it "
-                                f"as {view.source!r}; run precompute-ref again{kto_flag}")
-    if reference_hash is not None and meta.get("reference_hash") != reference_hash:
-        raise ReferenceMismatch(
-            f"{path} was computed with other reference weights ({meta.get('reference')!r}) than this run's "
-            "reference; run precompute-ref again with the reference model of this run")
-    if partners is not None:
-        if not np.array_equal(table["kl_partner"], partners) or np.isnan(table["kl"]).any():
-            raise ReferenceMismatch(
-                f"{path} holds KL log-probs for the fixed pairing of seed {meta.get('kl_seed')}, not this run's "
-                f"(train.seed); run `prefpack precompute-ref --model REF --data {store.path}{kto_flag} "
-                "--seed TRAIN_SEED`")
-    return table

@@ -73,7 +73,7 @@ def run_quickstart(output_dir: str = "runs/quickstart", *, steps: int | None = N
     from prefpack.config import load_config
     from prefpack.data.prepare import PrepareOptions, prepare
     from prefpack.toy_tokenizer import build_toy_tokenizer
-    from prefpack.train import train
+    from prefpack.training import train
 
     t_start = time.perf_counter()
     root = Path(output_dir)

@@ -15,11 +15,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from prefpack.data.packing import collate, plan_micro_batches
+from prefpack.batching.collate import collate
+from prefpack.batching.plan import plan_micro_batches
 from prefpack.data.store import Store
+from prefpack.data.views import StorePairs
 from prefpack.forward import split_pairs
 from prefpack.losses import LossOutput, LossTerm, PairLogps, preference_loss, wpo_weights
-from prefpack.reference import Reference, StorePairs
+from prefpack.reference import Reference
 
 
 @dataclass

@@ -15,11 +15,11 @@ import pytest
 import torch
 from conftest import tiny_llama, write_jsonl
 
-from prefpack.checkpoint import checkpoint_step, list_checkpoints
 from prefpack.cli import main as cli_main
 from prefpack.config import load_config
 from prefpack.data.prepare import PrepareOptions, prepare
-from prefpack.train import train
+from prefpack.training import train
+from prefpack.training.checkpoint import checkpoint_step, list_checkpoints
 
 STEPS = 10
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import write_jsonl
 
+from prefpack.batching.schedule import StepKey
 from prefpack.config import load_config
 from prefpack.data.prepare import PrepareOptions, prepare
 from prefpack.data.store import Store
@@ -54,7 +55,7 @@ def test_every_pair_once_per_step_and_equal_micro_batch_counts(world, balance, n
     task = PairTask(Store(world["store"]), cfg, pad_id=0)
     for n_ids in (1, 5, 10, 37):
         ids = np.random.default_rng(n_ids).permutation(len(task))[:n_ids]
-        shares = deal_step(task, ids, seed=[0, n_ids], world=n_world, balance=balance)
+        shares = deal_step(task, ids, seed=StepKey(0, n_ids), world=n_world, balance=balance)
         assert len(shares) == n_world
         counted = [pid for s in shares for p, w in zip(s.planned, s.weights) if w for row in p.rows for pid in row]
         assert sorted(counted) == sorted(int(i) for i in ids)  # every pair exactly once, none dropped
@@ -71,7 +72,7 @@ def test_token_balancing_beats_count_dealing_on_real_lengths(world):
         worst = []
         for step in range(8):
             ids = np.random.default_rng(step).permutation(len(task))[:16]
-            toks = rank_tokens(deal_step(task, ids, seed=[0, step], world=2, balance=balance))
+            toks = rank_tokens(deal_step(task, ids, seed=StepKey(0, step), world=2, balance=balance))
             worst.append(max(toks) / (sum(toks) / len(toks)))
         ratios[balance] = float(np.mean(worst))
     assert ratios["tokens"] <= ratios["count"]

@@ -15,7 +15,10 @@ import pytest
 import torch
 from conftest import prepare_hh_splits, tiny_llama
 
-from prefpack.checkpoint import (
+from prefpack.cli import main as cli_main
+from prefpack.config import ConfigError, load_config
+from prefpack.training import TrainingInterrupted, train
+from prefpack.training.checkpoint import (
     CHECKSUMS,
     CheckpointDamaged,
     CheckpointWriteError,
@@ -23,10 +26,7 @@ from prefpack.checkpoint import (
     remove_stale_temporaries,
     verify_checkpoint,
 )
-from prefpack.cli import main as cli_main
-from prefpack.config import ConfigError, load_config
-from prefpack.resume_check import config_changes, read_config_changes, write_config
-from prefpack.train import TrainingInterrupted, train
+from prefpack.training.resume_check import config_changes, read_config_changes, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -190,9 +190,9 @@ def test_no_intact_checkpoint_is_a_clear_error_and_changes_nothing(world, cut, t
 
 def test_a_distributed_format_checkpoint_hashes_every_shard_file(world, tmp_path):
     """torch.distributed.checkpoint's folder (shards + .metadata) is covered file by file."""
-    from prefpack.checkpoint import load_checkpoint_distributed, save_checkpoint_distributed
     from prefpack.distributed import Dist
-    from prefpack.train import build, make_optimizer
+    from prefpack.training import build, make_optimizer
+    from prefpack.training.checkpoint import load_checkpoint_distributed, save_checkpoint_distributed
 
     cfg = cfg_for(world, tmp_path / "dcp")
     setup = build(cfg, log=quiet)
@@ -426,9 +426,9 @@ def test_stale_temporaries_of_dead_processes_are_removed_and_live_ones_kept(worl
 
 
 def test_ctrl_c_says_how_to_resume_and_the_command_works(world, full, tmp_path, monkeypatch, capsys):
-    import prefpack.train
+    import prefpack.training.loop
 
-    real = prefpack.train.save_checkpoint
+    real = prefpack.training.loop.save_checkpoint
 
     def interrupted_after_step_2(run_dir, step, *a, **k):
         out = real(run_dir, step, *a, **k)
@@ -436,7 +436,7 @@ def test_ctrl_c_says_how_to_resume_and_the_command_works(world, full, tmp_path, 
             raise KeyboardInterrupt
         return out
 
-    monkeypatch.setattr(prefpack.train, "save_checkpoint", interrupted_after_step_2)
+    monkeypatch.setattr(prefpack.training.loop, "save_checkpoint", interrupted_after_step_2)
     run = tmp_path / "run"
     assert cli_main(["train", *overrides(world, run), "--no-progress"]) == 130
     err = capsys.readouterr().err

@@ -11,7 +11,7 @@ from test_train import world as world  # noqa: F401 - a module-scoped fixture sh
 
 from prefpack.distributed import LaunchError, init_from_env
 from prefpack.models import ModelError, load_causal_lm
-from prefpack.train import train
+from prefpack.training import train
 
 
 def test_sequences_longer_than_the_model_positions_are_refused(world, tmp_path):  # noqa: F811

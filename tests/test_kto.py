@@ -12,17 +12,15 @@ import pytest
 import torch
 from conftest import tiny_llama, write_jsonl
 
+from prefpack.batching.schedule import StepKey
 from prefpack.cli import main as cli_main
 from prefpack.config import ConfigError, load_config
+from prefpack.data.kl_pairing import fixed_kl_partners, step_kl_partners
 from prefpack.data.prepare import PrepareOptions, prepare
 from prefpack.data.store import Store, StoreError
+from prefpack.data.views import UnpairedView
 from prefpack.forward import SequenceLogps
-from prefpack.kto import (
-    KTOTask,
-    UnpairedView,
-    fixed_kl_partners,
-    step_kl_partners,
-)
+from prefpack.kto import KTOTask
 from prefpack.losses import (
     UnpairedLogps,
     apo_zero_unpaired_loss,
@@ -32,7 +30,7 @@ from prefpack.losses import (
     unpaired_loss,
 )
 from prefpack.reference import ReferenceMismatch
-from prefpack.train import build, evaluate, train
+from prefpack.training import build, evaluate, train
 
 # ---------------------------------------------------------------- fixtures
 
@@ -231,7 +229,7 @@ def test_collated_kl_sequences_across_accumulation(kworld):
     for name, extra in (("one", []), ("many", ["train.micro_batch_tokens=16", "data.max_tokens_per_row=16"]),
                         ("padded", ["data.packing=false"])):
         task = KTOTask(store, kcfg(kworld, "unused", *extra), pad_id=0)
-        plans[name] = task.plan(ids, seed=[0, 4])
+        plans[name] = task.plan(ids, seed=StepKey(0, 4))
         partners = {}
         for planned in plans[name]:
             batch = task.collate(planned)
@@ -246,7 +244,7 @@ def test_collated_kl_sequences_across_accumulation(kworld):
         assert sorted(partners) == sorted(ids.tolist())
         plans[name] = partners
     assert len(KTOTask(store, kcfg(kworld, "u", "train.micro_batch_tokens=16", "data.max_tokens_per_row=16"),
-                       pad_id=0).plan(ids, seed=[0, 4])) == 5  # one example per micro-batch
+                       pad_id=0).plan(ids, seed=StepKey(0, 4))) == 5  # one example per micro-batch
     # the pairing depends on the step and the seed only, not on packing or accumulation
     assert plans["one"] == plans["many"] == plans["padded"]
 
@@ -278,7 +276,7 @@ def test_begin_step_ignores_zero_weight_padding_batches(kworld):
     setup = build(kcfg(kworld, "unused"), log=quiet)
     task = setup.train_task
     module = SequenceLogps(setup.policy)
-    batches = [task.collate(p) for p in task.plan(np.arange(9), seed=[0, 1])]
+    batches = [task.collate(p) for p in task.plan(np.arange(9), seed=StepKey(0, 1))]
     ref = task.begin_step(module, setup.reference, batches)
     padded = task.begin_step(module, setup.reference, batches + [batches[0]], weights=[1.0] * len(batches) + [0.0])
     assert padded["kl_sum"] == pytest.approx(ref["kl_sum"]) and padded["kl_count"] == ref["kl_count"] == 9
@@ -297,7 +295,7 @@ def test_pairing_and_kl_sums_do_not_depend_on_the_number_of_ranks(kworld, balanc
                        "data.max_tokens_per_row=128"), log=quiet)
     task, module = setup.train_task, SequenceLogps(setup.policy)
     ids = np.random.default_rng([0, 0]).permutation(19)[:7]  # the schedule's step 0 (train.seed 0, shuffle)
-    from prefpack.train import StepSchedule
+    from prefpack.batching.schedule import StepSchedule
 
     assert np.array_equal(StepSchedule(19, 7, 0).pairs_for_step(0)[1], ids)
 
@@ -309,13 +307,13 @@ def test_pairing_and_kl_sums_do_not_depend_on_the_number_of_ranks(kworld, balanc
                     out.update({i: j for r, q in zip(planned.rows, planned.kl_partners) for i, j in zip(r, q)})
         return out
 
-    one = deal_step(task, ids, seed=[0, 0], world=1)
+    one = deal_step(task, ids, seed=StepKey(0, 0), world=1)
     assert sorted(partners(one)) == sorted(ids.tolist())
     for world in (2, 3, 7):
-        shares = deal_step(task, ids, seed=[0, 0], world=world, balance=balance)
+        shares = deal_step(task, ids, seed=StepKey(0, 0), world=world, balance=balance)
         assert partners(shares) == partners(one), world
     ref = task.begin_step(module, setup.reference, [task.collate(p) for p in one[0].planned])
-    shares = deal_step(task, ids, seed=[0, 0], world=3, balance=balance)
+    shares = deal_step(task, ids, seed=StepKey(0, 0), world=3, balance=balance)
     per_rank = [task.begin_step(module, setup.reference, [task.collate(p) for p in s.planned], weights=s.weights)
                 for s in shares]
     assert sum(r["kl_count"] for r in per_rank) == ref["kl_count"] == 7
@@ -389,7 +387,7 @@ def test_copy_and_precomputed_reference_agree(kworld, tmp_path, capsys):
     # the KL sums themselves agree (z0 itself may be clamped to 0 on both sides)
     step = []
     for s in (s1, s2):
-        batches = [s.train_task.collate(p) for p in s.train_task.plan(np.arange(19), seed=[0, 0])]
+        batches = [s.train_task.collate(p) for p in s.train_task.plan(np.arange(19), seed=StepKey(0, 0))]
         step.append(s.train_task.begin_step(SequenceLogps(s.policy), s.reference, batches))
     assert step[0]["kl_sum"] == pytest.approx(step[1]["kl_sum"], abs=1e-5) and step[0]["kl_count"] == 19
     for k in ("loss", "kl", "rewards/margins", "rewards/chosen", "rewards/rejected"):
@@ -423,7 +421,7 @@ def test_pair_store_read_as_kto(kworld, tmp_path):
             assert lab is label and np.array_equal(got, completion) and np.array_equal(prompt, pair.prompt)
     assert task.view.labels.tolist() == [True, False] * len(pairs)
     # the whole pipeline: a step over every example, and a sibling is never a KL partner
-    (planned,) = task.plan(np.arange(len(task)), seed=[0, 0])
+    (planned,) = task.plan(np.arange(len(task)), seed=StepKey(0, 0))
     batch = task.collate(planned)
     assert (batch.example_ids // 2 != batch.kl_ids // 2).all()
     res = train(cfg, progress=False, log=quiet)

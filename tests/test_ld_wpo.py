@@ -14,13 +14,13 @@ import torch
 from test_packing import make_model, random_pairs
 from test_train import cfg_for, metrics_lines, world  # noqa: F401 - `world` is a fixture
 
+from prefpack.batching.collate import collate_packed, collate_padded
 from prefpack.cli import main as cli_main
 from prefpack.config import ConfigError, load_config
-from prefpack.data.packing import collate_packed, collate_padded
 from prefpack.forward import sequence_logps
 from prefpack.losses import LossTerm, PairLogps, length_desensitised, preference_loss, wpo_weights
 from prefpack.ops.logprobs import completion_logprobs
-from prefpack.train import train
+from prefpack.training import train
 
 DT = torch.float64
 
@@ -236,7 +236,7 @@ def test_a_run_lowers_the_loss(world, tmp_path, option):  # noqa: F811
 
 
 def _evaluate(world, tmp_path, *extra):  # noqa: F811
-    from prefpack.train import build, evaluate
+    from prefpack.training import build, evaluate
 
     setup = build(cfg_for(world, tmp_path / "unused", "loss.ld_alpha=0.3", *extra), log=lambda m: None)
     return evaluate(setup.policy, setup.reference, setup.train_task)

@@ -23,7 +23,7 @@ from prefpack.losses import (
     preference_loss,
     register_pair_loss,
 )
-from prefpack.train import train
+from prefpack.training import train
 
 
 def test_config_loss_section_is_the_parameter_table():

@@ -16,7 +16,7 @@ from test_losses import HAND_ROWS, pair_logps, random_rows
 
 from prefpack.config import LossConfig
 from prefpack.loss_params import LOSS_PARAMS
-from prefpack.losses.preference import (
+from prefpack.losses.pairwise import (
     BATCH_COUPLED_LOSSES,
     LENGTH_NORMALISED_LOSSES,
     PAIR_LOSSES,

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from prefpack.batching.collate import collate
 from prefpack.config import Config, LossTermConfig
-from prefpack.data.packing import Pair, collate
+from prefpack.data.store import Pair
 from prefpack.forward import SequenceLogps, router_aux_loss_coef, sequence_logps
 from prefpack.losses import LossTerm
 from prefpack.reference import Reference

@@ -6,16 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from prefpack.data.packing import (
-    IGNORE_INDEX,
-    Pair,
-    collate,
-    collate_packed,
-    collate_padded,
-    pair_lengths,
-    plan_micro_batches,
-    plan_stats,
-)
+from prefpack.batching.collate import IGNORE_INDEX, collate, collate_packed, collate_padded
+from prefpack.batching.plan import pair_lengths, plan_micro_batches, plan_stats
+from prefpack.data.store import Pair
 from prefpack.forward import packing_leak, pair_logps, sequence_logps
 from prefpack.models import PACKING_LEAK_TOLERANCE, ModelError, load_causal_lm
 from prefpack.ops.packed_attention import block_bounds

@@ -13,7 +13,7 @@ from test_train import world as world  # noqa: F401 - a module-scoped fixture sh
 
 from prefpack.config import ConfigError
 from prefpack.precision import lost_update_fraction, resolve_precision
-from prefpack.train import TrainingInterrupted, train
+from prefpack.training import TrainingInterrupted, train
 
 CPU = torch.device("cpu")
 
@@ -133,7 +133,7 @@ def test_lora_in_bfloat16_keeps_float32_adapters_and_learns(world, tmp_path):  #
     assert any("bfloat16 frozen base weights, float32 LoRA adapters" in x for x in lines), lines
     losses = [m["loss"] for m in metrics_lines(tmp_path / "lora")]
     assert losses[0] == pytest.approx(math.log(2), abs=1e-6) and losses[-1] < losses[0]
-    from prefpack.train import build
+    from prefpack.training import build
 
     setup = build(cfg_for(world, tmp_path / "b", "train.device=cpu", "model.dtype=bfloat16", "lora.enabled=true",
                           "reference.mode=adapter"), log=lambda m: None)

@@ -24,7 +24,7 @@ def run(inputs, tok, out, **kw):
 
 def decoded(store: Store, tok, i: int) -> dict:
     ex = store.pair(i) if store.kind == "pairs" else store.unpaired(i)
-    return {k: tok.decode([int(t) for t in v]) for k, v in ex.__dict__.items() if isinstance(v, np.ndarray)}
+    return {k: tok.decode([int(t) for t in v]) for k, v in ex._asdict().items() if isinstance(v, np.ndarray)}
 
 
 PAIRS = [

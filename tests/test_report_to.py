@@ -291,7 +291,7 @@ def train_args(world, run_dir, *extra):
 
 @pytest.mark.usefixtures("one_thread")
 def test_train_and_resume_report_to_wandb(world, tmp_path, fake_wandb):
-    from prefpack.train import TrainingInterrupted, train
+    from prefpack.training import TrainingInterrupted, train
 
     run_dir = tmp_path / "wb-run"
     cfg = load_config(None, train_args(world, run_dir))

@@ -12,7 +12,7 @@ from conftest import prepare_hh_splits, tiny_llama
 from prefpack.cli import main as cli_main
 from prefpack.config import load_config
 from prefpack.data.store import Store
-from prefpack.train import TrainingInterrupted, build, evaluate, train
+from prefpack.training import TrainingInterrupted, build, evaluate, train
 
 
 @pytest.fixture(scope="module")

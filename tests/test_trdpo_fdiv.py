@@ -19,7 +19,7 @@ from prefpack.losses import (
     preference_loss,
     sigmoid_loss,
 )
-from prefpack.train import TrainingInterrupted, train
+from prefpack.training import TrainingInterrupted, train
 
 DT = torch.float64
 # (policy chosen, policy rejected, ref chosen, ref rejected, chosen tokens, rejected tokens)

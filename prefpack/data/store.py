@@ -23,9 +23,8 @@ import re
 import shutil
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -239,15 +238,17 @@ class StoreWriter:
             self._closed = True
 
 
-@dataclass
-class Pair:
+class Pair(NamedTuple):
+    """Token ids of one preference pair (1-D integer arrays); unpacks as ``prompt, chosen, rejected``."""
+
     prompt: np.ndarray
     chosen: np.ndarray
     rejected: np.ndarray
 
 
-@dataclass
-class Unpaired:
+class Unpaired(NamedTuple):
+    """One KTO example: prompt and completion ids, label 1 = desirable."""
+
     prompt: np.ndarray
     completion: np.ndarray
     label: int

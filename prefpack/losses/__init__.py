@@ -1,16 +1,6 @@
 """Preference losses: pure functions of per-sequence log-probs returning per-pair (KTO: per-example) values."""
 
-from prefpack.losses.kto import (
-    UNPAIRED_LOSS_NAMES,
-    UNPAIRED_LOSSES_WITH_KL,
-    UnpairedLogps,
-    apo_zero_unpaired_loss,
-    class_balance_warning,
-    kl_reference_point,
-    kto_loss,
-    unpaired_loss,
-)
-from prefpack.losses.preference import (
+from prefpack.losses.pairwise import (
     BATCH_COUPLED_LOSSES,
     F_DIVERGENCE_COMPATIBLE,
     F_DIVERGENCE_LOSSES,
@@ -42,6 +32,16 @@ from prefpack.losses.preference import (
     sigmoid_loss,
     simpo_loss,
     wpo_weights,
+)
+from prefpack.losses.unpaired import (
+    UNPAIRED_LOSS_NAMES,
+    UNPAIRED_LOSSES_WITH_KL,
+    UnpairedLogps,
+    apo_zero_unpaired_loss,
+    class_balance_warning,
+    kl_reference_point,
+    kto_loss,
+    unpaired_loss,
 )
 
 __all__ = [

@@ -68,7 +68,7 @@ def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def schedule_depends_on_length(cfg: Config) -> bool:
-    """Whether the learning rate of a step depends on the total number of steps (see prefpack.train.lr_lambda)."""
+    """Whether the learning rate of a step depends on the total number of steps (see loop.lr_lambda)."""
     return cfg.optim.schedule != "constant" or (not cfg.optim.warmup_steps and cfg.optim.warmup_ratio > 0)
 
 
@@ -170,7 +170,7 @@ def read_config_changes(run_dir: str | os.PathLike) -> list[dict]:
 
 
 def _append_line(path: Path, line: str) -> None:
-    from prefpack.checkpoint import CheckpointWriteError
+    from prefpack.training.checkpoint import CheckpointWriteError
 
     try:
         with open(path, "a", encoding="utf-8") as fh:
@@ -196,7 +196,7 @@ def config_unchanged(cfg: Config, path: str | os.PathLike) -> bool:
 def config_write_errors(path: str | os.PathLike):
     """Around prefpack.config.save_config (temporary file + rename): a failed write removes the temporary file
     and raises CheckpointWriteError with the space needed and free; the previous file is unchanged."""
-    from prefpack.checkpoint import CheckpointWriteError, _free_bytes, _remove, _says_disk_full
+    from prefpack.training.checkpoint import CheckpointWriteError, _free_bytes, _remove, _says_disk_full
 
     p = Path(path)
     try:

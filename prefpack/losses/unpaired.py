@@ -7,7 +7,7 @@ examples in the whole optimizer step, whatever the packing. Nothing here reads m
 or syncs across devices: the KL reference point ``z0`` is computed by the caller (over the whole step and
 all ranks, see ``prefpack.kto``) and passed in as a detached number.
 
-Conventions (as in ``prefpack.losses.preference``):
+Conventions (as in ``prefpack.losses.pairwise``):
 
 * ``logratio r = policy_logp - ref_logp`` (sums over completion tokens), reference detached.
 * ``1 - sigmoid(x)`` is computed as ``sigmoid(-x)`` (no cancellation for large x).
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from prefpack.losses.preference import LossOutput
+from prefpack.losses.pairwise import LossOutput
 
 __all__ = [
     "KTO_RECOMMENDED_RATIO",

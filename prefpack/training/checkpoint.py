@@ -2,7 +2,9 @@
 
 One process writes `step-N/` with the weights (safetensors), the optimizer, scheduler and RNG state (tensors
 only, loaded with ``weights_only``) and the trainer state (JSON); under torchrun every rank writes its shard with
-torch.distributed.checkpoint. The final model is `save_pretrained` output beside its tokenizer.
+torch.distributed.checkpoint. `save_checkpoint` and `load_checkpoint` are the one interface for both formats (the
+run's `Dist` picks), which share the folder names, the publishing steps and the rotation of old checkpoints. The
+final model is `save_pretrained` output beside its tokenizer.
 
 Every checkpoint ends with `checksums.json` (size and sha256 of every other file in it, written last, before the
 rename), so `--resume` can tell a damaged checkpoint (truncated, emptied, a flipped bit) from an intact one and
@@ -30,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -400,14 +403,78 @@ def _writing(tmp: Path, target: Path, *, needed: int, run_dir: Path):
         raise
 
 
-# ------------------------------------------------------------------------------------------------ one process
+# ------------------------------------------------------------------------------------------------ one interface
 
 
 REFERENCE_FILE = "reference.safetensors"
 
 
-def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, scheduler, state: dict, keep: int,
-                    *, reference: nn.Module | None = None) -> Path:
+@dataclass
+class Checkpointed:
+    """What a training checkpoint saves and restores. One process writes the bare `policy` (and `reference`) in
+    one folder of files; under torchrun every rank writes its part of the (wrapped) `module` (and
+    `reference_module`) with torch.distributed.checkpoint."""
+
+    policy: nn.Module
+    module: nn.Module
+    optimizer: Any
+    scheduler: Any
+    reference: nn.Module | None = None  # a reference copy; saved only when training changes it (TR-DPO)
+    reference_module: nn.Module | None = None  # the same, as wrapped for the ranks
+
+
+def save_checkpoint(run_dir: Path, step: int, parts: Checkpointed, state: dict, keep: int, ctx: Dist = SINGLE, *,
+                    with_reference: bool = False) -> Path:
+    """`checkpoints/step-N` of a run folder in the format of this run (sharded under torchrun), atomically, with
+    checksums; then only the newest `keep` checkpoints are kept. `with_reference` saves the reference too."""
+    if ctx.enabled:
+        return save_checkpoint_distributed(run_dir, step, parts.module, parts.optimizer, parts.scheduler, state,
+                                           keep, ctx, reference=parts.reference_module if with_reference else None)
+    return save_checkpoint_single(run_dir, step, parts.policy, parts.optimizer, parts.scheduler, state, keep,
+                                  reference=parts.reference if with_reference else None)
+
+
+def load_checkpoint(path: Path, parts: Checkpointed, ctx: Dist = SINGLE) -> dict:
+    """Restore a checkpoint written by `save_checkpoint` into `parts`; returns the trainer state (with "step").
+    The reference is restored when the checkpoint holds one."""
+    if ctx.enabled:
+        return load_checkpoint_distributed(path, parts.module, parts.optimizer, parts.scheduler, ctx,
+                                           reference=parts.reference_module)
+    return load_checkpoint_single(path, parts.policy, parts.optimizer, parts.scheduler, reference=parts.reference)
+
+
+def _step_folders(run_dir: Path, step: int, pid: int) -> tuple[Path, Path, Path]:
+    """(checkpoints/, checkpoints/step-N, the temporary folder step-N is written in)."""
+    ckpt_root = Path(run_dir) / "checkpoints"
+    return ckpt_root, ckpt_root / f"step-{step:08d}", ckpt_root / f".step-{step:08d}.tmp-{pid}"
+
+
+def _publish(tmp: Path, final: Path, trainer_state: dict, pid: int | None = None) -> None:
+    """The last writes of both formats: trainer_state.json, the checksums of every file, the rename into place."""
+    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+    _disown(tmp)
+    write_checksums(tmp)
+    _discard(final, pid)
+    os.replace(tmp, final)
+
+
+def _rotate(ckpt_root: Path, keep: int) -> None:
+    """After a checkpoint is in place: make the rename durable and remove all but the newest `keep`."""
+    _fsync_dir(ckpt_root)
+    _retain(ckpt_root, keep)
+
+
+def _read_trainer_state(path: Path) -> dict:
+    state = json.loads((path / "trainer_state.json").read_text())
+    int(state["step"])
+    return state
+
+
+# ------------------------------------------------------------------------------------------------ one process
+
+
+def save_checkpoint_single(run_dir: Path, step: int, model: nn.Module, optimizer, scheduler, state: dict, keep: int,
+                           *, reference: nn.Module | None = None) -> Path:
     """Weights (safetensors), optimizer/scheduler/RNG (tensors only), trainer state and checksums, atomically.
 
     ``reference``: a reference model that changes during training (``reference.sync``, TR-DPO), saved as
@@ -415,10 +482,8 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, sched
     from safetensors.torch import save_model
 
     run_dir = Path(run_dir)
-    ckpt_root = run_dir / "checkpoints"
+    ckpt_root, final, tmp = _step_folders(run_dir, step, os.getpid())
     ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / f"step-{step:08d}"
-    tmp = ckpt_root / f".step-{step:08d}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     blob = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
@@ -434,13 +499,8 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, sched
         if reference is not None:
             save_model(reference, str(tmp / REFERENCE_FILE))
         torch.save(blob, tmp / "training_state.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=2))
-        _disown(tmp)
-        write_checksums(tmp)
-        _discard(final)
-        os.replace(tmp, final)
-    _fsync_dir(ckpt_root)
-    _retain(ckpt_root, keep)
+        _publish(tmp, final, {**state, "step": step})
+    _rotate(ckpt_root, keep)
     return final
 
 
@@ -482,15 +542,15 @@ def _load_errors() -> tuple[type[BaseException], ...]:
     return (*_LOAD_ERRORS, SafetensorError, CheckpointException)
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer, scheduler, *, reference: nn.Module | None = None) -> dict:
+def load_checkpoint_single(path: Path, model: nn.Module, optimizer, scheduler, *,
+                           reference: nn.Module | None = None) -> dict:
     """Restore a checkpoint; every file is read (and may fail) before the model or optimizer is changed.
 
     ``reference``: the reference copy, restored from ``reference.safetensors`` when the checkpoint has one (a run
     with ``reference.sync``); without that file the reference was never changed and stays as loaded."""
     from safetensors.torch import load_file, load_model
 
-    state = json.loads((path / "trainer_state.json").read_text())
-    int(state["step"])
+    state = _read_trainer_state(path)
     blob = torch.load(path / "training_state.pt", weights_only=True, map_location="cpu")
     _require(blob, "optimizer", "scheduler", "torch_rng", "cuda_rng")  # damaged: fail before anything changed
     ref_file = path / REFERENCE_FILE
@@ -542,10 +602,8 @@ def save_checkpoint_distributed(run_dir: Path, step: int, module: nn.Module, opt
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     run_dir = Path(run_dir)
-    ckpt_root = run_dir / "checkpoints"
-    final = ckpt_root / f"step-{step:08d}"
     pid = _broadcast(os.getpid(), ctx)  # rank 0's, so a stale folder can be matched with its (dead) process
-    tmp = ckpt_root / f".step-{step:08d}.tmp-{pid}"
+    ckpt_root, final, tmp = _step_folders(run_dir, step, pid)
     if ctx.is_main:
         ckpt_root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -568,12 +626,7 @@ def save_checkpoint_distributed(run_dir: Path, step: int, module: nn.Module, opt
         try:
             torch.save({"scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()},
                        tmp / "training_state.pt")
-            (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step, "world": ctx.world},
-                                                               indent=2))
-            _disown(tmp)
-            write_checksums(tmp)
-            _discard(final, pid)
-            os.replace(tmp, final)
+            _publish(tmp, final, {**state, "step": step, "world": ctx.world}, pid)
         except _dcp_errors() as exc:
             error = exc
     failed = not _all_ok(error is None, ctx)
@@ -593,8 +646,7 @@ def save_checkpoint_distributed(run_dir: Path, step: int, module: nn.Module, opt
         raise CheckpointWriteError(f"rank 0 could not write {final} (its message says why); "
                                    f"{_resume_hint(run_dir)}")
     if ctx.is_main:
-        _fsync_dir(ckpt_root)
-        _retain(ckpt_root, keep)
+        _rotate(ckpt_root, keep)
     ctx.barrier()
     return final
 
@@ -610,8 +662,7 @@ def load_checkpoint_distributed(path: Path, module: nn.Module, optimizer, schedu
         set_state_dict,
     )
 
-    state = json.loads((path / "trainer_state.json").read_text())
-    int(state["step"])
+    state = _read_trainer_state(path)
     if state.get("world") != ctx.world:
         raise ModelError(f"checkpoint {path} was written by {state.get('world')} processes; resume it with the same "
                          f"number (this run has {ctx.world})")

@@ -1,0 +1,246 @@
+"""The tensors of one planned micro-batch: packed rows (the default) or the padded fallback.
+
+ONE collator, :func:`collate_groups`, lays out groups (a prompt with its k completions: a pair's chosen and
+rejected, a KTO example, a KTO example's KL sequence) as sequences ``prompt + completion``; :func:`collate` is the
+pair store's entry point.
+
+Packed layout of one row: the sequences one after the other, position ids restarting at 0 for every
+sequence (transformers derives the block-diagonal attention from them, see ``prefpack.forward``), then
+row padding. The padding is its own block (positions restart at 0 again), sits after every real token
+(so causal attention never lets a real token see it), has ``loss_mask`` False, ``target_ids`` = -100 and
+``seq_index`` = -1: it cannot reach the loss, whatever ``pad_to_multiple_of`` is. Padded layout: one
+sequence per row, right-padded, with an attention mask.
+
+Sequence numbering inside a micro-batch follows the groups' order (not the rows'): group g's j-th completion is
+sequence ``offset(g) + j``. For pairs, the chosen sequence of the batch's p-th pair is ``2p`` and the rejected
+one ``2p + 1`` (pairs in row order), in both layouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from prefpack.batching.plan import MicroBatch, _check_multiple, round_up
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Batch",
+    "collate",
+    "collate_groups",
+    "collate_packed",
+    "collate_padded",
+    "sequence_arrays",
+]
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Batch:
+    """Tensors of one micro-batch; every [B, L] field is aligned position by position.
+
+    ``target_ids[b, i]`` is the token that position ``i`` predicts (the next token of the same sequence),
+    -100 where ``loss_mask`` is False. ``loss_mask`` is True where the target is a completion token.
+    ``seq_index`` is the sequence a position belongs to (-1 on padding). ``token_mask`` marks real tokens.
+    ``attention_mask`` is None for packed batches (the model must derive the mask from ``position_ids``)
+    and the [B, L] padding mask for padded ones.
+    """
+
+    input_ids: torch.Tensor  # [B, L] int64
+    position_ids: torch.Tensor  # [B, L] int64
+    target_ids: torch.Tensor  # [B, L] int64
+    loss_mask: torch.Tensor  # [B, L] bool
+    seq_index: torch.Tensor  # [B, L] int64
+    token_mask: torch.Tensor  # [B, L] bool
+    attention_mask: torch.Tensor | None  # [B, L] int64 (padded) or None (packed)
+    completion_tokens: torch.Tensor  # [S] int64: loss positions per sequence
+    group_ids: torch.Tensor  # [G] int64: each group's id in its source (a pair's index in the store), group order
+    packed: bool
+
+    @property
+    def pair_indices(self) -> torch.Tensor:
+        """The group ids of a pair batch (one per pair)."""
+        return self.group_ids
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.group_ids.shape[0])
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.completion_tokens.shape[0])
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.token_mask.sum())
+
+    @property
+    def computed_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def filling(self) -> float:
+        """Real tokens / computed positions: 1.0 means no padding at all."""
+        return self.real_tokens / max(self.computed_tokens, 1)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        moved = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            moved[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+        return Batch(**moved)
+
+
+# --------------------------------------------------------------------------------------------------------
+
+def _ids(x) -> np.ndarray:
+    a = np.asarray(x)
+    if a.ndim != 1:
+        raise ValueError(f"token ids must be 1-D, got shape {a.shape}")
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"token ids must be integers, got {a.dtype}")
+    return a.astype(np.int64, copy=False)
+
+
+def sequence_arrays(prompt: np.ndarray, completion: np.ndarray):
+    """Tokens, positions and targets of ``prompt + completion``; targets only where they are completion."""
+    tokens = np.concatenate([prompt, completion])
+    n = tokens.shape[0]
+    if n < 1:
+        raise ValueError("a sequence (prompt + completion) needs at least one token")
+    targets = np.full(n, IGNORE_INDEX, dtype=np.int64)
+    # position i predicts token i + 1; completion tokens are i + 1 >= len(prompt). With an empty prompt the
+    # first completion token has no predecessor and cannot be scored.
+    start = max(prompt.shape[0] - 1, 0)
+    targets[start : n - 1] = tokens[start + 1 :]
+    return tokens, np.arange(n, dtype=np.int64), targets
+
+
+def collate_groups(
+    groups: Sequence[tuple[np.ndarray, Sequence[np.ndarray]]],
+    rows: MicroBatch | None,
+    *,
+    ids: Sequence[int],
+    pad_id: int = 0,
+    pad_to_multiple_of: int | None = None,
+    completion_mask: bool = False,
+) -> Batch | tuple[Batch, torch.Tensor]:
+    """A :class:`Batch` of groups ``(prompt, (completion, ...))``: each completion is one sequence.
+
+    ``rows`` lists, per packed row, indices into ``groups`` (a group stays in one row); ``rows=None`` gives the
+    padded layout, one sequence per row in sequence order, with an attention mask. ``ids`` holds one id per group
+    (``Batch.group_ids``). ``completion_mask=True`` also returns the [B, L] int64 mask that is 1 where the *input*
+    token is a completion token (TRL's ``completion_mask``; ``loss_mask`` is the same shifted onto the position
+    that predicts it).
+    """
+    m = _check_multiple(pad_to_multiple_of)
+    if not groups:
+        raise ValueError("a micro-batch needs at least one group")
+    if len(ids) != len(groups):
+        raise ValueError(f"{len(ids)} ids for {len(groups)} groups")
+    built = []  # per group: its sequences (tokens, positions, targets, prompt length)
+    for prompt, completions in groups:
+        prompt = _ids(prompt)
+        built.append([(*sequence_arrays(prompt, _ids(c)), prompt.shape[0]) for c in completions])
+    offsets = np.cumsum([0] + [len(b) for b in built])
+    packed = rows is not None
+    if packed:
+        if not rows or any(len(row) == 0 for row in rows):
+            raise ValueError("a packed micro-batch needs at least one row and no empty row")
+        layout = [[(g, j) for g in row for j in range(len(built[g]))] for row in rows]
+    else:
+        layout = [[(g, j)] for g in range(len(built)) for j in range(len(built[g]))]
+    length = round_up(max(sum(built[g][j][0].shape[0] for g, j in row) for row in layout), m)
+    b = len(layout)
+    input_ids = np.full((b, length), pad_id, dtype=np.int64)
+    position_ids = np.zeros((b, length), dtype=np.int64)
+    target_ids = np.full((b, length), IGNORE_INDEX, dtype=np.int64)
+    seq_index = np.full((b, length), -1, dtype=np.int64)
+    token_mask = np.zeros((b, length), dtype=bool)
+    is_completion = np.zeros((b, length), dtype=np.int64)
+    for r, row in enumerate(layout):
+        at = 0
+        for g, j in row:
+            t, p, tgt, n_prompt = built[g][j]
+            s = slice(at, at + t.shape[0])
+            input_ids[r, s], position_ids[r, s], target_ids[r, s] = t, p, tgt
+            seq_index[r, s] = offsets[g] + j
+            token_mask[r, s] = True
+            is_completion[r, at + n_prompt : at + t.shape[0]] = 1
+            at += t.shape[0]
+        if packed:
+            # Row padding is a block of its own: positions restart at 0, so it never extends a sequence.
+            position_ids[r, at:] = np.arange(length - at)
+    loss_mask = target_ids != IGNORE_INDEX
+    completion_tokens = np.bincount(seq_index[loss_mask], minlength=int(offsets[-1])).astype(np.int64)
+    batch = Batch(
+        input_ids=torch.from_numpy(input_ids),
+        position_ids=torch.from_numpy(position_ids),
+        target_ids=torch.from_numpy(target_ids),
+        loss_mask=torch.from_numpy(loss_mask),
+        seq_index=torch.from_numpy(seq_index),
+        token_mask=torch.from_numpy(token_mask),
+        attention_mask=None if packed else torch.from_numpy(token_mask.astype(np.int64)),
+        completion_tokens=torch.from_numpy(completion_tokens),
+        group_ids=torch.as_tensor([int(i) for i in ids], dtype=torch.int64),
+        packed=packed,
+    )
+    return (batch, torch.from_numpy(is_completion)) if completion_mask else batch
+
+
+def _pair_groups(pairs, pair_ids: Sequence[int]) -> list[tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]]:
+    out = []
+    for i in pair_ids:
+        prompt, chosen, rejected = pairs[int(i)]
+        out.append((prompt, (chosen, rejected)))
+    return out
+
+
+def collate_packed(
+    pairs, rows: MicroBatch, *, pad_id: int = 0, pad_to_multiple_of: int | None = None
+) -> Batch:
+    """Packed micro-batch: each row holds whole pairs back to back, rows padded at the end to the longest.
+
+    ``pairs[i]`` must give ``(prompt, chosen, rejected)`` id arrays; ``rows`` lists pair indices per row.
+    """
+    if not rows or any(len(row) == 0 for row in rows):
+        raise ValueError("a packed micro-batch needs at least one row and no empty row")
+    flat = [int(i) for row in rows for i in row]
+    local, at = [], 0
+    for row in rows:
+        local.append(list(range(at, at + len(row))))
+        at += len(row)
+    return collate_groups(_pair_groups(pairs, flat), local, ids=flat, pad_id=pad_id,
+                          pad_to_multiple_of=pad_to_multiple_of)
+
+
+def collate_padded(pairs, pair_ids, *, pad_id: int = 0, pad_to_multiple_of: int | None = None) -> Batch:
+    """Padded fallback: one sequence per batch row (chosen of pair p in row 2p, rejected in 2p + 1),
+    right-padded to the longest (rounded up to ``pad_to_multiple_of``), with an attention mask.
+
+    ``pair_ids`` is a flat list of pair indices or a planned micro-batch (list of rows).
+    """
+    flat = [int(i) for x in pair_ids for i in (x if isinstance(x, (list, tuple, np.ndarray)) else [x])]
+    if not flat:
+        raise ValueError("a padded micro-batch needs at least one pair")
+    return collate_groups(_pair_groups(pairs, flat), None, ids=flat, pad_id=pad_id,
+                          pad_to_multiple_of=pad_to_multiple_of)
+
+
+def collate(
+    pairs,
+    micro_batch: MicroBatch,
+    *,
+    packing: bool = True,
+    pad_id: int = 0,
+    pad_to_multiple_of: int | None = None,
+) -> Batch:
+    """Materialise one planned micro-batch (see ``prefpack.batching.plan.plan_micro_batches``) in the chosen
+    layout."""
+    if packing:
+        return collate_packed(pairs, micro_batch, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of)
+    return collate_padded(pairs, micro_batch, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of)

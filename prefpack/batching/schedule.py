@@ -1,0 +1,47 @@
+"""Which examples each optimizer step takes, and the key that names a step to the planners.
+
+The data position is a pure function of the step number and the seed, so a resumed run needs only the step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = ["StepKey", "StepSchedule"]
+
+
+class StepKey(NamedTuple):
+    """The plan seed of training step ``step``. A tuple of ints, so numpy seeds its generator with it
+    (``default_rng(StepKey(s, k))`` is ``default_rng([s, k])``), and a task that needs the whole step (KTO's KL
+    pairing) can recognise it instead of decoding a list."""
+
+    seed: int
+    step: int
+
+
+@dataclass
+class StepSchedule:
+    """Which examples each optimizer step uses: a seeded permutation per epoch, cut into global batches."""
+
+    num_pairs: int
+    global_batch: int
+    seed: int
+    shuffle: bool = True
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.num_pairs / self.global_batch)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_pairs)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_pairs)
+
+    def pairs_for_step(self, step: int) -> tuple[int, np.ndarray]:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        order = self.epoch_order(epoch)
+        return epoch, order[k * self.global_batch : (k + 1) * self.global_batch]

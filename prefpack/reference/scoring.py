@@ -1,0 +1,63 @@
+"""Score every pair of a store once with a reference model (what ``prefpack precompute-ref`` writes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from prefpack.batching.collate import collate
+from prefpack.batching.plan import plan_micro_batches
+from prefpack.data.store import Store
+from prefpack.data.views import StorePairs
+from prefpack.forward import sequence_logps
+
+__all__ = ["compute_store_logps", "iter_store_batches"]
+
+
+def iter_store_batches(store: Store, *, micro_batch_tokens: int, row_tokens: int, packing: bool = True,
+                       pad_id: int = 0, pad_to_multiple_of: int | None = None):
+    """Every pair of a store once, in deterministic micro-batches; yields (batch, global pair ids)."""
+    pairs = StorePairs(store)
+    plan = plan_micro_batches(pairs.lengths(), token_budget=micro_batch_tokens, packing=packing,
+                              row_budget=min(row_tokens, micro_batch_tokens), pad_to_multiple_of=pad_to_multiple_of,
+                              seed=None)
+    for mb in plan:
+        batch = collate(pairs, mb, packing=packing, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of)
+        yield batch, pairs.ids[batch.pair_indices.numpy()]
+
+
+@torch.no_grad()
+def compute_store_logps(model: nn.Module, store: Store, *, micro_batch_tokens: int = 4096, row_tokens: int = 2048,
+                        chunk_size: int = 1024, progress: bool = False, ctx=None) -> dict[str, np.ndarray]:
+    """Chosen and rejected log-prob sums of every pair of a store, and their LD-DPO tail sums (float64 arrays in
+    store order, keys ``chosen``, ``rejected``, ``chosen_tail``, ``rejected_tail``).
+
+    Under torchrun (`ctx` from prefpack.distributed) each rank scores every world-th micro-batch with its
+    own full copy of the model, and the results are summed across ranks (each pair is scored by one rank).
+    """
+    rank, world = (ctx.rank, ctx.world) if ctx is not None else (0, 1)
+    was_training = model.training
+    model.eval()
+    keys = ("chosen", "rejected", "chosen_tail", "rejected_tail")
+    table = np.zeros((len(keys) + 1, len(store)), dtype=np.float64)  # + how often each pair was scored
+    batches = iter_store_batches(store, micro_batch_tokens=micro_batch_tokens, row_tokens=row_tokens)
+    if progress and rank == 0:
+        from tqdm import tqdm
+
+        batches = tqdm(batches, desc="reference log-probs", unit="batch")
+    for k, (batch, ids) in enumerate(batches):
+        if k % world != rank:
+            continue
+        out = sequence_logps(model, batch, chunk_size=chunk_size, pair_tails=True)
+        total, tail = out.logp_sum.double().cpu().numpy(), out.tail_sum.double().cpu().numpy()
+        for row, values in enumerate((total[0::2], total[1::2], tail[0::2], tail[1::2])):
+            table[row, ids] = values
+        table[-1, ids] += 1
+    model.train(was_training)
+    if world > 1:
+        both = torch.from_numpy(table)
+        ctx.all_reduce_sum(both)
+        table = both.numpy()
+    assert (table[-1] == 1).all(), "every pair must be scored exactly once"
+    return {k: table[i] for i, k in enumerate(keys)}

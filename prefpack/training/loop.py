@@ -1,0 +1,251 @@
+"""The step loop: steps of a fixed number of pairs, packed micro-batches, the learning-rate schedule, resume.
+
+An optimizer step takes exactly `train.global_batch_pairs` pairs from a seeded, per-epoch permutation
+of the store. Those pairs are packed into micro-batches under the token budget, every micro-batch's
+per-pair losses are summed and divided by the step's pair count, so the update does not depend on how
+the pairs were packed or split (accumulation 1 x 8 equals 8 x 1). The data position is a pure function
+of the step number and the seed, so resuming needs only the step.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prefpack.batching.schedule import StepKey, StepSchedule
+from prefpack.distributed import Dist, clip_grad_norm, deal_step, grad_sync, init_from_env
+from prefpack.models import ModelError, release_freed_memory
+from prefpack.reference import sync_reference
+from prefpack.tasks import StepTotals
+from prefpack.training.checkpoint import (
+    Checkpointed,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    save_final,
+)
+from prefpack.training.evaluation import evaluate, reduce_totals
+from prefpack.training.setup import (
+    build,
+    check_trainable,
+    final_dtype,
+    make_optimizer,
+    open_run_dir,
+    save_run_config,
+    wrap_modules,
+)
+
+
+class TrainingInterrupted(RuntimeError):
+    """Raised by `stop_after_steps` (tests simulate a crash with it)."""
+
+
+# ------------------------------------------------------------------------------------------------ schedule
+
+
+def total_steps(cfg, sched: StepSchedule) -> int:
+    if cfg.train.max_steps is not None:
+        return int(cfg.train.max_steps)
+    return max(1, math.ceil(cfg.train.epochs * sched.steps_per_epoch))
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total - warmup)
+        progress = min(max(progress, 0.0), 1.0)
+        if schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def warmup_steps(cfg, total: int) -> int:
+    if cfg.optim.warmup_steps:
+        return int(cfg.optim.warmup_steps)
+    return int(round(cfg.optim.warmup_ratio * total))
+
+
+# ------------------------------------------------------------------------------------------------ the loop
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    final_dir: Path | None
+    eval_before: dict[str, float] | None
+    eval_after: dict[str, float] | None
+    last_train: dict[str, float]
+
+
+def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log=print,
+          progress: bool = True) -> TrainResult:
+    """Train as the config says; returns where things were written and the last metrics.
+
+    Under torchrun every rank runs this; only rank 0 prints, logs, plots and writes the final model.
+    """
+    from prefpack.metrics import MetricsLogger
+
+    check_trainable(cfg)
+    ctx = init_from_env(cfg.train.device)
+    main = ctx.is_main
+    if not main:
+        log = _quiet  # noqa: F811 - other ranks stay silent
+        progress = False
+    run_dir = open_run_dir(cfg, ctx, resume=resume, log=log)
+    setup = build(cfg, log=log, device=ctx.device)
+    if main:
+        save_run_config(cfg, run_dir, resume=resume)
+    policy, reference = setup.policy, setup.reference
+    policy.train()
+    strategy = cfg.distributed.strategy
+    module = wrap_modules(setup, ctx)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = make_optimizer(params, cfg)
+    task = setup.train_task
+    sched = StepSchedule(len(task), cfg.train.global_batch_pairs, cfg.train.seed, cfg.data.shuffle)
+    n_steps = total_steps(cfg, sched)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(cfg.optim.schedule, warmup_steps(cfg, n_steps), n_steps))
+    metrics = MetricsLogger.from_config(cfg, run_dir, resume=resume, enabled=main)  # run.report_to
+    if metrics.notice:
+        log(metrics.notice)
+    # a synced (TR-DPO) reference is part of the state: a checkpoint that holds one restores it
+    copied = reference.mode == "copy"
+    parts = Checkpointed(policy, module, optimizer, scheduler, reference=reference.model if copied else None,
+                         reference_module=reference.module if copied else None)
+    state: dict[str, Any] = {}
+    start = 0
+    if resume:
+        state, start = _resume(run_dir, parts, n_steps, metrics, ctx, log)
+
+    def run_eval() -> dict[str, float]:
+        return evaluate(policy, reference, setup.eval_task, module=module, ctx=ctx, balance=cfg.distributed.balance)
+
+    if ctx.enabled:
+        log(f"{ctx.world} processes, strategy {strategy}, micro-batches dealt by {cfg.distributed.balance}")
+    eval_before = None
+    if setup.eval_task is not None and start == 0:
+        eval_before = run_eval()
+        metrics.log(0, eval_before, split="eval")
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n_steps, initial=start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+    last: dict[str, float] = {}
+    max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else float("inf")
+    synced = cfg.reference.sync and copied  # TR-DPO: the reference moves, checkpoints keep it
+    for step in range(start, n_steps):
+        t0 = time.perf_counter()
+        epoch, ids = sched.pairs_for_step(step)
+        shares = deal_step(task, ids, seed=StepKey(cfg.train.seed, step), world=ctx.world, balance=cfg.distributed.balance)
+        share = shares[ctx.rank]
+        batches = [task.collate(p) for p in share.planned]
+        optimizer.zero_grad(set_to_none=True)
+        step_state = {**state, **task.begin_step(module, reference, batches, weights=share.weights)}
+        totals = StepTotals()
+        # Every rank plans the same step, so its example count is known everywhere without communication.
+        # Gradients are summed over ranks: DDP and FSDP2 average them, hence the factor world / n.
+        scale = ctx.world / len(ids)
+        for i, (batch, weight) in enumerate(zip(batches, share.weights)):
+            with grad_sync(module, enabled=i == len(batches) - 1):
+                out = task.loss(module, reference, batch, step_state)
+                (out.loss.sum() * (scale * weight)).backward()
+            if weight:
+                totals.add(out, batch)
+                if hasattr(task, "after_micro_batch"):
+                    task.after_micro_batch(out, state)
+                    step_state.update(state)
+        grad_norm = clip_grad_norm(params, max_norm)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        if synced and (step + 1) % cfg.reference.sync_steps == 0:  # TRL: global_step % ref_model_sync_steps == 0
+            sync_reference(policy, reference.model, cfg.reference.mixup_alpha,
+                           wrappers=(module, reference.module) if strategy == "fsdp2" and ctx.enabled else ())
+        totals = reduce_totals(totals, ctx)
+        dt = time.perf_counter() - t0
+        last = totals.means()
+        last.update({"lr": lr, "grad_norm": grad_norm, "epoch": epoch + (step % sched.steps_per_epoch + 1)
+                     / sched.steps_per_epoch, "tokens/s": totals.real_tokens / dt, "pairs/s": len(ids) / dt})
+        done = step + 1
+        if done % cfg.run.log_every == 0 or done == n_steps:
+            metrics.log(done, last)
+        if bar is not None:
+            bar.update(1)
+            shown = {"loss": f"{last['loss']:.4f}", "fill": f"{last['filling']:.2f}"}
+            if "rewards/accuracies" in last:
+                shown["acc"] = f"{last['rewards/accuracies']:.2f}"
+            if "kl" in last:
+                shown["kl"] = f"{last['kl']:.3f}"
+            bar.set_postfix(shown)
+        if setup.eval_task is not None and cfg.run.eval_every and done % cfg.run.eval_every == 0 and done < n_steps:
+            metrics.log(done, run_eval(), split="eval")
+        if cfg.run.save_every and done % cfg.run.save_every == 0 and done < n_steps:
+            save_checkpoint(run_dir, done, parts, state, cfg.run.keep_checkpoints, ctx, with_reference=synced)
+        if stop_after_steps is not None and done >= stop_after_steps and done < n_steps:
+            if bar is not None:
+                bar.close()
+            metrics.close()
+            ctx.barrier()  # no rank tears the process group down while another is still in a collective
+            raise TrainingInterrupted(f"stopped after step {done}")
+    if bar is not None:
+        bar.close()
+    eval_after = None
+    if setup.eval_task is not None:
+        eval_after = run_eval()
+        metrics.log(n_steps, eval_after, split="eval")
+    metrics.close()
+    # Training state is not needed to save the result: free it first, so saving never raises the run's peak.
+    optimizer.zero_grad(set_to_none=True)
+    optimizer.state.clear()
+    if copied:
+        reference.model = reference.module = None
+        parts.reference = parts.reference_module = None
+    release_freed_memory()
+    final_dir = save_final(run_dir, policy, setup.tokenizer, module=module, ctx=ctx, strategy=strategy,
+                           dtype=final_dtype(cfg, setup.precision))
+    if cfg.run.plot and main:
+        try:
+            from prefpack.plot import plot_run
+
+            plot_run(run_dir)
+        except Exception as exc:  # a missing plotting library must not fail a finished training run
+            log(f"note: no curves.png ({exc})")
+    ctx.barrier()
+    return TrainResult(run_dir, n_steps, final_dir, eval_before, eval_after, last)
+
+
+def _resume(run_dir: Path, parts: Checkpointed, n_steps: int, metrics, ctx: Dist, log) -> tuple[dict[str, Any], int]:
+    """(trainer state, first step) from the newest intact checkpoint, with the metrics logged after that step
+    dropped; ({}, 0) when there is none."""
+    from prefpack.training.checkpoint import resume_from_checkpoints
+
+    if latest_checkpoint(run_dir) is None:
+        log(f"no checkpoint in {run_dir / 'checkpoints'}; starting from step 0")
+        return {}, 0
+    # the newest checkpoint that matches its checksums and loads; damaged ones are reported and set aside
+    ckpt, state = resume_from_checkpoints(run_dir, lambda path: load_checkpoint(path, parts, ctx), ctx=ctx, log=log)
+    start = int(state.pop("step"))
+    if start > n_steps:
+        raise ModelError(f"{ckpt} is at step {start}, past this config's {n_steps} steps (train.max_steps / "
+                         "train.epochs); its final model would not be the one this config asks for")
+    metrics.truncate_after(start)
+    log(f"resumed from {ckpt} at step {start}")
+    return state, start
+
+
+def _quiet(*_args, **_kwargs) -> None:
+    return None
