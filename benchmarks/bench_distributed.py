@@ -29,7 +29,7 @@ def imbalance(store_dir: Path, *, global_batch: int, micro_tokens: int, row_toke
     from prefpack.config import load_config
     from prefpack.data.store import Store
     from prefpack.distributed import deal_step, rank_tokens
-    from prefpack.tasks import PairTask
+    from prefpack.objectives import PairTask
 
     cfg = load_config(None, [f"train.micro_batch_tokens={micro_tokens}", f"data.max_tokens_per_row={row_tokens}"])
     task = PairTask(Store(store_dir), cfg, pad_id=1)

@@ -255,12 +255,12 @@ def run_precompute(args, argv) -> int:
         resolve_tokenizer,
         weights_hash,
     )
+    from prefpack.objectives import open_store
     from prefpack.reference import SIDECAR_NAME, compute_store_logps, write_sidecar
-    from prefpack.training import open_pair_store
 
     if args.kto or Store(args.data).kind == "unpaired":
         return _precompute_kto(args)
-    store = open_pair_store(args.data, "reference")
+    store = open_store(args.data, "reference", unpaired=False)
     resolve_tokenizer(args.model, store.meta, store.tokenizer_path(), allow_mismatch=args.allow_tokenizer_mismatch)
     ctx = init_from_env(args.device)  # under torchrun every rank scores a share of the store
     device = ctx.device if args.device == "auto" else pick_device(args.device)
@@ -309,12 +309,11 @@ def _scoring_budgets(args, model, device):
 
 
 def _precompute_kto(args) -> int:
-    """precompute-ref for KTO: every example's completion and its fixed KL sequence (prefpack.kto)."""
+    """precompute-ref for KTO: every example's completion and its fixed KL sequence (prefpack.objectives.kto)."""
     import numpy as np
 
     from prefpack.data.views import UnpairedView
     from prefpack.distributed import init_from_env, shutdown
-    from prefpack.kto import compute_kto_store_logps, open_kto_store
     from prefpack.models import (
         check_vocab_fits,
         load_scoring_model,
@@ -322,9 +321,10 @@ def _precompute_kto(args) -> int:
         resolve_tokenizer,
         weights_hash,
     )
-    from prefpack.reference import KTO_SIDECAR_NAME, write_kto_sidecar
+    from prefpack.objectives import open_store
+    from prefpack.reference import KTO_SIDECAR_NAME, compute_kto_store_logps, write_kto_sidecar
 
-    store = open_kto_store(args.data, "reference", paired_as_kto=args.kto)
+    store = open_store(args.data, "reference", unpaired=True, paired_as_kto=args.kto)
     resolve_tokenizer(args.model, store.meta, store.tokenizer_path(), allow_mismatch=args.allow_tokenizer_mismatch)
     ctx = init_from_env(args.device)
     device = ctx.device if args.device == "auto" else pick_device(args.device)

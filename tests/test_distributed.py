@@ -17,7 +17,7 @@ from prefpack.config import load_config
 from prefpack.data.prepare import PrepareOptions, prepare
 from prefpack.data.store import Store
 from prefpack.distributed import deal_step, rank_tokens
-from prefpack.tasks import PairTask
+from prefpack.objectives import PairTask
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ from prefpack.data.prepare import PrepareOptions, prepare
 from prefpack.data.store import Store, StoreError
 from prefpack.data.views import UnpairedView
 from prefpack.forward import SequenceLogps
-from prefpack.kto import KTOTask
 from prefpack.losses import (
     UnpairedLogps,
     apo_zero_unpaired_loss,
@@ -29,6 +28,7 @@ from prefpack.losses import (
     kto_loss,
     unpaired_loss,
 )
+from prefpack.objectives import KTOTask
 from prefpack.reference import ReferenceMismatch
 from prefpack.training import build, evaluate, train
 
@@ -279,8 +279,8 @@ def test_begin_step_ignores_zero_weight_padding_batches(kworld):
     batches = [task.collate(p) for p in task.plan(np.arange(9), seed=StepKey(0, 1))]
     ref = task.begin_step(module, setup.reference, batches)
     padded = task.begin_step(module, setup.reference, batches + [batches[0]], weights=[1.0] * len(batches) + [0.0])
-    assert padded["kl_sum"] == pytest.approx(ref["kl_sum"]) and padded["kl_count"] == ref["kl_count"] == 9
-    assert padded["class_counts"] == ref["class_counts"] == (int(Store(kworld["train"]).column("label")[:9].sum()),
+    assert padded.kl_sum == pytest.approx(ref.kl_sum) and padded.kl_count == ref.kl_count == 9
+    assert padded.class_counts == ref.class_counts == (int(Store(kworld["train"]).column("label")[:9].sum()),
                                                              9 - int(Store(kworld["train"]).column("label")[:9].sum()))
 
 
@@ -316,8 +316,8 @@ def test_pairing_and_kl_sums_do_not_depend_on_the_number_of_ranks(kworld, balanc
     shares = deal_step(task, ids, seed=StepKey(0, 0), world=3, balance=balance)
     per_rank = [task.begin_step(module, setup.reference, [task.collate(p) for p in s.planned], weights=s.weights)
                 for s in shares]
-    assert sum(r["kl_count"] for r in per_rank) == ref["kl_count"] == 7
-    assert sum(r["kl_sum"] for r in per_rank) == pytest.approx(ref["kl_sum"], abs=1e-4)
+    assert sum(r.kl_count for r in per_rank) == ref.kl_count == 7
+    assert sum(r.kl_sum for r in per_rank) == pytest.approx(ref.kl_sum, abs=1e-4)
 
 
 # ---------------------------------------------------------------- training
@@ -389,7 +389,7 @@ def test_copy_and_precomputed_reference_agree(kworld, tmp_path, capsys):
     for s in (s1, s2):
         batches = [s.train_task.collate(p) for p in s.train_task.plan(np.arange(19), seed=StepKey(0, 0))]
         step.append(s.train_task.begin_step(SequenceLogps(s.policy), s.reference, batches))
-    assert step[0]["kl_sum"] == pytest.approx(step[1]["kl_sum"], abs=1e-5) and step[0]["kl_count"] == 19
+    assert step[0].kl_sum == pytest.approx(step[1].kl_sum, abs=1e-5) and step[0].kl_count == 19
     for k in ("loss", "kl", "rewards/margins", "rewards/chosen", "rewards/rejected"):
         assert e1[k] == pytest.approx(e2[k], abs=1e-6), k
     train(copy, progress=False, log=quiet)

@@ -34,7 +34,7 @@ from prefpack.losses.pairwise import (
     sigmoid_norm_loss,
     sppo_hard_loss,
 )
-from prefpack.tasks import PairTask
+from prefpack.objectives import PairTask
 
 DT = torch.float64
 
@@ -446,34 +446,44 @@ class _FakeStore:
 def _task(names, **loss):
     params = {n: p.default for n, p in LOSS_PARAMS.items()} | {"f_divergence_type": "reverse_kl", "use_weighting": False} | loss
     cfg = SimpleNamespace(loss=SimpleNamespace(terms=[SimpleNamespace(name=n, weight=1.0) for n in names], **params))
-    return PairTask(_FakeStore(len(ROWS)), cfg, pad_id=0,
-                    ref_table=(np.array([r[2] for r in ROWS]), np.array([r[3] for r in ROWS])))
+    return PairTask(_FakeStore(len(ROWS)), cfg, pad_id=0)
 
 
-def _run(task, state):
-    """PairTask.loss on ROWS with a stand-in policy (per-sequence sums, chosen/rejected interleaved) and the
-    precomputed reference table."""
+def _run(task):
+    """PairTask.loss on ROWS with a stand-in policy (per-sequence sums, chosen/rejected interleaved) and a
+    precomputed reference holding ROWS' reference sums for the task's store."""
+    from pathlib import Path
+
+    from prefpack.objectives import StepState
+    from prefpack.reference import PrecomputedReference
+
     seq = torch.tensor([v for r in ROWS for v in (r[0], r[1])], dtype=DT)
     tokens = torch.tensor([v for r in ROWS for v in (r[4], r[5])], dtype=torch.long)
     batch = SimpleNamespace(pair_indices=torch.arange(len(ROWS)))
-    return task.loss(lambda b: (seq, tokens), SimpleNamespace(mode="precomputed"), batch, state)
+    reference = PrecomputedReference()
+    reference.tables[Path(task.store.path)] = (np.array([r[2] for r in ROWS]), np.array([r[3] for r in ROWS]))
+    return task.loss(lambda b: (seq, tokens), reference, batch, StepState())
 
 
 def test_task_keeps_the_running_mean_only_for_bco_pair_running():
     assert _task(["bco_pair_running"]).bco and not _task(["bco_pair"]).bco
     for name, moves in (("bco_pair", False), ("bco_pair_running", True)):
-        task, state = _task([name]), {}
-        out = _run(task, state)
-        task.after_micro_batch(out, state)
+        task = _task([name])
+        out = _run(task)
+        task.after_micro_batch(out)
+        state = task.state_dict()
         if not moves:
             assert state == {}
             continue
         rewards = [0.1 * cl(r) for r in ROWS] + [0.1 * rl(r) for r in ROWS]
         assert state["bco_delta"] == pytest.approx(sum(rewards) / len(rewards), rel=1e-12)
-        close(_run(task, state).loss, expected("bco_pair_running", ROWS, delta=state["bco_delta"]))
+        close(_run(task).loss, expected("bco_pair_running", ROWS, delta=state["bco_delta"]))
+        fresh = _task([name])  # the state a checkpoint saves gives a fresh objective the same loss
+        fresh.load_state_dict(state)
+        close(_run(fresh).loss, expected("bco_pair_running", ROWS, delta=state["bco_delta"]))
 
 
 def test_task_passes_discopop_tau_from_the_config():
-    out = _run(_task(["discopop"], discopop_tau=0.3), {})
+    out = _run(_task(["discopop"], discopop_tau=0.3))
     close(out.loss, expected("discopop", ROWS, tau=0.3))
     assert not torch.allclose(out.loss, expected("discopop", ROWS, tau=0.05))

@@ -11,8 +11,8 @@ from prefpack.config import Config, LossTermConfig
 from prefpack.data.store import Pair
 from prefpack.forward import SequenceLogps, router_aux_loss_coef, sequence_logps
 from prefpack.losses import LossTerm
-from prefpack.reference import Reference
-from prefpack.tasks import PairTask
+from prefpack.objectives import PairTask, StepState
+from prefpack.reference import NoReference
 
 VOCAB = 300
 
@@ -99,7 +99,7 @@ def pair_task(coef):
     cfg = Config()
     cfg.loss.terms = [LossTermConfig("simpo", 1.0)]  # reference-free
     task = PairTask.__new__(PairTask)
-    task.cfg, task.ref_table, task.bco = cfg, None, False
+    task.cfg, task.bco, task.running, task.store = cfg, False, {}, None
     task.terms = [LossTerm("simpo", 1.0)]
     task.router_aux_loss_coef = coef
     return task
@@ -108,7 +108,7 @@ def pair_task(coef):
 def router_grads(model, coef, batch):
     model.zero_grad(set_to_none=True)
     module = SequenceLogps(model, chunk_size=16, router_aux=bool(coef))
-    out = pair_task(coef).loss(module, Reference("none"), batch, {})
+    out = pair_task(coef).loss(module, NoReference(), batch, StepState())
     out.loss.sum().backward()
     return out, {n: p.grad.clone() for n, p in router_weights(model).items()}
 
@@ -131,9 +131,9 @@ def test_non_moe_unaffected():
     batch = collate(pairs(), [[0], [1, 2]], packing=True, pad_id=0)
     task = pair_task(router_aux_loss_coef(model, None))
     assert task.router_aux_loss_coef == 0.0
-    out = task.loss(SequenceLogps(model, chunk_size=16), Reference("none"), batch, {})
+    out = task.loss(SequenceLogps(model, chunk_size=16), NoReference(), batch, StepState())
     # the pre-MoE contract: a plain (logp_sum, n_tokens) callable
-    before_out = pair_task(0.0).loss(lambda b: sequence_logps(model, b, chunk_size=16), Reference("none"), batch, {})
+    before_out = pair_task(0.0).loss(lambda b: sequence_logps(model, b, chunk_size=16), NoReference(), batch, StepState())
     assert torch.equal(out.loss, before_out.loss) and "aux_loss" not in out.metrics
     with pytest.raises(ValueError, match="not a Mixture-of-Experts"):
         router_aux_loss_coef(model, 0.1)
@@ -144,8 +144,8 @@ def test_moe_with_coef_zero_is_unchanged():
     model = tiny_mixtral()
     batch = collate(pairs(), [[0], [1, 2]], packing=True, pad_id=0)
     with torch.no_grad():
-        a = pair_task(0.0).loss(SequenceLogps(model, chunk_size=16), Reference("none"), batch, {})
-        b = pair_task(0.0).loss(SequenceLogps(model, chunk_size=16, router_aux=True), Reference("none"), batch, {})
+        a = pair_task(0.0).loss(SequenceLogps(model, chunk_size=16), NoReference(), batch, StepState())
+        b = pair_task(0.0).loss(SequenceLogps(model, chunk_size=16, router_aux=True), NoReference(), batch, StepState())
     assert torch.equal(a.loss, b.loss) and "aux_loss" not in b.metrics
 
 

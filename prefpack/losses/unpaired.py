@@ -5,7 +5,7 @@ for an undesirable one. The inputs are per-example log-prob sums over the comple
 are one loss value per example (shape ``[N]``, never reduced), so the trainer can divide by the number of
 examples in the whole optimizer step, whatever the packing. Nothing here reads model outputs, keeps state
 or syncs across devices: the KL reference point ``z0`` is computed by the caller (over the whole step and
-all ranks, see ``prefpack.kto``) and passed in as a detached number.
+all ranks, see ``prefpack.objectives.kto``) and passed in as a detached number.
 
 Conventions (as in ``prefpack.losses.pairwise``):
 

@@ -6,8 +6,15 @@ one sidecar serves every `loss.ld_alpha`), tagged with the store's content hash 
 reference weights' hash, so training refuses a sidecar computed for other data or another model.
 """
 
-from prefpack.reference.modes import Reference
-from prefpack.reference.scoring import compute_store_logps, iter_store_batches
+from prefpack.reference.modes import (
+    AdapterReference,
+    CopyReference,
+    NoReference,
+    PrecomputedReference,
+    Reference,
+    make_reference,
+)
+from prefpack.reference.scoring import compute_kto_store_logps, compute_store_logps, iter_store_batches
 from prefpack.reference.sidecar import (
     KTO_SIDECAR_NAME,
     SIDECAR_FORMAT,
@@ -22,13 +29,19 @@ from prefpack.reference.sidecar import (
 from prefpack.reference.sync import sync_reference
 
 __all__ = [
+    "AdapterReference",
+    "CopyReference",
     "KTO_SIDECAR_NAME",
+    "NoReference",
+    "PrecomputedReference",
     "SIDECAR_FORMAT",
     "SIDECAR_NAME",
     "Reference",
     "ReferenceMismatch",
+    "compute_kto_store_logps",
     "compute_store_logps",
     "iter_store_batches",
+    "make_reference",
     "read_kto_sidecar",
     "read_sidecar",
     "store_hash",

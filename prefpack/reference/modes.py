@@ -1,73 +1,188 @@
-"""The reference a loss compares the policy with: a frozen copy, the policy with its adapter off, a
-precomputed sidecar, or none. The reference never runs under autograd."""
+"""The reference a loss compares the policy with, one class per ``reference.mode``: a frozen copy, the policy
+with its adapter off, a precomputed sidecar (which owns its tables), or none. Objectives ask every mode the same
+two questions (:meth:`Reference.pair_logps`, :meth:`Reference.example_logps`), so no code outside this module
+tests the mode's name. The reference never runs under autograd."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
 from prefpack.batching.collate import Batch
+from prefpack.data.store import Store
+from prefpack.data.views import UnpairedView
 from prefpack.forward import SequenceLogps
+from prefpack.reference.sidecar import (
+    KTO_SIDECAR_NAME,
+    SIDECAR_NAME,
+    ReferenceMismatch,
+    read_kto_sidecar,
+    read_sidecar,
+)
 
-__all__ = ["Reference"]
+__all__ = ["AdapterReference", "CopyReference", "NoReference", "PrecomputedReference", "Reference",
+           "make_reference"]
 
 
 class Reference:
-    """Reference log-prob sums of a micro-batch's sequences, never under autograd.
+    """What every reference mode answers. ``module`` maps a batch to a ``prefpack.forward.SequenceOutput`` (it may
+    be wrapped for several ranks: FSDP2 shards a frozen copy too); ``model`` is a reference model held in memory
+    (only ``copy``: TR-DPO syncs it and checkpoints save it); ``pair_tails``: also LD-DPO's tail sums."""
 
-    `module` maps a batch to (logp_sum [S], n_tokens [S]) like `prefpack.forward.SequenceLogps`; it may be
-    wrapped for several ranks (FSDP2 shards a frozen copy too). In adapter mode it is the policy's own
-    module, run with the LoRA adapter disabled.
-    """
+    mode = ""
+    model: nn.Module | None = None
 
-    def __init__(self, mode: str, *, model: nn.Module | None = None, policy: nn.Module | None = None,
-                 chunk_size: int = 1024, module: nn.Module | None = None):
-        self.mode = mode
-        self.model = model
-        self.policy = policy
+    def __init__(self, *, chunk_size: int = 1024):
         self.chunk_size = chunk_size
-        self.module = module
-        self.pair_tails = False  # LD-DPO: also the sums past the shorter completion (set by train.build)
-        if mode == "copy":
-            assert model is not None
-            model.eval()
-            model.requires_grad_(False)
-            if self.module is None:
-                self.module = SequenceLogps(model, chunk_size=chunk_size)
+        self.module: nn.Module | None = None
+        self.pair_tails = False
 
-    @torch.no_grad()
+    def configure(self, *, chunk_size: int, pair_tails: bool) -> None:
+        """The run's head chunk size and whether LD-DPO needs tail sums (known once budgets are resolved)."""
+        self.chunk_size, self.pair_tails = chunk_size, pair_tails
+        if self.module is not None:
+            self.module.chunk_size, self.module.pair_tails = chunk_size, pair_tails
+
+    def attach(self, wrap, policy_module: nn.Module) -> None:
+        """Give the reference its training-time forward: ``wrap(module, model)`` wraps a module for the run's
+        ranks; ``policy_module`` is the policy's own (wrapped) forward."""
+
+    def release(self) -> None:
+        """Drop what the reference holds in memory (before the final save)."""
+        self.model = self.module = None
+
     def outputs(self, batch: Batch):
-        """The reference forward (``prefpack.forward.SequenceOutput``) for copy/adapter modes."""
-        if self.mode == "copy":
-            return self.module(batch)
-        if self.mode == "adapter":
-            was_training = self.policy.training
-            self.policy.eval()  # dropout is off anyway; eval keeps the reference pass free of train-only hooks
-            try:
-                with self.policy.disable_adapter():
-                    module = self.module if self.module is not None else SequenceLogps(
-                        self.policy, self.chunk_size, pair_tails=self.pair_tails)
-                    return module(batch)
-            finally:
-                self.policy.train(was_training)
+        """The reference forward over a batch (modes that run a model)."""
         raise ValueError(f"reference mode {self.mode!r} computes no log-probs")
 
     @torch.no_grad()
     def sequence_logps(self, batch: Batch) -> torch.Tensor:
-        """Per-sequence reference sums for copy/adapter modes."""
         return self.outputs(batch)[0]
 
     @torch.no_grad()
-    def logps(self, batch: Batch, global_ids: np.ndarray, device: torch.device,
-              dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
-        """Chosen and rejected reference sums of a pair batch, in its pair order (None in mode none), then their
-        LD-DPO tail sums (None unless the module computes ``pair_tails``)."""
-        if self.mode == "none":
-            return None
-        if self.mode == "precomputed":
-            raise ValueError("precomputed reference log-probs are read by the task from its own store's sidecar")
+    def pair_logps(self, batch: Batch, store: Store, ids: np.ndarray, device: torch.device,
+                   dtype: torch.dtype) -> tuple[torch.Tensor | None, ...] | None:
+        """``(chosen, rejected, chosen_tail, rejected_tail)`` reference sums of a pair batch in its pair order
+        (tails None unless ``pair_tails``); None when there is no reference. ``ids``: the pairs' store rows."""
         out = self.outputs(batch)
         seq, tail = out[0].to(device, dtype), out[3] if len(out) > 3 else None
         tails = (None, None) if tail is None else (tail[0::2].to(device, dtype), tail[1::2].to(device, dtype))
         return seq[0::2], seq[1::2], *tails
+
+    @torch.no_grad()
+    def example_logps(self, batch: Batch, store: Store, ids: np.ndarray, *, kl: bool, device: torch.device,
+                      dtype: torch.dtype) -> torch.Tensor:
+        """Reference sums of a KTO batch's sequences (``kl``: its KL sequences), one per example of ``ids``."""
+        n = int(batch.completion_tokens.shape[0])
+        return self.sequence_logps(batch)[:n].to(device=device, dtype=dtype)
+
+
+class CopyReference(Reference):
+    """A frozen copy of the reference weights, run exactly like the policy (same dtype and autocast)."""
+
+    mode = "copy"
+
+    def __init__(self, model: nn.Module, *, chunk_size: int = 1024):
+        super().__init__(chunk_size=chunk_size)
+        model.eval()
+        model.requires_grad_(False)
+        self.model = model
+        self.module = SequenceLogps(model, chunk_size=chunk_size)
+
+    def attach(self, wrap, policy_module: nn.Module) -> None:
+        self.module = wrap(SequenceLogps(self.model, chunk_size=self.chunk_size, pair_tails=self.pair_tails),
+                           self.model)
+
+    @torch.no_grad()
+    def outputs(self, batch: Batch):
+        return self.module(batch)
+
+
+class AdapterReference(Reference):
+    """The policy itself with its LoRA adapter disabled: no second copy of the weights."""
+
+    mode = "adapter"
+
+    def __init__(self, policy: nn.Module | None = None, *, chunk_size: int = 1024):
+        super().__init__(chunk_size=chunk_size)
+        self.policy = policy
+
+    def attach(self, wrap, policy_module: nn.Module) -> None:
+        self.module = policy_module
+
+    @torch.no_grad()
+    def outputs(self, batch: Batch):
+        was_training = self.policy.training
+        self.policy.eval()  # dropout is off anyway; eval keeps the reference pass free of train-only hooks
+        try:
+            with self.policy.disable_adapter():
+                module = self.module if self.module is not None else SequenceLogps(
+                    self.policy, self.chunk_size, pair_tails=self.pair_tails)
+                return module(batch)
+        finally:
+            self.policy.train(was_training)
+
+
+class PrecomputedReference(Reference):
+    """Log-probs read from each store's sidecar (``prefpack precompute-ref``): no reference model in memory.
+    It owns the tables, one per store (the eval store needs its own)."""
+
+    mode = "precomputed"
+
+    def __init__(self, *, reference_hash: str | None = None, chunk_size: int = 1024):
+        super().__init__(chunk_size=chunk_size)
+        self.reference_hash = reference_hash
+        self.tables: dict[Path, tuple | dict] = {}
+
+    def load_pairs(self, store: Store, *, need_tails: bool = False) -> None:
+        self.tables[Path(store.path)] = read_sidecar(Path(store.path) / SIDECAR_NAME, store,
+                                                     reference_hash=self.reference_hash, need_tails=need_tails)
+
+    def load_examples(self, view: UnpairedView, *, partners: np.ndarray | None) -> None:
+        self.tables[Path(view.store.path)] = read_kto_sidecar(Path(view.store.path) / KTO_SIDECAR_NAME, view,
+                                                              reference_hash=self.reference_hash, partners=partners)
+
+    def _table(self, store: Store):
+        table = self.tables.get(Path(store.path))
+        if table is None:
+            raise ReferenceMismatch(f"no precomputed reference log-probs loaded for the store {str(store.path)!r}")
+        return table
+
+    def pair_logps(self, batch, store, ids, device, dtype):
+        table = (*self._table(store), None, None)[:4]
+        return tuple(None if t is None else torch.as_tensor(t[ids], device=device, dtype=dtype) for t in table)
+
+    def example_logps(self, batch, store, ids, *, kl, device, dtype):
+        values = self._table(store)["kl" if kl else "completion"][ids]
+        return torch.as_tensor(values, device=device, dtype=dtype)
+
+
+class NoReference(Reference):
+    """No reference (reference-free losses)."""
+
+    mode = "none"
+
+    def pair_logps(self, batch, store, ids, device, dtype):
+        return None
+
+    def example_logps(self, batch, store, ids, *, kl, device, dtype):
+        raise ValueError("this loss needs reference log-probs; reference.mode 'none' gives none")
+
+
+def make_reference(mode: str, *, model: nn.Module | None = None, reference_hash: str | None = None,
+                   chunk_size: int = 1024) -> Reference:
+    """The reference object of a ``reference.mode``."""
+    if mode == "copy":
+        if model is None:
+            raise ValueError("reference.mode 'copy' needs a reference model")
+        return CopyReference(model, chunk_size=chunk_size)
+    if mode == "adapter":
+        return AdapterReference(chunk_size=chunk_size)
+    if mode == "precomputed":
+        return PrecomputedReference(reference_hash=reference_hash, chunk_size=chunk_size)
+    if mode == "none":
+        return NoReference(chunk_size=chunk_size)
+    raise ValueError(f"unknown reference mode {mode!r}; choose copy, adapter, precomputed or none")

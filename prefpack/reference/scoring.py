@@ -1,4 +1,5 @@
-"""Score every pair of a store once with a reference model (what ``prefpack precompute-ref`` writes)."""
+"""Score every pair (or KTO example with its fixed KL sequence) of a store once with a reference model: what
+``prefpack precompute-ref`` writes into a sidecar."""
 
 from __future__ import annotations
 
@@ -6,13 +7,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from prefpack.batching.collate import collate
-from prefpack.batching.plan import plan_micro_batches
+from prefpack.batching.collate import collate, collate_groups
+from prefpack.batching.plan import balanced_rows, plan_groups, plan_micro_batches
+from prefpack.data.kl_pairing import fixed_kl_partners
 from prefpack.data.store import Store
-from prefpack.data.views import StorePairs
+from prefpack.data.views import StorePairs, UnpairedView
 from prefpack.forward import sequence_logps
 
-__all__ = ["compute_store_logps", "iter_store_batches"]
+__all__ = ["compute_kto_store_logps", "compute_store_logps", "iter_store_batches"]
 
 
 def iter_store_batches(store: Store, *, micro_batch_tokens: int, row_tokens: int, packing: bool = True,
@@ -61,3 +63,59 @@ def compute_store_logps(model: nn.Module, store: Store, *, micro_batch_tokens: i
         table = both.numpy()
     assert (table[-1] == 1).all(), "every pair must be scored exactly once"
     return {k: table[i] for i, k in enumerate(keys)}
+
+
+@torch.no_grad()
+def compute_kto_store_logps(model: nn.Module, store: Store, *, paired_as_kto: bool = False, seed: int = 0,
+                            micro_batch_tokens: int = 4096, row_tokens: int = 2048, chunk_size: int = 1024,
+                            progress: bool = False, ctx=None) -> dict[str, np.ndarray]:
+    """Reference log-prob sums of every example's completion and of its fixed KL sequence (seed ``seed``).
+
+    Returns float64 ``completion`` and ``kl`` and int64 ``kl_partner`` arrays in the view's example order
+    (``kl`` is NaN and ``kl_partner`` -1 when the store has a single example). Under torchrun (``ctx`` from
+    ``prefpack.distributed``) each rank scores every world-th micro-batch and the results are summed."""
+    rank, world = (ctx.rank, ctx.world) if ctx is not None else (0, 1)
+    view = UnpairedView(store, paired_as_kto=paired_as_kto)
+    n = len(view)
+    partners = fixed_kl_partners(view.groups, seed)
+    completion = np.zeros(n)
+    kl = np.zeros(n)
+    seen = np.zeros(n)
+    was_training = model.training
+    model.eval()
+    row_budget = min(row_tokens, micro_batch_tokens)
+    main_len = view.prompt_len + view.completion_len
+    plans = plan_groups(main_len, token_budget=micro_batch_tokens, row_budget=row_budget, seed=None)
+    if progress and rank == 0:
+        from tqdm import tqdm
+
+        plans = tqdm(plans, desc="reference log-probs", unit="batch")
+    for k, mb in enumerate(plans):
+        if k % world != rank:
+            continue
+        flat = [i for r in mb for i in r]
+        at, local = 0, []
+        for r in mb:
+            local.append(list(range(at, at + len(r))))
+            at += len(r)
+        main = collate_groups([(view.prompt(i), (view.completion(i),)) for i in flat], local, ids=flat)
+        logp = sequence_logps(model, main, chunk_size=chunk_size).logp_sum
+        completion[flat] = logp[: len(flat)].double().cpu().numpy()
+        seen[flat] += 1
+        has = [i for i in flat if partners[i] >= 0]
+        if has:
+            sizes = view.prompt_len[has] + view.completion_len[partners[has]]
+            kl_batch = collate_groups([(view.prompt(i), (view.completion(int(partners[i])),)) for i in has],
+                                      balanced_rows(sizes, row_budget), ids=has)
+            logp = sequence_logps(model, kl_batch, chunk_size=chunk_size).logp_sum
+            kl[has] = logp[: len(has)].double().cpu().numpy()
+    model.train(was_training)
+    if world > 1:
+        both = torch.from_numpy(np.stack([completion, kl, seen])).to(ctx.device)  # NCCL needs device tensors
+        ctx.all_reduce_sum(both)
+        completion, kl, seen = (x.numpy() for x in both.cpu())
+    assert (seen == 1).all(), "every example must be scored exactly once"
+    kl = np.where(partners >= 0, kl, np.nan)
+    return {"completion": completion, "kl": kl, "kl_partner": partners.astype(np.int64)}
+
+

@@ -1,4 +1,4 @@
-"""Training, one job a module: `setup` (build), `loop` (train), `evaluate`, `checkpoint`, `resume_check`.
+"""Training, one job a module: `setup` (build), `loop` (train), `evaluation`, `checkpoint`, `resume_check`.
 
 Import the public API from here.
 """
@@ -12,7 +12,7 @@ from prefpack.training.loop import (
     train,
     warmup_steps,
 )
-from prefpack.training.setup import Setup, build, check_lengths, final_dtype, make_optimizer, open_pair_store
+from prefpack.training.setup import Setup, build, check_lengths, final_dtype, make_optimizer
 
 __all__ = [
     "Setup",
@@ -24,7 +24,6 @@ __all__ = [
     "final_dtype",
     "lr_lambda",
     "make_optimizer",
-    "open_pair_store",
     "total_steps",
     "train",
     "warmup_steps",

@@ -8,12 +8,12 @@ from torch import nn
 
 from prefpack.distributed import SINGLE, Dist, deal_step
 from prefpack.forward import SequenceLogps
+from prefpack.objectives import Objective, StepTotals
 from prefpack.reference import Reference
-from prefpack.tasks import StepTotals, Task
 
 
 @torch.no_grad()
-def evaluate(policy: nn.Module, reference: Reference, task: Task, *, module: nn.Module | None = None,
+def evaluate(policy: nn.Module, reference: Reference, task: Objective, *, module: nn.Module | None = None,
              ctx: Dist = SINGLE, balance: str = "tokens") -> dict[str, float]:
     """Mean loss and metrics over every example of a task's store (deterministic micro-batches, no grad).
 

@@ -21,8 +21,8 @@ import torch
 from prefpack.batching.schedule import StepKey, StepSchedule
 from prefpack.distributed import Dist, clip_grad_norm, deal_step, grad_sync, init_from_env
 from prefpack.models import ModelError, release_freed_memory
+from prefpack.objectives import StepTotals
 from prefpack.reference import sync_reference
-from prefpack.tasks import StepTotals
 from prefpack.training.checkpoint import (
     Checkpointed,
     latest_checkpoint,
@@ -122,15 +122,16 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
     if metrics.notice:
         log(metrics.notice)
     # a synced (TR-DPO) reference is part of the state: a checkpoint that holds one restores it
-    copied = reference.mode == "copy"
-    parts = Checkpointed(policy, module, optimizer, scheduler, reference=reference.model if copied else None,
+    copied = reference.model is not None  # a reference model in memory (reference.mode copy)
+    parts = Checkpointed(policy, module, optimizer, scheduler, reference=reference.model,
                          reference_module=reference.module if copied else None)
-    state: dict[str, Any] = {}
     start = 0
     if resume:
         state, start = _resume(run_dir, parts, n_steps, metrics, ctx, log)
+        task.load_state_dict(state)  # what the objective carries across steps (bco_pair_running's mean)
 
     def run_eval() -> dict[str, float]:
+        setup.eval_task.load_state_dict(task.state_dict())  # evaluation scores as training does
         return evaluate(policy, reference, setup.eval_task, module=module, ctx=ctx, balance=cfg.distributed.balance)
 
     if ctx.enabled:
@@ -154,7 +155,7 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
         share = shares[ctx.rank]
         batches = [task.collate(p) for p in share.planned]
         optimizer.zero_grad(set_to_none=True)
-        step_state = {**state, **task.begin_step(module, reference, batches, weights=share.weights)}
+        step_state = task.begin_step(module, reference, batches, weights=share.weights)
         totals = StepTotals()
         # Every rank plans the same step, so its example count is known everywhere without communication.
         # Gradients are summed over ranks: DDP and FSDP2 average them, hence the factor world / n.
@@ -165,9 +166,7 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
                 (out.loss.sum() * (scale * weight)).backward()
             if weight:
                 totals.add(out, batch)
-                if hasattr(task, "after_micro_batch"):
-                    task.after_micro_batch(out, state)
-                    step_state.update(state)
+                task.after_micro_batch(out)
         grad_norm = clip_grad_norm(params, max_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -194,7 +193,8 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
         if setup.eval_task is not None and cfg.run.eval_every and done % cfg.run.eval_every == 0 and done < n_steps:
             metrics.log(done, run_eval(), split="eval")
         if cfg.run.save_every and done % cfg.run.save_every == 0 and done < n_steps:
-            save_checkpoint(run_dir, done, parts, state, cfg.run.keep_checkpoints, ctx, with_reference=synced)
+            save_checkpoint(run_dir, done, parts, task.state_dict(), cfg.run.keep_checkpoints, ctx,
+                            with_reference=synced)
         if stop_after_steps is not None and done >= stop_after_steps and done < n_steps:
             if bar is not None:
                 bar.close()
@@ -211,9 +211,8 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
     # Training state is not needed to save the result: free it first, so saving never raises the run's peak.
     optimizer.zero_grad(set_to_none=True)
     optimizer.state.clear()
-    if copied:
-        reference.model = reference.module = None
-        parts.reference = parts.reference_module = None
+    reference.release()
+    parts.reference = parts.reference_module = None
     release_freed_memory()
     final_dir = save_final(run_dir, policy, setup.tokenizer, module=module, ctx=ctx, strategy=strategy,
                            dtype=final_dtype(cfg, setup.precision))

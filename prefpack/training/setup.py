@@ -32,9 +32,9 @@ from prefpack.models import (
     source_dtype,
     weights_hash,
 )
+from prefpack.objectives import Objective, make_objectives, open_store, uses_unpaired_loss
 from prefpack.precision import DTYPES, Precision, pure_bfloat16_warning, resolve_precision
-from prefpack.reference import SIDECAR_NAME, Reference, read_sidecar
-from prefpack.tasks import PairTask, Task
+from prefpack.reference import AdapterReference, Reference, make_reference
 from prefpack.tokenizer import tokenizer_matches
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -98,21 +98,10 @@ class Setup:
     device: torch.device
     dtype: torch.dtype
     pad_id: int
-    train_task: Task
-    eval_task: Task | None
+    train_task: Objective
+    eval_task: Objective | None
     precision: Precision
     cfg: Any  # the run's config with auto budgets filled for this device
-
-
-def open_pair_store(path: str, what: str) -> Store:
-    store = Store(path)
-    store.check_token_ids()  # a corrupt id would crash training steps later with an IndexError
-    if store.kind != "pairs":
-        raise StoreError(f"{what} store {path!r} holds unpaired examples (KTO); the DPO-family trainer needs pairs "
-                         "(train it with loss.terms=[{name: kto}] or apo_zero_unpaired)")
-    if len(store) == 0:
-        raise StoreError(f"{what} store {path!r} is empty")
-    return store
 
 
 def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
@@ -121,12 +110,10 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
         raise ModelError("model.name_or_path is required (a local model folder or a hub id)")
     if not cfg.data.train:
         raise StoreError("data.train is required (a store written by prefpack prepare)")
-    from prefpack.kto import make_kto_tasks, open_kto_store, uses_unpaired_loss
-
-    kto = uses_unpaired_loss(cfg)  # the KTO family: unpaired examples, prefpack.kto.KTOTask
-    open_store = partial(open_kto_store, paired_as_kto=cfg.data.paired_as_kto) if kto else open_pair_store
-    train_store = open_store(cfg.data.train, "train")
-    eval_store = open_store(cfg.data.eval, "eval") if cfg.data.eval else None
+    kto = uses_unpaired_loss(cfg)  # the KTO family: unpaired examples, prefpack.objectives.KTOTask
+    opener = partial(open_store, unpaired=kto, paired_as_kto=cfg.data.paired_as_kto)
+    train_store = opener(cfg.data.train, "train")
+    eval_store = opener(cfg.data.eval, "eval") if cfg.data.eval else None
     if cfg.reference.model and cfg.reference.mode in ("copy", "precomputed"):
         check_model_source(cfg.reference.model, "reference model")
     device = device or pick_device(cfg.train.device)
@@ -155,27 +142,21 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
         log(f"note: the losses {[t.name for t in terms]} need no reference; reference.mode {mode!r} is ignored")
         mode = "none"
     ref_path = cfg.reference.model or cfg.model.name_or_path
-    reference: Reference
-    expected = None
+    ref_model = expected = None
     if mode == "precomputed":
+        # each store's sidecar is read by the reference (the eval store needs one too); KTO's also holds KL log-probs
         expected = _reference_hash(cfg, policy, ref_path, precision, attn)
-        # each task reads its own store's sidecar (the eval store needs one too); KTO's also holds KL log-probs
-        reference = Reference("precomputed")
     elif mode == "copy":
         # the same weights dtype and autocast as the policy: at step 0 both give the same log-probs exactly
         ref_model = load_causal_lm(ref_path, precision=precision, attn_implementation=attn, device=device,
                                    trust_remote_code=cfg.model.trust_remote_code, packed=cfg.data.packing)
-        reference = Reference("copy", model=ref_model)
-    elif mode == "adapter":
-        if not cfg.lora.enabled:
-            raise ModelError("reference.mode 'adapter' needs lora.enabled=true (the reference is the policy with "
-                             "its LoRA adapter disabled)")
-        reference = Reference("adapter")
-    else:
-        reference = Reference("none")
+    elif mode == "adapter" and not cfg.lora.enabled:
+        raise ModelError("reference.mode 'adapter' needs lora.enabled=true (the reference is the policy with "
+                         "its LoRA adapter disabled)")
+    reference = make_reference(mode, model=ref_model, reference_hash=expected)
     if cfg.lora.enabled:
         policy = _wrap_lora(policy, cfg)
-        if mode == "adapter":
+        if isinstance(reference, AdapterReference):
             reference.policy = policy
     if cfg.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -185,38 +166,25 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
     for what, store in (("train", train_store), ("eval", eval_store)):
         if store is not None:
             check_lengths(store, what, policy, cfg.data.max_tokens_per_row if cfg.data.packing else None, log)
-    reference.chunk_size = cfg.train.chunk_size
-    reference.pair_tails = cfg.loss.ld_alpha is not None  # LD-DPO weights the reference's sums too
-    if reference.module is not None:
-        reference.module.chunk_size = cfg.train.chunk_size
-        reference.module.pair_tails = reference.pair_tails
+    # LD-DPO weights the reference's sums too
+    reference.configure(chunk_size=cfg.train.chunk_size, pair_tails=cfg.loss.ld_alpha is not None)
     pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     tokenizer = TokenizerHandle.of(tok, trust_remote_code=cfg.model.trust_remote_code)
     del tok  # loaded again to be saved with the final model; training needs only the ids
     release_freed_memory()
-    if kto:
-        if cfg.loss.router_aux_loss_coef:
-            raise ModelError("loss.router_aux_loss_coef: the MoE load-balancing loss is added to pair losses only, "
-                             "not to KTO's; leave it null or 0")
-        train_task, eval_task = make_kto_tasks(cfg, train_store, eval_store, pad_id, reference_hash=expected, log=log)
-    else:
-        def table(store: Store):
-            if mode != "precomputed":
-                return None
-            return read_sidecar(store.path / SIDECAR_NAME, store, reference_hash=expected,
-                                need_tails=cfg.loss.ld_alpha is not None)
-
-        train_task = PairTask(train_store, cfg, pad_id, ref_table=table(train_store))
-        eval_task = PairTask(eval_store, cfg, pad_id, ref_table=table(eval_store)) if eval_store is not None else None
+    coef = 0.0
+    if kto and cfg.loss.router_aux_loss_coef:
+        raise ModelError("loss.router_aux_loss_coef: the MoE load-balancing loss is added to pair losses only, "
+                         "not to KTO's; leave it null or 0")
+    if not kto:
         try:  # TRL's rule: null = the model config's coefficient, added only for MoE models
             coef = router_aux_loss_coef(policy, cfg.loss.router_aux_loss_coef)
         except ValueError as e:
             raise ModelError(str(e)) from None
         if coef:
             log(f"MoE router load-balancing loss added with weight {coef:g} (loss.router_aux_loss_coef)")
-        for t in (train_task, eval_task):
-            if t is not None:
-                t.router_aux_loss_coef = coef
+    train_task, eval_task = make_objectives(cfg, train_store, eval_store, pad_id, reference,
+                                            router_aux_loss_coef=coef, log=log)
     return Setup(policy, reference, tokenizer, train_store, eval_store, device, dtype, pad_id, train_task, eval_task,
                  precision, cfg)
 
@@ -289,13 +257,12 @@ def wrap_modules(setup: Setup, ctx: Dist) -> nn.Module:
     options = setup.train_task.forward_options()  # MoE aux loss, LD-DPO tails, WPO means
     module = wrap(SequenceLogps(policy, chunk_size=chunk, **options), policy, strategy, ctx,
                   trainable=True, compute_dtype=mixed)
-    if reference.mode == "copy":
-        reference.module = wrap(SequenceLogps(reference.model, chunk_size=chunk,
-                                              pair_tails=options.get("pair_tails", False)), reference.model,
-                                strategy, ctx, trainable=False, compute_dtype=mixed)
-    elif reference.mode == "adapter":
-        reference.module = module
+    reference.attach(partial(_wrap_frozen, strategy=strategy, ctx=ctx, compute_dtype=mixed), module)
     return module
+
+
+def _wrap_frozen(module: nn.Module, model: nn.Module, *, strategy: str, ctx: Dist, compute_dtype) -> nn.Module:
+    return wrap(module, model, strategy, ctx, trainable=False, compute_dtype=compute_dtype)
 
 
 # ------------------------------------------------------------------------------------------------ optimizer

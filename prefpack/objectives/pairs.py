@@ -1,15 +1,8 @@
-"""What the training loop trains: a task turns store examples into micro-batches and per-example losses.
-
-The loop (optimizer, accumulation, checkpoints, metrics, ranks) is the same for every objective; a task
-owns what differs. `PairTask` is the DPO family on a pair store; `prefpack.kto.KTOTask` (when present) is
-KTO on unpaired examples. Losses are per example (per pair for DPO) so the loop can divide by the step's
-example count, whatever the packing.
-"""
+"""The DPO family on a pair store: both halves of a pair in one row, per-pair losses from the loss registry."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,98 +14,26 @@ from prefpack.data.store import Store
 from prefpack.data.views import StorePairs
 from prefpack.forward import split_pairs
 from prefpack.losses import LossOutput, LossTerm, PairLogps, preference_loss, wpo_weights
+from prefpack.objectives.base import Objective, Planned, StepState
 from prefpack.reference import Reference
 
-
-@dataclass
-class Planned:
-    """One planned micro-batch: rows of global example ids, and its token counts (for dealing to ranks)."""
-
-    rows: list[list[int]]
-    real_tokens: int
-    computed_tokens: int
-
-    @property
-    def num_examples(self) -> int:
-        return sum(len(r) for r in self.rows)
+__all__ = ["PairTask"]
 
 
-class Task(Protocol):
-    store: Store
-
-    def __len__(self) -> int: ...
-
-    def example_tokens(self, ids: np.ndarray) -> np.ndarray: ...
-
-    def plan(self, ids: np.ndarray, *, seed: Any) -> list[Planned]: ...
-
-    def collate(self, planned: Planned) -> Any: ...
-
-    def forward_options(self) -> dict: ...
-
-    def begin_step(self, policy: nn.Module, reference: Reference, batches: list[Any],
-                   weights: list[float] | None = None) -> dict: ...
-
-    def loss(self, policy: nn.Module, reference: Reference, batch: Any, step_state: dict) -> LossOutput: ...
-
-
-@dataclass
-class StepTotals:
-    """Sums over the examples of a step (or an eval pass), turned into means at the end."""
-
-    examples: int = 0
-    loss: float = 0.0
-    metrics: dict[str, float] = field(default_factory=dict)
-    counts: dict[str, float] = field(default_factory=dict)
-    real_tokens: int = 0
-    computed_tokens: int = 0
-
-    def add(self, out: LossOutput, batch: Any) -> None:
-        self.examples += int(out.loss.shape[0])
-        self.loss += float(out.loss.detach().double().sum())
-        for k, v in out.metrics.items():
-            self.metrics[k] = self.metrics.get(k, 0.0) + float(v.double().sum())
-            self.counts[k] = self.counts.get(k, 0.0) + float(v.numel())
-        self.real_tokens += batch.real_tokens
-        self.computed_tokens += batch.computed_tokens
-
-    def as_vector(self, keys: list[str]) -> torch.Tensor:
-        """Everything as one float64 vector (one all-reduce per step across ranks)."""
-        vals = [self.examples, self.loss, self.real_tokens, self.computed_tokens]
-        for k in keys:
-            vals.extend([self.metrics.get(k, 0.0), self.counts.get(k, 0.0)])
-        return torch.tensor(vals, dtype=torch.float64)
-
-    @classmethod
-    def from_vector(cls, vec: torch.Tensor, keys: list[str]) -> StepTotals:
-        v = vec.tolist()
-        out = cls(examples=int(v[0]), loss=v[1], real_tokens=int(v[2]), computed_tokens=int(v[3]))
-        for i, k in enumerate(keys):
-            out.metrics[k], out.counts[k] = v[4 + 2 * i], v[5 + 2 * i]
-        return out
-
-    def means(self) -> dict[str, float]:
-        out = {"loss": self.loss / max(self.examples, 1)}
-        # a metric may cover a subset of examples (e.g. KTO's desirable ones): divide by its own count
-        out.update({k: v / max(self.counts.get(k, 0.0), 1.0) for k, v in sorted(self.metrics.items())})
-        out["filling"] = self.real_tokens / max(self.computed_tokens, 1)
-        return out
-
-
-class PairTask:
+class PairTask(Objective):
     """The DPO family on a pair store: both halves of a pair in one row, per-pair losses."""
 
     kind = "pairs"
 
-    def __init__(self, store: Store, cfg, pad_id: int, ref_table: tuple[np.ndarray, np.ndarray] | None = None):
+    def __init__(self, store: Store, cfg, pad_id: int):
         self.store = store
-        self.ref_table = ref_table  # this store's precomputed reference (chosen, rejected), if any
         self.cfg = cfg
         self.pad_id = pad_id
         self.pairs = StorePairs(store)
         self.terms = [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
         self.bco = "bco_pair_running" in {t.name for t in self.terms}  # bco_pair (TRL 1.16) has no running mean
-        # MoE load-balancing weight, resolved against the model by train.build (forward.router_aux_loss_coef);
+        self.running: dict[str, float] = {}  # bco_pair_running's reward mean and count (checkpointed)
+        # MoE load-balancing weight, resolved against the model by objectives.select (forward.router_aux_loss_coef);
         # when non-zero the policy module must be SequenceLogps(..., router_aux=True).
         self.router_aux_loss_coef = 0.0
 
@@ -156,10 +77,7 @@ class PairTask:
                         pad_to_multiple_of=d.pad_to_multiple_of)
         return batch
 
-    def begin_step(self, policy, reference, batches, weights=None) -> dict:
-        return {}
-
-    def loss(self, policy: nn.Module, reference: Reference, batch, step_state: dict) -> LossOutput:
+    def loss(self, policy: nn.Module, reference: Reference, batch, step: StepState) -> LossOutput:
         cfg = self.cfg
         res = policy(batch)  # `policy` maps a batch to a SequenceOutput (SequenceLogps, maybe wrapped)
         pol = split_pairs(res[0], res[1])
@@ -171,13 +89,7 @@ class PairTask:
             raise ValueError("loss.use_weighting needs the policy forward to return WPO means (SequenceLogps(wpo=True))")
         ids = batch.pair_indices.numpy()  # StorePairs over the whole store: local index == global id
         device, dtype = pol.chosen.device, pol.chosen.dtype
-        if reference.mode == "precomputed":
-            if self.ref_table is None:
-                raise ValueError(f"no precomputed reference log-probs loaded for the store {str(self.store.path)!r}")
-            ref = tuple(None if t is None else torch.as_tensor(t[ids], device=device, dtype=dtype)
-                        for t in (*self.ref_table, None, None)[:4])
-        else:
-            ref = reference.logps(batch, ids, device, dtype)
+        ref = reference.pair_logps(batch, self.store, ids, device, dtype)
         ref = (None,) * 4 if ref is None else (*ref, None, None)[:4]
         logps = PairLogps(
             policy_chosen=pol.chosen,
@@ -195,7 +107,7 @@ class PairTask:
         if cfg.loss.use_weighting:
             weights = wpo_weights(wpo_mean[0::2], wpo_mean[1::2]).to(device, dtype)
         out = preference_loss(logps, self.terms, beta=cfg.loss.beta, label_smoothing=cfg.loss.label_smoothing,
-                              simpo_gamma=cfg.loss.simpo_gamma, bco_delta=step_state.get("bco_delta", 0.0),
+                              simpo_gamma=cfg.loss.simpo_gamma, bco_delta=self.running.get("bco_delta", 0.0),
                               discopop_tau=cfg.loss.discopop_tau, f_divergence_type=cfg.loss.f_divergence_type,
                               f_alpha_divergence_coef=cfg.loss.f_alpha_divergence_coef, ld_alpha=ld_alpha,
                               pair_weights=weights)
@@ -211,12 +123,23 @@ class PairTask:
             out.metrics["aux_loss"] = aux.detach().expand(out.loss.shape[0])
         return out
 
-    def after_micro_batch(self, out: LossOutput, state: dict) -> None:
+    def after_micro_batch(self, out: LossOutput) -> None:
         """bco_pair_running's delta: the running mean of every reward seen so far (older TRL releases kept such a
-        running moment for bco_pair; TRL 1.16's bco_pair has none, and prefpack's bco_pair follows it)."""
+        running moment for bco_pair; TRL 1.16's bco_pair has none, and prefpack's bco_pair follows it). The next
+        micro-batch already reads the new value."""
         if not self.bco:
             return
+        state = self.running
         rewards = torch.cat([out.metrics["rewards/chosen"], out.metrics["rewards/rejected"]]).double()
         n_old, k = state.get("bco_count", 0), int(rewards.numel())
         state["bco_delta"] = (state.get("bco_delta", 0.0) * n_old + float(rewards.sum())) / max(n_old + k, 1)
         state["bco_count"] = n_old + k
+
+    def state_dict(self) -> dict:
+        return dict(self.running)
+
+    def load_state_dict(self, state: dict) -> None:
+        unknown = sorted(set(state) - {"bco_delta", "bco_count"})
+        if unknown:
+            raise ValueError(f"unknown pair-objective state {unknown}")
+        self.running = dict(state)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,7 +50,6 @@ from prefpack.batching.schedule import StepKey, StepSchedule
 from prefpack.data.kl_pairing import SALT_STEP, fixed_kl_partners, step_kl_partners
 from prefpack.data.store import Store, StoreError
 from prefpack.data.views import UnpairedView
-from prefpack.forward import sequence_logps
 from prefpack.losses.pairwise import LossOutput
 from prefpack.losses.unpaired import (
     UNPAIRED_LOSS_NAMES,
@@ -61,20 +59,10 @@ from prefpack.losses.unpaired import (
     kl_reference_point,
     unpaired_loss,
 )
-from prefpack.reference import KTO_SIDECAR_NAME, Reference, ReferenceMismatch, read_kto_sidecar
-from prefpack.tasks import Planned
+from prefpack.objectives.base import Objective, Planned, StepState
+from prefpack.reference import Reference
 
-__all__ = [
-    "KTOBatch",
-    "KTOPlanned",
-    "KTOTask",
-    "all_reduce_sum",
-    "compute_kto_store_logps",
-    "make_kto_tasks",
-    "open_kto_store",
-    "uses_unpaired_loss",
-]
-
+__all__ = ["KTOBatch", "KTOPlanned", "KTOStep", "KTOTask", "all_reduce_sum"]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -202,10 +190,20 @@ def _unpaired_terms(cfg) -> list:
     return [t for t in cfg.loss.terms if t.name in UNPAIRED_LOSS_NAMES]
 
 
-class KTOTask:
+@dataclass
+class KTOStep(StepState):
+    """KTO's step-wide values: z0 and the sums it came from, and the step's (desirable, undesirable) counts."""
+
+    class_counts: tuple[int, int]
+    kl: float | None = None
+    kl_sum: float = 0.0
+    kl_count: float = 0.0
+
+
+class KTOTask(Objective):
     """KTO / APO-zero-unpaired on unpaired examples (or a pair store with ``data.paired_as_kto``).
 
-    Implements the ``prefpack.tasks.Task`` protocol: ``plan`` (micro-batches and KL partners of a step),
+    Implements ``prefpack.objectives.base.Objective``: ``plan`` (micro-batches and KL partners of a step),
     ``collate`` (a :class:`KTOBatch`), ``begin_step`` (z0 over the whole step, all ranks) and ``loss``
     (one value per example). ``begin_step`` is a collective when ``torch.distributed`` is initialized: every
     rank must call it, with its own (possibly empty) share of the step's micro-batches; set
@@ -214,7 +212,7 @@ class KTOTask:
 
     kind = "unpaired"
 
-    def __init__(self, store: Store, cfg, pad_id: int, *, reference_hash: str | None = None):
+    def __init__(self, store: Store, cfg, pad_id: int):
         self.store = store
         self.cfg = cfg
         self.pad_id = pad_id
@@ -234,13 +232,6 @@ class KTOTask:
         if self.needs_kl and len(self.view) < 2:
             raise StoreError(f"store {str(store.path)!r} holds {len(self.view)} example: KTO's KL term needs the "
                              "completion of another example; add examples or use loss apo_zero_unpaired")
-        self.table: dict[str, np.ndarray] | None = None
-        if cfg.reference.mode == "precomputed":
-            if self.needs_kl and self.kl_pairing != "fixed":
-                raise ReferenceMismatch(_STEP_PAIRING_PRECOMPUTED)
-            self.table = read_kto_sidecar(Path(store.path) / KTO_SIDECAR_NAME, self.view,
-                                          reference_hash=reference_hash,
-                                          partners=self.fixed_partners() if self.needs_kl else None)
 
     def forward_options(self) -> dict:
         """KTO reads only the per-sequence sums (no MoE aux loss, LD-DPO or WPO: those are pair options)."""
@@ -377,19 +368,11 @@ class KTOTask:
 
     @torch.no_grad()
     def _reference_logps(self, reference: Reference, batch: KTOBatch, *, kl: bool, device, dtype) -> torch.Tensor:
-        if self.table is not None:
-            values = self.table["kl" if kl else "completion"][batch.example_ids.numpy()]
-            return torch.as_tensor(values, device=device, dtype=dtype)
-        if reference.mode == "precomputed":
-            raise ReferenceMismatch("reference.mode is 'precomputed' but this KTO task has no sidecar table")
-        if reference.mode == "none":
-            raise ValueError(f"loss {self.loss_name!r} needs reference log-probs; reference.mode 'none' gives none")
-        part = batch.kl if kl else batch.main
-        n = int(part.completion_tokens.shape[0])
-        return reference.sequence_logps(part)[:n].to(device=device, dtype=dtype)
+        return reference.example_logps(batch.kl if kl else batch.main, self.store, batch.example_ids.numpy(), kl=kl,
+                                       device=device, dtype=dtype)
 
     def begin_step(self, policy: nn.Module, reference: Reference, batches: list[KTOBatch],
-                   weights: Sequence[float] | None = None) -> dict:
+                   weights: Sequence[float] | None = None) -> KTOStep:
         """Step-wide state, over every micro-batch of the step and every rank, before any loss:
 
         * ``kl`` = z0 = max(0, kl_sum / kl_count): the sum of (policy - reference) over the KL sequences and
@@ -419,117 +402,19 @@ class KTOTask:
         if self.distributed_kl:
             all_reduce_sum(acc)
         kl_sum, kl_count, n_d, n_u = (float(x) for x in acc.cpu())
-        state: dict[str, Any] = {"class_counts": (int(round(n_d)), int(round(n_u)))}
+        step = KTOStep(class_counts=(int(round(n_d)), int(round(n_u))))
         if self.needs_kl:
-            state.update({"kl": kl_reference_point(kl_sum, kl_count), "kl_sum": kl_sum, "kl_count": kl_count})
-        return state
+            step.kl, step.kl_sum, step.kl_count = kl_reference_point(kl_sum, kl_count), kl_sum, kl_count
+        return step
 
-    def loss(self, policy: nn.Module, reference: Reference, batch: KTOBatch, step_state: dict) -> LossOutput:
+    def loss(self, policy: nn.Module, reference: Reference, batch: KTOBatch, step: StepState) -> LossOutput:
         lo = self.cfg.loss
-        if self.needs_kl and "kl" not in step_state:
+        if not isinstance(step, KTOStep) or (self.needs_kl and step.kl is None):
             raise RuntimeError("KTOTask.begin_step must run over the step's micro-batches before loss()")
         pol, tokens = self._policy_logps(policy, batch.main)
         ref = self._reference_logps(reference, batch, kl=False, device=pol.device, dtype=pol.dtype)
         logps = UnpairedLogps(policy=pol, reference=ref, label=batch.label.to(pol.device),
                               tokens=tokens.to(pol.device))
-        return unpaired_loss(logps, self.loss_name, beta=lo.beta, kl=float(step_state.get("kl", 0.0)),
+        return unpaired_loss(logps, self.loss_name, beta=lo.beta, kl=float(step.kl or 0.0),
                              desirable_weight=lo.desirable_weight, undesirable_weight=lo.undesirable_weight,
-                             weight=self.term_weight, class_counts=step_state.get("class_counts"))
-
-
-_STEP_PAIRING_PRECOMPUTED = (
-    "reference.mode 'precomputed' with loss 'kto' needs loss.kl_pairing=fixed: with step pairing an example's "
-    "KL partner depends on which examples share its optimizer step, so no sidecar can hold its reference KL "
-    "log-prob; fixed pairing gives every example one seeded partner that precompute-ref scores once")
-
-
-# --------------------------------------------------------------------------------------------------------
-# Building (used by prefpack.training.setup.build and the CLI)
-
-
-def uses_unpaired_loss(cfg) -> bool:
-    """Whether a config trains the KTO family (an unpaired loss term, or a pair store read as KTO)."""
-    return any(t.name in UNPAIRED_LOSS_NAMES for t in cfg.loss.terms) or bool(cfg.data.paired_as_kto)
-
-
-def open_kto_store(path: str, what: str, *, paired_as_kto: bool) -> Store:
-    store = Store(path)
-    store.check_token_ids()  # a corrupt id would crash training steps later with an IndexError
-    if store.kind == "pairs" and not paired_as_kto:
-        raise StoreError(f"{what} store {path!r} holds pairs; set data.paired_as_kto=true to train KTO on it "
-                         "(chosen = desirable, rejected = undesirable), or use a store prepared with "
-                         "--format unpaired")
-    if len(store) == 0:
-        raise StoreError(f"{what} store {path!r} is empty")
-    return store
-
-
-def make_kto_tasks(cfg, train_store: Store, eval_store: Store | None, pad_id: int, *,
-                   reference_hash: str | None = None, log=print) -> tuple[KTOTask, KTOTask | None]:
-    """The train and eval tasks of a KTO run; logs the class-balance warning of the training data."""
-    train_task = KTOTask(train_store, cfg, pad_id, reference_hash=reference_hash)
-    warning = train_task.class_balance_warning()
-    if warning:
-        log(f"warning: {warning}")
-    eval_task = KTOTask(eval_store, cfg, pad_id, reference_hash=reference_hash) if eval_store is not None else None
-    return train_task, eval_task
-
-
-# --------------------------------------------------------------------------------------------------------
-# Precomputed reference: main and KL log-probs of every example
-
-
-@torch.no_grad()
-def compute_kto_store_logps(model: nn.Module, store: Store, *, paired_as_kto: bool = False, seed: int = 0,
-                            micro_batch_tokens: int = 4096, row_tokens: int = 2048, chunk_size: int = 1024,
-                            progress: bool = False, ctx=None) -> dict[str, np.ndarray]:
-    """Reference log-prob sums of every example's completion and of its fixed KL sequence (seed ``seed``).
-
-    Returns float64 ``completion`` and ``kl`` and int64 ``kl_partner`` arrays in the view's example order
-    (``kl`` is NaN and ``kl_partner`` -1 when the store has a single example). Under torchrun (``ctx`` from
-    ``prefpack.distributed``) each rank scores every world-th micro-batch and the results are summed."""
-    rank, world = (ctx.rank, ctx.world) if ctx is not None else (0, 1)
-    view = UnpairedView(store, paired_as_kto=paired_as_kto)
-    n = len(view)
-    partners = fixed_kl_partners(view.groups, seed)
-    completion = np.zeros(n)
-    kl = np.zeros(n)
-    seen = np.zeros(n)
-    was_training = model.training
-    model.eval()
-    row_budget = min(row_tokens, micro_batch_tokens)
-    main_len = view.prompt_len + view.completion_len
-    plans = plan_groups(main_len, token_budget=micro_batch_tokens, row_budget=row_budget, seed=None)
-    if progress and rank == 0:
-        from tqdm import tqdm
-
-        plans = tqdm(plans, desc="reference log-probs", unit="batch")
-    for k, mb in enumerate(plans):
-        if k % world != rank:
-            continue
-        flat = [i for r in mb for i in r]
-        at, local = 0, []
-        for r in mb:
-            local.append(list(range(at, at + len(r))))
-            at += len(r)
-        main = collate_groups([(view.prompt(i), (view.completion(i),)) for i in flat], local, ids=flat)
-        logp = sequence_logps(model, main, chunk_size=chunk_size).logp_sum
-        completion[flat] = logp[: len(flat)].double().cpu().numpy()
-        seen[flat] += 1
-        has = [i for i in flat if partners[i] >= 0]
-        if has:
-            sizes = view.prompt_len[has] + view.completion_len[partners[has]]
-            kl_batch = collate_groups([(view.prompt(i), (view.completion(int(partners[i])),)) for i in has],
-                                      balanced_rows(sizes, row_budget), ids=has)
-            logp = sequence_logps(model, kl_batch, chunk_size=chunk_size).logp_sum
-            kl[has] = logp[: len(has)].double().cpu().numpy()
-    model.train(was_training)
-    if world > 1:
-        both = torch.from_numpy(np.stack([completion, kl, seen])).to(ctx.device)  # NCCL needs device tensors
-        ctx.all_reduce_sum(both)
-        completion, kl, seen = (x.numpy() for x in both.cpu())
-    assert (seen == 1).all(), "every example must be scored exactly once"
-    kl = np.where(partners >= 0, kl, np.nan)
-    return {"completion": completion, "kl": kl, "kl_partner": partners.astype(np.int64)}
-
-
+                             weight=self.term_weight, class_counts=step.class_counts)

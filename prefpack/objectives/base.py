@@ -1,0 +1,133 @@
+"""What the training loop trains, as one interface: an objective turns store examples into micro-batches and
+per-example losses, and the loop (optimizer, accumulation, checkpoints, metrics, ranks) is the same for all.
+
+The hooks are fixed and typed, called in this order for every step:
+
+1. ``plan(ids, seed=...)`` then ``collate(planned)``: the step's micro-batches (``seed`` is a
+   ``prefpack.batching.schedule.StepKey`` in training, None in evaluation);
+2. ``begin_step(policy, reference, batches, weights)`` -> a :class:`StepState`: what the whole step needs
+   before any loss (KTO's KL reference point, all-reduced over ranks); ``weights`` 0 marks a padding micro-batch
+   a distributed loop runs only to keep collectives in step;
+3. per micro-batch ``loss(policy, reference, batch, step)`` (per-example values, so the loop can divide by the
+   step's example count whatever the packing) then ``after_micro_batch(out)``;
+4. ``state_dict()`` / ``load_state_dict()``: what the objective carries from step to step (BCO's running mean),
+   saved in checkpoints and handed to the eval objective so evaluation scores as training does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from prefpack.data.store import Store
+from prefpack.losses import LossOutput
+from prefpack.reference import Reference
+
+__all__ = ["Objective", "Planned", "StepState", "StepTotals"]
+
+
+@dataclass
+class Planned:
+    """One planned micro-batch: rows of global example ids, and its token counts (for dealing to ranks)."""
+
+    rows: list[list[int]]
+    real_tokens: int
+    computed_tokens: int
+
+    @property
+    def num_examples(self) -> int:
+        return sum(len(r) for r in self.rows)
+
+
+@dataclass
+class StepState:
+    """What ``begin_step`` computed for a whole step (objectives extend it)."""
+
+
+class Objective:
+    """The base of every objective: the hooks the loop calls, with defaults for the optional ones."""
+
+    kind = ""
+    store: Store
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def example_tokens(self, ids: np.ndarray) -> np.ndarray:
+        """Tokens each example costs, for balancing ranks."""
+        raise NotImplementedError
+
+    def plan(self, ids: np.ndarray, *, seed: Any) -> list[Planned]:
+        raise NotImplementedError
+
+    def collate(self, planned: Planned) -> Any:
+        raise NotImplementedError
+
+    def forward_options(self) -> dict:
+        """What the policy forward (``prefpack.forward.SequenceLogps``) must return besides the sums."""
+        return {}
+
+    def begin_step(self, policy: nn.Module, reference: Reference, batches: list[Any],
+                   weights: list[float] | None = None) -> StepState:
+        return StepState()
+
+    def loss(self, policy: nn.Module, reference: Reference, batch: Any, step: StepState) -> LossOutput:
+        raise NotImplementedError
+
+    def after_micro_batch(self, out: LossOutput) -> None:
+        """Update the objective's running state after a micro-batch's loss (default: none)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running state a checkpoint saves (JSON numbers); empty for most objectives."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no running state, got {sorted(state)}")
+
+
+@dataclass
+class StepTotals:
+    """Sums over the examples of a step (or an eval pass), turned into means at the end."""
+
+    examples: int = 0
+    loss: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
+    real_tokens: int = 0
+    computed_tokens: int = 0
+
+    def add(self, out: LossOutput, batch: Any) -> None:
+        self.examples += int(out.loss.shape[0])
+        self.loss += float(out.loss.detach().double().sum())
+        for k, v in out.metrics.items():
+            self.metrics[k] = self.metrics.get(k, 0.0) + float(v.double().sum())
+            self.counts[k] = self.counts.get(k, 0.0) + float(v.numel())
+        self.real_tokens += batch.real_tokens
+        self.computed_tokens += batch.computed_tokens
+
+    def as_vector(self, keys: list[str]) -> torch.Tensor:
+        """Everything as one float64 vector (one all-reduce per step across ranks)."""
+        vals = [self.examples, self.loss, self.real_tokens, self.computed_tokens]
+        for k in keys:
+            vals.extend([self.metrics.get(k, 0.0), self.counts.get(k, 0.0)])
+        return torch.tensor(vals, dtype=torch.float64)
+
+    @classmethod
+    def from_vector(cls, vec: torch.Tensor, keys: list[str]) -> StepTotals:
+        v = vec.tolist()
+        out = cls(examples=int(v[0]), loss=v[1], real_tokens=int(v[2]), computed_tokens=int(v[3]))
+        for i, k in enumerate(keys):
+            out.metrics[k], out.counts[k] = v[4 + 2 * i], v[5 + 2 * i]
+        return out
+
+    def means(self) -> dict[str, float]:
+        out = {"loss": self.loss / max(self.examples, 1)}
+        # a metric may cover a subset of examples (e.g. KTO's desirable ones): divide by its own count
+        out.update({k: v / max(self.counts.get(k, 0.0), 1.0) for k, v in sorted(self.metrics.items())})
+        out["filling"] = self.real_tokens / max(self.computed_tokens, 1)
+        return out

@@ -1,0 +1,68 @@
+"""Which objective a config trains, its stores, and the train and eval objectives built for a loaded model."""
+
+from __future__ import annotations
+
+from prefpack.data.store import Store, StoreError
+from prefpack.losses import UNPAIRED_LOSS_NAMES
+from prefpack.objectives.base import Objective
+from prefpack.objectives.kto import KTOTask
+from prefpack.objectives.pairs import PairTask
+from prefpack.reference import PrecomputedReference, Reference, ReferenceMismatch
+
+__all__ = ["make_objectives", "open_store", "uses_unpaired_loss"]
+
+_STEP_PAIRING_PRECOMPUTED = (
+    "reference.mode 'precomputed' with loss 'kto' needs loss.kl_pairing=fixed: with step pairing an example's "
+    "KL partner depends on which examples share its optimizer step, so no sidecar can hold its reference KL "
+    "log-prob; fixed pairing gives every example one seeded partner that precompute-ref scores once")
+
+
+def uses_unpaired_loss(cfg) -> bool:
+    """Whether a config trains the KTO family (an unpaired loss term, or a pair store read as KTO)."""
+    return any(t.name in UNPAIRED_LOSS_NAMES for t in cfg.loss.terms) or bool(cfg.data.paired_as_kto)
+
+
+def open_store(path: str, what: str, *, unpaired: bool, paired_as_kto: bool = False) -> Store:
+    """Open a train/eval store for the objective: pairs for the DPO family, unpaired examples (or pairs read as
+    KTO with ``paired_as_kto``) for the KTO family. Token ids are checked once here, so a damaged store fails
+    now, by name, not with an IndexError in some later step."""
+    store = Store(path)
+    store.check_token_ids()
+    if unpaired and store.kind == "pairs" and not paired_as_kto:
+        raise StoreError(f"{what} store {path!r} holds pairs; set data.paired_as_kto=true to train KTO on it "
+                         "(chosen = desirable, rejected = undesirable), or use a store prepared with "
+                         "--format unpaired")
+    if not unpaired and store.kind != "pairs":
+        raise StoreError(f"{what} store {path!r} holds unpaired examples (KTO); the DPO-family trainer needs pairs "
+                         "(train it with loss.terms=[{name: kto}] or apo_zero_unpaired)")
+    if len(store) == 0:
+        raise StoreError(f"{what} store {path!r} is empty")
+    return store
+
+
+def make_objectives(cfg, train_store: Store, eval_store: Store | None, pad_id: int, reference: Reference, *,
+                    router_aux_loss_coef: float = 0.0, log=print) -> tuple[Objective, Objective | None]:
+    """The train and eval objectives of a run. A precomputed reference loads each store's sidecar here (the
+    KTO one needs the objective's KL pairing); ``router_aux_loss_coef`` is the resolved MoE weight (pairs only)."""
+    stores = [s for s in (train_store, eval_store) if s is not None]
+    if uses_unpaired_loss(cfg):
+        if router_aux_loss_coef:
+            raise ValueError("loss.router_aux_loss_coef: the MoE load-balancing loss is added to pair losses only, "
+                             "not to KTO's; leave it null or 0")
+        objectives = [KTOTask(s, cfg, pad_id) for s in stores]
+        warning = objectives[0].class_balance_warning()
+        if warning:
+            log(f"warning: {warning}")
+        if isinstance(reference, PrecomputedReference):
+            if objectives[0].needs_kl and cfg.loss.kl_pairing != "fixed":
+                raise ReferenceMismatch(_STEP_PAIRING_PRECOMPUTED)
+            for o in objectives:
+                reference.load_examples(o.view, partners=o.fixed_partners() if o.needs_kl else None)
+    else:
+        objectives = [PairTask(s, cfg, pad_id) for s in stores]
+        if isinstance(reference, PrecomputedReference):
+            for s in stores:
+                reference.load_pairs(s, need_tails=cfg.loss.ld_alpha is not None)
+        for o in objectives:
+            o.router_aux_loss_coef = router_aux_loss_coef
+    return objectives[0], objectives[1] if eval_store is not None else None

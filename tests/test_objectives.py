@@ -1,0 +1,118 @@
+"""The objective interface (issue "one design for every objective"): typed hooks, the running state a checkpoint
+saves and evaluation reads, and reference modes as objects that answer the same questions."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from test_train import cfg_for, metrics_lines, world  # noqa: F401 - `world` is a fixture
+
+from prefpack.objectives import PairTask, StepState
+from prefpack.reference import (
+    AdapterReference,
+    CopyReference,
+    NoReference,
+    PrecomputedReference,
+    ReferenceMismatch,
+    make_reference,
+)
+from prefpack.training import build, evaluate, train
+
+
+def quiet(*_a, **_k):
+    return None
+
+
+def test_evaluation_scores_bco_pair_running_with_the_training_mean(world, tmp_path):  # noqa: F811
+    """The loop hands the objective's running state to the eval objective: the eval logged at step 2 equals an
+    evaluation of the step-2 weights with the step-2 checkpoint's running mean, not with a mean of 0."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    extra = ["loss.terms=[{name: bco_pair_running}]", "loss.beta=1.0", f"data.eval={world['eval']}",
+             f"reference.model={world['ref']}",
+             "train.max_steps=3", "run.eval_every=2", "run.save_every=2", "run.keep_checkpoints=5"]
+    train(cfg_for(world, run, *extra), progress=False, log=quiet)
+    logged = next(m for m in metrics_lines(run, "eval") if m["step"] == 2)
+    ckpt = run / "checkpoints" / "step-00000002"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert abs(state["bco_delta"]) > 1e-3 and state["bco_count"] == 2 * 8 * 2  # 2 steps of 8 pairs, 2 rewards each
+
+    setup = build(cfg_for(world, tmp_path / "unused", *extra), log=quiet)
+    setup.policy.load_state_dict(load_file(str(ckpt / "model.safetensors")))
+    task = setup.eval_task
+    task.load_state_dict({k: v for k, v in state.items() if k != "step"})
+    with_mean = evaluate(setup.policy, setup.reference, task)
+    task.load_state_dict({})
+    without = evaluate(setup.policy, setup.reference, task)
+    # the mean moves the loss little here (chosen and rejected rewards nearly cancel in it), so compare the gaps
+    gap = abs(with_mean["loss"] - without["loss"])
+    assert gap > 2e-5, (state, with_mean["loss"], without["loss"])
+    assert abs(logged["loss"] - with_mean["loss"]) < gap / 20, (logged["loss"], with_mean["loss"], without["loss"])
+
+
+def test_objective_state_is_typed_and_checked():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(loss=SimpleNamespace(terms=[SimpleNamespace(name="sigmoid", weight=1.0)]))
+    store = SimpleNamespace(index=np.zeros((3, 4), dtype=np.int64), path="fake", __len__=lambda: 3)
+    task = PairTask.__new__(PairTask)
+    task.cfg, task.store, task.running, task.bco = cfg, store, {}, False
+    assert task.state_dict() == {}
+    with pytest.raises(ValueError, match="unknown pair-objective state"):
+        task.load_state_dict({"kl": 1.0})
+    assert isinstance(task.begin_step(None, NoReference(), []), StepState)
+
+
+def test_reference_modes_answer_the_same_questions():
+    from types import SimpleNamespace
+
+    batch = SimpleNamespace(completion_tokens=torch.ones(4))
+    store = SimpleNamespace(path="s")
+    ids = np.array([1, 0])
+    none = make_reference("none")
+    assert isinstance(none, NoReference) and none.pair_logps(batch, store, ids, "cpu", torch.float64) is None
+    with pytest.raises(ValueError, match="needs reference log-probs"):
+        none.example_logps(batch, store, ids, kl=False, device="cpu", dtype=torch.float64)
+    with pytest.raises(ValueError, match="computes no log-probs"):
+        none.sequence_logps(batch)
+
+    pre = make_reference("precomputed")
+    with pytest.raises(ReferenceMismatch, match="no precomputed reference log-probs loaded"):
+        pre.pair_logps(batch, store, ids, "cpu", torch.float64)
+    pre.tables[__import__("pathlib").Path("s")] = (np.array([-1.0, -2.0]), np.array([-3.0, -4.0]))
+    chosen, rejected, c_tail, r_tail = pre.pair_logps(batch, store, ids, "cpu", torch.float64)
+    assert chosen.tolist() == [-2.0, -1.0] and rejected.tolist() == [-4.0, -3.0] and c_tail is r_tail is None
+    assert isinstance(pre, PrecomputedReference) and pre.model is None
+
+    model = torch.nn.Linear(2, 2)
+    copy = make_reference("copy", model=model)
+    assert isinstance(copy, CopyReference) and copy.model is model and not model.training
+    assert not any(p.requires_grad for p in model.parameters())
+    copy.release()
+    assert copy.model is None and copy.module is None
+    assert isinstance(make_reference("adapter"), AdapterReference)
+    with pytest.raises(ValueError, match="unknown reference mode"):
+        make_reference("frozen")
+
+
+def test_bco_pair_running_resume_equals_uninterrupted(world, tmp_path):  # noqa: F811
+    """The running mean goes through the checkpoint: a resumed run continues with it, bit for bit."""
+    from prefpack.training import TrainingInterrupted
+
+    extra = ["loss.terms=[{name: bco_pair_running}]", f"reference.model={world['ref']}", "train.max_steps=4",
+             "run.save_every=2"]
+    train(cfg_for(world, tmp_path / "full", *extra), progress=False, log=quiet)
+    broken = tmp_path / "broken"
+    with pytest.raises(TrainingInterrupted):
+        train(cfg_for(world, broken, *extra), progress=False, log=quiet, stop_after_steps=2)
+    train(cfg_for(world, broken, *extra), progress=False, log=quiet, resume=True)
+    a, b = metrics_lines(tmp_path / "full"), metrics_lines(broken)
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    for x, y in zip(a, b):
+        assert x["loss"] == y["loss"], (x, y)
+    assert math.isfinite(a[-1]["loss"])
