@@ -26,9 +26,9 @@ TOKENIZER = REPO / "examples" / "tokenizers" / "gpt-neox-20b"
 
 
 def imbalance(store_dir: Path, *, global_batch: int, micro_tokens: int, row_tokens: int, steps: int) -> dict:
+    from prefpack.batching.deal import deal_step, rank_tokens
     from prefpack.config import load_config
     from prefpack.data.store import Store
-    from prefpack.distributed import deal_step, rank_tokens
     from prefpack.objectives import PairTask
 
     cfg = load_config(None, [f"train.micro_batch_tokens={micro_tokens}", f"data.max_tokens_per_row={row_tokens}"])

@@ -47,9 +47,9 @@ def worker(args) -> dict:
     from prefpack.batching.plan import plan_micro_batches
     from prefpack.data.store import Store
     from prefpack.data.views import StorePairs
-    from prefpack.forward import pair_logps
     from prefpack.losses import sigmoid_loss
-    from prefpack.models import pick_attention, register_packed_attention
+    from prefpack.model import pair_logps, pick_attention
+    from prefpack.model.attention.packed_sdpa import register as register_packed_attention
 
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count() or 1)

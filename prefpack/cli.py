@@ -18,7 +18,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from prefpack.data.store import StoreError
     from prefpack.distributed import LaunchError
     from prefpack.metrics import MetricsWriteError
-    from prefpack.models import ModelError
+    from prefpack.model import ModelError
     from prefpack.plot import PlotError
     from prefpack.reference import ReferenceMismatch
     from prefpack.tokenizer import TokenizerError

@@ -248,7 +248,7 @@ def add_precompute(sub) -> None:
 def run_precompute(args, argv) -> int:
     from prefpack.data.store import Store
     from prefpack.distributed import init_from_env, shutdown
-    from prefpack.models import (
+    from prefpack.model import (
         check_vocab_fits,
         load_scoring_model,
         pick_device,
@@ -290,7 +290,7 @@ def _scoring_budgets(args, model, device):
 
     from prefpack.budgets import resolve_budgets
     from prefpack.config import ConfigError
-    from prefpack.forward import uses_flash_attention
+    from prefpack.model import uses_flash_attention
 
     def budget(flag: str, value: str):
         if value == "auto":
@@ -314,7 +314,7 @@ def _precompute_kto(args) -> int:
 
     from prefpack.data.views import UnpairedView
     from prefpack.distributed import init_from_env, shutdown
-    from prefpack.models import (
+    from prefpack.model import (
         check_vocab_fits,
         load_scoring_model,
         pick_device,

@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -104,52 +103,6 @@ def shutdown() -> None:
         dist.destroy_process_group()
         gc.collect()
         time.sleep(0.05)
-
-
-# ------------------------------------------------------------------------------------------------ dealing
-
-
-@dataclass
-class Share:
-    """One rank's micro-batches for a step; padding entries have weight 0 and are not counted."""
-
-    planned: list[Any]
-    weights: list[float]
-
-
-def deal_step(task, ids: np.ndarray, *, seed: Any, world: int, balance: str = "tokens") -> list[Share]:
-    """Every rank's micro-batches for one step (the same answer on every rank)."""
-    if world == 1:
-        planned = task.plan(ids, seed=seed)
-        return [Share(planned, [1.0] * len(planned))]
-    if balance == "count":
-        shares = [task.plan(part, seed=seed) if len(part) else [] for part in np.array_split(ids, world)]
-    elif balance == "tokens":
-        # Deal pairs (fine-grained) largest first to the rank with the fewest tokens so far, then let each
-        # rank pack its own; dealing whole micro-batches instead leaves a coarser, worse balance.
-        sizes = task.example_tokens(ids)
-        parts: list[list[int]] = [[] for _ in range(world)]
-        load = [0] * world
-        for k in sorted(range(len(ids)), key=lambda i: (-int(sizes[i]), i)):
-            r = min(range(world), key=lambda j: (load[j], j))
-            parts[r].append(int(ids[k]))
-            load[r] += int(sizes[k])
-        shares = [task.plan(np.asarray(part, dtype=np.int64), seed=seed) if part else [] for part in parts]
-    else:
-        raise ValueError(f"unknown balance {balance!r}; choose tokens or count")
-    every = [p for s in shares for p in s]
-    filler = min(every, key=lambda p: p.computed_tokens) if every else None
-    longest = max(len(s) for s in shares)
-    out = []
-    for s in shares:
-        pad = longest - len(s)
-        out.append(Share(s + [filler] * pad, [1.0] * len(s) + [0.0] * pad))
-    return out
-
-
-def rank_tokens(shares: list[Share]) -> list[int]:
-    """Computed positions per rank (padding micro-batches included: they cost time too)."""
-    return [sum(p.computed_tokens for p in s.planned) for s in shares]
 
 
 # ------------------------------------------------------------------------------------------------ wrapping

@@ -78,7 +78,7 @@ def resolve_precision(model_dtype: str, master_dtype: str, device: torch.device,
 
 
 def set_compute_dtype(model: nn.Module, precision: Precision) -> None:
-    """Record on the model how it runs, so every caller of ``prefpack.forward`` (policy, reference, eval,
+    """Record on the model how it runs, so every caller of ``prefpack.model.forward`` (policy, reference, eval,
     precompute-ref) computes the same way without passing the precision around."""
     setattr(model, _ATTR, precision.compute if precision.autocast else None)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefpack.ops import varlen_attention as va
+from prefpack.model.attention import varlen as va
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: PREFPACK_TEST_CUDA=1 on a GPU")
 

@@ -10,7 +10,7 @@ from test_train import cfg_for
 from test_train import world as world  # noqa: F401 - a module-scoped fixture shared with test_train
 
 from prefpack.distributed import LaunchError, init_from_env
-from prefpack.models import ModelError, load_causal_lm
+from prefpack.model import ModelError, load_causal_lm
 from prefpack.training import train
 
 
@@ -59,9 +59,9 @@ def test_more_gpu_processes_than_gpus_stop_with_a_message(monkeypatch):
 
 def test_a_hub_id_that_is_no_folder_is_named_at_once_when_the_hub_is_unreachable(world, tmp_path, monkeypatch):  # noqa: F811
     """`models/tiny` looks like a hub id; with no such folder and no hub, training says so before any retry."""
-    from prefpack import models
+    from prefpack.model import load
 
-    monkeypatch.setattr(models, "_hub_reachable", lambda: False)
+    monkeypatch.setattr(load, "_hub_reachable", lambda: False)
     monkeypatch.chdir(tmp_path)
     run = cfg_for(world, tmp_path / "run", "model.name_or_path=models/tiny", "train.device=cpu")
     t = time.perf_counter()

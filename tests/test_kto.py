@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import numpy as np
 import pytest
@@ -19,7 +18,6 @@ from prefpack.data.kl_pairing import fixed_kl_partners, step_kl_partners
 from prefpack.data.prepare import PrepareOptions, prepare
 from prefpack.data.store import Store, StoreError
 from prefpack.data.views import UnpairedView
-from prefpack.forward import SequenceLogps
 from prefpack.losses import (
     UnpairedLogps,
     apo_zero_unpaired_loss,
@@ -28,9 +26,9 @@ from prefpack.losses import (
     kto_loss,
     unpaired_loss,
 )
+from prefpack.model import SequenceLogps
 from prefpack.objectives import KTOTask
-from prefpack.reference import ReferenceMismatch
-from prefpack.training import build, evaluate, train
+from prefpack.training import build, train
 
 # ---------------------------------------------------------------- fixtures
 
@@ -71,12 +69,6 @@ def kcfg(w, run_dir, *extra):
 def metrics_lines(run_dir, split="train"):
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r["split"] == split]
-
-
-def final_weights(run_dir):
-    from safetensors.torch import load_file
-
-    return load_file(str(run_dir / "final" / "model.safetensors"))
 
 
 def quiet(_msg):
@@ -289,7 +281,7 @@ def test_pairing_and_kl_sums_do_not_depend_on_the_number_of_ranks(kworld, balanc
     """Ranks plan only their share of a step (prefpack.distributed.deal_step); the KL partners are still
     those of the whole step, and the per-rank KL sums and counts add up to one process's (what the
     all-reduce in begin_step sums). Simulated without a process group: deal_step is pure."""
-    from prefpack.distributed import deal_step
+    from prefpack.batching.deal import deal_step
 
     setup = build(kcfg(kworld, "unused", "train.global_batch_pairs=7", "train.micro_batch_tokens=128",
                        "data.max_tokens_per_row=128"), log=quiet)
@@ -341,72 +333,6 @@ def test_tiny_kto_run_lowers_loss(kworld, tmp_path):
     assert last["rewards/chosen"] > 0 > last["rewards/rejected"]
     for key in ("kl", "logps/chosen", "logps/rejected", "loss/kto", "nll", "lr", "grad_norm", "filling"):
         assert key in last, key
-
-
-@pytest.mark.parametrize("multiple", [None, 64])
-def test_packed_equals_padded(kworld, tmp_path, multiple):
-    packed, padded = tmp_path / "packed", tmp_path / "padded"
-    train(kcfg(kworld, packed), progress=False, log=quiet)
-    extra = [f"data.pad_to_multiple_of={multiple}"] if multiple else []
-    train(kcfg(kworld, padded, "data.packing=false", *extra), progress=False, log=quiet)
-    lp, ld = metrics_lines(packed), metrics_lines(padded)
-    assert len(lp) == len(ld) == 3
-    for a, b in zip(lp, ld):
-        for key in ("loss", "kl", "rewards/margins"):
-            assert a[key] == pytest.approx(b[key], abs=1e-5), key
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-    assert lp[1]["kl"] != 0.0  # the KL term is live after the first update (reference != policy here)
-    assert lp[0]["filling"] > ld[0]["filling"]
-    wa, wb = final_weights(packed), final_weights(padded)
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], atol=2e-5, rtol=1e-4)
-
-
-def test_accumulation_does_not_change_the_update(kworld, tmp_path):
-    one, many = tmp_path / "one", tmp_path / "many"
-    train(kcfg(kworld, one, "train.max_steps=2"), progress=False, log=quiet)
-    train(kcfg(kworld, many, "train.max_steps=2", "train.micro_batch_tokens=16", "data.max_tokens_per_row=16"),
-          progress=False, log=quiet)
-    for a, b in zip(metrics_lines(one), metrics_lines(many)):
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["kl"] == pytest.approx(b["kl"], abs=2e-5)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-
-
-def test_copy_and_precomputed_reference_agree(kworld, tmp_path, capsys):
-    store = tmp_path / "store"
-    shutil.copytree(kworld["train"], store)
-    assert cli_main(["precompute-ref", "--model", str(kworld["ref"]), "--data", str(store)]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["examples"] == 19 and (store / "ref_logps_kto.safetensors").is_file()
-    copy = kcfg(kworld, tmp_path / "a", f"data.train={store}", "loss.kl_pairing=fixed")
-    pre = kcfg(kworld, tmp_path / "b", f"data.train={store}", "loss.kl_pairing=fixed", "reference.mode=precomputed")
-    s1, s2 = build(copy, log=quiet), build(pre, log=quiet)
-    assert s2.reference.model is None  # no reference model in memory
-    e1 = evaluate(s1.policy, s1.reference, s1.train_task)
-    e2 = evaluate(s2.policy, s2.reference, s2.train_task)
-    # the KL sums themselves agree (z0 itself may be clamped to 0 on both sides)
-    step = []
-    for s in (s1, s2):
-        batches = [s.train_task.collate(p) for p in s.train_task.plan(np.arange(19), seed=StepKey(0, 0))]
-        step.append(s.train_task.begin_step(SequenceLogps(s.policy), s.reference, batches))
-    assert step[0].kl_sum == pytest.approx(step[1].kl_sum, abs=1e-5) and step[0].kl_count == 19
-    for k in ("loss", "kl", "rewards/margins", "rewards/chosen", "rewards/rejected"):
-        assert e1[k] == pytest.approx(e2[k], abs=1e-6), k
-    train(copy, progress=False, log=quiet)
-    train(pre, progress=False, log=quiet)
-    for a, b in zip(metrics_lines(tmp_path / "a"), metrics_lines(tmp_path / "b")):
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["kl"] == pytest.approx(b["kl"], abs=1e-6)
-    # the sidecar holds the KL log-probs of seed 0's pairing: another seed is refused, and so is step pairing
-    with pytest.raises(ReferenceMismatch, match="--seed"):
-        build(kcfg(kworld, tmp_path / "c", f"data.train={store}", "loss.kl_pairing=fixed",
-                   "reference.mode=precomputed", "train.seed=1"), log=quiet)
-    with pytest.raises(ConfigError, match="kl_pairing=fixed"):
-        kcfg(kworld, tmp_path / "d", f"data.train={store}", "reference.mode=precomputed").validate()
-    # apo_zero_unpaired reads no KL: precomputed works with step pairing
-    apo = kcfg(kworld, tmp_path / "e", f"data.train={store}", "reference.mode=precomputed",
-               "loss.terms=[{name: apo_zero_unpaired}]")
-    apo.validate()
-    assert evaluate(*(lambda s: (s.policy, s.reference, s.train_task))(build(apo, log=quiet)))["loss"] > 0
 
 
 def test_pair_store_read_as_kto(kworld, tmp_path):
@@ -480,44 +406,6 @@ def test_eval_cli_on_an_unpaired_store_matches_float64_formula(kworld, capsys):
     assert got["examples"] == len(view) == 7 and got["reference"] == "copy"
     assert got["kl"] == pytest.approx(z0, abs=1e-5)
     assert got["loss"] == pytest.approx(sum(losses) / len(losses), abs=1e-5)
-
-
-def test_two_processes_equal_one_process(kworld, tmp_path):
-    """torchrun, 2 CPU processes (gloo, DDP) against one: z0 is all-reduced (sum and count), the pairing is
-    the whole step's, and padding micro-batches (3 examples, 1 per micro-batch: one rank runs a weight-0
-    duplicate) are not counted."""
-    import os
-    import subprocess
-    import sys
-
-    conf = tmp_path / "c.yaml"
-    conf.write_text(
-        f"model: {{name_or_path: {kworld['policy']}}}\n"
-        f"data: {{train: {kworld['train']}, max_tokens_per_row: 64}}\n"
-        f"loss: {{terms: [{{name: kto}}], beta: 0.5}}\nreference: {{model: {kworld['ref']}}}\n"
-        # eps 1e-3 keeps AdamW from turning rounding noise in near-zero gradients into full-size updates
-        "optim: {lr: 1.0e-3, schedule: constant, eps: 1.0e-3}\n"
-        "train: {global_batch_pairs: 3, max_steps: 4, micro_batch_tokens: 64}\n"
-        "run: {plot: false, tensorboard: false}\n")
-
-    def run(run_dir, nproc):
-        cmd = ["-m", "prefpack", "train", str(conf), f"run.output_dir={run_dir}", "--no-progress"]
-        if nproc > 1:
-            cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *cmd]
-        proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return metrics_lines(run_dir)
-
-    one, two = run(tmp_path / "one", 1), run(tmp_path / "two", 2)
-    assert any(m["kl"] > 0 for m in one)
-    for a, b in zip(one, two, strict=True):
-        for key in ("loss", "kl", "count/chosen", "count/rejected", "rewards/margins"):
-            assert a[key] == pytest.approx(b[key], abs=1e-5), key
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
-    w1, w2 = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
-    for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=0)
 
 
 # ---------------------------------------------------------------- reference modes and the example config

@@ -17,9 +17,9 @@ from test_train import cfg_for, metrics_lines, world  # noqa: F401 - `world` is 
 from prefpack.batching.collate import collate_packed, collate_padded
 from prefpack.cli import main as cli_main
 from prefpack.config import ConfigError, load_config
-from prefpack.forward import sequence_logps
 from prefpack.losses import LossTerm, PairLogps, length_desensitised, preference_loss, wpo_weights
-from prefpack.ops.logprobs import completion_logprobs
+from prefpack.model import sequence_logps
+from prefpack.model.logprobs import completion_logprobs
 from prefpack.training import train
 
 DT = torch.float64
@@ -97,7 +97,7 @@ def test_tails_and_wpo_means_equal_the_written_out_sums(layout):
 
 
 def test_tails_need_a_pair_batch():
-    from prefpack.forward import _tail_mask
+    from prefpack.model.forward import _tail_mask
 
     with pytest.raises(ValueError, match="pair batch"):
         _tail_mask(torch.zeros(3, dtype=torch.long), torch.tensor([3]))
@@ -220,15 +220,17 @@ def test_config_rules():
 # ------------------------------------------------------------------ runs
 
 
-@pytest.mark.parametrize("option", ["loss.ld_alpha=0.5", "loss.use_weighting=true"])
+@pytest.mark.parametrize("option", ["loss.ld_alpha=0.5", "loss.use_weighting=true", "loss.f_divergence_type=js_divergence",
+                                    "loss.f_divergence_type=alpha_divergence"])
 def test_a_run_lowers_the_loss(world, tmp_path, option):  # noqa: F811
+    """LD-DPO, WPO and f-DPO (issue 14 asks a tiny run that lowers the loss for each)."""
     run = tmp_path / "run"
     train(cfg_for(world, run, option, f"reference.model={world['policy']}", "train.max_steps=6",
                   "train.global_batch_pairs=24"), progress=False, log=lambda m: None)
     rows = metrics_lines(run)
     losses = [m["loss"] for m in rows]
-    if option.startswith("loss.ld_alpha"):
-        assert losses[0] == pytest.approx(math.log(2), abs=1e-5)  # reference = policy at step 0
+    if "use_weighting" not in option:
+        assert losses[0] == pytest.approx(math.log(2), abs=1e-5)  # reference = policy at step 0: every score is 0
     else:
         assert 0 < rows[0]["wpo/weight"] < 1  # WPO weights are probabilities' ratios, tiny on a random model
         assert losses[0] == pytest.approx(math.log(2) * rows[0]["wpo/weight"], rel=0.5)

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from prefpack.ops.logprobs import body_and_head, completion_logprobs, head_spec, segment_sum
+from prefpack.model.head import body_and_head, head_spec
+from prefpack.model.logprobs import completion_logprobs, segment_sum
 
 V, H = 37, 6
 
@@ -170,7 +171,7 @@ def _llama(tied=False, **kw):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_body_and_head_llama(tied):
-    from prefpack.forward import check_against_model
+    from prefpack.model import check_against_model
 
     model = _llama(tied)
     body, head = body_and_head(model)
@@ -182,7 +183,7 @@ def test_body_and_head_llama(tied):
 def test_body_and_head_gpt_neox():
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    from prefpack.forward import check_against_model
+    from prefpack.model import check_against_model
 
     cfg = GPTNeoXConfig(
         vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
@@ -197,7 +198,7 @@ def test_head_transforms_match_model():
     """Gemma-2 soft-capping and Granite logit scaling reproduce the model's own log-probs."""
     from transformers import Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM
 
-    from prefpack.forward import check_against_model
+    from prefpack.model import check_against_model
 
     small = dict(
         vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
@@ -212,7 +213,7 @@ def test_head_transforms_match_model():
     assert head_spec(granite).scale == 0.25
     assert check_against_model(granite.eval()) < 1e-5
     # The check has teeth: if head_spec forgot the soft-cap, check_against_model would see it.
-    import prefpack.forward as fwd
+    import prefpack.model.forward as fwd
 
     real = fwd.head_spec
     fwd.head_spec = lambda m: dataclasses.replace(real(m), softcap=None)
@@ -269,7 +270,7 @@ def test_mixed_dtypes_and_autocast():
 
 
 def test_chunk_rows_caps_logits_per_chunk():
-    from prefpack.ops.logprobs import chunk_rows
+    from prefpack.model.logprobs import chunk_rows
 
     assert chunk_rows(1024, 32768, 1 << 25) == 1024
     assert chunk_rows(1024, 151936, 1 << 25) == 220

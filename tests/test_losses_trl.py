@@ -16,7 +16,7 @@ from test_losses import HAND_ROWS, pair_logps, random_rows
 
 from prefpack.config import LossConfig
 from prefpack.loss_params import LOSS_PARAMS
-from prefpack.losses.pairwise import (
+from prefpack.losses import (
     BATCH_COUPLED_LOSSES,
     LENGTH_NORMALISED_LOSSES,
     PAIR_LOSSES,
@@ -468,9 +468,14 @@ def _run(task):
 def test_task_keeps_the_running_mean_only_for_bco_pair_running():
     assert _task(["bco_pair_running"]).bco and not _task(["bco_pair"]).bco
     for name, moves in (("bco_pair", False), ("bco_pair_running", True)):
+        from prefpack.objectives import StepTotals
+
         task = _task([name])
         out = _run(task)
-        task.after_micro_batch(out)
+        totals = StepTotals()  # the step's sums as the loop hands them over (all-reduced over ranks)
+        for key in ("rewards/chosen", "rewards/rejected"):
+            totals.metrics[key], totals.counts[key] = float(out.metrics[key].double().sum()), out.metrics[key].numel()
+        task.end_step(totals)
         state = task.state_dict()
         if not moves:
             assert state == {}

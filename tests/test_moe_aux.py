@@ -9,8 +9,8 @@ import torch
 from prefpack.batching.collate import collate
 from prefpack.config import Config, LossTermConfig
 from prefpack.data.store import Pair
-from prefpack.forward import SequenceLogps, router_aux_loss_coef, sequence_logps
 from prefpack.losses import LossTerm
+from prefpack.model import SequenceLogps, router_aux_loss_coef, sequence_logps
 from prefpack.objectives import PairTask, StepState
 from prefpack.reference import NoReference
 

@@ -9,9 +9,15 @@ import torch
 from prefpack.batching.collate import IGNORE_INDEX, collate, collate_packed, collate_padded
 from prefpack.batching.plan import pair_lengths, plan_micro_batches, plan_stats
 from prefpack.data.store import Pair
-from prefpack.forward import packing_leak, pair_logps, sequence_logps
-from prefpack.models import PACKING_LEAK_TOLERANCE, ModelError, load_causal_lm
-from prefpack.ops.packed_attention import block_bounds
+from prefpack.model import (
+    PACKING_LEAK_TOLERANCE,
+    ModelError,
+    load_causal_lm,
+    packing_leak,
+    pair_logps,
+    sequence_logps,
+)
+from prefpack.model.attention.packed_sdpa import block_bounds
 
 VOCAB = 300
 
@@ -156,7 +162,7 @@ def make_model(kind="llama", tied=False, attn="sdpa"):
     else:
         raise ValueError(kind)
     if attn == "packed_sdpa":
-        from prefpack.ops.packed_attention import register
+        from prefpack.model.attention.packed_sdpa import register
 
         register()
     cfg._attn_implementation = attn
@@ -300,7 +306,7 @@ def test_end_to_end_plan_then_collate():
 
 
 def test_wrapper_and_flash_detection():
-    from prefpack.forward import SequenceLogps, uses_flash_attention
+    from prefpack.model import SequenceLogps, uses_flash_attention
 
     model = make_model("llama")
     batch = collate_packed(random_pairs(3, seed=2), [[0, 1], [2]])
@@ -398,7 +404,7 @@ def test_packed_sdpa_keeps_a_sliding_window():
     """Blocks longer than a layer's sliding window get the band, like sdpa's mask (Mistral, window 4)."""
     import transformers as tf
 
-    from prefpack.ops.packed_attention import register
+    from prefpack.model.attention.packed_sdpa import register
 
     register()
     cfg = tf.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

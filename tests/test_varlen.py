@@ -12,8 +12,8 @@ import pytest
 import torch
 from test_packing import VOCAB, _value_and_grads, collate_packed, make_model, random_pairs
 
-from prefpack.forward import sequence_logps
-from prefpack.ops import varlen_attention as va
+from prefpack.model import sequence_logps
+from prefpack.model.attention import varlen as va
 
 
 def test_sequence_bounds_from_position_ids():
@@ -143,7 +143,7 @@ def test_padded_batches_and_float32_use_the_correct_fallbacks():
 
 
 def test_cuda_auto_attention_choice(monkeypatch):
-    from prefpack.models import pick_attention
+    from prefpack.model import pick_attention
 
     cuda = torch.device("cuda")
     assert pick_attention("auto", cuda, torch.bfloat16) == "varlen"

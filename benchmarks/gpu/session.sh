@@ -23,7 +23,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 import torch, transformers
 print("torch", torch.__version__, "transformers", transformers.__version__,
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA")
-from prefpack.ops.varlen_attention import torch_varlen_kernel
+from prefpack.model.attention.varlen import torch_varlen_kernel
 print("varlen kernel (fn, enable_gqa, window_size):", torch_varlen_kernel())
 PY
 if [ "$what" = tests ] || [ "$what" = all ]; then

@@ -5,7 +5,7 @@ rejected, a KTO example, a KTO example's KL sequence) as sequences ``prompt + co
 pair store's entry point.
 
 Packed layout of one row: the sequences one after the other, position ids restarting at 0 for every
-sequence (transformers derives the block-diagonal attention from them, see ``prefpack.forward``), then
+sequence (transformers derives the block-diagonal attention from them, see ``prefpack.model.forward``), then
 row padding. The padding is its own block (positions restart at 0 again), sits after every real token
 (so causal attention never lets a real token see it), has ``loss_mask`` False, ``target_ids`` = -100 and
 ``seq_index`` = -1: it cannot reach the loss, whatever ``pad_to_multiple_of`` is. Padded layout: one

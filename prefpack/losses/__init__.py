@@ -1,38 +1,49 @@
-"""Preference losses: pure functions of per-sequence log-probs returning per-pair (KTO: per-example) values."""
+"""Preference losses: pure functions of per-sequence log-probs returning per-pair (KTO: per-example) values.
 
+``pairwise`` (the DPO family) and ``pairwise_trl`` (the losses TRL 1.16 added), ``transforms`` (f-DPO, LD-DPO, WPO),
+``registry`` (every pair loss by name, and ``preference_loss``), ``unpaired`` (KTO)."""
+
+from prefpack.loss_params import LOSS_PARAMS, LossParam
 from prefpack.losses.pairwise import (
-    BATCH_COUPLED_LOSSES,
-    F_DIVERGENCE_COMPATIBLE,
-    F_DIVERGENCE_LOSSES,
-    F_DIVERGENCES,
-    LENGTH_NORMALISED_LOSSES,
-    LOSS_NAMES,
-    LOSS_PARAMS,
-    PAIR_LOSSES,
-    REFERENCE_FREE_LOSSES,
     LossOutput,
-    LossParam,
-    LossTerm,
-    PairInputs,
     PairLogps,
-    PairLossSpec,
     apo_down_loss,
     apo_zero_loss,
     bco_pair_loss,
-    f_divergence_scores,
     hinge_loss,
     ipo_loss,
-    length_desensitised,
-    needs_reference,
     nll_loss,
     orpo_loss,
-    preference_loss,
-    register_pair_loss,
     robust_loss,
     sigmoid_loss,
     simpo_loss,
-    wpo_weights,
 )
+from prefpack.losses.pairwise_trl import (
+    aot_loss,
+    aot_unpaired_loss,
+    discopop_loss,
+    exo_pair_loss,
+    nca_pair_loss,
+    sft_loss,
+    sigmoid_norm_loss,
+    sppo_hard_loss,
+)
+from prefpack.losses.registry import (
+    BATCH_COUPLED_LOSSES,
+    F_DIVERGENCE_COMPATIBLE,
+    F_DIVERGENCE_LOSSES,
+    LENGTH_NORMALISED_LOSSES,
+    LOSS_NAMES,
+    PAIR_LOSSES,
+    REFERENCE_FREE_LOSSES,
+    LossTerm,
+    PairInputs,
+    PairLossSpec,
+    needs_reference,
+    preference_loss,
+    register_pair_loss,
+)
+from prefpack.losses.transforms import F_DIVERGENCES, f_divergence_scores, length_desensitised, wpo_weights
 from prefpack.losses.unpaired import (
     UNPAIRED_LOSS_NAMES,
     UNPAIRED_LOSSES_WITH_KL,
@@ -45,6 +56,14 @@ from prefpack.losses.unpaired import (
 )
 
 __all__ = [
+    "sppo_hard_loss",
+    "sigmoid_norm_loss",
+    "sft_loss",
+    "nca_pair_loss",
+    "exo_pair_loss",
+    "discopop_loss",
+    "aot_unpaired_loss",
+    "aot_loss",
     "BATCH_COUPLED_LOSSES",
     "F_DIVERGENCES",
     "F_DIVERGENCE_COMPATIBLE",

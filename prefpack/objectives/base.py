@@ -10,7 +10,9 @@ The hooks are fixed and typed, called in this order for every step:
    a distributed loop runs only to keep collectives in step;
 3. per micro-batch ``loss(policy, reference, batch, step)`` (per-example values, so the loop can divide by the
    step's example count whatever the packing) then ``after_micro_batch(out)``;
-4. ``state_dict()`` / ``load_state_dict()``: what the objective carries from step to step (BCO's running mean),
+4. ``end_step(totals)`` with the step's sums already all-reduced over ranks (so a running statistic built from
+   them is the same on every rank and does not depend on how the step was split);
+5. ``state_dict()`` / ``load_state_dict()``: what the objective carries from step to step (BCO's running mean),
    saved in checkpoints and handed to the eval objective so evaluation scores as training does.
 """
 
@@ -68,7 +70,7 @@ class Objective:
         raise NotImplementedError
 
     def forward_options(self) -> dict:
-        """What the policy forward (``prefpack.forward.SequenceLogps``) must return besides the sums."""
+        """What the policy forward (``prefpack.model.forward.SequenceLogps``) must return besides the sums."""
         return {}
 
     def begin_step(self, policy: nn.Module, reference: Reference, batches: list[Any],
@@ -79,7 +81,10 @@ class Objective:
         raise NotImplementedError
 
     def after_micro_batch(self, out: LossOutput) -> None:
-        """Update the objective's running state after a micro-batch's loss (default: none)."""
+        """Called after each micro-batch's loss (default: nothing)."""
+
+    def end_step(self, totals: StepTotals) -> None:
+        """Update the objective's running state from the step's all-reduced sums (default: none)."""
 
     def state_dict(self) -> dict[str, Any]:
         """The running state a checkpoint saves (JSON numbers); empty for most objectives."""

@@ -360,7 +360,7 @@ class KTOTask(Objective):
 
     @staticmethod
     def _policy_logps(policy: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``policy`` maps a batch to per-sequence sums (``prefpack.forward.SequenceLogps``, maybe wrapped)."""
+        """``policy`` maps a batch to per-sequence sums (``prefpack.model.forward.SequenceLogps``, maybe wrapped)."""
         n = int(batch.completion_tokens.shape[0])
         res = policy(batch)
         logp, tokens = res[0], res[1]

@@ -5,16 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 from torch import nn
 
 from prefpack.batching.collate import collate
 from prefpack.batching.plan import plan_micro_batches
 from prefpack.data.store import Store
 from prefpack.data.views import StorePairs
-from prefpack.forward import split_pairs
 from prefpack.losses import LossOutput, LossTerm, PairLogps, preference_loss, wpo_weights
-from prefpack.objectives.base import Objective, Planned, StepState
+from prefpack.model import split_pairs
+from prefpack.objectives.base import Objective, Planned, StepState, StepTotals
 from prefpack.reference import Reference
 
 __all__ = ["PairTask"]
@@ -38,7 +37,7 @@ class PairTask(Objective):
         self.router_aux_loss_coef = 0.0
 
     def forward_options(self) -> dict:
-        """What the policy forward (``prefpack.forward.SequenceLogps``) must return besides the sums: the MoE aux
+        """What the policy forward (``prefpack.model.forward.SequenceLogps``) must return besides the sums: the MoE aux
         loss, LD-DPO's tail sums, WPO's means. The reference forward needs only ``pair_tails``."""
         return {"router_aux": bool(self.router_aux_loss_coef), "pair_tails": self.cfg.loss.ld_alpha is not None,
                 "wpo": bool(self.cfg.loss.use_weighting)}
@@ -123,16 +122,18 @@ class PairTask(Objective):
             out.metrics["aux_loss"] = aux.detach().expand(out.loss.shape[0])
         return out
 
-    def after_micro_batch(self, out: LossOutput) -> None:
-        """bco_pair_running's delta: the running mean of every reward seen so far (older TRL releases kept such a
-        running moment for bco_pair; TRL 1.16's bco_pair has none, and prefpack's bco_pair follows it). The next
-        micro-batch already reads the new value."""
+    def end_step(self, totals: StepTotals) -> None:
+        """bco_pair_running's delta: the running mean of every reward (chosen and rejected, beta * log-ratio) of the
+        steps so far, from the step's sums all-reduced over ranks, so every rank holds the same value and the
+        update of a step does not depend on its micro-batches or ranks (older TRL releases kept such a running
+        moment for bco_pair; TRL 1.16's bco_pair has none, and prefpack's bco_pair follows it)."""
         if not self.bco:
             return
         state = self.running
-        rewards = torch.cat([out.metrics["rewards/chosen"], out.metrics["rewards/rejected"]]).double()
-        n_old, k = state.get("bco_count", 0), int(rewards.numel())
-        state["bco_delta"] = (state.get("bco_delta", 0.0) * n_old + float(rewards.sum())) / max(n_old + k, 1)
+        total = totals.metrics.get("rewards/chosen", 0.0) + totals.metrics.get("rewards/rejected", 0.0)
+        k = int(round(totals.counts.get("rewards/chosen", 0.0) + totals.counts.get("rewards/rejected", 0.0)))
+        n_old = int(state.get("bco_count", 0))
+        state["bco_delta"] = (float(state.get("bco_delta", 0.0)) * n_old + total) / max(n_old + k, 1)
         state["bco_count"] = n_old + k
 
     def state_dict(self) -> dict:

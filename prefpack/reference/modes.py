@@ -14,7 +14,7 @@ from torch import nn
 from prefpack.batching.collate import Batch
 from prefpack.data.store import Store
 from prefpack.data.views import UnpairedView
-from prefpack.forward import SequenceLogps
+from prefpack.model import SequenceLogps
 from prefpack.reference.sidecar import (
     KTO_SIDECAR_NAME,
     SIDECAR_NAME,
@@ -28,7 +28,7 @@ __all__ = ["AdapterReference", "CopyReference", "NoReference", "PrecomputedRefer
 
 
 class Reference:
-    """What every reference mode answers. ``module`` maps a batch to a ``prefpack.forward.SequenceOutput`` (it may
+    """What every reference mode answers. ``module`` maps a batch to a ``prefpack.model.forward.SequenceOutput`` (it may
     be wrapped for several ranks: FSDP2 shards a frozen copy too); ``model`` is a reference model held in memory
     (only ``copy``: TR-DPO syncs it and checkpoints save it); ``pair_tails``: also LD-DPO's tail sums."""
 

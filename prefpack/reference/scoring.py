@@ -12,7 +12,7 @@ from prefpack.batching.plan import balanced_rows, plan_groups, plan_micro_batche
 from prefpack.data.kl_pairing import fixed_kl_partners
 from prefpack.data.store import Store
 from prefpack.data.views import StorePairs, UnpairedView
-from prefpack.forward import sequence_logps
+from prefpack.model import sequence_logps
 
 __all__ = ["compute_kto_store_logps", "compute_store_logps", "iter_store_batches"]
 

@@ -6,8 +6,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from prefpack.distributed import SINGLE, Dist, deal_step
-from prefpack.forward import SequenceLogps
+from prefpack.batching.deal import deal_step
+from prefpack.distributed import SINGLE, Dist
+from prefpack.model import SequenceLogps
 from prefpack.objectives import Objective, StepTotals
 from prefpack.reference import Reference
 

@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
+from prefpack.batching.deal import deal_step
 from prefpack.batching.schedule import StepKey, StepSchedule
-from prefpack.distributed import Dist, clip_grad_norm, deal_step, grad_sync, init_from_env
-from prefpack.models import ModelError, release_freed_memory
+from prefpack.distributed import Dist, clip_grad_norm, grad_sync, init_from_env
+from prefpack.model import ModelError, release_freed_memory
 from prefpack.objectives import StepTotals
 from prefpack.reference import sync_reference
 from prefpack.training.checkpoint import (
@@ -175,6 +176,7 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
             sync_reference(policy, reference.model, cfg.reference.mixup_alpha,
                            wrappers=(module, reference.module) if strategy == "fsdp2" and ctx.enabled else ())
         totals = reduce_totals(totals, ctx)
+        task.end_step(totals)  # running statistics from the step's sums over every rank
         dt = time.perf_counter() - t0
         last = totals.means()
         last.update({"lr": lr, "grad_norm": grad_norm, "epoch": epoch + (step % sched.steps_per_epoch + 1)

@@ -196,7 +196,7 @@ def config_unchanged(cfg: Config, path: str | os.PathLike) -> bool:
 def config_write_errors(path: str | os.PathLike):
     """Around prefpack.config.save_config (temporary file + rename): a failed write removes the temporary file
     and raises CheckpointWriteError with the space needed and free; the previous file is unchanged."""
-    from prefpack.training.checkpoint import CheckpointWriteError, _free_bytes, _remove, _says_disk_full
+    from prefpack.training.checkpoint.files import CheckpointWriteError, _free_bytes, _remove, _says_disk_full
 
     p = Path(path)
     try:

@@ -17,11 +17,12 @@ from torch import nn
 from prefpack.budgets import resolve_budgets
 from prefpack.data.store import Store, StoreError
 from prefpack.distributed import Dist, wrap
-from prefpack.forward import SequenceLogps, attention_name, router_aux_loss_coef, uses_flash_attention
 from prefpack.losses import BATCH_COUPLED_LOSSES, LossTerm, needs_reference
-from prefpack.models import (
+from prefpack.model import (
     ModelError,
+    SequenceLogps,
     TokenizerHandle,
+    attention_name,
     check_model_source,
     check_vocab_fits,
     load_causal_lm,
@@ -29,7 +30,9 @@ from prefpack.models import (
     pick_device,
     release_freed_memory,
     resolve_tokenizer,
+    router_aux_loss_coef,
     source_dtype,
+    uses_flash_attention,
     weights_hash,
 )
 from prefpack.objectives import Objective, make_objectives, open_store, uses_unpaired_loss

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from prefpack.ops import varlen_attention
-from prefpack.ops.packed_attention import NAME as PACKED_SDPA
-from prefpack.ops.packed_attention import register as register_packed_attention
+from prefpack.model.attention import varlen
+from prefpack.model.attention.packed_sdpa import NAME as PACKED_SDPA
+from prefpack.model.attention.packed_sdpa import register as register_packed_attention
 from prefpack.precision import Precision, set_compute_dtype
 from prefpack.tokenizer import TokenizerError, load_tokenizer, tokenizer_hash, tokenizer_matches
 
@@ -38,8 +38,8 @@ def pick_device(name: str = "auto") -> torch.device:
 def pick_attention(name: str, device: torch.device, compute_dtype: torch.dtype = torch.float32) -> str:
     """The attention kernel for ``auto``; explicit choices are kept.
 
-    CPU: ``packed_sdpa`` (one causal block per packed sequence, prefpack.ops.packed_attention). CUDA: the
-    flash-attn package when installed; else torch's own flash varlen (``varlen``, prefpack.ops.varlen_attention)
+    CPU: ``packed_sdpa`` (one causal block per packed sequence, prefpack.model.attention.packed_sdpa). CUDA: the
+    flash-attn package when installed; else torch's own flash varlen (``varlen``, prefpack.model.attention.varlen)
     when the compute dtype is half precision (the kernel has no float32); else sdpa, with cuDNN's sdpa switched
     off at load (it plans anew for every packed shape).
     """
@@ -53,7 +53,7 @@ def pick_attention(name: str, device: torch.device, compute_dtype: torch.dtype =
         except ImportError:
             pass
         half = compute_dtype in (torch.float16, torch.bfloat16)
-        return varlen_attention.NAME if half and varlen_attention.torch_varlen_kernel() else "sdpa"
+        return varlen.NAME if half and varlen.torch_varlen_kernel() else "sdpa"
     return "sdpa" if device.type != "cpu" else PACKED_SDPA
 
 
@@ -75,10 +75,10 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
     """
     from transformers import AutoModelForCausalLM
 
-    from prefpack.forward import packing_leak
+    from prefpack.model.forward import packing_leak
 
     register_packed_attention()
-    varlen_attention.register()
+    varlen.register()
     if precision is None:
         precision = Precision(dtype or torch.float32, dtype or torch.float32)
     dtype = precision.weights
@@ -101,7 +101,7 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
     except Exception as exc:  # transformers raises OSError/ValueError/HF errors for bad paths and configs
         raise ModelError(f"cannot load model {name_or_path!r}: {exc}") from exc
     disable_dropout(model)
-    if attn_implementation == varlen_attention.NAME and _config_value(model, "attn_logit_softcapping"):
+    if attn_implementation == varlen.NAME and _config_value(model, "attn_logit_softcapping"):
         raise ModelError(f"model {name_or_path!r} softcaps its attention logits, which the varlen kernel cannot do; "
                          "set model.attn_implementation=eager")
     model = model.to(device)

@@ -6,7 +6,7 @@ a flash varlen kernel (``torch.nn.attention.varlen.varlen_attn``, no extra packa
 ``cu_seqlens`` instead (29.6-37.8% MFU on the same rows). Registered through transformers' AttentionInterface as
 ``varlen`` (prefpack's CUDA default when flash-attn is not installed):
 
-* the micro-batch arrives as one flattened row (``prefpack.forward`` drops row padding); the boundaries
+* the micro-batch arrives as one flattened row (``prefpack.model.forward`` drops row padding); the boundaries
   (``cu_seq_lens_q`` and ``max_length_q``, transformers' flash keyword names) are computed once per forward by the
   caller and passed down to every layer; without them they are derived from the position ids;
 * causal attention; sliding-window layers through the kernel's window (query i sees keys i - w < j <= i);
@@ -25,7 +25,7 @@ import inspect
 import torch
 from torch import nn
 
-from prefpack.ops.packed_attention import causal_block, no_mask_when_packed
+from prefpack.model.attention.packed_sdpa import causal_block, no_mask_when_packed
 
 NAME = "varlen"
 

@@ -18,7 +18,7 @@ and ``use_cache=False``. transformers (5.23) then builds the attention from the 
 The model runs in its recorded compute dtype (``prefpack.precision``: autocast over float32 master weights).
 
 Only hidden states whose next token is a completion token are gathered, before the LM head; the head
-and log-softmax run chunked (``prefpack.ops.logprobs``).
+and log-softmax run chunked (``prefpack.model.logprobs``, with the head found by ``prefpack.model.head``).
 
 MoE router load-balancing loss (``router_aux=True``, see :func:`router_aux_loss_coef`): ``model(...)`` adds it when
 called with ``output_router_logits=True``; since the body is called directly here, the body is asked for its router
@@ -39,14 +39,9 @@ import torch
 from torch import nn
 
 from prefpack.batching.collate import Batch
-from prefpack.ops import varlen_attention
-from prefpack.ops.logprobs import (
-    DEFAULT_CHUNK_SIZE,
-    body_and_head,
-    completion_logprobs,
-    head_spec,
-    segment_sum,
-)
+from prefpack.model.attention import varlen
+from prefpack.model.head import body_and_head, head_spec
+from prefpack.model.logprobs import DEFAULT_CHUNK_SIZE, completion_logprobs, segment_sum
 from prefpack.precision import compute_context
 
 __all__ = [
@@ -92,12 +87,12 @@ def attention_name(model: nn.Module) -> str:
 def uses_flash_attention(model: nn.Module) -> bool:
     """True when the model's attention reads packing boundaries only for a single row (flash kernels, varlen)."""
     impl = attention_name(model)
-    return "flash" in impl.lower() or impl == varlen_attention.NAME
+    return "flash" in impl.lower() or impl == varlen.NAME
 
 
 def _boundary_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
     """transformers' flash keyword arguments for a flattened row, computed on the host (no device sync)."""
-    cu, longest = varlen_attention.sequence_bounds(position_ids.cpu())
+    cu, longest = varlen.sequence_bounds(position_ids.cpu())
     cu = cu.to(device, non_blocking=True)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
@@ -178,7 +173,7 @@ def sequence_logps(
     if flatten is None:
         flatten = uses_flash_attention(model)
     extra = {}
-    if batch.packed and flatten and attention_name(model) == varlen_attention.NAME:
+    if batch.packed and flatten and attention_name(model) == varlen.NAME:
         extra = _boundary_kwargs(batch.position_ids[batch.token_mask], device)
     aux = router_aux_loss_func(model) if router_aux else None
     if aux is not None:

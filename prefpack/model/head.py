@@ -1,0 +1,125 @@
+"""Model plumbing for the log-prob op: where a causal LM's body ends and its head begins.
+
+``body_and_head`` finds the decoder body (final normed hidden states) and the linear output embedding, through DDP
+and torch.compile wrappers; ``head_spec`` reads the head's weight, bias and the logit transforms transformers
+applies after it, so ``prefpack.model.logprobs.completion_logprobs`` computes the model's own log-probs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["HeadSpec", "body_and_head", "head_spec"]
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """How a model turns its final hidden state into logits: ``softcap(scale * (h W^T + b))``."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    scale: float = 1.0
+    softcap: float | None = None
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """DDP / torch.compile wrappers hide the HF model behind ``.module`` / ``._orig_mod``."""
+    for _ in range(4):
+        if hasattr(model, "get_output_embeddings"):
+            break
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            break
+        model = inner
+    return model
+
+
+def body_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """Return ``(decoder body, output embedding)`` of a causal LM, tied or untied.
+
+    The body must return the final (normed) hidden states; the head must be a plain linear layer
+    (``.weight`` [V, H], optional ``.bias``). A LoRA-adapted head is refused: the chunked op reads the
+    base weight only and would silently ignore the adapter.
+    """
+    model = _unwrap(model)
+    get_out = getattr(model, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    if head is None:
+        raise TypeError(
+            f"{type(model).__name__} exposes no output embedding (get_output_embeddings() is None or missing): "
+            "prefpack needs a causal LM with an lm_head"
+        )
+    if hasattr(head, "base_layer") or hasattr(head, "lora_A"):
+        raise NotImplementedError(
+            "an adapter on the LM head is not supported: leave lm_head out of the LoRA targets"
+        )
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        raise TypeError(
+            f"the output embedding {type(head).__name__} has no 2-D .weight; prefpack needs a linear head"
+        )
+
+    body = None
+    get_dec = getattr(model, "get_decoder", None)
+    if callable(get_dec):
+        try:
+            body = get_dec()
+        except (AttributeError, NotImplementedError, ValueError):
+            body = None
+    if body is None or body is model:
+        for name in ("model", "transformer", "gpt_neox", "base_model"):
+            cand = getattr(model, name, None)
+            if isinstance(cand, nn.Module) and cand is not model:
+                body = cand
+                break
+        else:
+            body = None
+    if body is None or body is model:
+        raise TypeError(
+            f"cannot find the decoder body of {type(model).__name__}: expected get_decoder() or a .model attribute "
+            "returning the module that outputs the final hidden states"
+        )
+    return body, head
+
+
+def _config_value(model: nn.Module, name: str):
+    config = getattr(_unwrap(model), "config", None)
+    if config is None:
+        return None
+    value = getattr(config, name, None)
+    if value is None and hasattr(config, "get_text_config"):
+        try:
+            value = getattr(config.get_text_config(), name, None)
+        except (AttributeError, TypeError, ValueError):
+            value = None
+    return value
+
+
+def head_spec(model: nn.Module) -> HeadSpec:
+    """Head weight, bias and the logit transforms that transformers applies after ``lm_head``.
+
+    Known transforms: Cohere ``logit_scale`` (multiply), Granite ``logits_scaling`` (divide), Gemma-2/3
+    ``final_logit_softcapping``. Use ``prefpack.model.forward.check_against_model`` once to catch any other.
+    """
+    _, head = body_and_head(model)
+    scale = 1.0
+    logit_scale = _config_value(model, "logit_scale")
+    if isinstance(logit_scale, (int, float)) and not isinstance(logit_scale, bool):
+        scale *= float(logit_scale)
+    logits_scaling = _config_value(model, "logits_scaling")
+    if isinstance(logits_scaling, (int, float)) and not isinstance(logits_scaling, bool):
+        if logits_scaling == 0:
+            raise ValueError("config.logits_scaling is 0")
+        scale /= float(logits_scaling)
+    softcap = _config_value(model, "final_logit_softcapping")
+    if softcap is not None:
+        softcap = float(softcap)
+        if not (softcap > 0 and math.isfinite(softcap)):
+            raise NotImplementedError(f"unsupported final_logit_softcapping={softcap}")
+    return HeadSpec(weight=head.weight, bias=getattr(head, "bias", None), scale=scale, softcap=softcap)

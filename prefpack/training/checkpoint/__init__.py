@@ -1,0 +1,47 @@
+"""Checkpoints of a run and its final model: ``formats`` (one interface, ``save_checkpoint``/``load_checkpoint``,
+for the single-process and the torchrun format; resume with fallback; the final save) over ``files`` (checksums,
+listing, stale temporaries, failed-write reports)."""
+
+from prefpack.training.checkpoint.files import (
+    CHECKSUMS,
+    CheckpointDamaged,
+    CheckpointWriteError,
+    checkpoint_step,
+    latest_checkpoint,
+    list_checkpoints,
+    remove_stale_temporaries,
+    verify_checkpoint,
+    write_checksums,
+)
+from prefpack.training.checkpoint.formats import (
+    Checkpointed,
+    load_checkpoint,
+    load_checkpoint_distributed,
+    load_checkpoint_single,
+    resume_from_checkpoints,
+    save_checkpoint,
+    save_checkpoint_distributed,
+    save_checkpoint_single,
+    save_final,
+)
+
+__all__ = [
+    "CHECKSUMS",
+    "CheckpointDamaged",
+    "CheckpointWriteError",
+    "Checkpointed",
+    "checkpoint_step",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_checkpoint_distributed",
+    "load_checkpoint_single",
+    "remove_stale_temporaries",
+    "resume_from_checkpoints",
+    "save_checkpoint",
+    "save_checkpoint_distributed",
+    "save_checkpoint_single",
+    "save_final",
+    "verify_checkpoint",
+    "write_checksums",
+]
