@@ -1,4 +1,5 @@
-"""Subcommands beyond prepare/inspect: train, eval, precompute-ref, quickstart, plot."""
+"""Every subcommand as a pair: `add_X` declares its arguments, `run_X` turns them into options and calls the library
+(prepare, inspect, train, eval, precompute-ref, quickstart, plot). `prefpack.cli` assembles and dispatches them."""
 
 from __future__ import annotations
 
@@ -6,6 +7,74 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+# ---------------------------------------------------------------- prepare, inspect
+
+
+def add_prepare(sub) -> None:
+    from prefpack.data.formats import LAYOUTS
+
+    p = sub.add_parser("prepare", help="tokenise preference data into a binary store",
+                       description="Read JSONL/JSON/Parquet/CSV files (or globs) or datasets folders, tokenise "
+                       "prompt and completions apart, and write a binary store to --output.")
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="files, globs or datasets.save_to_disk folders")
+    p.add_argument("--tokenizer", required=True, help="tokenizer folder or hub id")
+    p.add_argument("--output", "-o", required=True, help="store folder to create")
+    p.add_argument("--format", choices=LAYOUTS, default=None, help="input layout (default: detect from the first row)")
+    for name in ("prompt", "chosen", "rejected", "completion", "label"):
+        p.add_argument(f"--{name}-field", default=None, help=f"name of the {name} field")
+    p.add_argument("--split", default=None, help="split to read from a DatasetDict folder")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="longest prompt+completion sequence in tokens (default: no limit)")
+    p.add_argument("--truncation", choices=("prompt-left", "drop"), default="prompt-left",
+                   help="over-long examples: cut the prompt from the left, then completions from the right "
+                   "(prompt-left, default), or drop them; every cut or drop is counted")
+    p.add_argument("--workers", type=int, default=0, help="tokeniser processes (default: all cores)")
+    p.add_argument("--skip-invalid", action="store_true",
+                   help="skip bad rows (counted by reason and written to skipped.jsonl) instead of stopping")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output store")
+    p.add_argument("--allow-duplicate-inputs", action="store_true",
+                   help="store a file reached twice (by name, glob or link) twice, on purpose")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow custom tokenizer code from the hub")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="template variables for every chat row, as a JSON object, e.g. '{\"enable_thinking\": false}'; "
+                   "a row's own chat_template_kwargs column overrides them key by key")
+    p.add_argument("--tools", default=None, metavar="FILE",
+                   help="JSON file holding a list of tool (function) definitions, passed to the chat template for "
+                   "chat rows with no tools column value of their own")
+
+
+def run_prepare(args, argv: list[str]) -> int:
+    from prefpack.data.prepare import PrepareOptions, prepare
+
+    fields = {n: getattr(args, f"{n}_field") for n in ("prompt", "chosen", "rejected", "completion", "label")}
+    opts = PrepareOptions(
+        inputs=args.inputs, tokenizer=args.tokenizer, output=args.output, layout=args.format, fields=fields,
+        split=args.split, max_length=args.max_length, truncation=args.truncation, workers=args.workers,
+        skip_invalid=args.skip_invalid, overwrite=args.overwrite, trust_remote_code=args.trust_remote_code,
+        allow_duplicate_inputs=args.allow_duplicate_inputs,
+        chat_template_kwargs=args.chat_template_kwargs, tools=args.tools,
+        argv=argv,
+    )
+    report = prepare(opts, log=lambda m: print(m, file=sys.stderr))
+    print(report.summary())
+    return 0
+
+
+def add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="show a store's meta, length statistics and one decoded example")
+    p.add_argument("store", metavar="DIR")
+    p.add_argument("--row", type=int, default=None, help="decode this example (0-based)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (keys meta, stats, row)")
+    p.add_argument("--tokenizer", default=None, help="decode with this tokenizer (default: the store's copy)")
+    p.add_argument("--verify", action="store_true", help="also check file hashes and token ranges (reads everything)")
+
+
+def run_inspect(args, argv: list[str]) -> int:
+    from prefpack.data.inspect import inspect_store
+
+    print(inspect_store(args.store, row=args.row, as_json=args.json, tokenizer=args.tokenizer, verify=args.verify))
+    return 0
 
 
 def _err(msg: str) -> None:
@@ -381,6 +450,8 @@ def run_plot(args, argv) -> int:
 
 
 COMMANDS = {
+    "prepare": (add_prepare, run_prepare),
+    "inspect": (add_inspect, run_inspect),
     "train": (add_train, run_train),
     "eval": (add_eval, run_eval),
     "precompute-ref": (add_precompute, run_precompute),
