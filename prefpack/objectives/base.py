@@ -5,9 +5,9 @@ The hooks are fixed and typed, called in this order for every step:
 
 1. ``plan(ids, seed=...)`` then ``collate(planned)``: the step's micro-batches (``seed`` is a
    ``prefpack.batching.schedule.StepKey`` in training, None in evaluation);
-2. ``begin_step(policy, reference, batches, weights)`` -> a :class:`StepState`: what the whole step needs
-   before any loss (KTO's KL reference point, all-reduced over ranks); ``weights`` 0 marks a padding micro-batch
-   a distributed loop runs only to keep collectives in step;
+2. ``begin_step(policy, reference, batches, weights, dist)`` -> a :class:`StepState`: what the whole step needs
+   before any loss (KTO's KL reference point, all-reduced over ``dist``'s ranks); ``weights`` 0 marks a padding
+   micro-batch a distributed loop runs only to keep collectives in step;
 3. per micro-batch ``loss(policy, reference, batch, step)`` (per-example values, so the loop can divide by the
    step's example count whatever the packing) then ``after_micro_batch(out)``;
 4. ``end_step(totals)`` with the step's sums already all-reduced over ranks (so a running statistic built from
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from prefpack.data.store import Store
+from prefpack.distributed import SINGLE, Dist
 from prefpack.losses import LossOutput
 from prefpack.reference import Reference
 
@@ -74,7 +75,8 @@ class Objective:
         return {}
 
     def begin_step(self, policy: nn.Module, reference: Reference, batches: list[Any],
-                   weights: list[float] | None = None) -> StepState:
+                   weights: list[float] | None = None, dist: Dist = SINGLE) -> StepState:
+        """``weights``: one per micro-batch, 0 for a padding batch; ``dist``: the ranks to all-reduce step sums over."""
         return StepState()
 
     def loss(self, policy: nn.Module, reference: Reference, batch: Any, step: StepState) -> LossOutput:

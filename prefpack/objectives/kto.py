@@ -50,6 +50,7 @@ from prefpack.batching.schedule import StepKey, StepSchedule
 from prefpack.data.kl_pairing import SALT_STEP, fixed_kl_partners, step_kl_partners
 from prefpack.data.store import Store, StoreError
 from prefpack.data.views import UnpairedView
+from prefpack.distributed import SINGLE, Dist
 from prefpack.losses.pairwise import LossOutput
 from prefpack.losses.unpaired import (
     UNPAIRED_LOSS_NAMES,
@@ -62,7 +63,7 @@ from prefpack.losses.unpaired import (
 from prefpack.objectives.base import Objective, Planned, StepState
 from prefpack.reference import Reference
 
-__all__ = ["KTOBatch", "KTOPlanned", "KTOStep", "KTOTask", "all_reduce_sum"]
+__all__ = ["KTOBatch", "KTOPlanned", "KTOStep", "KTOTask"]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -157,17 +158,6 @@ class KTOBatch:
         return KTOBatch(**moved)
 
 
-# --------------------------------------------------------------------------------------------------------
-# Distributed helper
-
-
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` over ranks in place when ``torch.distributed`` is initialized; a no-op otherwise."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
-    return t
-
-
 def _model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
@@ -205,9 +195,8 @@ class KTOTask(Objective):
 
     Implements ``prefpack.objectives.base.Objective``: ``plan`` (micro-batches and KL partners of a step),
     ``collate`` (a :class:`KTOBatch`), ``begin_step`` (z0 over the whole step, all ranks) and ``loss``
-    (one value per example). ``begin_step`` is a collective when ``torch.distributed`` is initialized: every
-    rank must call it, with its own (possibly empty) share of the step's micro-batches; set
-    ``distributed_kl = False`` for a pass that only one rank runs.
+    (one value per example). ``begin_step`` is a collective over the ``dist`` it is given (the loop's ranks): every
+    rank must call it, with its own (possibly empty) share of the step's micro-batches.
     """
 
     kind = "unpaired"
@@ -226,7 +215,6 @@ class KTOTask(Objective):
         self.needs_kl = self.loss_name in UNPAIRED_LOSSES_WITH_KL
         self.kl_pairing = cfg.loss.kl_pairing
         self.seed = int(cfg.train.seed)
-        self.distributed_kl = True
         self._fixed: np.ndarray | None = None
         self._step_cache: tuple[int, tuple[np.ndarray, np.ndarray]] | None = None
         if self.needs_kl and len(self.view) < 2:
@@ -372,7 +360,7 @@ class KTOTask(Objective):
                                        device=device, dtype=dtype)
 
     def begin_step(self, policy: nn.Module, reference: Reference, batches: list[KTOBatch],
-                   weights: Sequence[float] | None = None) -> KTOStep:
+                   weights: Sequence[float] | None = None, dist: Dist = SINGLE) -> KTOStep:
         """Step-wide state, over every micro-batch of the step and every rank, before any loss:
 
         * ``kl`` = z0 = max(0, kl_sum / kl_count): the sum of (policy - reference) over the KL sequences and
@@ -381,7 +369,8 @@ class KTOTask(Objective):
 
         ``weights`` (one per batch; default 1) lets a distributed loop run *padding* micro-batches (weight 0:
         duplicates that keep FSDP2's collective forwards in step) without counting them twice: their KL
-        forward still runs, their values are not added. A collective when torch.distributed is initialized.
+        forward still runs, their values are not added. ``dist``: the run's ranks; every rank must call this with
+        its own (possibly empty) share of the step, since the sums are all-reduced over them.
         """
         weights = [1.0] * len(batches) if weights is None else [float(w) for w in weights]
         if len(weights) != len(batches):
@@ -399,8 +388,7 @@ class KTOTask(Objective):
                 ref = self._reference_logps(reference, b, kl=True, device=pol.device, dtype=pol.dtype)
                 acc[0] += w * (pol.double() - ref.double()).sum().to(device)
                 acc[1] += w * pol.shape[0]
-        if self.distributed_kl:
-            all_reduce_sum(acc)
+        dist.all_reduce_sum(acc)
         kl_sum, kl_count, n_d, n_u = (float(x) for x in acc.cpu())
         step = KTOStep(class_counts=(int(round(n_d)), int(round(n_u))))
         if self.needs_kl:

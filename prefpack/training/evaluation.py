@@ -27,7 +27,7 @@ def evaluate(policy: nn.Module, reference: Reference, task: Objective, *, module
     policy.eval()
     share = deal_step(task, np.arange(len(task)), seed=None, world=ctx.world, balance=balance)[ctx.rank]
     batches = [task.collate(p) for p in share.planned]
-    step_state = task.begin_step(module, reference, batches, weights=share.weights)  # 0 = padding batch
+    step_state = task.begin_step(module, reference, batches, weights=share.weights, dist=ctx)  # 0 = padding batch
     totals = StepTotals()
     for batch, weight in zip(batches, share.weights):
         out = task.loss(module, reference, batch, step_state)

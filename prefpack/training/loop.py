@@ -156,7 +156,7 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
         share = shares[ctx.rank]
         batches = [task.collate(p) for p in share.planned]
         optimizer.zero_grad(set_to_none=True)
-        step_state = task.begin_step(module, reference, batches, weights=share.weights)
+        step_state = task.begin_step(module, reference, batches, weights=share.weights, dist=ctx)
         totals = StepTotals()
         # Every rank plans the same step, so its example count is known everywhere without communication.
         # Gradients are summed over ranks: DDP and FSDP2 average them, hence the factor world / n.
