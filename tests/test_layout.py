@@ -66,3 +66,20 @@ def test_no_import_circle_between_units():
 def test_the_checker_finds_a_circle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_config_choices_are_the_registries():
+    """The config's choice types list exactly what the code registers, so adding a reference mode, an f-divergence
+    or an attention kernel without its config choice (or the reverse) fails here, by name."""
+    from typing import get_args
+
+    from prefpack.config.schema import AttnImpl, FDivergence, ReferenceMode
+    from prefpack.losses import F_DIVERGENCES
+    from prefpack.model.attention import packed_sdpa, varlen
+    from prefpack.reference import REFERENCE_MODES
+
+    assert set(get_args(ReferenceMode)) == set(REFERENCE_MODES)
+    assert get_args(FDivergence) == tuple(F_DIVERGENCES)
+    ours = {packed_sdpa.NAME, varlen.NAME}
+    transformers_own = {"sdpa", "eager", "flash_attention_2"}
+    assert set(get_args(AttnImpl)) == {"auto"} | ours | transformers_own

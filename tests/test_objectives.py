@@ -116,3 +116,27 @@ def test_bco_pair_running_resume_equals_uninterrupted(world, tmp_path):  # noqa:
     for x, y in zip(a, b):
         assert x["loss"] == y["loss"], (x, y)
     assert math.isfinite(a[-1]["loss"])
+
+
+def test_each_mode_sets_itself_up_from_only_what_it_needs():
+    from prefpack.model import ModelError
+    from prefpack.reference import REFERENCE_MODES, ReferenceSetup
+
+    calls = []
+    model = torch.nn.Linear(2, 2)
+
+    def setup(lora=False):
+        return ReferenceSetup(load=lambda: calls.append("load") or model,
+                              weights_hash=lambda: calls.append("hash") or "h", lora=lora)
+
+    assert isinstance(REFERENCE_MODES["none"].set_up(setup()), NoReference) and calls == []
+    copy = REFERENCE_MODES["copy"].set_up(setup())
+    assert isinstance(copy, CopyReference) and copy.model is model and calls == ["load"]
+    pre = REFERENCE_MODES["precomputed"].set_up(setup())
+    assert isinstance(pre, PrecomputedReference) and pre.reference_hash == "h" and calls == ["load", "hash"]
+    with pytest.raises(ModelError, match="lora.enabled=true"):
+        REFERENCE_MODES["adapter"].set_up(setup())
+    adapter = REFERENCE_MODES["adapter"].set_up(setup(lora=True))
+    adapter.bind_policy(model)
+    assert isinstance(adapter, AdapterReference) and adapter.policy is model and calls == ["load", "hash"]
+    assert {m for m, cls in REFERENCE_MODES.items() if cls.reads_weights} == {"copy", "precomputed"}

@@ -7,11 +7,13 @@ reference weights' hash, so training refuses a sidecar computed for other data o
 """
 
 from prefpack.reference.modes import (
+    REFERENCE_MODES,
     AdapterReference,
     CopyReference,
     NoReference,
     PrecomputedReference,
     Reference,
+    ReferenceSetup,
     make_reference,
 )
 from prefpack.reference.scoring import compute_kto_store_logps, compute_store_logps, iter_store_batches
@@ -29,6 +31,7 @@ from prefpack.reference.sidecar import (
 from prefpack.reference.sync import sync_reference
 
 __all__ = [
+    "REFERENCE_MODES",
     "AdapterReference",
     "CopyReference",
     "KTO_SIDECAR_NAME",
@@ -38,6 +41,7 @@ __all__ = [
     "SIDECAR_NAME",
     "Reference",
     "ReferenceMismatch",
+    "ReferenceSetup",
     "compute_kto_store_logps",
     "compute_store_logps",
     "iter_store_batches",

@@ -5,6 +5,8 @@ tests the mode's name. The reference never runs under autograd."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ from torch import nn
 from prefpack.batching.collate import Batch
 from prefpack.data.store import Store
 from prefpack.data.views import UnpairedView
-from prefpack.model import SequenceLogps
+from prefpack.model import ModelError, SequenceLogps
 from prefpack.reference.sidecar import (
     KTO_SIDECAR_NAME,
     SIDECAR_NAME,
@@ -23,8 +25,19 @@ from prefpack.reference.sidecar import (
     read_sidecar,
 )
 
-__all__ = ["AdapterReference", "CopyReference", "NoReference", "PrecomputedReference", "Reference",
-           "make_reference"]
+__all__ = ["REFERENCE_MODES", "AdapterReference", "CopyReference", "NoReference", "PrecomputedReference",
+           "Reference", "ReferenceSetup", "make_reference"]
+
+
+@dataclass
+class ReferenceSetup:
+    """What a mode may need at set-up, each computed only if the mode asks: ``load()`` the reference weights as a
+    model run like the policy, ``weights_hash()`` of the reference weights (what a sidecar is tagged with), and
+    whether LoRA is on."""
+
+    load: Callable[[], nn.Module]
+    weights_hash: Callable[[], str]
+    lora: bool = False
 
 
 class Reference:
@@ -34,6 +47,15 @@ class Reference:
 
     mode = ""
     model: nn.Module | None = None
+    reads_weights = False  # whether the mode reads the reference weights (reference.model) at set-up
+
+    @classmethod
+    def set_up(cls, setup: ReferenceSetup) -> Reference:
+        """The reference of this mode for a run (modes override what they need from ``setup``)."""
+        return cls()
+
+    def bind_policy(self, policy: nn.Module) -> None:
+        """The policy as finally wrapped (LoRA); only the adapter mode runs it."""
 
     def __init__(self, *, chunk_size: int = 1024):
         self.chunk_size = chunk_size
@@ -84,6 +106,11 @@ class CopyReference(Reference):
     """A frozen copy of the reference weights, run exactly like the policy (same dtype and autocast)."""
 
     mode = "copy"
+    reads_weights = True
+
+    @classmethod
+    def set_up(cls, setup: ReferenceSetup) -> CopyReference:
+        return cls(setup.load())
 
     def __init__(self, model: nn.Module, *, chunk_size: int = 1024):
         super().__init__(chunk_size=chunk_size)
@@ -106,8 +133,18 @@ class AdapterReference(Reference):
 
     mode = "adapter"
 
+    @classmethod
+    def set_up(cls, setup: ReferenceSetup) -> AdapterReference:
+        if not setup.lora:
+            raise ModelError("reference.mode 'adapter' needs lora.enabled=true (the reference is the policy with "
+                             "its LoRA adapter disabled)")
+        return cls()
+
     def __init__(self, policy: nn.Module | None = None, *, chunk_size: int = 1024):
         super().__init__(chunk_size=chunk_size)
+        self.policy = policy
+
+    def bind_policy(self, policy: nn.Module) -> None:
         self.policy = policy
 
     def attach(self, wrap, policy_module: nn.Module) -> None:
@@ -131,6 +168,11 @@ class PrecomputedReference(Reference):
     It owns the tables, one per store (the eval store needs its own)."""
 
     mode = "precomputed"
+    reads_weights = True
+
+    @classmethod
+    def set_up(cls, setup: ReferenceSetup) -> PrecomputedReference:
+        return cls(reference_hash=setup.weights_hash())
 
     def __init__(self, *, reference_hash: str | None = None, chunk_size: int = 1024):
         super().__init__(chunk_size=chunk_size)
@@ -172,17 +214,21 @@ class NoReference(Reference):
         raise ValueError("this loss needs reference log-probs; reference.mode 'none' gives none")
 
 
+REFERENCE_MODES: dict[str, type[Reference]] = {
+    cls.mode: cls for cls in (CopyReference, AdapterReference, PrecomputedReference, NoReference)}
+"""Every ``reference.mode`` by name (the config's choices must be these: tests/test_layout.py checks)."""
+
+
 def make_reference(mode: str, *, model: nn.Module | None = None, reference_hash: str | None = None,
                    chunk_size: int = 1024) -> Reference:
-    """The reference object of a ``reference.mode``."""
+    """The reference object of a ``reference.mode`` from what it needs, given directly (tests, tools); a run uses
+    ``REFERENCE_MODES[mode].set_up(ReferenceSetup(...))``."""
+    if mode not in REFERENCE_MODES:
+        raise ValueError(f"unknown reference mode {mode!r}; choose {', '.join(REFERENCE_MODES)}")
     if mode == "copy":
         if model is None:
             raise ValueError("reference.mode 'copy' needs a reference model")
         return CopyReference(model, chunk_size=chunk_size)
-    if mode == "adapter":
-        return AdapterReference(chunk_size=chunk_size)
     if mode == "precomputed":
         return PrecomputedReference(reference_hash=reference_hash, chunk_size=chunk_size)
-    if mode == "none":
-        return NoReference(chunk_size=chunk_size)
-    raise ValueError(f"unknown reference mode {mode!r}; choose copy, adapter, precomputed or none")
+    return REFERENCE_MODES[mode](chunk_size=chunk_size)

@@ -37,7 +37,7 @@ from prefpack.model import (
 )
 from prefpack.objectives import Objective, make_objectives, open_store, uses_unpaired_loss
 from prefpack.precision import DTYPES, Precision, pure_bfloat16_warning, resolve_precision
-from prefpack.reference import AdapterReference, Reference, make_reference
+from prefpack.reference import REFERENCE_MODES, Reference, ReferenceSetup
 from prefpack.tokenizer import tokenizer_matches
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -117,7 +117,7 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
     opener = partial(open_store, unpaired=kto, paired_as_kto=cfg.data.paired_as_kto)
     train_store = opener(cfg.data.train, "train")
     eval_store = opener(cfg.data.eval, "eval") if cfg.data.eval else None
-    if cfg.reference.model and cfg.reference.mode in ("copy", "precomputed"):
+    if cfg.reference.model and REFERENCE_MODES[cfg.reference.mode].reads_weights:
         check_model_source(cfg.reference.model, "reference model")
     device = device or pick_device(cfg.train.device)
     precision = resolve_precision(
@@ -145,22 +145,15 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
         log(f"note: the losses {[t.name for t in terms]} need no reference; reference.mode {mode!r} is ignored")
         mode = "none"
     ref_path = cfg.reference.model or cfg.model.name_or_path
-    ref_model = expected = None
-    if mode == "precomputed":
-        # each store's sidecar is read by the reference (the eval store needs one too); KTO's also holds KL log-probs
-        expected = _reference_hash(cfg, policy, ref_path, precision, attn)
-    elif mode == "copy":
-        # the same weights dtype and autocast as the policy: at step 0 both give the same log-probs exactly
-        ref_model = load_causal_lm(ref_path, precision=precision, attn_implementation=attn, device=device,
-                                   trust_remote_code=cfg.model.trust_remote_code, packed=cfg.data.packing)
-    elif mode == "adapter" and not cfg.lora.enabled:
-        raise ModelError("reference.mode 'adapter' needs lora.enabled=true (the reference is the policy with "
-                         "its LoRA adapter disabled)")
-    reference = make_reference(mode, model=ref_model, reference_hash=expected)
+    # what a mode may ask for, computed only if it does: the reference weights loaded exactly like the policy's
+    # (same dtype and autocast: at step 0 both give the same log-probs), or their hash (a sidecar's tag)
+    reference = REFERENCE_MODES[mode].set_up(ReferenceSetup(
+        load=partial(load_causal_lm, ref_path, precision=precision, attn_implementation=attn, device=device,
+                     trust_remote_code=cfg.model.trust_remote_code, packed=cfg.data.packing),
+        weights_hash=partial(_reference_hash, cfg, policy, ref_path, precision, attn), lora=cfg.lora.enabled))
     if cfg.lora.enabled:
         policy = _wrap_lora(policy, cfg)
-        if isinstance(reference, AdapterReference):
-            reference.policy = policy
+        reference.bind_policy(policy)
     if cfg.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if precision.weights == torch.bfloat16 and cfg.optim.master_dtype == "bfloat16":
