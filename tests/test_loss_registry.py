@@ -83,3 +83,21 @@ def test_eval_with_the_run_config_scores_as_the_run_trained(world, tmp_path, cap
     assert json.loads(capsys.readouterr().out)["loss"] != pytest.approx(trained["loss"], abs=1e-4)
     assert cli_main([*base, "--beta", "0.1"]) == 0
     assert json.loads(capsys.readouterr().out)["loss"] != pytest.approx(trained["loss"], abs=1e-4)
+
+
+def test_a_new_loss_parameter_is_one_row():
+    """The config's loss section and eval's flags are built from LOSS_PARAMS: one row adds both."""
+    import dataclasses
+
+    from prefpack.config import schema
+    from prefpack.loss_params import LossParam
+
+    LOSS_PARAMS["margin_scale"] = LossParam("margin_scale", 2.5, "a test-only parameter")
+    try:
+        section = schema._loss_config()
+        field = {f.name: f for f in dataclasses.fields(section)}["margin_scale"]
+        assert section().margin_scale == 2.5 and field.metadata["help"] == "a test-only parameter"
+        eval_parser = build_parser()._subparsers._group_actions[0].choices["eval"]
+        assert "--margin-scale" in {opt for action in eval_parser._actions for opt in action.option_strings}
+    finally:
+        del LOSS_PARAMS["margin_scale"]

@@ -7,7 +7,7 @@ one line here; ``io`` reads the annotations, ``save_config`` writes the help as 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Literal
 
 from prefpack.loss_params import LOSS_PARAMS
@@ -77,31 +77,31 @@ class LossTermConfig:
     weight: float = _f(1.0, "multiplier of this term in the total loss (0 = log only)")
 
 
-@dataclass
-class LossConfig:
-    terms: list[LossTermConfig] = field(
-        default_factory=lambda: [LossTermConfig("sigmoid", 1.0)],
-        metadata={"help": "weighted loss terms summed into the training loss"},
-    )
-    beta: float = _param("beta")
-    label_smoothing: float = _param("label_smoothing")
-    simpo_gamma: float = _param("simpo_gamma")
-    discopop_tau: float = _param("discopop_tau")
-    # a choice, not a float, so not a row of LOSS_PARAMS (prefpack eval takes it from --config)
-    f_divergence_type: FDivergence = _f(
-        "reverse_kl", "f-DPO regulariser (TRL's f_divergence_type): reverse_kl = plain DPO, forward_kl, js_divergence, "
-        "alpha_divergence; other than reverse_kl only with sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, "
-        "discopop (+ nll, sft)")
-    f_alpha_divergence_coef: float = _param("f_alpha_divergence_coef")
-    ld_alpha: float | None = _param("ld_alpha")
-    # a switch, not a float, so not a row of LOSS_PARAMS (prefpack eval has --use-weighting)
-    use_weighting: bool = _f(False, "WPO (Zhou et al. 2024, arXiv:2406.11827; TRL's use_weighting): weight each pair's "
-                             "loss by exp(mean token log p - log sum p^2) of chosen times that of rejected, from the "
-                             "policy, without gradient; not with aot/aot_unpaired; pair losses only")
-    desirable_weight: float = _param("desirable_weight")
-    undesirable_weight: float = _param("undesirable_weight")
-    router_aux_loss_coef: float | None = _param("router_aux_loss_coef")
-    kl_pairing: KLPairing = _f("step", "KTO KL partners: step = from the same step, fixed = seeded per store")
+def _loss_config() -> type:
+    """The ``loss`` section: its terms, one field per row of ``prefpack.loss_params.LOSS_PARAMS`` (so a new loss
+    hyper-parameter is one row there, and config, validation of finiteness and ``prefpack eval``'s flags follow),
+    and the options that are choices or switches rather than numbers."""
+    rows = [(p.name, float if p.default is not None else float | None, _param(p.name)) for p in LOSS_PARAMS.values()]
+    cls = make_dataclass("LossConfig", [
+        ("terms", list[LossTermConfig], field(default_factory=lambda: [LossTermConfig("sigmoid", 1.0)],
+                                               metadata={"help": "weighted loss terms summed into the training loss"})),
+        *rows,
+        # choices and switches, not numbers, so not rows of LOSS_PARAMS (prefpack eval has its own flags for them)
+        ("f_divergence_type", FDivergence, _f(
+            "reverse_kl", "f-DPO regulariser (TRL's f_divergence_type): reverse_kl = plain DPO, forward_kl, "
+            "js_divergence, alpha_divergence; other than reverse_kl only with sigmoid, sigmoid_norm, hinge, ipo, "
+            "exo_pair, robust, discopop (+ nll, sft)")),
+        ("use_weighting", bool, _f(
+            False, "WPO (Zhou et al. 2024, arXiv:2406.11827; TRL's use_weighting): weight each pair's loss by "
+            "exp(mean token log p - log sum p^2) of chosen times that of rejected, from the policy, without "
+            "gradient; not with aot/aot_unpaired; pair losses only")),
+        ("kl_pairing", KLPairing, _f("step", "KTO KL partners: step = from the same step, fixed = seeded per store")),
+    ])
+    cls.__module__ = __name__  # make_dataclass's own module argument needs Python 3.12
+    return cls
+
+
+LossConfig = _loss_config()
 
 
 @dataclass
