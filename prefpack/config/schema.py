@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Literal
 
 from prefpack.loss_params import LOSS_PARAMS
+from prefpack.model.attention.names import ATTENTION_CHOICES
+from prefpack.reference.names import REFERENCE_MODE_NAMES
 
 
 class ConfigError(ValueError):
@@ -34,11 +36,11 @@ def _param(name: str) -> Any:
 
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-AttnImpl = Literal["auto", "sdpa", "packed_sdpa", "varlen", "eager", "flash_attention_2"]
+AttnImpl = Literal[ATTENTION_CHOICES]  # the model/attention folder's table
 MasterDType = Literal["auto", "float32", "bfloat16"]
 SaveDType = Literal["auto", "float32", "bfloat16"]
 Budget = int | Literal["auto"]
-ReferenceMode = Literal["copy", "adapter", "precomputed", "none"]
+ReferenceMode = Literal[REFERENCE_MODE_NAMES]  # the reference folder's table
 KLPairing = Literal["step", "fixed"]
 FDivergence = Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"]  # losses.F_DIVERGENCES
 Schedule = Literal["cosine", "linear", "constant"]

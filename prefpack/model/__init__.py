@@ -5,58 +5,50 @@ begins), `logprobs` (the chunked completion-only log-prob op), `forward` (a micr
 Import the public API from here.
 """
 
-from prefpack.model.forward import (
-    PairSums,
-    SequenceLogps,
-    SequenceOutput,
-    attention_name,
-    check_against_model,
-    packing_leak,
-    pair_logps,
-    router_aux_loss_coef,
-    sequence_logps,
-    split_pairs,
-    uses_flash_attention,
-)
-from prefpack.model.load import (
-    PACKING_LEAK_TOLERANCE,
-    ModelError,
-    TokenizerHandle,
-    check_model_source,
-    check_vocab_fits,
-    load_causal_lm,
-    load_scoring_model,
-    pick_attention,
-    pick_device,
-    release_freed_memory,
-    resolve_tokenizer,
-    source_dtype,
-    weights_hash,
-)
+from __future__ import annotations
 
-__all__ = [
-    "PACKING_LEAK_TOLERANCE",
-    "ModelError",
-    "PairSums",
-    "SequenceLogps",
-    "SequenceOutput",
-    "TokenizerHandle",
-    "attention_name",
-    "check_against_model",
-    "check_model_source",
-    "check_vocab_fits",
-    "load_causal_lm",
-    "load_scoring_model",
-    "packing_leak",
-    "pair_logps",
-    "pick_attention",
-    "pick_device",
-    "release_freed_memory",
-    "resolve_tokenizer",
-    "router_aux_loss_coef",
-    "sequence_logps",
-    "source_dtype",
-    "split_pairs",
-    "uses_flash_attention",
-    "weights_hash",
-]
+import importlib
+
+# Loaded on first use, so that importing a light submodule (the config reads torch-free name tables from this
+# package) does not load torch and transformers.
+_EXPORTS = {
+    "ModelError": "prefpack.model.load",
+    "PACKING_LEAK_TOLERANCE": "prefpack.model.load",
+    "PairSums": "prefpack.model.forward",
+    "SequenceLogps": "prefpack.model.forward",
+    "SequenceOutput": "prefpack.model.forward",
+    "TokenizerHandle": "prefpack.model.load",
+    "attention_name": "prefpack.model.forward",
+    "check_against_model": "prefpack.model.forward",
+    "check_model_source": "prefpack.model.load",
+    "check_vocab_fits": "prefpack.model.load",
+    "load_causal_lm": "prefpack.model.load",
+    "load_scoring_model": "prefpack.model.load",
+    "packing_leak": "prefpack.model.forward",
+    "pair_logps": "prefpack.model.forward",
+    "pick_attention": "prefpack.model.load",
+    "pick_device": "prefpack.model.load",
+    "release_freed_memory": "prefpack.model.load",
+    "resolve_tokenizer": "prefpack.model.load",
+    "router_aux_loss_coef": "prefpack.model.forward",
+    "sequence_logps": "prefpack.model.forward",
+    "source_dtype": "prefpack.model.load",
+    "split_pairs": "prefpack.model.forward",
+    "uses_flash_attention": "prefpack.model.forward",
+    "weights_hash": "prefpack.model.load",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

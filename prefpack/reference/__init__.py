@@ -6,50 +6,47 @@ one sidecar serves every `loss.ld_alpha`), tagged with the store's content hash 
 reference weights' hash, so training refuses a sidecar computed for other data or another model.
 """
 
-from prefpack.reference.modes import (
-    REFERENCE_MODES,
-    AdapterReference,
-    CopyReference,
-    NoReference,
-    PrecomputedReference,
-    Reference,
-    ReferenceSetup,
-    make_reference,
-)
-from prefpack.reference.scoring import compute_kto_store_logps, compute_store_logps, iter_store_batches
-from prefpack.reference.sidecar import (
-    KTO_SIDECAR_NAME,
-    SIDECAR_FORMAT,
-    SIDECAR_NAME,
-    ReferenceMismatch,
-    read_kto_sidecar,
-    read_sidecar,
-    store_hash,
-    write_kto_sidecar,
-    write_sidecar,
-)
-from prefpack.reference.sync import sync_reference
+from __future__ import annotations
 
-__all__ = [
-    "REFERENCE_MODES",
-    "AdapterReference",
-    "CopyReference",
-    "KTO_SIDECAR_NAME",
-    "NoReference",
-    "PrecomputedReference",
-    "SIDECAR_FORMAT",
-    "SIDECAR_NAME",
-    "Reference",
-    "ReferenceMismatch",
-    "ReferenceSetup",
-    "compute_kto_store_logps",
-    "compute_store_logps",
-    "iter_store_batches",
-    "make_reference",
-    "read_kto_sidecar",
-    "read_sidecar",
-    "store_hash",
-    "sync_reference",
-    "write_kto_sidecar",
-    "write_sidecar",
-]
+import importlib
+
+# Loaded on first use, so that importing a light submodule (the config reads torch-free name tables from this
+# package) does not load torch and transformers.
+_EXPORTS = {
+    "AdapterReference": "prefpack.reference.modes",
+    "CopyReference": "prefpack.reference.modes",
+    "KTO_SIDECAR_NAME": "prefpack.reference.sidecar",
+    "NoReference": "prefpack.reference.modes",
+    "PrecomputedReference": "prefpack.reference.modes",
+    "REFERENCE_MODES": "prefpack.reference.modes",
+    "Reference": "prefpack.reference.modes",
+    "ReferenceMismatch": "prefpack.reference.sidecar",
+    "ReferenceSetup": "prefpack.reference.modes",
+    "SIDECAR_FORMAT": "prefpack.reference.sidecar",
+    "SIDECAR_NAME": "prefpack.reference.sidecar",
+    "compute_kto_store_logps": "prefpack.reference.scoring",
+    "compute_store_logps": "prefpack.reference.scoring",
+    "iter_store_batches": "prefpack.reference.scoring",
+    "make_reference": "prefpack.reference.modes",
+    "read_kto_sidecar": "prefpack.reference.sidecar",
+    "read_sidecar": "prefpack.reference.sidecar",
+    "store_hash": "prefpack.reference.sidecar",
+    "sync_reference": "prefpack.reference.sync",
+    "write_kto_sidecar": "prefpack.reference.sidecar",
+    "write_sidecar": "prefpack.reference.sidecar",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
