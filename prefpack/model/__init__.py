@@ -7,10 +7,9 @@ Import the public API from here.
 
 from __future__ import annotations
 
-import importlib
+from prefpack.lazy import lazy_exports
 
-# Loaded on first use, so that importing a light submodule (the config reads torch-free name tables from this
-# package) does not load torch and transformers.
+# Loaded on first use (prefpack.lazy): the config reads a torch-free name table from this package.
 _EXPORTS = {
     "ModelError": "prefpack.model.load",
     "PACKING_LEAK_TOLERANCE": "prefpack.model.load",
@@ -41,14 +40,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
