@@ -117,7 +117,9 @@ def summarise(step_times: list[float], step_tokens: list[int], computed: list[in
     """tokens/s over every step but the first (warm-up: allocations, lazy initialisation)."""
     timed = slice(1, None) if len(step_times) > 1 else slice(None)
     secs, toks = sum(step_times[timed]), sum(step_tokens[timed])
-    return {"steps": len(step_times), "timed_steps": len(step_times[timed]), "seconds": secs, "real_tokens": toks,
+    rates = sorted(n / t for n, t in zip(step_tokens[timed], step_times[timed]) if t > 0)
+    return {"tokens_per_s_median": rates[len(rates) // 2] if rates else float("nan"),
+            "steps": len(step_times), "timed_steps": len(step_times[timed]), "seconds": secs, "real_tokens": toks,
             "tokens_per_s": toks / secs if secs > 0 else float("nan"),
             "filling": sum(step_tokens) / max(sum(computed), 1), "losses": losses,
             "first_loss": losses[0] if losses else float("nan"), "step_seconds": step_times,
@@ -392,11 +394,13 @@ def print_case(name: str, rep: dict, mem_label: str) -> None:
     runs = rep["runs"]
     print(f"\n[{name}] tokenizer: {rep['tokenizer']}; model vocabulary {rep['model_vocab']:,}, "
           f"{rep['params'] / 1e6:.1f}M parameters; {rep['pairs_used']} pairs, {rep['tokens_used']:,} tokens")
-    print(f"{'run':<32}{'tokens/s':>10}{mem_label:>15}{'filling':>9}{'MFU':>7}{'step-1 loss':>14}{'last loss':>12}")
+    print(f"{'run':<32}{'tokens/s':>10}{'median':>9}{mem_label:>15}{'filling':>9}{'MFU':>7}{'step-1 loss':>14}"
+          f"{'last loss':>12}")
     for k in RUNS:
         if k in runs:
             r = runs[k]
-            print(f"{LABELS[k]:<32}{r['tokens_per_s']:>10,.0f}{r['peak_memory_mib']:>15,.0f}{r['filling']:>9.3f}"
+            print(f"{LABELS[k]:<32}{r['tokens_per_s']:>10,.0f}{r['tokens_per_s_median']:>9,.0f}"
+                  f"{r['peak_memory_mib']:>15,.0f}{r['filling']:>9.3f}"
                   f"{r['mfu']:>7.1%}{r['first_loss']:>14.7f}{r['losses'][-1]:>12.7f}")
     for k in ("trl", "trl_no_gc"):
         v = rep.get(f"vs_{k}")

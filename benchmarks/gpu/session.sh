@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call that measures what only a GPU shows, logs under $OUT. From the repository root, with .whl
-# carried (benchmarks/gpu/fetch_wheels.sh):   bash benchmarks/gpu/session.sh [tests|compare|all] [PRESETS]
+# carried (benchmarks/gpu/fetch_wheels.sh):   bash benchmarks/gpu/session.sh [tests|compare|all|float32|profile] [PRESETS]
 # tests:   the CUDA tests (torch's varlen kernel against the reference in bfloat16, budgets) and the CPU-exact
 #          precision/varlen tests;
+# float32: prefpack and TRL losses on CUDA in float32, every step (first preset);
+# profile: benchmarks/gpu/profile_train.py (torch.profiler over steady steps; first preset);
 # compare: benchmarks/compare_trl.py against TRL 1.16 in bf16 mixed precision, 32 hh pairs per step, the
 #          GPU presets (default "0.7b 1.3b"), vocabulary 151,936; about 3-5 minutes per preset.
 set -uo pipefail
@@ -15,6 +17,8 @@ if [ -z "${NO_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then  # NO_WHEELS=1
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
   export PYTHONPATH=/tmp/site:$PWD
+elif [ -d /tmp/site ]; then  # installed by an earlier call on this machine
+  export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
 fi
@@ -26,13 +30,25 @@ print("torch", torch.__version__, "transformers", transformers.__version__,
 from prefpack.model.attention.varlen import torch_varlen_kernel
 print("varlen kernel (fn, enable_gqa, window_size):", torch_varlen_kernel())
 PY
+QWEN=${QWEN:-none}
+[ -f .gpu/qwen2.5/tokenizer.json ] && QWEN=.gpu/qwen2.5  # carried: cp -r ../shared/tokenizers/qwen2.5 .gpu/
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  PREFPACK_TEST_CUDA=1 "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_varlen.py \
-    tests/test_precision.py tests/test_budgets.py 2>&1 | tee "$OUT/tests.log"
+  PREFPACK_TEST_CUDA=1 timeout "${TESTS_TIMEOUT:-240}" "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+    tests/test_varlen.py tests/test_precision.py tests/test_budgets.py 2>&1 | tee "$OUT/tests.log"
 fi
 if [ "$what" = compare ] || [ "$what" = all ]; then
   for preset in $presets; do
-    "$py" benchmarks/compare_trl.py --device cuda --dtype bfloat16 --preset "$preset" --cases qwen \
-      --qwen-tokenizer none --batch-pairs 32 --steps 4 2>&1 | tee "$OUT/compare_$preset.log"
+    timeout "${COMPARE_TIMEOUT:-400}" "$py" benchmarks/compare_trl.py --device cuda --dtype bfloat16 \
+      --preset "$preset" --cases qwen --qwen-tokenizer "$QWEN" --batch-pairs 32 --steps "${STEPS:-4}" \
+      --runs "${RUNS:-prefpack,trl,trl_no_gc}" ${EXTRA:-} 2>&1 | tee "$OUT/compare_$preset.log"
   done
+fi
+if [ "$what" = float32 ]; then  # losses on CUDA in float32 against TRL, every step
+  timeout "${COMPARE_TIMEOUT:-300}" "$py" benchmarks/compare_trl.py --device cuda --dtype float32 \
+    --preset "${presets%% *}" --cases qwen --qwen-tokenizer "$QWEN" --batch-pairs 32 --steps "${STEPS:-4}" \
+    --runs prefpack,trl_no_gc ${EXTRA:-} 2>&1 | tee "$OUT/float32.log"
+fi
+if [ "$what" = profile ]; then
+  timeout "${PROFILE_TIMEOUT:-200}" "$py" benchmarks/gpu/profile_train.py --preset "${presets%% *}" \
+    --qwen-tokenizer "$QWEN" ${EXTRA:-} 2>&1 | tee "$OUT/profile.log"
 fi

@@ -81,6 +81,7 @@ _ALIASES = {
     "save_strategy": "save_every",
     "run_name": "output_dir",
     "fsdp": "strategy",
+    "torch_compile": "compile",
 }
 
 _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")

@@ -40,6 +40,7 @@ AttnImpl = Literal[ATTENTION_CHOICES]  # the model/attention folder's table
 MasterDType = Literal["auto", "float32", "bfloat16"]
 SaveDType = Literal["auto", "float32", "bfloat16"]
 Budget = int | Literal["auto"]
+Switch = bool | Literal["auto"]
 ReferenceMode = Literal[REFERENCE_MODE_NAMES]  # the reference folder's table
 KLPairing = Literal["step", "fixed"]
 FDivergence = Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"]  # losses.F_DIVERGENCES
@@ -59,6 +60,9 @@ class ModelConfig:
     trust_remote_code: bool = _f(False, "allow custom model code from the hub")
     allow_tokenizer_mismatch: bool = _f(False, "train even if the store was tokenised by another tokenizer")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    compile: Switch = _f("auto", "torch.compile each decoder layer (fuses the elementwise work between matmuls; the "
+                         "first step pays the compilation); auto = on CUDA, falling back to eager where the "
+                         "compiler fails; false on CPU")
 
 
 @dataclass

@@ -35,6 +35,7 @@ _EXPORTS = {
     "split_pairs": "prefpack.model.forward",
     "uses_flash_attention": "prefpack.model.forward",
     "weights_hash": "prefpack.model.load",
+    "wants_compile": "prefpack.model.compile",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -66,15 +66,19 @@ def disable_dropout(model: nn.Module) -> None:
 
 def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch.device,
                    precision: Precision | None = None, dtype: torch.dtype | None = None,
-                   trust_remote_code: bool = False, packed: bool = True) -> nn.Module:
+                   trust_remote_code: bool = False, packed: bool = True,
+                   compile_layers: bool | str = False) -> nn.Module:
     """Load a model for training or scoring, in ``precision.weights``, to run in ``precision.compute`` (or
     all in ``dtype``).
 
     A model without sdpa support falls back to eager attention (with a warning); with ``packed`` (prefpack's
     default batching) a model whose attention crosses packed sequences is refused, naming the padded fallback.
+    ``compile_layers`` (True, or ``"auto"``: fall back to eager where compiling fails) compiles each decoder layer
+    after that check (``prefpack.model.compile``).
     """
     from transformers import AutoModelForCausalLM
 
+    from prefpack.model.compile import compile_decoder_layers
     from prefpack.model.forward import packing_leak
 
     register_packed_attention()
@@ -114,6 +118,10 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
                 f"model {name_or_path!r} ({type(model).__name__}, attention {impl!r}) lets packed sequences attend "
                 f"to each other (a sequence's hidden states moved by {leak:.2g}, relative, when the other sequence of "
                 "its row changed), so prefpack cannot pack it; set data.packing=false for the padded fallback")
+    if compile_layers and not compile_decoder_layers(model, fall_back=compile_layers == "auto") \
+            and compile_layers != "auto":
+        raise ModelError(f"model {name_or_path!r}: model.compile found no list of decoder layers to compile; "
+                         "set model.compile=false")
     return model
 
 

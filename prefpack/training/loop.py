@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from prefpack.batching.deal import deal_step
 from prefpack.batching.schedule import StepKey, StepSchedule
@@ -151,32 +152,39 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
     synced = cfg.reference.sync and copied  # TR-DPO: the reference moves, checkpoints keep it
     for step in range(start, n_steps):
         t0 = time.perf_counter()
-        epoch, ids = sched.pairs_for_step(step)
-        shares = deal_step(task, ids, seed=StepKey(cfg.train.seed, step), world=ctx.world, balance=cfg.distributed.balance)
-        share = shares[ctx.rank]
-        batches = [task.collate(p) for p in share.planned]
+        with record_function("prefpack.plan_collate"):
+            epoch, ids = sched.pairs_for_step(step)
+            shares = deal_step(task, ids, seed=StepKey(cfg.train.seed, step), world=ctx.world,
+                               balance=cfg.distributed.balance)
+            share = shares[ctx.rank]
+            batches = [task.collate(p) for p in share.planned]
         optimizer.zero_grad(set_to_none=True)
-        step_state = task.begin_step(module, reference, batches, weights=share.weights, dist=ctx)
+        with record_function("prefpack.begin_step"):
+            step_state = task.begin_step(module, reference, batches, weights=share.weights, dist=ctx)
         totals = StepTotals()
         # Every rank plans the same step, so its example count is known everywhere without communication.
         # Gradients are summed over ranks: DDP and FSDP2 average them, hence the factor world / n.
         scale = ctx.world / len(ids)
         for i, (batch, weight) in enumerate(zip(batches, share.weights)):
             with grad_sync(module, enabled=i == len(batches) - 1):
-                out = task.loss(module, reference, batch, step_state)
-                (out.loss.sum() * (scale * weight)).backward()
+                with record_function("prefpack.forward_loss"):
+                    out = task.loss(module, reference, batch, step_state)
+                with record_function("prefpack.backward"):
+                    (out.loss.sum() * (scale * weight)).backward()
             if weight:
                 totals.add(out, batch)
                 task.after_micro_batch(out)
-        grad_norm = clip_grad_norm(params, max_norm)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
+        with record_function("prefpack.optimizer"):
+            grad_norm = clip_grad_norm(params, max_norm)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
         if synced and (step + 1) % cfg.reference.sync_steps == 0:  # TRL: global_step % ref_model_sync_steps == 0
             sync_reference(policy, reference.model, cfg.reference.mixup_alpha,
                            wrappers=(module, reference.module) if strategy == "fsdp2" and ctx.enabled else ())
-        totals = reduce_totals(totals, ctx)
-        task.end_step(totals)  # running statistics from the step's sums over every rank
+        with record_function("prefpack.step_totals"):
+            totals = reduce_totals(totals, ctx)
+            task.end_step(totals)  # running statistics from the step's sums over every rank
         dt = time.perf_counter() - t0
         last = totals.means()
         last.update({"lr": lr, "grad_norm": grad_norm, "epoch": epoch + (step % sched.steps_per_epoch + 1)

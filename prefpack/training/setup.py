@@ -33,6 +33,7 @@ from prefpack.model import (
     router_aux_loss_coef,
     source_dtype,
     uses_flash_attention,
+    wants_compile,
     weights_hash,
 )
 from prefpack.objectives import Objective, make_objectives, open_store, uses_unpaired_loss
@@ -131,10 +132,15 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
     if (eval_store is not None and not cfg.model.allow_tokenizer_mismatch
             and not tokenizer_matches(tok, eval_store.meta["tokenizer"])):
         raise StoreError(f"eval store {cfg.data.eval!r} was prepared with another tokenizer than the train store")
+    compile_layers = wants_compile(cfg.model.compile, device)
     torch.manual_seed(cfg.train.seed)
     policy = load_causal_lm(cfg.model.name_or_path, precision=precision, attn_implementation=attn, device=device,
-                            trust_remote_code=cfg.model.trust_remote_code, packed=cfg.data.packing)
+                            trust_remote_code=cfg.model.trust_remote_code, packed=cfg.data.packing,
+                            compile_layers=compile_layers)
     check_vocab_fits(policy, train_store.meta, cfg.data.train)
+    if compile_layers:
+        log("decoder layers compiled with torch.compile (model.compile"
+            + (": auto; eager where the compiler fails)" if compile_layers == "auto" else ")"))
     terms = [] if kto else [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
     coupled = [t.name for t in terms if t.name in BATCH_COUPLED_LOSSES]
     if coupled:
@@ -149,7 +155,8 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
     # (same dtype and autocast: at step 0 both give the same log-probs), or their hash (a sidecar's tag)
     reference = REFERENCE_MODES[mode].set_up(ReferenceSetup(
         load=partial(load_causal_lm, ref_path, precision=precision, attn_implementation=attn, device=device,
-                     trust_remote_code=cfg.model.trust_remote_code, packed=cfg.data.packing),
+                     trust_remote_code=cfg.model.trust_remote_code, packed=cfg.data.packing,
+                     compile_layers=compile_layers),
         weights_hash=partial(_reference_hash, cfg, policy, ref_path, precision, attn), lora=cfg.lora.enabled))
     if cfg.lora.enabled:
         policy = _wrap_lora(policy, cfg)

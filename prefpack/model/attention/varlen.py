@@ -75,9 +75,12 @@ def reference_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return torch.cat(out) if len(out) > 1 else out[0]
 
 
+_KERNEL: list = []  # torch_varlen_kernel(), looked up by register(): a compiled layer reads it without tracing it
+
+
 def _usable_kernel(q: torch.Tensor):
     """torch's kernel when it can run these inputs (CUDA, half precision), else None (tests replace this)."""
-    kernel = torch_varlen_kernel()
+    kernel = _KERNEL[0] if _KERNEL else torch_varlen_kernel()
     if kernel is None or q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return None
     return kernel
@@ -143,5 +146,7 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    if not _KERNEL:
+        _KERNEL.append(torch_varlen_kernel())
     AttentionInterface.register(NAME, varlen_attention)
     AttentionMaskInterface.register(NAME, no_mask_when_packed)
