@@ -34,6 +34,8 @@ def test_auto_compiles_on_cuda_only():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert wants_compile("auto", cuda) == "auto" and wants_compile("auto", cpu) is False
     assert wants_compile(True, cpu) is True and wants_compile(False, cuda) is False
+    assert wants_compile("auto", cuda, world_size=2) is False  # under torchrun: not measured yet
+    assert wants_compile(True, cuda, world_size=2) is True
 
 
 def test_config_takes_true_false_auto_and_refuses_other_words():

@@ -61,8 +61,8 @@ class ModelConfig:
     allow_tokenizer_mismatch: bool = _f(False, "train even if the store was tokenised by another tokenizer")
     gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
     compile: Switch = _f("auto", "torch.compile each decoder layer (fuses the elementwise work between matmuls; the "
-                         "first step pays the compilation); auto = on CUDA, falling back to eager where the "
-                         "compiler fails; false on CPU")
+                         "first step pays the compilation); auto = on in a single CUDA process, falling back to eager "
+                         "where the compiler fails; off on CPU and under torchrun")
 
 
 @dataclass

@@ -15,13 +15,14 @@ from torch import nn
 __all__ = ["compile_decoder_layers", "decoder_layers", "wants_compile"]
 
 
-def wants_compile(setting: bool | str, device: torch.device) -> bool | str:
+def wants_compile(setting: bool | str, device: torch.device, world_size: int = 1) -> bool | str:
     """``model.compile`` for this device: True, False, or ``"auto"`` (compile, and run eagerly where it fails).
 
-    ``auto`` compiles on CUDA only: on a CPU the compilation costs more than a short run gains.
+    ``auto`` compiles in a single CUDA process only: on a CPU the compilation costs more than a short run gains,
+    and compiled layers under DDP / FSDP2 have not been measured yet (``true`` asks for them).
     """
     if setting == "auto":
-        return "auto" if device.type == "cuda" else False
+        return "auto" if device.type == "cuda" and world_size == 1 else False
     return bool(setting)
 
 

@@ -132,7 +132,7 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
     if (eval_store is not None and not cfg.model.allow_tokenizer_mismatch
             and not tokenizer_matches(tok, eval_store.meta["tokenizer"])):
         raise StoreError(f"eval store {cfg.data.eval!r} was prepared with another tokenizer than the train store")
-    compile_layers = wants_compile(cfg.model.compile, device)
+    compile_layers = wants_compile(cfg.model.compile, device, int(os.environ.get("WORLD_SIZE", "1")))
     torch.manual_seed(cfg.train.seed)
     policy = load_causal_lm(cfg.model.name_or_path, precision=precision, attn_implementation=attn, device=device,
                             trust_remote_code=cfg.model.trust_remote_code, packed=cfg.data.packing,
