@@ -60,6 +60,14 @@ class Batch:
     completion_tokens: torch.Tensor  # [S] int64: loss positions per sequence
     group_ids: torch.Tensor  # [G] int64: each group's id in its source (a pair's index in the store), group order
     packed: bool
+    # Prompt-shared rows only (None otherwise): the scored positions as flat indices into [B * L], their targets
+    # and sequences, in sequence order and token order within a sequence. A group's later completions are
+    # predicted first from its prompt's last position, which they share, so a position can be scored for several
+    # sequences; ``loss_mask`` then marks only the positions inside each completion's own tokens.
+    score_positions: torch.Tensor | None = None  # [N] int64
+    score_targets: torch.Tensor | None = None  # [N] int64
+    score_sequences: torch.Tensor | None = None  # [N] int64
+    shared_tokens: int = 0  # prompt tokens laid out once instead of once per completion
 
     @property
     def pair_indices(self) -> torch.Tensor:
@@ -76,6 +84,12 @@ class Batch:
 
     @property
     def real_tokens(self) -> int:
+        """Tokens of the sequences, prompt + completion for every one (a shared prompt counts for each)."""
+        return int(self.token_mask.sum()) + self.shared_tokens
+
+    @property
+    def positions(self) -> int:
+        """Real positions computed: ``real_tokens`` less the prompt tokens that sharing laid out once."""
         return int(self.token_mask.sum())
 
     @property
@@ -128,6 +142,7 @@ def collate_groups(
     pad_id: int = 0,
     pad_to_multiple_of: int | None = None,
     completion_mask: bool = False,
+    share_prompts: bool = False,
 ) -> Batch | tuple[Batch, torch.Tensor]:
     """A :class:`Batch` of groups ``(prompt, (completion, ...))``: each completion is one sequence.
 
@@ -136,7 +151,16 @@ def collate_groups(
     (``Batch.group_ids``). ``completion_mask=True`` also returns the [B, L] int64 mask that is 1 where the *input*
     token is a completion token (TRL's ``completion_mask``; ``loss_mask`` is the same shifted onto the position
     that predicts it).
+
+    ``share_prompts`` (packed only; ``completion_mask`` not supported): a group's prompt is laid out once, then
+    each completion with position ids continuing from the prompt's length (``prompt, c1, c2, ...``); attention
+    kernels read the group from the position ids (a block starting at position p > 0 attends to the first p
+    tokens of the row's last block starting at 0), see ``prefpack.model.attention.packed_sdpa``.
     """
+    if share_prompts:
+        if rows is None or completion_mask:
+            raise ValueError("prompt sharing needs the packed layout and no completion_mask")
+        return _collate_shared(groups, rows, ids=ids, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of)
     m = _check_multiple(pad_to_multiple_of)
     if not groups:
         raise ValueError("a micro-batch needs at least one group")
@@ -192,6 +216,81 @@ def collate_groups(
     return (batch, torch.from_numpy(is_completion)) if completion_mask else batch
 
 
+def _collate_shared(groups, rows: MicroBatch, *, ids: Sequence[int], pad_id: int,
+                    pad_to_multiple_of: int | None) -> Batch:
+    """:func:`collate_groups` with each group's prompt laid out once (see there)."""
+    m = _check_multiple(pad_to_multiple_of)
+    if not groups:
+        raise ValueError("a micro-batch needs at least one group")
+    if len(ids) != len(groups):
+        raise ValueError(f"{len(ids)} ids for {len(groups)} groups")
+    if not rows or any(len(row) == 0 for row in rows):
+        raise ValueError("a packed micro-batch needs at least one row and no empty row")
+    parts = [(_ids(prompt), [_ids(c) for c in completions]) for prompt, completions in groups]
+    offsets = np.cumsum([0] + [len(c) for _, c in parts])
+    for g, (prompt, comps) in enumerate(parts):
+        if not comps or (prompt.shape[0] + min(c.shape[0] for c in comps)) < 1:
+            raise ValueError(f"group {g}: a sequence (prompt + completion) needs at least one token")
+    row_len = [sum(p.shape[0] + sum(c.shape[0] for c in cs) for p, cs in (parts[g] for g in row)) for row in rows]
+    length = round_up(max(row_len), m)
+    b = len(rows)
+    input_ids = np.full((b, length), pad_id, dtype=np.int64)
+    position_ids = np.zeros((b, length), dtype=np.int64)
+    target_ids = np.full((b, length), IGNORE_INDEX, dtype=np.int64)
+    seq_index = np.full((b, length), -1, dtype=np.int64)
+    token_mask = np.zeros((b, length), dtype=bool)
+    scored: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(int(offsets[-1]))]
+    shared = 0
+    for r, row in enumerate(rows):
+        at = 0
+        for g in row:
+            prompt, comps = parts[g]
+            n_prompt = prompt.shape[0]
+            last_prompt = r * length + at + n_prompt - 1  # predicts every completion's first token
+            input_ids[r, at:at + n_prompt] = prompt
+            position_ids[r, at:at + n_prompt] = np.arange(n_prompt)
+            token_mask[r, at:at + n_prompt] = True
+            seq_index[r, at:at + n_prompt] = offsets[g]
+            at += n_prompt
+            shared += n_prompt * (len(comps) - 1)
+            for j, c in enumerate(comps):
+                seq = int(offsets[g]) + j
+                n = c.shape[0]
+                s = slice(at, at + n)
+                input_ids[r, s], position_ids[r, s] = c, np.arange(n_prompt, n_prompt + n)
+                token_mask[r, s], seq_index[r, s] = True, seq
+                target_ids[r, at:at + n - 1] = c[1:]  # inside the completion: its next token
+                inner = r * length + np.arange(at, at + n - 1)
+                if n_prompt and n:  # the first token, from the shared last prompt position
+                    scored[seq].append((np.array([last_prompt]), c[:1]))
+                    if j == 0:
+                        target_ids[r, at - 1] = c[0]
+                scored[seq].append((inner, c[1:]))
+                at += n
+        position_ids[r, at:] = np.arange(length - at)  # row padding: a block of its own
+    loss_mask = target_ids != IGNORE_INDEX
+    counts = [sum(x[0].shape[0] for x in parts_) for parts_ in scored]
+    flat_pos = np.concatenate([x[0] for seq in scored for x in seq] or [np.zeros(0, np.int64)]).astype(np.int64)
+    flat_tgt = np.concatenate([x[1] for seq in scored for x in seq] or [np.zeros(0, np.int64)]).astype(np.int64)
+    flat_seq = np.repeat(np.arange(len(scored), dtype=np.int64), counts)
+    return Batch(
+        input_ids=torch.from_numpy(input_ids),
+        position_ids=torch.from_numpy(position_ids),
+        target_ids=torch.from_numpy(target_ids),
+        loss_mask=torch.from_numpy(loss_mask),
+        seq_index=torch.from_numpy(seq_index),
+        token_mask=torch.from_numpy(token_mask),
+        attention_mask=None,
+        completion_tokens=torch.as_tensor(counts, dtype=torch.int64),
+        group_ids=torch.as_tensor([int(i) for i in ids], dtype=torch.int64),
+        packed=True,
+        score_positions=torch.from_numpy(flat_pos),
+        score_targets=torch.from_numpy(flat_tgt),
+        score_sequences=torch.from_numpy(flat_seq),
+        shared_tokens=shared,
+    )
+
+
 def _pair_groups(pairs, pair_ids: Sequence[int]) -> list[tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]]:
     out = []
     for i in pair_ids:
@@ -201,7 +300,7 @@ def _pair_groups(pairs, pair_ids: Sequence[int]) -> list[tuple[np.ndarray, tuple
 
 
 def collate_packed(
-    pairs, rows: MicroBatch, *, pad_id: int = 0, pad_to_multiple_of: int | None = None
+    pairs, rows: MicroBatch, *, pad_id: int = 0, pad_to_multiple_of: int | None = None, share_prompts: bool = False
 ) -> Batch:
     """Packed micro-batch: each row holds whole pairs back to back, rows padded at the end to the longest.
 
@@ -215,7 +314,7 @@ def collate_packed(
         local.append(list(range(at, at + len(row))))
         at += len(row)
     return collate_groups(_pair_groups(pairs, flat), local, ids=flat, pad_id=pad_id,
-                          pad_to_multiple_of=pad_to_multiple_of)
+                          pad_to_multiple_of=pad_to_multiple_of, share_prompts=share_prompts)
 
 
 def collate_padded(pairs, pair_ids, *, pad_id: int = 0, pad_to_multiple_of: int | None = None) -> Batch:

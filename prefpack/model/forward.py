@@ -224,6 +224,10 @@ def _wpo_means(logp: torch.Tensor, log_sum_sq: torch.Tensor, index: torch.Tensor
 def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, extra: dict, aux=None,
                     pair_tails: bool = False, wpo: bool = False) -> SequenceOutput:
     mask = None
+    shared = batch.score_positions is not None
+    if shared and flatten:
+        raise ValueError("prompt-shared rows run on the packed_sdpa kernel; this model's attention flattens the "
+                         "micro-batch (varlen / flash), which does not read prompt groups yet")
     if batch.packed:
         input_ids, position_ids = batch.input_ids, batch.position_ids
         loss_mask, targets, seq_index = batch.loss_mask, batch.target_ids, batch.seq_index
@@ -245,10 +249,15 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
         )
         mask = batch.attention_mask
     hidden = _hidden(out)
-    h = hidden[loss_mask]  # [N, H]: gathered before the head
+    if shared:  # a shared prompt's last position is scored once per completion it precedes
+        h = hidden.reshape(-1, hidden.shape[-1])[batch.score_positions]
+        scored_targets, index = batch.score_targets, batch.score_sequences
+    else:
+        h = hidden[loss_mask]  # [N, H]: gathered before the head
+        scored_targets, index = targets[loss_mask], seq_index[loss_mask]
     logp = completion_logprobs(
         h,
-        targets[loss_mask],
+        scored_targets,
         spec.weight,
         spec.bias,
         chunk_size=chunk_size,
@@ -258,7 +267,6 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
     )
     if wpo:
         logp, log_sum_sq = logp
-    index = seq_index[loss_mask]
     logp_sum = segment_sum(logp, index, batch.num_sequences)
     tail_sum = wpo_mean = None
     if pair_tails:

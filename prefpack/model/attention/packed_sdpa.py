@@ -8,6 +8,9 @@ here). Registered as the attention implementation ``packed_sdpa`` (prefpack's CP
   position ids restart and every block runs ``scaled_dot_product_attention(is_causal=True)``; a one-token
   block's output is its value vector (softmax over one score), copied without a call;
 * sliding-window layers get a banded mask for blocks longer than the window;
+* prompt groups (``collate_groups(share_prompts=True)``): a block whose position ids start at p > 0 is a later
+  completion of the group that began at the row's last block starting at 0; it attends to that block's first
+  p tokens (the prompt) and causally to itself;
 * anything else (a padding mask, no position ids, a cache, logit softcapping): plain transformers sdpa with
   its usual mask (and its own error for softcapping).
 
@@ -51,6 +54,21 @@ def causal_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
 
 
+def _shared_prefix_block(q, k, v, root: int, prefix: int, s: int, e: int, *, scale: float | None,
+                         window: int | None) -> torch.Tensor:
+    """A completion laid out after its group's prompt and earlier siblings: q [1, H, l, D] attends to the prompt's
+    keys ``k[root:root + prefix]`` and causally to its own ``k[s:e]`` (positions ``prefix ..``), never to a
+    sibling's. Exactly what the completion would see right after its own copy of the prompt."""
+    keys = torch.cat([k[:, :, root:root + prefix], k[:, :, s:e]], dim=2)
+    values = torch.cat([v[:, :, root:root + prefix], v[:, :, s:e]], dim=2)
+    q_pos = torch.arange(prefix, prefix + (e - s), device=q.device)
+    k_pos = torch.cat([torch.arange(prefix, device=q.device), q_pos])
+    d = q_pos[:, None] - k_pos[None, :]
+    allowed = (d >= 0) if window is None else (d >= 0) & (d < window)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
 def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                           **kwargs) -> tuple[torch.Tensor, None]:
@@ -72,7 +90,15 @@ def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     rows = []
     for b, spans in enumerate(block_bounds(position_ids)):
         pieces = []
+        root = 0  # where the row's latest block starting at position 0 (a prompt group's start) begins
         for s, e in spans:
+            first = int(position_ids[b, s])
+            if first == 0:
+                root = s
+            elif first > 0:  # a later completion of a prompt group: it sees the group's first `first` tokens
+                pieces.append(_shared_prefix_block(query[b:b + 1, :, s:e], key[b:b + 1], value[b:b + 1],
+                                                   root, first, s, e, scale=scaling, window=window)[0].transpose(0, 1))
+                continue
             if e - s == 1:  # softmax over a single score is 1: the output is the value
                 v = value[b, :, s:e].transpose(0, 1)  # [1, Hkv, D]
                 pieces.append(v.repeat_interleave(groups, dim=1) if groups > 1 else v)
