@@ -107,3 +107,51 @@ def test_flattening_kernels_refuse_shared_rows():
         sequence_logps(model, collate_packed(pairs, [[0, 1]], share_prompts=True), flatten=True)
     with pytest.raises(ValueError, match="packed layout"):
         collate_groups([(pairs[0].prompt, (pairs[0].chosen,))], None, ids=[0], share_prompts=True)
+
+
+def _train_metrics(tmp_path, model, store, name, *extra):
+    import json
+
+    from prefpack.config import load_config
+    from prefpack.training import train
+
+    cfg = load_config(None, [f"model.name_or_path={model}", f"data.train={store}", "train.global_batch_pairs=4",
+                             "train.max_steps=3", "train.device=cpu", "optim.lr=1e-2", "train.micro_batch_tokens=256",
+                             f"run.output_dir={tmp_path / name}", "run.plot=false", "run.tensorboard=false", *extra])
+    train(cfg, progress=False, log=lambda m: None)
+    return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_training_with_prefix_sharing_equals_training_without(tmp_path, toy_tokenizers, hh_train, one_thread):
+    """Three DPO steps through `train()`: same losses and tokens; positions fall by the prompt tokens laid out once."""
+    from conftest import prepare_hh_splits, tiny_llama
+
+    from prefpack.data.store import Store
+
+    stores = prepare_hh_splits(tmp_path, toy_tokenizers["llama"], hh_train, {"train": 12})
+    model = tiny_llama(toy_tokenizers["llama"], tmp_path / "model", seed=0)
+    plain = _train_metrics(tmp_path, model, stores["train"], "plain")
+    shared = _train_metrics(tmp_path, model, stores["train"], "shared", "data.prefix_sharing=true")
+    lengths = Store(stores["train"]).index[:, 1:4].astype(int)
+    assert sum(r["tokens"] for r in shared) == sum(r["tokens"] for r in plain) == int(
+        (2 * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]).sum())
+    assert sum(r["positions"] for r in plain) == sum(r["tokens"] for r in plain)
+    assert sum(r["positions"] for r in shared) == int(lengths.sum())  # each prompt once
+    assert [r["loss"] for r in shared] == pytest.approx([r["loss"] for r in plain], abs=2e-5)
+    assert plain[-1]["loss"] != plain[0]["loss"]
+    assert all(0 < r["filling"] <= 1 for r in shared)
+
+
+def test_prefix_sharing_refuses_kernels_and_objectives_it_does_not_serve(tmp_path, toy_tokenizers, hh_train):
+    from conftest import prepare_hh_splits, tiny_llama
+
+    from prefpack.model import ModelError
+
+    stores = prepare_hh_splits(tmp_path, toy_tokenizers["llama"], hh_train, {"train": 4})
+    model = tiny_llama(toy_tokenizers["llama"], tmp_path / "model", seed=0)
+    with pytest.raises(ModelError, match="packed_sdpa"):
+        _train_metrics(tmp_path, model, stores["train"], "sdpa", "data.prefix_sharing=true",
+                       "model.attn_implementation=sdpa")
+    with pytest.raises(ModelError, match="not KTO"):
+        _train_metrics(tmp_path, model, stores["train"], "kto", "data.prefix_sharing=true", "loss.terms=[{name: kto}]",
+                       "data.paired_as_kto=true")

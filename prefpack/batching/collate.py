@@ -98,8 +98,8 @@ class Batch:
 
     @property
     def filling(self) -> float:
-        """Real tokens / computed positions: 1.0 means no padding at all."""
-        return self.real_tokens / max(self.computed_tokens, 1)
+        """Real positions / computed positions: 1.0 means no padding at all."""
+        return self.positions / max(self.computed_tokens, 1)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         moved = {}

@@ -237,11 +237,14 @@ def plan_micro_batches(
     window: int = 1024,
     seed: int | Sequence[int] | np.random.Generator | None = 0,
     min_filling: float = 0.95,
+    share_prompts: bool = False,
 ) -> list[MicroBatch]:
     """Pairs into micro-batches (``lengths``: [P, 3] prompt/chosen/rejected): :func:`plan_groups` with a pair's
-    cost ``2 prompt + chosen + rejected`` packed, and two padded rows of ``prompt + max(chosen, rejected)``."""
+    cost ``2 prompt + chosen + rejected`` packed (``prompt + chosen + rejected`` with ``share_prompts``: the
+    positions actually computed), and two padded rows of ``prompt + max(chosen, rejected)``."""
     arr = _as_lengths(lengths)
-    return plan_groups(2 * arr[:, 0] + arr[:, 1] + arr[:, 2], token_budget=token_budget, packing=packing,
+    prompts = (1 if share_prompts and packing else 2) * arr[:, 0]
+    return plan_groups(prompts + arr[:, 1] + arr[:, 2], token_budget=token_budget, packing=packing,
                        row_budget=row_budget, longest_sequence=arr[:, 0] + np.maximum(arr[:, 1], arr[:, 2]),
                        sequences_per_group=2, pad_to_multiple_of=pad_to_multiple_of, window=window, seed=seed,
                        min_filling=min_filling)

@@ -107,6 +107,7 @@ class StepTotals:
     counts: dict[str, float] = field(default_factory=dict)
     real_tokens: int = 0
     computed_tokens: int = 0
+    positions: int = 0  # real positions computed: real_tokens less the prompt tokens laid out once for a group
 
     def add(self, out: LossOutput, batch: Any) -> None:
         self.examples += int(out.loss.shape[0])
@@ -116,10 +117,11 @@ class StepTotals:
             self.counts[k] = self.counts.get(k, 0.0) + float(v.numel())
         self.real_tokens += batch.real_tokens
         self.computed_tokens += batch.computed_tokens
+        self.positions += batch.positions
 
     def as_vector(self, keys: list[str]) -> torch.Tensor:
         """Everything as one float64 vector (one all-reduce per step across ranks)."""
-        vals = [self.examples, self.loss, self.real_tokens, self.computed_tokens]
+        vals = [self.examples, self.loss, self.real_tokens, self.computed_tokens, self.positions]
         for k in keys:
             vals.extend([self.metrics.get(k, 0.0), self.counts.get(k, 0.0)])
         return torch.tensor(vals, dtype=torch.float64)
@@ -127,14 +129,15 @@ class StepTotals:
     @classmethod
     def from_vector(cls, vec: torch.Tensor, keys: list[str]) -> StepTotals:
         v = vec.tolist()
-        out = cls(examples=int(v[0]), loss=v[1], real_tokens=int(v[2]), computed_tokens=int(v[3]))
+        out = cls(examples=int(v[0]), loss=v[1], real_tokens=int(v[2]), computed_tokens=int(v[3]),
+                  positions=int(v[4]))
         for i, k in enumerate(keys):
-            out.metrics[k], out.counts[k] = v[4 + 2 * i], v[5 + 2 * i]
+            out.metrics[k], out.counts[k] = v[5 + 2 * i], v[6 + 2 * i]
         return out
 
     def means(self) -> dict[str, float]:
         out = {"loss": self.loss / max(self.examples, 1)}
         # a metric may cover a subset of examples (e.g. KTO's desirable ones): divide by its own count
         out.update({k: v / max(self.counts.get(k, 0.0), 1.0) for k, v in sorted(self.metrics.items())})
-        out["filling"] = self.real_tokens / max(self.computed_tokens, 1)
+        out["filling"] = self.positions / max(self.computed_tokens, 1)  # padding's share: real positions / computed
         return out

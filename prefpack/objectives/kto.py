@@ -133,6 +133,10 @@ class KTOBatch:
     def computed_tokens(self) -> int:
         return self.main.computed_tokens + (self.kl.computed_tokens if self.kl is not None else 0)
 
+    @property
+    def positions(self) -> int:
+        return self.main.positions + (self.kl.positions if self.kl is not None else 0)
+
     def keys(self) -> list[str]:
         return [k for k in _TRL_KEYS if self.kl is not None or not k.startswith("KL_")]
 

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from prefpack.batching.collate import collate
+from prefpack.batching.collate import collate, collate_packed
 from prefpack.batching.plan import plan_micro_batches
 from prefpack.data.store import Store
 from prefpack.data.views import StorePairs
@@ -53,28 +53,37 @@ class PairTask(Objective):
     def plan(self, ids: np.ndarray, *, seed: Any) -> list[Planned]:
         d, tr = self.cfg.data, self.cfg.train
         lengths = self.pairs.lengths()[ids]
+        share = self.shares_prompts
         plans = plan_micro_batches(lengths, token_budget=tr.micro_batch_tokens, packing=d.packing,
                                    row_budget=min(d.max_tokens_per_row, tr.micro_batch_tokens),
-                                   pad_to_multiple_of=d.pad_to_multiple_of, seed=seed)
+                                   pad_to_multiple_of=d.pad_to_multiple_of, seed=seed, share_prompts=share)
         totals = 2 * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]
+        row_cost = totals - lengths[:, 0] if share else totals  # positions a pair takes in its row
         seq_max = lengths[:, 0] + np.maximum(lengths[:, 1], lengths[:, 2])
         m = d.pad_to_multiple_of or 1
         out = []
         for mb in plans:
             real = int(sum(int(totals[r].sum()) for r in mb))
             if d.packing:
-                computed = len(mb) * -(-max(int(totals[r].sum()) for r in mb) // m) * m
+                computed = len(mb) * -(-max(int(row_cost[r].sum()) for r in mb) // m) * m
             else:
                 flat = [i for r in mb for i in r]
                 computed = 2 * len(flat) * -(-int(seq_max[flat].max()) // m) * m
             out.append(Planned([[int(ids[i]) for i in r] for r in mb], real, computed))
         return out
 
+    @property
+    def shares_prompts(self) -> bool:
+        """A pair's prompt laid out once in its row (``data.prefix_sharing``, packed rows only)."""
+        return bool(self.cfg.data.prefix_sharing) and self.cfg.data.packing
+
     def collate(self, planned: Planned):
         d = self.cfg.data
-        batch = collate(self.pairs, planned.rows, packing=d.packing, pad_id=self.pad_id,
-                        pad_to_multiple_of=d.pad_to_multiple_of)
-        return batch
+        if self.shares_prompts:
+            return collate_packed(self.pairs, planned.rows, pad_id=self.pad_id,
+                                  pad_to_multiple_of=d.pad_to_multiple_of, share_prompts=True)
+        return collate(self.pairs, planned.rows, packing=d.packing, pad_id=self.pad_id,
+                       pad_to_multiple_of=d.pad_to_multiple_of)
 
     def loss(self, policy: nn.Module, reference: Reference, batch, step: StepState) -> LossOutput:
         cfg = self.cfg

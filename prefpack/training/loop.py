@@ -188,7 +188,8 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
         dt = time.perf_counter() - t0
         last = totals.means()
         last.update({"lr": lr, "grad_norm": grad_norm, "epoch": epoch + (step % sched.steps_per_epoch + 1)
-                     / sched.steps_per_epoch, "tokens/s": totals.real_tokens / dt, "pairs/s": len(ids) / dt})
+                     / sched.steps_per_epoch, "tokens/s": totals.real_tokens / dt, "pairs/s": len(ids) / dt,
+                     "tokens": totals.real_tokens, "positions": totals.positions})
         done = step + 1
         if done % cfg.run.log_every == 0 or done == n_steps:
             metrics.log(done, last)

@@ -165,6 +165,8 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if precision.weights == torch.bfloat16 and cfg.optim.master_dtype == "bfloat16":
         log(pure_bfloat16_warning([p for p in policy.parameters() if p.requires_grad], cfg.optim.lr))
+    if cfg.data.prefix_sharing and cfg.data.packing:
+        _check_prefix_sharing(policy, kto)
     cfg = _with_budgets(cfg, policy, device, precision, attn, log)
     for what, store in (("train", train_store), ("eval", eval_store)):
         if store is not None:
@@ -190,6 +192,17 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
                                             router_aux_loss_coef=coef, log=log)
     return Setup(policy, reference, tokenizer, train_store, eval_store, device, dtype, pad_id, train_task, eval_task,
                  precision, cfg)
+
+
+def _check_prefix_sharing(policy: nn.Module, kto: bool) -> None:
+    """Prompt-shared rows need a kernel that reads prompt groups: packed_sdpa for now (CUDA's varlen does not)."""
+    if kto:
+        raise ModelError("data.prefix_sharing is implemented for pair losses only so far, not KTO; set it false")
+    name = attention_name(policy)
+    if name != "packed_sdpa":
+        raise ModelError(f"data.prefix_sharing needs the packed_sdpa attention kernel (the CPU default), which reads "
+                         f"prompt groups from position ids; this run uses {name or 'another kernel'!r}. Set "
+                         "data.prefix_sharing=false, or model.attn_implementation=packed_sdpa")
 
 
 def _with_budgets(cfg, policy: nn.Module, device: torch.device, precision: Precision, attn: str, log):
