@@ -64,7 +64,7 @@ def world(request, tmp_path_factory, toy_tokenizers, hh_train):
         settings = {
             "size": 24, "count_key": "pairs", "sidecar": "ref_logps.safetensors", "precompute": [],
             "base": ["loss.terms=[{name: sigmoid}]", "train.global_batch_pairs=8",
-                     f"data.prefix_sharing={kind == 'pairs_shared'}"],
+                     f"data.prefix_sharing={'true' if kind == 'pairs_shared' else 'false'}"],
             "keys": ("loss", "rewards/margins", "rewards/chosen"),
             "precomputed": [],  # what reference.mode=precomputed needs besides the sidecar
             # several pairs a micro-batch, the last step wraps into the second epoch

@@ -109,7 +109,7 @@ def test_flattening_kernels_refuse_shared_rows():
         collate_groups([(pairs[0].prompt, (pairs[0].chosen,))], None, ids=[0], share_prompts=True)
 
 
-def _train_metrics(tmp_path, model, store, name, *extra):
+def _train_metrics(tmp_path, model, store, name, *extra, log=None):
     import json
 
     from prefpack.config import load_config
@@ -118,7 +118,7 @@ def _train_metrics(tmp_path, model, store, name, *extra):
     cfg = load_config(None, [f"model.name_or_path={model}", f"data.train={store}", "train.global_batch_pairs=4",
                              "train.max_steps=3", "train.device=cpu", "optim.lr=1e-2", "train.micro_batch_tokens=256",
                              f"run.output_dir={tmp_path / name}", "run.plot=false", "run.tensorboard=false", *extra])
-    train(cfg, progress=False, log=lambda m: None)
+    train(cfg, progress=False, log=log or (lambda m: None))
     return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -130,8 +130,8 @@ def test_training_with_prefix_sharing_equals_training_without(tmp_path, toy_toke
 
     stores = prepare_hh_splits(tmp_path, toy_tokenizers["llama"], hh_train, {"train": 12})
     model = tiny_llama(toy_tokenizers["llama"], tmp_path / "model", seed=0)
-    plain = _train_metrics(tmp_path, model, stores["train"], "plain")
-    shared = _train_metrics(tmp_path, model, stores["train"], "shared", "data.prefix_sharing=true")
+    plain = _train_metrics(tmp_path, model, stores["train"], "plain", "data.prefix_sharing=false")
+    shared = _train_metrics(tmp_path, model, stores["train"], "shared")  # auto: on for pairs on packed_sdpa
     lengths = Store(stores["train"]).index[:, 1:4].astype(int)
     assert sum(r["tokens"] for r in shared) == sum(r["tokens"] for r in plain) == int(
         (2 * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]).sum())
@@ -155,3 +155,17 @@ def test_prefix_sharing_refuses_kernels_and_objectives_it_does_not_serve(tmp_pat
     with pytest.raises(ModelError, match="not KTO"):
         _train_metrics(tmp_path, model, stores["train"], "kto", "data.prefix_sharing=true", "loss.terms=[{name: kto}]",
                        "data.paired_as_kto=true")
+
+
+def test_auto_shares_prompts_only_where_it_can(tmp_path, toy_tokenizers, hh_train):
+    from conftest import prepare_hh_splits, tiny_llama
+
+    stores = prepare_hh_splits(tmp_path, toy_tokenizers["llama"], hh_train, {"train": 4})
+    model = tiny_llama(toy_tokenizers["llama"], tmp_path / "model", seed=0)
+    for name, extra, on in (("pairs", [], True), ("sdpa", ["model.attn_implementation=sdpa"], False),
+                            ("kto", ["loss.terms=[{name: kto}]", "data.paired_as_kto=true"], False),
+                            ("padded", ["data.packing=false"], False)):
+        logged = []
+        rows = _train_metrics(tmp_path, model, stores["train"], name, "train.max_steps=1", *extra, log=logged.append)
+        assert any("laid out once" in m for m in logged) == on, name
+        assert (rows[0]["positions"] < rows[0]["tokens"]) == on, name

@@ -75,8 +75,9 @@ class DataConfig:
     pad_to_multiple_of: int | None = _f(None, "pad row length up to a multiple of this; null = no rounding")
     shuffle: bool = _f(True, "shuffle pairs every epoch (seeded by train.seed)")
     paired_as_kto: bool = _f(False, "KTO on a pair store: chosen = desirable, rejected = undesirable")
-    prefix_sharing: bool = _f(False, "lay out a pair's prompt once in its packed row (about 36% fewer positions on "
-                              "hh); pair losses on the packed_sdpa kernel (CPU) for now")
+    prefix_sharing: Switch = _f("auto", "lay out a pair's prompt once in its packed row (about 36% fewer positions "
+                                "on hh); auto = on for pair losses on the packed_sdpa kernel (CPU), the only ones "
+                                "that support it so far; true = required (an error elsewhere)")
 
 
 @dataclass

@@ -165,9 +165,10 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if precision.weights == torch.bfloat16 and cfg.optim.master_dtype == "bfloat16":
         log(pure_bfloat16_warning([p for p in policy.parameters() if p.requires_grad], cfg.optim.lr))
-    if cfg.data.prefix_sharing and cfg.data.packing:
-        _check_prefix_sharing(policy, kto)
-    cfg = _with_budgets(cfg, policy, device, precision, attn, log)
+    cfg = _with_budgets(cfg, policy, device, precision, attn, log)  # a resolved copy of the config
+    cfg.data.prefix_sharing = _prefix_sharing(cfg.data, policy, kto)
+    if cfg.data.prefix_sharing:
+        log("prompts laid out once per pair in packed rows (data.prefix_sharing)")
     for what, store in (("train", train_store), ("eval", eval_store)):
         if store is not None:
             check_lengths(store, what, policy, cfg.data.max_tokens_per_row if cfg.data.packing else None, log)
@@ -194,15 +195,23 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
                  precision, cfg)
 
 
-def _check_prefix_sharing(policy: nn.Module, kto: bool) -> None:
-    """Prompt-shared rows need a kernel that reads prompt groups: packed_sdpa for now (CUDA's varlen does not)."""
+def _prefix_sharing(data_cfg, policy: nn.Module, kto: bool) -> bool:
+    """``data.prefix_sharing`` resolved: prompt-shared rows need packing, a pair objective and a kernel that reads
+    prompt groups (packed_sdpa for now; CUDA's varlen does not). ``auto`` is on exactly there; ``true`` elsewhere
+    is an error naming what is missing."""
+    setting = data_cfg.prefix_sharing
+    if not setting or not data_cfg.packing:
+        return False
+    name = attention_name(policy)
+    if setting == "auto":
+        return not kto and name == "packed_sdpa"
     if kto:
         raise ModelError("data.prefix_sharing is implemented for pair losses only so far, not KTO; set it false")
-    name = attention_name(policy)
     if name != "packed_sdpa":
         raise ModelError(f"data.prefix_sharing needs the packed_sdpa attention kernel (the CPU default), which reads "
                          f"prompt groups from position ids; this run uses {name or 'another kernel'!r}. Set "
                          "data.prefix_sharing=false, or model.attn_implementation=packed_sdpa")
+    return True
 
 
 def _with_budgets(cfg, policy: nn.Module, device: torch.device, precision: Precision, attn: str, log):
