@@ -157,15 +157,15 @@ def collate_groups(
     kernels read the group from the position ids (a block starting at position p > 0 attends to the first p
     tokens of the row's last block starting at 0), see ``prefpack.model.attention.packed_sdpa``.
     """
-    if share_prompts:
-        if rows is None or completion_mask:
-            raise ValueError("prompt sharing needs the packed layout and no completion_mask")
-        return _collate_shared(groups, rows, ids=ids, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of)
     m = _check_multiple(pad_to_multiple_of)
     if not groups:
         raise ValueError("a micro-batch needs at least one group")
     if len(ids) != len(groups):
         raise ValueError(f"{len(ids)} ids for {len(groups)} groups")
+    if share_prompts:
+        if rows is None or completion_mask:
+            raise ValueError("prompt sharing needs the packed layout and no completion_mask")
+        return _collate_shared(groups, rows, ids=ids, pad_id=pad_id, multiple=m)
     built = []  # per group: its sequences (tokens, positions, targets, prompt length)
     for prompt, completions in groups:
         prompt = _ids(prompt)
@@ -180,11 +180,7 @@ def collate_groups(
         layout = [[(g, j)] for g in range(len(built)) for j in range(len(built[g]))]
     length = round_up(max(sum(built[g][j][0].shape[0] for g, j in row) for row in layout), m)
     b = len(layout)
-    input_ids = np.full((b, length), pad_id, dtype=np.int64)
-    position_ids = np.zeros((b, length), dtype=np.int64)
-    target_ids = np.full((b, length), IGNORE_INDEX, dtype=np.int64)
-    seq_index = np.full((b, length), -1, dtype=np.int64)
-    token_mask = np.zeros((b, length), dtype=bool)
+    input_ids, position_ids, target_ids, seq_index, token_mask = _row_arrays(b, length, pad_id)
     is_completion = np.zeros((b, length), dtype=np.int64)
     for r, row in enumerate(layout):
         at = 0
@@ -201,29 +197,37 @@ def collate_groups(
             position_ids[r, at:] = np.arange(length - at)
     loss_mask = target_ids != IGNORE_INDEX
     completion_tokens = np.bincount(seq_index[loss_mask], minlength=int(offsets[-1])).astype(np.int64)
-    batch = Batch(
+    batch = _batch((input_ids, position_ids, target_ids, seq_index, token_mask), completion_tokens, ids, packed)
+    return (batch, torch.from_numpy(is_completion)) if completion_mask else batch
+
+
+def _batch(arrays, completion_tokens: np.ndarray, ids: Sequence[int], packed: bool, **extra) -> Batch:
+    """A :class:`Batch` from the [B, L] arrays of :func:`_row_arrays`, filled (loss mask from the targets)."""
+    input_ids, position_ids, target_ids, seq_index, token_mask = arrays
+    return Batch(
         input_ids=torch.from_numpy(input_ids),
         position_ids=torch.from_numpy(position_ids),
         target_ids=torch.from_numpy(target_ids),
-        loss_mask=torch.from_numpy(loss_mask),
+        loss_mask=torch.from_numpy(target_ids != IGNORE_INDEX),
         seq_index=torch.from_numpy(seq_index),
         token_mask=torch.from_numpy(token_mask),
         attention_mask=None if packed else torch.from_numpy(token_mask.astype(np.int64)),
         completion_tokens=torch.from_numpy(completion_tokens),
         group_ids=torch.as_tensor([int(i) for i in ids], dtype=torch.int64),
         packed=packed,
+        **extra,
     )
-    return (batch, torch.from_numpy(is_completion)) if completion_mask else batch
 
 
-def _collate_shared(groups, rows: MicroBatch, *, ids: Sequence[int], pad_id: int,
-                    pad_to_multiple_of: int | None) -> Batch:
+def _row_arrays(b: int, length: int, pad_id: int) -> tuple[np.ndarray, ...]:
+    """Empty [b, length] input ids, position ids, targets, sequence index and token mask."""
+    return (np.full((b, length), pad_id, dtype=np.int64), np.zeros((b, length), dtype=np.int64),
+            np.full((b, length), IGNORE_INDEX, dtype=np.int64), np.full((b, length), -1, dtype=np.int64),
+            np.zeros((b, length), dtype=bool))
+
+
+def _collate_shared(groups, rows: MicroBatch, *, ids: Sequence[int], pad_id: int, multiple: int) -> Batch:
     """:func:`collate_groups` with each group's prompt laid out once (see there)."""
-    m = _check_multiple(pad_to_multiple_of)
-    if not groups:
-        raise ValueError("a micro-batch needs at least one group")
-    if len(ids) != len(groups):
-        raise ValueError(f"{len(ids)} ids for {len(groups)} groups")
     if not rows or any(len(row) == 0 for row in rows):
         raise ValueError("a packed micro-batch needs at least one row and no empty row")
     parts = [(_ids(prompt), [_ids(c) for c in completions]) for prompt, completions in groups]
@@ -232,13 +236,9 @@ def _collate_shared(groups, rows: MicroBatch, *, ids: Sequence[int], pad_id: int
         if not comps or (prompt.shape[0] + min(c.shape[0] for c in comps)) < 1:
             raise ValueError(f"group {g}: a sequence (prompt + completion) needs at least one token")
     row_len = [sum(p.shape[0] + sum(c.shape[0] for c in cs) for p, cs in (parts[g] for g in row)) for row in rows]
-    length = round_up(max(row_len), m)
+    length = round_up(max(row_len), multiple)
     b = len(rows)
-    input_ids = np.full((b, length), pad_id, dtype=np.int64)
-    position_ids = np.zeros((b, length), dtype=np.int64)
-    target_ids = np.full((b, length), IGNORE_INDEX, dtype=np.int64)
-    seq_index = np.full((b, length), -1, dtype=np.int64)
-    token_mask = np.zeros((b, length), dtype=bool)
+    input_ids, position_ids, target_ids, seq_index, token_mask = _row_arrays(b, length, pad_id)
     scored: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(int(offsets[-1]))]
     shared = 0
     for r, row in enumerate(rows):
@@ -268,27 +268,13 @@ def _collate_shared(groups, rows: MicroBatch, *, ids: Sequence[int], pad_id: int
                 scored[seq].append((inner, c[1:]))
                 at += n
         position_ids[r, at:] = np.arange(length - at)  # row padding: a block of its own
-    loss_mask = target_ids != IGNORE_INDEX
     counts = [sum(x[0].shape[0] for x in parts_) for parts_ in scored]
     flat_pos = np.concatenate([x[0] for seq in scored for x in seq] or [np.zeros(0, np.int64)]).astype(np.int64)
     flat_tgt = np.concatenate([x[1] for seq in scored for x in seq] or [np.zeros(0, np.int64)]).astype(np.int64)
     flat_seq = np.repeat(np.arange(len(scored), dtype=np.int64), counts)
-    return Batch(
-        input_ids=torch.from_numpy(input_ids),
-        position_ids=torch.from_numpy(position_ids),
-        target_ids=torch.from_numpy(target_ids),
-        loss_mask=torch.from_numpy(loss_mask),
-        seq_index=torch.from_numpy(seq_index),
-        token_mask=torch.from_numpy(token_mask),
-        attention_mask=None,
-        completion_tokens=torch.as_tensor(counts, dtype=torch.int64),
-        group_ids=torch.as_tensor([int(i) for i in ids], dtype=torch.int64),
-        packed=True,
-        score_positions=torch.from_numpy(flat_pos),
-        score_targets=torch.from_numpy(flat_tgt),
-        score_sequences=torch.from_numpy(flat_seq),
-        shared_tokens=shared,
-    )
+    return _batch((input_ids, position_ids, target_ids, seq_index, token_mask), np.asarray(counts, dtype=np.int64),
+                  ids, True, score_positions=torch.from_numpy(flat_pos), score_targets=torch.from_numpy(flat_tgt),
+                  score_sequences=torch.from_numpy(flat_seq), shared_tokens=shared)
 
 
 def _pair_groups(pairs, pair_ids: Sequence[int]) -> list[tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]]:
