@@ -150,7 +150,7 @@ def baseline(world):
 def test_packed_equals_padded(world, baseline, tmp_path, multiple):
     padded = tmp_path / "padded"
     extra = [f"data.pad_to_multiple_of={multiple}"] if multiple else []
-    train(cfg_for(world, padded, "data.packing=false", *extra), progress=False, log=quiet)
+    train(cfg_for(world, padded, "data.packing=false", "data.prefix_sharing=false", *extra), progress=False, log=quiet)
     lp, ld = assert_same_runs(world, baseline, padded, atol=1e-5, grad_rtol=1e-4, weights_atol=2e-5,
                               weights_rtol=1e-4)
     assert lp[0]["filling"] > ld[0]["filling"]

@@ -152,6 +152,8 @@ def test_prefix_sharing_refuses_kernels_and_objectives_it_does_not_serve(tmp_pat
     with pytest.raises(ModelError, match="packed_sdpa"):
         _train_metrics(tmp_path, model, stores["train"], "sdpa", "data.prefix_sharing=true",
                        "model.attn_implementation=sdpa")
+    with pytest.raises(ModelError, match="packed rows"):
+        _train_metrics(tmp_path, model, stores["train"], "padded", "data.prefix_sharing=true", "data.packing=false")
     with pytest.raises(ModelError, match="not KTO"):
         _train_metrics(tmp_path, model, stores["train"], "kto", "data.prefix_sharing=true", "loss.terms=[{name: kto}]",
                        "data.paired_as_kto=true")

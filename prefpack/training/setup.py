@@ -200,11 +200,14 @@ def _prefix_sharing(data_cfg, policy: nn.Module, kto: bool) -> bool:
     prompt groups (packed_sdpa for now; CUDA's varlen does not). ``auto`` is on exactly there; ``true`` elsewhere
     is an error naming what is missing."""
     setting = data_cfg.prefix_sharing
-    if not setting or not data_cfg.packing:
+    if not setting:
         return False
     name = attention_name(policy)
     if setting == "auto":
-        return not kto and name == "packed_sdpa"
+        return data_cfg.packing and not kto and name == "packed_sdpa"
+    if not data_cfg.packing:
+        raise ModelError("data.prefix_sharing lays prompts out once in packed rows; with data.packing=false there are "
+                         "none: set one of them false")
     if kto:
         raise ModelError("data.prefix_sharing is implemented for pair losses only so far, not KTO; set it false")
     if name != "packed_sdpa":
