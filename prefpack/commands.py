@@ -21,7 +21,7 @@ def add_prepare(sub) -> None:
     p.add_argument("--tokenizer", required=True, help="tokenizer folder or hub id")
     p.add_argument("--output", "-o", required=True, help="store folder to create")
     p.add_argument("--format", choices=LAYOUTS, default=None, help="input layout (default: detect from the first row)")
-    for name in ("prompt", "chosen", "rejected", "completion", "label"):
+    for name in ("prompt", "chosen", "rejected", "completion", "label", "completions"):
         p.add_argument(f"--{name}-field", default=None, help=f"name of the {name} field")
     p.add_argument("--split", default=None, help="split to read from a DatasetDict folder")
     p.add_argument("--max-length", type=int, default=None,
@@ -47,7 +47,8 @@ def add_prepare(sub) -> None:
 def run_prepare(args, argv: list[str]) -> int:
     from prefpack.data.prepare import PrepareOptions, prepare
 
-    fields = {n: getattr(args, f"{n}_field") for n in ("prompt", "chosen", "rejected", "completion", "label")}
+    fields = {n: getattr(args, f"{n}_field") for n in ("prompt", "chosen", "rejected", "completion", "label",
+                                                         "completions")}
     opts = PrepareOptions(
         inputs=args.inputs, tokenizer=args.tokenizer, output=args.output, layout=args.format, fields=fields,
         split=args.split, max_length=args.max_length, truncation=args.truncation, workers=args.workers,
@@ -193,7 +194,8 @@ def add_eval(sub) -> None:
     p = sub.add_parser("eval", help="loss and metrics of a model over every pair (or KTO example) of a store")
     p.add_argument("--model", required=True, help="policy model folder or hub id")
     p.add_argument("--ref", default=None, help="reference model (default: the store's precomputed sidecar if any)")
-    p.add_argument("--data", required=True, help="prepared store: pairs, or unpaired examples (KTO)")
+    p.add_argument("--data", required=True, help="prepared store: pairs, ranked completions, or unpaired examples "
+                   "(KTO)")
     p.add_argument("--config", default=None, metavar="RUN_DIR/config.yaml",
                    help="score as that run trained: its loss terms, weights and parameters, precision, packing and "
                    "KTO settings (flags given here override them)")
@@ -209,6 +211,8 @@ def add_eval(sub) -> None:
                    help="WPO weighting of each pair's loss (default: the --config run's, else off)")
     p.add_argument("--kto", action="store_true", help="read a pair store as KTO examples (chosen = desirable, "
                    "rejected = undesirable)")
+    p.add_argument("--ranked-pairs", default=None, choices=("best_vs_rest", "all_pairs"),
+                   help="a ranked store's pairs (default: the --config run's data.ranked_pairs, else best_vs_rest)")
     p.add_argument("--seed", type=int, default=None, help="seed of the KTO KL pairing (as given to precompute-ref; "
                    "default: the --config run's train.seed, else 0)")
     p.add_argument("--micro-batch-tokens", default="auto", help="tokens per micro-batch (default: auto, from the device)")
@@ -226,7 +230,7 @@ def eval_config(args):
     from prefpack.data.store import Store
     from prefpack.loss_params import LOSS_PARAMS
     from prefpack.losses import UNPAIRED_LOSS_NAMES
-    from prefpack.reference import KTO_SIDECAR_NAME, SIDECAR_NAME
+    from prefpack.reference import KTO_SIDECAR_NAME, RANKED_SIDECAR_NAME, SIDECAR_NAME
 
     cfg = load_config(args.config, []) if args.config else Config()
     if args.loss:
@@ -242,8 +246,10 @@ def eval_config(args):
         cfg.loss.f_divergence_type = args.f_divergence_type
     if args.use_weighting is not None:
         cfg.loss.use_weighting = args.use_weighting
+    if args.ranked_pairs:
+        cfg.data.ranked_pairs = args.ranked_pairs
     kto = any(t.name in UNPAIRED_LOSS_NAMES for t in cfg.loss.terms)
-    sidecar = KTO_SIDECAR_NAME if kto else SIDECAR_NAME
+    sidecar = KTO_SIDECAR_NAME if kto else (RANKED_SIDECAR_NAME if Store(args.data).kind == "ranked" else SIDECAR_NAME)
     mode = "copy" if args.ref else ("precomputed" if (Path(args.data) / sidecar).exists() else "none")
     if args.micro_batch_tokens != "auto" and not str(args.micro_batch_tokens).isdigit():
         raise ConfigError(f"--micro-batch-tokens must be a positive integer or auto, got {args.micro_batch_tokens!r}")
@@ -302,7 +308,8 @@ def add_precompute(sub) -> None:
                        "ref_logps.safetensors into the store, tagged with hashes of the store and the weights; "
                        "then train with reference.mode=precomputed and no reference model in memory.")
     p.add_argument("--model", required=True, help="reference model folder or hub id")
-    p.add_argument("--data", required=True, help="prepared store: pairs, or unpaired examples (KTO)")
+    p.add_argument("--data", required=True, help="prepared store: pairs, ranked completions, or unpaired examples "
+                   "(KTO)")
     p.add_argument("--kto", action="store_true", help="score a pair store as KTO examples (chosen = desirable, "
                    "rejected = undesirable); an unpaired store is always scored as KTO examples")
     p.add_argument("--seed", type=int, default=0, help="KTO: seed of the fixed KL pairing (train.seed of the runs "
@@ -325,7 +332,14 @@ def run_precompute(args, argv) -> int:
         weights_hash,
     )
     from prefpack.objectives import open_store
-    from prefpack.reference import SIDECAR_NAME, compute_store_logps, write_sidecar
+    from prefpack.reference import (
+        RANKED_SIDECAR_NAME,
+        SIDECAR_NAME,
+        compute_ranked_store_logps,
+        compute_store_logps,
+        write_ranked_sidecar,
+        write_sidecar,
+    )
 
     if args.kto or Store(args.data).kind == "unpaired":
         return _precompute_kto(args)
@@ -337,12 +351,18 @@ def run_precompute(args, argv) -> int:
     check_vocab_fits(model, store.meta, args.data)
     budgets = _scoring_budgets(args, model, device)
     try:
-        table = compute_store_logps(model, store, micro_batch_tokens=budgets.micro_batch_tokens,
-                                    row_tokens=budgets.row_tokens, chunk_size=budgets.chunk_size, progress=True, ctx=ctx)
+        score = compute_ranked_store_logps if store.kind == "ranked" else compute_store_logps
+        table = score(model, store, micro_batch_tokens=budgets.micro_batch_tokens, row_tokens=budgets.row_tokens,
+                      chunk_size=budgets.chunk_size, progress=True, ctx=ctx)
         ctx.barrier()  # no rank leaves while another is still in a collective
     finally:
         shutdown()
     if not ctx.is_main:
+        return 0
+    if store.kind == "ranked":
+        path = write_ranked_sidecar(Path(args.data) / RANKED_SIDECAR_NAME, store, table,
+                                    reference_hash=weights_hash(model), reference_name=args.model)
+        print(json.dumps({"sidecar": str(path), "completions": len(store), "mean_completion": float(table.mean())}))
         return 0
     chosen, rejected = table["chosen"], table["rejected"]
     path = write_sidecar(Path(args.data) / SIDECAR_NAME, store, chosen, rejected, chosen_tail=table["chosen_tail"],

@@ -1,4 +1,5 @@
-"""What only a GPU can show: torch's flash varlen kernel against the reference, in bfloat16, and device budgets.
+"""What only a GPU can show: torch's flash varlen kernel against the reference, in bfloat16 (prompt-shared rows
+with gathered keys too), training with prompts laid out once on it, and device budgets.
 
 Skipped without CUDA (CI has none). On a GPU machine: ``PREFPACK_TEST_CUDA=1 pytest tests/test_gpu.py`` (the
 conftest hides CUDA from every other test so that CPU-exactness tests stay on the CPU).
@@ -55,6 +56,65 @@ def test_varlen_model_equals_sdpa_in_bfloat16():
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
             out[attn] = model.model(input_ids=ids, position_ids=position_ids, use_cache=False).last_hidden_state
     torch.testing.assert_close(out["varlen"].float(), out["sdpa"].float(), rtol=3e-2, atol=3e-2)
+
+
+# group (prompt 100 + c1 37 | c2 50 | c3 1), a plain sequence of 64, group (prompt 5 + c1 200 | c2 3)
+SHARED_ROW = [*range(137), *range(100, 150), 100, *range(64), *range(205), *range(5, 8)]
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_torch_varlen_kernel_on_prompt_shared_rows_equals_the_reference(window):
+    """The gathered keys (cu_seq_k != cu_seq_q) through torch's kernel in bfloat16: its bottom-right causal
+    alignment and window equal ``reference_varlen`` on the same inputs (float32), values and gradients."""
+    from prefpack.model.forward import _boundary_kwargs
+
+    va.register()
+    assert va.torch_varlen_kernel() is not None, "this torch has no torch.nn.attention.varlen"
+    position_ids = torch.tensor([SHARED_ROW])
+    kwargs = _boundary_kwargs(position_ids[0], torch.device("cuda"))
+    n = len(SHARED_ROW)
+    assert kwargs[va.KEY_INDEX].device.type == "cuda" and int(kwargs["cu_seq_lens_k"][-1]) == n + 100 * 2 + 5
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, 64, device="cuda", dtype=torch.bfloat16, generator=g) for h in (8, 2, 2))
+    module = torch.nn.Module()
+    outs, grads = [], []
+    for dtype in (torch.bfloat16, torch.float32):  # bfloat16: the kernel; float32: the reference, same inputs
+        inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = va.varlen_attention(module, *inputs, None, position_ids=position_ids.cuda(), sliding_window=window,
+                                  **kwargs)[0]
+        outs.append(out.float())
+        grads.append([x.float() for x in torch.autograd.grad(out.float().square().sum(), inputs)])
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+    for a, b in zip(*grads):  # a prompt's keys sum the gradients of every completion: relative to the whole
+        assert float((a - b).norm() / b.norm()) < 2e-2
+
+
+def test_training_on_varlen_with_prefix_sharing_equals_without(tmp_path, toy_tokenizers, hh_train):
+    """Three DPO steps on CUDA (bfloat16 autocast, varlen): prompts laid out once give the losses of the unshared
+    run, the same tokens and fewer positions."""
+    import json
+
+    from conftest import prepare_hh_splits, tiny_llama
+
+    from prefpack.config import load_config
+    from prefpack.training import train
+
+    stores = prepare_hh_splits(tmp_path, toy_tokenizers["llama"], hh_train, {"train": 24})
+    model = tiny_llama(toy_tokenizers["llama"], tmp_path / "model", seed=0)
+    runs = {}
+    for setting in ("true", "false"):
+        out = tmp_path / setting
+        cfg = load_config(None, [f"model.name_or_path={model}", f"data.train={stores['train']}",
+                                 "train.global_batch_pairs=8", "train.max_steps=3", "train.device=cuda",
+                                 "model.attn_implementation=varlen", "model.compile=false", "optim.lr=1e-2",
+                                 f"data.prefix_sharing={setting}", f"run.output_dir={out}", "run.plot=false",
+                                 "run.tensorboard=false"])
+        train(cfg, progress=False, log=lambda m: None)
+        runs[setting] = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    shared, plain = runs["true"], runs["false"]
+    assert [r["tokens"] for r in shared] == [r["tokens"] for r in plain]
+    assert sum(r["positions"] for r in shared) < sum(r["positions"] for r in plain)
+    assert [r["loss"] for r in shared] == pytest.approx([r["loss"] for r in plain], abs=2e-2)
 
 
 def test_cuda_budgets_grow_with_free_memory():

@@ -48,13 +48,28 @@ def _unpaired_rows(hh_train) -> dict[str, list[dict]]:
     return {"train": unpaired(rows[:19]), "eval": unpaired(rows[19:26])}
 
 
-@pytest.fixture(scope="module", params=["pairs", "pairs_shared", "kto"])
+def _unpaired_rows_shared(hh_train) -> dict[str, list[dict]]:
+    """KTO examples whose prompts repeat: each pair's halves as two examples of one prompt (desirable, then
+    undesirable), so prompt groups of two meet in steps and rows."""
+    rows = [{"prompt": f"Q{k}:{r['prompt'][-50:]}", "chosen": r["chosen"][:60], "rejected": r["rejected"][:60]}
+            for k, r in enumerate(hh_train[:80])]
+    rows = [r for r in rows if r["chosen"].strip() and r["rejected"].strip() and r["chosen"] != r["rejected"]]
+
+    def halves(part):
+        return [{"prompt": r["prompt"], "completion": r[key], "label": key == "chosen"}
+                for r in part for key in ("chosen", "rejected")]
+
+    return {"train": halves(rows[:10]), "eval": halves(rows[10:14])}
+
+
+@pytest.fixture(scope="module", params=["pairs", "pairs_shared", "kto", "kto_shared"])
 def world(request, tmp_path_factory, toy_tokenizers, hh_train):
     """One objective's train and eval stores, a policy, a different reference (tiny Llamas) and its settings:
 
     * pairs: 24 train and 10 eval hh pairs, loss `sigmoid`, 8 pairs a step;
     * pairs_shared: the same with each pair's prompt laid out once (`data.prefix_sharing=true`);
-    * kto: 19 unpaired train examples (12 desirable) and 7 eval ones, loss `kto`, 5 examples a step.
+    * kto: 19 unpaired train examples (12 desirable) and 7 eval ones, loss `kto`, 5 examples a step;
+    * kto_shared: 20 train examples, 10 prompts with two completions each (and 8 eval ones), prompts laid out once.
     """
     kind = request.param
     root = tmp_path_factory.mktemp(f"invariance-{kind}")
@@ -73,14 +88,17 @@ def world(request, tmp_path_factory, toy_tokenizers, hh_train):
         }
     else:
         stores = {}
-        for name, rows in _unpaired_rows(hh_train).items():
+        data = _unpaired_rows_shared(hh_train) if kind == "kto_shared" else _unpaired_rows(hh_train)
+        for name, rows in data.items():
             assert cli_main(["prepare", str(write_jsonl(root / f"{name}.jsonl", rows)), "--format", "unpaired",
                              "--tokenizer", str(tok), "--output", str(root / name), "--max-length", "64",
                              "--workers", "1"]) == 0
             stores[name] = root / name
         settings = {
-            "size": 19, "count_key": "examples", "sidecar": "ref_logps_kto.safetensors", "precompute": ["--seed", "0"],
-            "base": ["loss.terms=[{name: kto}]", "train.global_batch_pairs=5"],
+            "size": len(data["train"]), "count_key": "examples", "sidecar": "ref_logps_kto.safetensors",
+            "precompute": ["--seed", "0"],
+            "base": ["loss.terms=[{name: kto}]", "train.global_batch_pairs=5",
+                     f"data.prefix_sharing={'true' if kind == 'kto_shared' else 'false'}"],
             "keys": ("loss", "kl", "rewards/margins", "count/chosen", "count/rejected"),
             # the sidecar holds the KL log-probs of the fixed pairing of train.seed 0 (precompute-ref --seed 0)
             "precomputed": ["loss.kl_pairing=fixed"],
@@ -126,7 +144,7 @@ def assert_same_runs(w, a, b, *, atol, grad_rtol, weights_atol, weights_rtol, lo
             tol = loss_atol if loss_atol is not None and key in ("loss", "kl") else atol
             assert x[key] == pytest.approx(y[key], abs=tol), (x["step"], key)
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=grad_rtol), x["step"]
-    if w["kind"] == "kto":
+    if w["kind"].startswith("kto"):
         assert any(m["kl"] > 0 for m in la)
     wa, wb = final_weights(a), final_weights(b)
     assert sorted(wa) == sorted(wb)
@@ -154,6 +172,8 @@ def test_packed_equals_padded(world, baseline, tmp_path, multiple):
     lp, ld = assert_same_runs(world, baseline, padded, atol=1e-5, grad_rtol=1e-4, weights_atol=2e-5,
                               weights_rtol=1e-4)
     assert lp[0]["filling"] > ld[0]["filling"]
+    # the shared worlds really lay prompts out once (the padded run cannot)
+    assert (sum(m["positions"] for m in lp) < sum(m["tokens"] for m in lp)) == world["kind"].endswith("_shared")
 
 
 def test_accumulation_1x8_equals_8x1(world, baseline, tmp_path):
@@ -229,7 +249,7 @@ def test_copy_and_precomputed_reference_agree(world, precomputed, tmp_path):
     keys = {"loss", "rewards/margins", "rewards/chosen", "rewards/rejected", *world["keys"]}
     for k in keys:
         assert e1[k] == pytest.approx(e2[k], abs=1e-6), k
-    if world["kind"] == "kto":  # the KL sums themselves agree (z0 may be clamped to 0 on both sides)
+    if world["kind"].startswith("kto"):  # the KL sums themselves agree (z0 may be clamped to 0 on both sides)
         assert step1.kl_count == step2.kl_count == world["size"]
         assert step1.kl_sum == pytest.approx(step2.kl_sum, abs=1e-5)
     # training reads the same reference log-probs
@@ -258,7 +278,7 @@ def test_precomputed_reference_refuses_a_sidecar_it_cannot_use(world, precompute
     # a sidecar made with other reference weights
     with pytest.raises(Exception, match="other reference weights"):
         build(cfg_for(world, tmp_path / "a", *pre, f"reference.model={world['policy']}"), log=quiet)
-    if world["kind"] != "kto":
+    if not world["kind"].startswith("kto"):
         return
     # the sidecar holds the KL log-probs of seed 0's pairing: another seed is refused, and so is step pairing
     with pytest.raises(Exception, match="--seed") as err:
@@ -304,5 +324,5 @@ def one_rank(world):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_ranks_equal_one_rank(world, one_rank, strategy):
     two = _run(world, world["root"] / f"two-ranks-{strategy}", f"distributed.strategy={strategy}", nproc=2)
-    assert_same_runs(world, one_rank, two, atol=1e-5, loss_atol=1e-6 if world["kind"] != "kto" else 1e-5,
+    assert_same_runs(world, one_rank, two, atol=1e-5, loss_atol=1e-5 if world["kind"].startswith("kto") else 1e-6,
                      grad_rtol=1e-5, weights_atol=1e-5, weights_rtol=0, steps=4)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import tiny_llama, write_jsonl
 
-from prefpack.batching.schedule import StepKey
+from prefpack.batching.schedule import StepKey, StepSchedule
 from prefpack.cli import main as cli_main
 from prefpack.config import ConfigError, load_config
 from prefpack.data.kl_pairing import fixed_kl_partners, step_kl_partners
@@ -427,3 +427,30 @@ def test_example_config_is_valid():
     cfg = load_config(REPO / "examples" / "configs" / "kto.yaml", [])
     cfg.validate()
     assert cfg.loss.terms[0].name == "kto" and cfg.data.paired_as_kto
+
+
+def test_the_shuffle_keeps_a_prompt_group_in_one_step_and_is_unchanged_without_groups():
+    """StepSchedule with prompt groups: a group's examples stay adjacent (a pair's halves with paired_as_kto share a
+    step and so their prompt); with every example its own group the order is exactly the plain permutation."""
+    plain = StepSchedule(10, 4, 3)
+    assert np.array_equal(StepSchedule(10, 4, 3, groups=np.arange(10)).epoch_order(2), plain.epoch_order(2))
+    groups = np.repeat(np.arange(5), 2)
+    order = StepSchedule(10, 4, 3, groups=groups).epoch_order(1)
+    assert sorted(order.tolist()) == list(range(10))
+    assert (groups[order[0::2]] == groups[order[1::2]]).all()  # halves side by side, so an even batch holds pairs
+    assert not np.array_equal(order, np.arange(10))
+
+
+def test_dealing_keeps_a_prompt_groups_examples_on_one_rank():
+    """balance=tokens deals whole prompt groups (a pair's halves with paired_as_kto), largest first."""
+    from types import SimpleNamespace
+
+    from prefpack.batching.deal import deal_step
+
+    groups = np.array([0, 0, 1, 1, 2, 3, 3, 3])
+    sizes = np.array([5, 6, 1, 1, 9, 2, 2, 2])
+    seen = []
+    task = SimpleNamespace(schedule_groups=lambda: groups, example_tokens=lambda ids: sizes[ids],
+                           plan=lambda ids, seed: seen.append(sorted(ids.tolist())) or [])
+    deal_step(task, np.arange(8), seed=None, world=2, balance="tokens")
+    assert sorted(seen) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # 11 + 2 tokens against 9 + 6

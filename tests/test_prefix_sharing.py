@@ -142,7 +142,7 @@ def test_training_with_prefix_sharing_equals_training_without(tmp_path, toy_toke
     assert all(0 < r["filling"] <= 1 for r in shared)
 
 
-def test_prefix_sharing_refuses_kernels_and_objectives_it_does_not_serve(tmp_path, toy_tokenizers, hh_train):
+def test_prefix_sharing_refuses_kernels_and_layouts_it_does_not_serve(tmp_path, toy_tokenizers, hh_train):
     from conftest import prepare_hh_splits, tiny_llama
 
     from prefpack.model import ModelError
@@ -154,9 +154,10 @@ def test_prefix_sharing_refuses_kernels_and_objectives_it_does_not_serve(tmp_pat
                        "model.attn_implementation=sdpa")
     with pytest.raises(ModelError, match="packed rows"):
         _train_metrics(tmp_path, model, stores["train"], "padded", "data.prefix_sharing=true", "data.packing=false")
-    with pytest.raises(ModelError, match="not KTO"):
-        _train_metrics(tmp_path, model, stores["train"], "kto", "data.prefix_sharing=true", "loss.terms=[{name: kto}]",
-                       "data.paired_as_kto=true")
+    # KTO is served (its examples by prompt group, tests/test_kto_sharing.py): true trains with prompts laid out once
+    (row,) = _train_metrics(tmp_path, model, stores["train"], "kto", "data.prefix_sharing=true", "train.max_steps=1",
+                            "loss.terms=[{name: kto}]", "data.paired_as_kto=true")
+    assert row["positions"] < row["tokens"]
 
 
 def test_auto_shares_prompts_only_where_it_can(tmp_path, toy_tokenizers, hh_train):
@@ -165,7 +166,7 @@ def test_auto_shares_prompts_only_where_it_can(tmp_path, toy_tokenizers, hh_trai
     stores = prepare_hh_splits(tmp_path, toy_tokenizers["llama"], hh_train, {"train": 4})
     model = tiny_llama(toy_tokenizers["llama"], tmp_path / "model", seed=0)
     for name, extra, on in (("pairs", [], True), ("sdpa", ["model.attn_implementation=sdpa"], False),
-                            ("kto", ["loss.terms=[{name: kto}]", "data.paired_as_kto=true"], False),
+                            ("kto", ["loss.terms=[{name: kto}]", "data.paired_as_kto=true"], True),
                             ("padded", ["data.packing=false"], False)):
         logged = []
         rows = _train_metrics(tmp_path, model, stores["train"], name, "train.max_steps=1", *extra, log=logged.append)

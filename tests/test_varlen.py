@@ -32,15 +32,19 @@ class FakeKernel:
         self.calls = []
 
     def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
-        assert q.ndim == k.ndim == v.ndim == 3 and q.shape[0] == k.shape[0] == int(cu_q[-1])
-        assert cu_q.dtype == torch.int32 and cu_q is cu_k and max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+        assert q.ndim == k.ndim == v.ndim == 3 and q.shape[0] == int(cu_q[-1]) and k.shape[0] == v.shape[0] == int(
+            cu_k[-1])
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.numel() == cu_k.numel()
+        assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
+        if k.shape[0] == q.shape[0]:  # keys not gathered (no prompt groups): the very same boundaries
+            assert cu_q is cu_k and max_q == max_k
         assert window_size[1] == 0  # causal
         if k.shape[1] != q.shape[1]:
             assert enable_gqa and self.has_gqa
         self.calls.append({"heads": (q.shape[1], k.shape[1]), "window": window_size, "gqa": enable_gqa,
-                           "cu": cu_q})
+                           "cu": cu_q, "cu_k": cu_k, "max": (max_q, max_k), "k": k, "v": v})
         window = None if window_size[0] < 0 else window_size[0] + 1
-        return va.reference_varlen(q, k, v, cu_q, scale=scale, window=window)
+        return va.reference_varlen(q, k, v, cu_q, scale=scale, window=window, cu_seqlens_k=cu_k)
 
 
 @pytest.mark.parametrize("has_gqa", [True, False], ids=["torch-2.13-gqa", "torch-2.11-repeat"])

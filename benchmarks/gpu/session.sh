@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # One device call that measures what only a GPU shows, logs under $OUT. From the repository root, with .whl
-# carried (benchmarks/gpu/fetch_wheels.sh):   bash benchmarks/gpu/session.sh [tests|compare|all|float32|profile] [PRESETS]
-# tests:   the CUDA tests (torch's varlen kernel against the reference in bfloat16, budgets) and the CPU-exact
-#          precision/varlen tests;
+# carried (benchmarks/gpu/fetch_wheels.sh):
+#   bash benchmarks/gpu/session.sh [tests|compare|all|float32|profile|sharing] [PRESETS]
+# tests:   the CUDA tests (torch's varlen kernel against the reference in bfloat16, prompt-shared rows with gathered
+#          keys included; training with prompts laid out once on varlen; budgets) and the CPU-exact
+#          precision/varlen/varlen-sharing tests;
 # float32: prefpack and TRL losses on CUDA in float32, every step (first preset);
 # profile: benchmarks/gpu/profile_train.py (torch.profiler over steady steps; first preset);
 # compare: benchmarks/compare_trl.py against TRL 1.16 in bf16 mixed precision, 32 hh pairs per step, the
 #          GPU presets (default "0.7b 1.3b"), vocabulary 151,936; about 3-5 minutes per preset.
+# sharing: prefpack alone on varlen, the compare run twice per preset, data.prefix_sharing=true then false (same
+#          pairs and steps; tokens/s counts every sequence's prompt, so the ratio of the two is the speed-up);
+#          logs sharing_<preset>_<true|false>.log; about 2 minutes per run.
 set -uo pipefail
 py=${PYTHON:-python3}
 what=${1:-all}
@@ -34,7 +39,8 @@ QWEN=${QWEN:-none}
 [ -f .gpu/qwen2.5/tokenizer.json ] && QWEN=.gpu/qwen2.5  # carried: cp -r ../shared/tokenizers/qwen2.5 .gpu/
 if [ "$what" = tests ] || [ "$what" = all ]; then
   PREFPACK_TEST_CUDA=1 timeout "${TESTS_TIMEOUT:-240}" "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-    tests/test_varlen.py tests/test_precision.py tests/test_budgets.py 2>&1 | tee "$OUT/tests.log"
+    tests/test_varlen.py tests/test_varlen_shared.py tests/test_precision.py tests/test_budgets.py 2>&1 \
+    | tee "$OUT/tests.log"
 fi
 if [ "$what" = compare ] || [ "$what" = all ]; then
   for preset in $presets; do
@@ -51,4 +57,14 @@ fi
 if [ "$what" = profile ]; then
   timeout "${PROFILE_TIMEOUT:-200}" "$py" benchmarks/gpu/profile_train.py --preset "${presets%% *}" \
     --qwen-tokenizer "$QWEN" ${EXTRA:-} 2>&1 | tee "$OUT/profile.log"
+fi
+if [ "$what" = sharing ]; then  # prompts laid out once vs not, on varlen; EXTRA adds overrides to both
+  for preset in $presets; do
+    for share in true false; do
+      timeout "${COMPARE_TIMEOUT:-400}" "$py" benchmarks/compare_trl.py --device cuda --dtype bfloat16 \
+        --preset "$preset" --cases qwen --qwen-tokenizer "$QWEN" --batch-pairs 32 --steps "${STEPS:-4}" \
+        --runs prefpack --override "data.prefix_sharing=$share" --override model.attn_implementation=varlen \
+        ${EXTRA:-} 2>&1 | tee "$OUT/sharing_${preset}_${share}.log"
+    done
+  done
 fi

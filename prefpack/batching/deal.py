@@ -30,13 +30,19 @@ def deal_step(task, ids: np.ndarray, *, seed: Any, world: int, balance: str = "t
     elif balance == "tokens":
         # Deal pairs (fine-grained) largest first to the rank with the fewest tokens so far, then let each
         # rank pack its own; dealing whole micro-batches instead leaves a coarser, worse balance.
+        # Examples of one prompt group (``task.schedule_groups()``) go to one rank together: their prompt is laid
+        # out once only if they share a micro-batch.
         sizes = task.example_tokens(ids)
+        groups = getattr(task, "schedule_groups", lambda: None)()
+        keys = np.asarray(groups)[ids] if groups is not None else np.arange(len(ids))
+        _, blocks = np.unique(keys, return_inverse=True)
+        members = [np.flatnonzero(blocks == b) for b in range(int(blocks.max()) + 1)] if len(ids) else []
         parts: list[list[int]] = [[] for _ in range(world)]
         load = [0] * world
-        for k in sorted(range(len(ids)), key=lambda i: (-int(sizes[i]), i)):
+        for m in sorted(members, key=lambda m: (-int(sizes[m].sum()), int(m[0]))):
             r = min(range(world), key=lambda j: (load[j], j))
-            parts[r].append(int(ids[k]))
-            load[r] += int(sizes[k])
+            parts[r].extend(int(ids[k]) for k in m)
+            load[r] += int(sizes[m].sum())
         shares = [task.plan(np.asarray(part, dtype=np.int64), seed=seed) if part else [] for part in parts]
     else:
         raise ValueError(f"unknown balance {balance!r}; choose tokens or count")

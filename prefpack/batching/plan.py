@@ -16,6 +16,7 @@ import numpy as np
 __all__ = [
     "MicroBatch",
     "balanced_rows",
+    "fit_runs",
     "group_rows",
     "pair_lengths",
     "plan_groups",
@@ -116,6 +117,20 @@ def balanced_rows(sizes: np.ndarray, capacity: int) -> list[list[int]]:
     return spread + big
 
 
+def fit_runs(group: np.ndarray, prompt: int, sizes: np.ndarray, capacity: int) -> list[np.ndarray]:
+    """A prompt group's members (``group``: indices into ``sizes``, completion lengths [n, passes]) cut into
+    consecutive runs whose prompt plus completions fit ``capacity`` in every pass, so laying a repeated prompt out
+    once never makes a row longer than its members alone would need (a run holds at least one member)."""
+    runs, start, load = [], 0, np.zeros(sizes.shape[1], dtype=np.int64)
+    for k, i in enumerate(group):
+        if k > start and (prompt + load + sizes[i] > capacity).any():
+            runs.append(group[start:k])
+            start, load = k, np.zeros_like(load)
+        load = load + sizes[i]
+    runs.append(group[start:])
+    return runs
+
+
 def group_rows(rows: list[list[int]], totals: np.ndarray, rows_per_batch: int,
                 min_filling: float) -> list[MicroBatch]:
     """Rows (longest first) into micro-batches of at most ``rows_per_batch`` rows.
@@ -148,7 +163,7 @@ def plan_groups(
     packing: bool = True,
     row_budget: int | None = None,
     longest_sequence=None,
-    sequences_per_group: int = 1,
+    sequences_per_group: int | Sequence[int] | np.ndarray = 1,
     pad_to_multiple_of: int | None = None,
     window: int = 1024,
     seed: int | Sequence[int] | np.random.Generator | None = 0,
@@ -165,7 +180,8 @@ def plan_groups(
     (rows of a micro-batch are padded to the longest). With ``pad_to_multiple_of`` the row capacity is
     rounded down to a multiple, so a padded row still fits the budget.
 
-    Padded (``packing=False``): each group becomes ``sequences_per_group`` rows of its longest sequence
+    Padded (``packing=False``): each group becomes ``sequences_per_group`` rows (one count, or one per group) of its
+    longest sequence
     (``longest_sequence`` [G], default ``totals``); groups of similar length share a micro-batch while
     ``sequences_per_group * groups * padded_length <= token_budget``.
 
@@ -205,20 +221,21 @@ def plan_groups(
     else:
         seq_max = totals if longest_sequence is None else np.asarray(longest_sequence, dtype=np.int64)
         padded = -(-seq_max // m) * m
-        k = int(sequences_per_group)
+        k = np.broadcast_to(np.asarray(sequences_per_group, dtype=np.int64), (n,))  # padded rows per group
         for w in range(0, n, window):
             idx = order[w : w + window]
             idx = idx[np.argsort(-padded[idx], kind="stable")]
             cur: list[int] = []
-            cur_len = 0
+            cur_len = cur_rows = 0
             for i in idx:
                 i = int(i)
                 new_len = max(cur_len, int(padded[i]))
-                if cur and k * (len(cur) + 1) * new_len > token_budget:
+                if cur and (cur_rows + int(k[i])) * new_len > token_budget:
                     batches.append([[p] for p in cur])
-                    cur, new_len = [], int(padded[i])
+                    cur, new_len, cur_rows = [], int(padded[i]), 0
                 cur.append(i)
                 cur_len = new_len
+                cur_rows += int(k[i])
             if cur:
                 batches.append([[p] for p in cur])
 

@@ -31,6 +31,10 @@ class StepSchedule:
     global_batch: int
     seed: int
     shuffle: bool = True
+    # Optional prompt group of each example (ids numbered by first appearance): a shuffle then moves whole groups,
+    # so examples of one prompt stay next to each other and land in one step, where their prompt is laid out once.
+    # With every example its own group (0, 1, 2, ...) the order is exactly the plain permutation.
+    groups: np.ndarray | None = None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -39,7 +43,13 @@ class StepSchedule:
     def epoch_order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
             return np.arange(self.num_pairs)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_pairs)
+        rng = np.random.default_rng([self.seed, epoch])
+        if self.groups is None:
+            return rng.permutation(self.num_pairs)
+        groups = np.asarray(self.groups, dtype=np.int64)
+        rank = np.empty(int(groups.max()) + 1, dtype=np.int64)
+        rank[rng.permutation(rank.shape[0])] = np.arange(rank.shape[0])
+        return np.argsort(rank[groups], kind="stable")
 
     def pairs_for_step(self, step: int) -> tuple[int, np.ndarray]:
         epoch, k = divmod(step, self.steps_per_epoch)

@@ -43,6 +43,7 @@ Budget = int | Literal["auto"]
 Switch = bool | Literal["auto"]
 ReferenceMode = Literal[REFERENCE_MODE_NAMES]  # the reference folder's table
 KLPairing = Literal["step", "fixed"]
+RankedPairs = Literal["best_vs_rest", "all_pairs"]
 FDivergence = Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"]  # losses.F_DIVERGENCES
 Schedule = Literal["cosine", "linear", "constant"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -75,9 +76,13 @@ class DataConfig:
     pad_to_multiple_of: int | None = _f(None, "pad row length up to a multiple of this; null = no rounding")
     shuffle: bool = _f(True, "shuffle pairs every epoch (seeded by train.seed)")
     paired_as_kto: bool = _f(False, "KTO on a pair store: chosen = desirable, rejected = undesirable")
-    prefix_sharing: Switch = _f("auto", "lay out a pair's prompt once in its packed row (about 36% fewer positions "
-                                "on hh); auto = on for pair losses on the packed_sdpa kernel (CPU), the only ones "
-                                "that support it so far; true = required (an error elsewhere)")
+    prefix_sharing: Switch = _f("auto", "lay out each prompt once per prompt group in its packed row (a pair, a "
+                                "ranked prompt's completions, KTO examples of one prompt; about 36% fewer positions "
+                                "on hh); auto = on with packing on the packed_sdpa kernel (CPU); true = also on "
+                                "CUDA's varlen (speed unmeasured), an error where no kernel reads prompt groups")
+    ranked_pairs: RankedPairs = _f("best_vs_rest", "pairs drawn from a ranked store (several scored completions per "
+                                   "prompt): best_vs_rest = the best completion against each lower-scored one, "
+                                   "all_pairs = every pair of completions whose scores differ; ties give no pair")
 
 
 @dataclass

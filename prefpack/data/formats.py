@@ -9,6 +9,9 @@ Layouts:
   "\\n\\nHuman: ...\\n\\nAssistant: ..." or a message list); the prompt is their shared prefix cut back
   to the last assistant-turn boundary.
 - `unpaired`: prompt / completion / label (KTO); prompt and completion are strings or message lists.
+- `ranked`: prompt / completions, a list of several completions of one prompt with a score or a rank each
+  (UltraFeedback-style: ``{"prompt": ..., "completions": [{"text": ..., "score": 8.5}, ...]}``); stored with the
+  prompt once, and the pairs it yields are drawn at train time (``data.ranked_pairs``).
 
 Chat rows may also carry, as TRL's conversational datasets do, a `tools` column (a list of JSON-schema function
 definitions) and a `chat_template_kwargs` column (an object of extra template variables such as
@@ -23,7 +26,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-LAYOUTS = ("pairs", "text-pairs", "messages", "implicit", "unpaired")
+LAYOUTS = ("pairs", "text-pairs", "messages", "implicit", "unpaired", "ranked")
+
+# A ranked row's completion: its text under one of these keys, and a score (higher is better) or a rank (1 is best).
+RANKED_TEXT_KEYS = ("text", "response", "completion", "content")
+RANKED_SCORE_KEYS = ("score", "rating", "overall_score")
+RANKED_RANK_KEY = "rank"
 
 # Where an assistant reply starts in a whole-conversation string; the implicit prompt ends right after the
 # last one that occurs in the two conversations' shared prefix. (name, marker), also listed in the README.
@@ -66,6 +74,7 @@ class Fields:
     rejected: str = "rejected"
     completion: str = "completion"
     label: str = "label"
+    completions: str = "completions"
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -95,11 +104,13 @@ def detect_layout(row: dict, overrides: dict[str, str | None]) -> tuple[str, str
     pname = overrides.get("prompt") or "prompt"
     if has(pname) and has(f.completion) and has(f.label):
         return "unpaired", f"fields {pname!r}, {f.completion!r}, {f.label!r}"
+    if has(pname) and has(f.completions) and isinstance(row[f.completions], list):
+        return "ranked", f"fields {pname!r}, {f.completions!r} (a list of scored completions)"
     raise InvalidRow(
         "unknown_layout",
         None,
         f"cannot detect the layout from the fields {sorted(keys)}; expected prompt/chosen/rejected, "
-        "text/chosen/rejected, chosen/rejected, or prompt/completion/label. Force one with --format and "
+        "text/chosen/rejected, chosen/rejected, prompt/completion/label, or prompt/completions (scored). Force one with --format and "
         "name fields with --prompt-field, --chosen-field, --rejected-field, --completion-field, --label-field",
     )
 
@@ -117,6 +128,7 @@ class Example:
     chat: bool
     label: int | None = None
     completion_fields: tuple[str, ...] = field(default_factory=tuple)
+    scores: tuple[float, ...] | None = None  # ranked rows: one per completion, higher is better
     tools: list[dict] | None = None  # the row's own `tools` (None: not given)
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # the row's own `chat_template_kwargs`
 
@@ -228,6 +240,8 @@ def _extract(row: dict, layout: str, f: Fields) -> Example:
         prompt = _get_str(row, f.prompt)
         completion = _get_str(row, f.completion)
         return Example(prompt, (completion,), chat=False, label=label, completion_fields=(f.completion,))
+    if layout == "ranked":
+        return _extract_ranked(row, f)
     raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
 
 
@@ -361,3 +375,56 @@ def implicit_prompt(chosen: str, rejected: str) -> str | None:
         if pos >= 0:
             best = max(best, pos + len(marker))
     return None if best < 0 else common[:best]
+
+
+def _extract_ranked(row: dict, f: Fields) -> Example:
+    """A prompt with several scored completions: at least two, distinct texts, a finite score (or rank) each."""
+    chat = isinstance(_require(row, f.prompt), list)
+    prompt = _get_messages(row, f.prompt, allow_empty=True) if chat else _get_str(row, f.prompt)
+    items = _require(row, f.completions)
+    if not isinstance(items, list):
+        raise InvalidRow("wrong_type", f.completions, f"field {f.completions!r} must be a list of completions, each "
+                         f"{{\"text\": ..., \"score\": number}}, got {_json_type(items)}")
+    if len(items) < 2:
+        raise InvalidRow("too_few_completions", f.completions, f"field {f.completions!r} holds {len(items)} "
+                         "completion(s); a ranked row needs at least two to yield a pair")
+    texts, scores, names = [], [], []
+    for i, item in enumerate(items):
+        name = f"{f.completions}[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidRow("wrong_type", name, f"field {name!r} must be an object such as {{\"text\": ..., "
+                             f"\"score\": 8.5}}, got {_json_type(item)}")
+        key = next((k for k in RANKED_TEXT_KEYS if k in item), None)
+        if key is None:
+            raise InvalidRow("missing_field", name, f"field {name!r} has no text: give it under one of "
+                             f"{', '.join(repr(k) for k in RANKED_TEXT_KEYS)} (it has {sorted(item)})")
+        wrapped = {f"{name}.{key}": item[key]}
+        if chat:
+            texts.append(_get_messages(wrapped, f"{name}.{key}", as_reply=True))
+        else:
+            texts.append(_get_str(wrapped, f"{name}.{key}"))
+        scores.append(_ranked_score(item, name))
+        names.append(name)
+    for i in range(len(texts)):
+        for j in range(i):
+            if texts[i] == texts[j]:
+                raise InvalidRow("identical_completions", names[i], f"fields {names[j]!r} and {names[i]!r} hold "
+                                 "the same completion; a pair of them would carry no preference")
+    return Example(prompt, tuple(texts), chat=chat, completion_fields=tuple(names), scores=tuple(scores))
+
+
+def _ranked_score(item: dict, name: str) -> float:
+    """Higher is better: the score as given, or minus the rank (rank 1 is the best)."""
+    key = next((k for k in RANKED_SCORE_KEYS if k in item), None)
+    rank = key is None and RANKED_RANK_KEY in item
+    key = RANKED_RANK_KEY if rank else key
+    if key is None:
+        raise InvalidRow("missing_field", name, f"field {name!r} has no score: give one under "
+                         f"{', '.join(repr(k) for k in RANKED_SCORE_KEYS)} (higher is better) or a {RANKED_RANK_KEY!r} "
+                         "(1 is best)")
+    value = item[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value or value in (
+            float("inf"), float("-inf")):
+        raise InvalidRow("wrong_type", f"{name}.{key}", f"field {name}.{key!r} must be a finite number, got "
+                         f"{value!r}")
+    return -float(value) if rank else float(value)

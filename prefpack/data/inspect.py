@@ -19,6 +19,11 @@ def length_stats(store: Store) -> dict[str, Any]:
     if store.kind == "pairs":
         seq = store.column("prompt_len") * 2 + store.column("chosen_len") + store.column("rejected_len")
         stats["pair_tokens"] = _summary(seq)
+    elif store.kind == "ranked":  # prompt lengths per prompt, not per completion row
+        starts = store.group_starts()
+        stats["prompt"] = _summary(store.column("prompt_len")[starts[:-1]])
+        stats["prompts"] = len(starts) - 1
+        stats["completions_per_prompt"] = _summary(np.diff(starts))
     else:
         labels = store.column("label")
         stats["desirable"] = int(labels.sum())
@@ -51,6 +56,11 @@ def decode_row(store: Store, i: int, tok) -> dict[str, Any]:
     if store.kind == "pairs":
         ex = store.pair(i)
         parts = {"prompt": ex.prompt, "chosen": ex.chosen, "rejected": ex.rejected}
+    elif store.kind == "ranked":  # a row is one completion; show it with its prompt, score and group
+        g = int(store.column("group")[i])
+        prompt, comps = store.ranked_group(g)
+        parts = {"prompt": prompt, "completion": comps[i - int(store.group_starts()[g])]}
+        out.update(group=g, score=float(store.scores()[i]))
     else:
         ex = store.unpaired(i)
         parts = {"prompt": ex.prompt, "completion": ex.completion}
@@ -81,6 +91,9 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
         lines.append("counted    " + ", ".join(shown))
     lines.append("")
     lines.append(f"{'lengths':<12}{'mean':>9}{'p50':>7}{'p90':>7}{'max':>7}")
+    if "prompts" in stats:
+        lines.append(f"{'prompts':<12}{stats['prompts']:>9} (completions per prompt: mean "
+                     f"{stats['completions_per_prompt']['mean']:.1f}, max {stats['completions_per_prompt']['max']})")
     for part in ("prompt", "chosen", "rejected", "completion", "pair_tokens"):
         if part in stats:
             s = stats[part]
@@ -95,6 +108,8 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
             if name in row:
                 lines.append(f"--- {name} ({len(row[name + '_ids'])} tokens) ids={row[name + '_ids']}")
                 lines.append(row[name])
+        if "score" in row:
+            lines.append(f"--- score: {row['score']:g} (prompt group {row['group']})")
         if "label" in row:
             lines.append(f"--- label: {'desirable' if row['label'] else 'undesirable'}")
     return "\n".join(lines)

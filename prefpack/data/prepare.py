@@ -82,10 +82,13 @@ class PrepareReport:
     seconds: float
     empty_completions: dict[str, int] = field(default_factory=dict)
     chat: dict[str, int] = field(default_factory=dict)  # "examples" rendered by the chat template, "with_tools"
+    groups: int | None = None  # ranked stores: prompts (each with several completions, the examples)
 
     def summary(self) -> str:
+        what = f"{self.examples} examples" if self.groups is None else \
+            f"{self.groups} prompts with {self.examples} scored completions"
         lines = [
-            f"wrote {self.path}: {self.examples} examples, {self.tokens} tokens from {self.rows_read} rows "
+            f"wrote {self.path}: {what}, {self.tokens} tokens from {self.rows_read} rows "
             f"in {self.seconds:.1f}s ({self.tokens / max(self.seconds, 1e-9):,.0f} tokens/s)",
         ]
         if self.skipped:
@@ -152,6 +155,7 @@ def _process_chunk(chunk: list[RawRow]) -> ChunkResult:
     offset = 0
     empty: Counter = Counter()
     chat: Counter = Counter()
+    groups = 0  # ranked rows written by this chunk (the store writer numbers them globally)
     for raw, ex, res in zip(origin, examples, results):
         if isinstance(res, InvalidRow):
             problems.append(_problem(raw, res.reason, res.field, res.message, raw.row))
@@ -168,6 +172,15 @@ def _process_chunk(chunk: list[RawRow]) -> ChunkResult:
         for what in res.truncated:
             truncated[what] += 1
             flags |= FLAG_PROMPT_TRUNCATED if what == "prompt" else FLAG_COMPLETION_TRUNCATED
+        if ex.scores is not None:  # ranked: one row per completion, the prompt once before the first
+            flat.extend(res.prompt)
+            for c, score in zip(res.completions, ex.scores):
+                rows.append([len(flat), len(res.prompt), len(c), _score_bits(score), groups, flags,
+                             raw.loc_file_index, raw.loc.row])
+                flat.extend(c)
+            groups += 1
+            offset = len(flat)
+            continue
         lens = [len(res.prompt)] + [len(c) for c in res.completions]
         if res.label is not None:
             lens.append(res.label)
@@ -177,10 +190,15 @@ def _process_chunk(chunk: list[RawRow]) -> ChunkResult:
             flat.extend(c)
         offset = len(flat)
     tokens = np.array(flat, dtype=np.int64)
-    width = 7
+    width = 8 if layout == "ranked" else 7
     index = np.asarray(rows, dtype=np.int64).reshape(-1, width)
     problems.sort(key=lambda p: (p["file_index"], p["row"]))
     return ChunkResult(tokens, index, problems, truncated, empty, chat)
+
+
+def _score_bits(score: float) -> int:
+    """A float64 score stored in the int64 index (its bit pattern; ``Store.scores`` reads it back exactly)."""
+    return int(np.array(score, dtype=np.float64).view(np.int64))
 
 
 def _problem(raw: Any, reason: str, field_name: str | None, message: str, content: Any, kind: str = "invalid") -> dict:
@@ -258,7 +276,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
     layout, reason = _choose_layout(opts, sources)
     log(f"layout: {layout} ({reason})")
     template_kwargs, tools, tools_sha = _template_options(opts, layout)
-    kind = "unpaired" if layout == "unpaired" else "pairs"
+    kind = {"unpaired": "unpaired", "ranked": "ranked"}.get(layout, "pairs")
     fields = resolve_fields(layout, opts.fields)
     workers = opts.workers or os.cpu_count() or 1
     tcfg = TokenizeConfig(max_length=opts.max_length, truncation=opts.truncation,
@@ -335,7 +353,8 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
         writer.abort()
         raise
     return PrepareReport(path, layout, reason, writer.n_rows, writer.n_tokens, rows_read, dict(skipped),
-                         dict(dropped), dict(truncated), time.perf_counter() - t0, dict(empty), dict(chat))
+                         dict(dropped), dict(truncated), time.perf_counter() - t0, dict(empty), dict(chat),
+                         writer.n_groups if kind == "ranked" else None)
 
 
 def _template_options(opts: PrepareOptions, layout: str) -> tuple[dict, list | None, str | None]:

@@ -5,7 +5,9 @@ A store is one folder:
   then completion), uint16 when the vocabulary fits, else uint32.
 - `index.bin`: int64 rows, one per example, columns named in meta (`offset`, `prompt_len`, then
   `chosen_len`, `rejected_len` for pairs or `completion_len`, `label` for unpaired data, then `flags`,
-  `source_file`, `source_row`).
+  `source_file`, `source_row`). A ranked store (several scored completions per prompt) has one row per
+  *completion*: `offset` is where the completion starts, the group's prompt (stored once) sits right before its
+  first completion, `score` is the float64 score's bit pattern and `group` numbers the prompts 0, 1, 2, ...
 - `meta.json`: format version, layout, tokenizer identity, counts, drops by reason, sources, arguments.
 - `tokenizer/`: a copy of the tokenizer, so the store can be decoded and trained on by itself.
 - `skipped.jsonl` (only with --skip-invalid): every skipped row with its location and reason.
@@ -34,6 +36,8 @@ FORMAT_NAME = "prefpack-store"
 FORMAT_VERSION = 1
 PAIR_COLUMNS = ("offset", "prompt_len", "chosen_len", "rejected_len", "flags", "source_file", "source_row")
 UNPAIRED_COLUMNS = ("offset", "prompt_len", "completion_len", "label", "flags", "source_file", "source_row")
+RANKED_COLUMNS = ("offset", "prompt_len", "completion_len", "score", "group", "flags", "source_file", "source_row")
+STORE_KINDS = ("pairs", "unpaired", "ranked")
 FLAG_PROMPT_TRUNCATED = 1
 FLAG_COMPLETION_TRUNCATED = 2
 
@@ -135,7 +139,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def columns_for(kind: str) -> tuple[str, ...]:
-    return PAIR_COLUMNS if kind == "pairs" else UNPAIRED_COLUMNS
+    return {"pairs": PAIR_COLUMNS, "ranked": RANKED_COLUMNS}.get(kind, UNPAIRED_COLUMNS)
 
 
 class StoreWriter:
@@ -145,8 +149,8 @@ class StoreWriter:
                  log: Callable[[str], None] | None = _stderr):
         self.path = Path(path)
         self.log = log
-        if kind not in ("pairs", "unpaired"):
-            raise ValueError(f"store kind must be 'pairs' or 'unpaired', not {kind!r}")
+        if kind not in STORE_KINDS:
+            raise ValueError(f"store kind must be one of {STORE_KINDS}, not {kind!r}")
         recover_interrupted(self.path, log=log)
         check_output(self.path, overwrite=overwrite)
         self.kind = kind
@@ -164,6 +168,7 @@ class StoreWriter:
         self._idx_hash = hashlib.sha256()
         self.n_tokens = 0
         self.n_rows = 0
+        self.n_groups = 0  # ranked stores: prompts written so far
         self._closed = False
 
     def append(self, tokens: np.ndarray, index_rows: np.ndarray) -> None:
@@ -172,6 +177,10 @@ class StoreWriter:
             raise StoreError(f"token id out of range [0, {self.vocab_size}) while writing the store")
         rows = np.array(index_rows, dtype=np.int64, copy=True).reshape(-1, len(self.columns))
         rows[:, 0] += self.n_tokens
+        if self.kind == "ranked" and rows.shape[0]:  # group numbers of a block start at 0
+            group = self.columns.index("group")
+            rows[:, group] += self.n_groups
+            self.n_groups = int(rows[-1, group]) + 1
         tb = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
         ib = rows.tobytes()
         self._tokens.write(tb)
@@ -193,6 +202,7 @@ class StoreWriter:
             "index_columns": list(self.columns),
             "num_examples": self.n_rows,
             "num_tokens": self.n_tokens,
+            **({"num_groups": self.n_groups} if self.kind == "ranked" else {}),
             "files": {
                 "tokens.bin": {"bytes": self.n_tokens * self.dtype.itemsize, "sha256": self._tok_hash.hexdigest()},
                 "index.bin": {"bytes": self.n_rows * len(self.columns) * 8, "sha256": self._idx_hash.hexdigest()},
@@ -285,7 +295,7 @@ class Store:
             raise StoreError(f"{meta_path}: corrupt meta.json (bad or missing {exc})") from exc
         if self.dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)):
             raise StoreError(f"{meta_path}: corrupt meta.json (token dtype {self.dtype.name!r}, not uint16/uint32)")
-        if self.columns != columns_for(self.kind):
+        if self.kind not in STORE_KINDS or self.columns != columns_for(self.kind):
             raise StoreError(f"{meta_path}: index columns {self.columns} do not match kind {self.kind!r}")
         self._check_size("tokens.bin", self.num_tokens * self.dtype.itemsize)
         self._check_size("index.bin", self.num_examples * len(self.columns) * 8)
@@ -316,11 +326,31 @@ class Store:
         total = lengths.sum(axis=1)
         offsets = idx[:, 0]
         expected = np.concatenate([[0], np.cumsum(total)[:-1]])
+        if self.kind == "ranked":
+            first = self._check_groups(idx)
+            total = idx[:, 2] + np.where(first, idx[:, 1], 0)  # a group's prompt counts once, before its first row
+            expected = np.concatenate([[0], np.cumsum(total)[:-1]]) + np.where(first, idx[:, 1], 0)
         if not np.array_equal(offsets, expected) or int(total.sum()) != self.num_tokens:
             raise StoreError(f"{self.path}: index.bin offsets do not match the token lengths (or exceed "
                              "tokens.bin): the store is corrupt; prepare it again")
         if self.kind == "unpaired" and not np.isin(idx[:, 3], (0, 1)).all():
             raise StoreError(f"{self.path}: index.bin holds labels other than 0/1: the store is corrupt")
+
+    def _check_groups(self, idx: np.ndarray) -> np.ndarray:
+        """Ranked stores: group numbers run 0, 1, 2, ... over consecutive rows, each group has at least two rows
+        and one prompt length; returns where each group starts (bool per row)."""
+        group = idx[:, self.columns.index("group")]
+        step = np.diff(group)
+        first = np.concatenate([[True], step == 1])
+        sizes = np.diff(np.flatnonzero(np.concatenate([first, [True]])))
+        prompt = idx[:, 1]
+        if group[0] != 0 or not np.isin(step, (0, 1)).all() or (sizes < 2).any() or \
+                (np.diff(prompt)[step == 0] != 0).any() or int(self.meta.get("num_groups", -1)) != int(first.sum()):
+            raise StoreError(f"{self.path}: index.bin's prompt groups are inconsistent: the store is corrupt; "
+                             "prepare it again")
+        if not np.isfinite(self.index[:, self.columns.index("score")].view(np.float64)).all():
+            raise StoreError(f"{self.path}: index.bin holds scores that are not finite numbers: the store is corrupt")
+        return first
 
     def verify(self) -> None:
         """Full check: file hashes against meta.json (catches any flipped bit) and token id ranges."""
@@ -363,11 +393,18 @@ class Store:
     def _where(self, pos: int) -> str:
         """'example I (part, token J; from FILE row R)' for the token at `pos` in tokens.bin."""
         row = int(np.searchsorted(self.index[:, 0], pos, side="right")) - 1
-        off, *lens = (int(x) for x in self.index[row, : 4 if self.kind == "pairs" else 3])
-        names = ("prompt", "chosen", "rejected") if self.kind == "pairs" else ("prompt", "completion")
-        starts = np.cumsum([0, *lens])
-        part = int(np.searchsorted(starts, pos - off, side="right")) - 1
-        name, k = names[part], pos - off - int(starts[part])
+        if self.kind == "ranked":  # completion rows; tokens between a completion's end and the next row are a prompt
+            if row >= 0 and pos < int(self.index[row, 0]) + int(self.index[row, 2]):
+                name, k = "completion", pos - int(self.index[row, 0])
+            else:
+                row += 1
+                name, k = "prompt", pos - int(self.index[row, 0]) + int(self.index[row, 1])
+        else:
+            off, *lens = (int(x) for x in self.index[row, : 4 if self.kind == "pairs" else 3])
+            names = ("prompt", "chosen", "rejected") if self.kind == "pairs" else ("prompt", "completion")
+            starts = np.cumsum([0, *lens])
+            part = int(np.searchsorted(starts, pos - off, side="right")) - 1
+            name, k = names[part], pos - off - int(starts[part])
         src = int(self.index[row, self.columns.index("source_file")])
         sources = self.meta.get("sources") or []
         origin = sources[src].get("path") if 0 <= src < len(sources) and isinstance(sources[src], dict) else None
@@ -393,6 +430,30 @@ class Store:
         off, p, c, label = (int(x) for x in self.index[i, :4])
         t = self.tokens
         return Unpaired(t[off : off + p], t[off + p : off + p + c], label)
+
+    def group_starts(self) -> np.ndarray:
+        """Ranked stores: [G + 1] row numbers where each prompt group starts (its rows are consecutive)."""
+        if self.kind != "ranked":
+            raise StoreError(f"{self.path} holds {self.kind}, not ranked completions")
+        cached = getattr(self, "_group_starts", None)
+        if cached is None:
+            group = self.column("group")
+            first = np.concatenate([[True], np.diff(group) == 1]) if len(group) else np.zeros(0, bool)
+            cached = self._group_starts = np.append(np.flatnonzero(first), len(group)).astype(np.int64)
+        return cached
+
+    def scores(self) -> np.ndarray:
+        """Ranked stores: each completion's score (float64, higher is better)."""
+        return np.ascontiguousarray(self.column("score")).view(np.float64)
+
+    def ranked_group(self, g: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Ranked stores: group ``g``'s prompt ids and its completions' ids (in store order)."""
+        starts = self.group_starts()
+        a, b = int(starts[g]), int(starts[g + 1])
+        t = self.tokens
+        first_off, p = int(self.index[a, 0]), int(self.index[a, 1])
+        comps = [t[int(self.index[i, 0]) : int(self.index[i, 0]) + int(self.index[i, 2])] for i in range(a, b)]
+        return t[first_off - p : first_off], comps
 
     def tokenizer_path(self) -> Path:
         return self.path / "tokenizer"

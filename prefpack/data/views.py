@@ -9,7 +9,7 @@ import numpy as np
 
 from prefpack.data.store import Store, StoreError
 
-__all__ = ["StorePairs", "UnpairedView"]
+__all__ = ["RANKED_PAIR_MODES", "RankedGroups", "StorePairs", "UnpairedView", "group_pairs"]
 
 
 class StorePairs:
@@ -98,3 +98,69 @@ def _prompt_groups(store: Store) -> np.ndarray:
         key = hashlib.blake2b(np.asarray(tokens[o : o + n]).tobytes(), digest_size=16).digest()
         out[i] = seen.setdefault(key, len(seen))
     return out
+
+
+RANKED_PAIR_MODES = ("best_vs_rest", "all_pairs")
+
+
+class RankedGroups:
+    """A ranked store (several scored completions per prompt) read as prompt groups and the pairs they yield.
+
+    Example ``i`` is the i-th prompt group that yields at least one pair (a group whose scores all tie yields none
+    and is counted in ``groups_without_pairs``). ``best_vs_rest``: the best completion (the first of the top score)
+    against each completion scored lower; ``all_pairs``: every (higher, lower) pair of completions whose scores
+    differ. Pairs are (chosen, rejected) indices of the group's completions, in store order.
+    """
+
+    def __init__(self, store: Store, mode: str = "best_vs_rest"):
+        if store.kind != "ranked":
+            raise StoreError(f"store {str(store.path)!r} holds {store.kind}, not ranked completions")
+        if mode not in RANKED_PAIR_MODES:
+            raise ValueError(f"unknown ranked pairing {mode!r}; choose {', '.join(RANKED_PAIR_MODES)}")
+        self.store, self.mode = store, mode
+        starts = store.group_starts()
+        scores = store.scores()
+        prompt_len = store.column("prompt_len").astype(np.int64)
+        completion_len = store.column("completion_len").astype(np.int64)
+        groups, pairs = [], []
+        for g in range(len(starts) - 1):
+            got = group_pairs(scores[starts[g]:starts[g + 1]], mode)
+            if got:
+                groups.append(g)
+                pairs.append(got)
+        self.groups = np.asarray(groups, dtype=np.int64)  # store group number of each example
+        self.pairs = pairs  # per example: [(chosen, rejected), ...] completion indices within the group
+        self.groups_without_pairs = len(starts) - 1 - len(groups)
+        self.first_row = starts[self.groups]  # store row of each example's first completion
+        self.sizes = (starts[self.groups + 1] - self.first_row).astype(np.int64)  # completions per example
+        self.prompt_len = prompt_len[self.first_row]
+        rows = [np.arange(a, a + k) for a, k in zip(self.first_row, self.sizes)]
+        self.completion_len = [completion_len[r] for r in rows]
+        self.num_pairs = np.asarray([len(p) for p in pairs], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self.groups.shape[0])
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        return self.store.ranked_group(int(self.groups[int(i)]))
+
+    def rows(self, i: int) -> np.ndarray:
+        """Store rows (one per completion) of example ``i``."""
+        return np.arange(int(self.first_row[i]), int(self.first_row[i] + self.sizes[i]))
+
+    def costs(self, ids: np.ndarray, *, shared: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Positions each example takes in a packed row (its prompt once with ``shared``, else once per completion)
+        and its longest sequence (prompt + longest completion)."""
+        p = self.prompt_len[ids]
+        total = np.asarray([int(self.completion_len[i].sum()) for i in ids], dtype=np.int64)
+        longest = np.asarray([int(self.completion_len[i].max()) for i in ids], dtype=np.int64)
+        return (p if shared else p * self.sizes[ids]) + total, p + longest
+
+
+def group_pairs(scores: np.ndarray, mode: str) -> list[tuple[int, int]]:
+    """(chosen, rejected) index pairs of one prompt's completions from their scores (higher is better)."""
+    if mode == "best_vs_rest":
+        best = int(np.argmax(scores))  # the first of the top score
+        return [(best, j) for j in range(len(scores)) if scores[j] < scores[best]]
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    return [(i, j) for i in order for j in range(len(scores)) if scores[i] > scores[j]]

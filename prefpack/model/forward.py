@@ -13,7 +13,11 @@ and ``use_cache=False``. transformers (5.23) then builds the attention from the 
   would run plain causal attention across sequences. So for flash implementations and prefpack's ``varlen``
   (``flatten=None`` picks it automatically) the micro-batch is flattened to one row ``[1, real tokens]``,
   dropping row padding. For ``varlen`` the sequence boundaries (``cu_seq_lens_q``) are computed here, once per
-  forward and on the host, and handed to every layer.
+  forward and on the host, and handed to every layer; for prompt-shared rows also the key boundaries
+  (``cu_seq_lens_k``) and the key gather index (``varlen.KEY_INDEX``) that let a completion read its prompt.
+
+Prompt-shared rows (``Batch.score_positions``) need a kernel that reads prompt groups from position ids
+(:func:`reads_prompt_groups`: ``packed_sdpa``, ``varlen``); other flattening kernels (flash-attn) refuse them.
 
 The model runs in its recorded compute dtype (``prefpack.precision``: autocast over float32 master weights).
 
@@ -40,6 +44,7 @@ from torch import nn
 
 from prefpack.batching.collate import Batch
 from prefpack.model.attention import varlen
+from prefpack.model.attention.packed_sdpa import NAME as PACKED_SDPA
 from prefpack.model.head import body_and_head, head_spec
 from prefpack.model.logprobs import DEFAULT_CHUNK_SIZE, completion_logprobs, segment_sum
 from prefpack.precision import compute_context
@@ -51,9 +56,11 @@ __all__ = [
     "check_against_model",
     "packing_leak",
     "pair_logps",
+    "reads_prompt_groups",
     "router_aux_loss_coef",
     "router_aux_loss_func",
     "sequence_logps",
+    "sibling_leak",
     "split_pairs",
     "uses_flash_attention",
 ]
@@ -90,11 +97,22 @@ def uses_flash_attention(model: nn.Module) -> bool:
     return "flash" in impl.lower() or impl == varlen.NAME
 
 
+def reads_prompt_groups(model: nn.Module) -> bool:
+    """True when the model's attention reads prompt groups from position ids (prompt-shared rows run on it)."""
+    return attention_name(model) in (PACKED_SDPA, varlen.NAME)
+
+
 def _boundary_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
-    """transformers' flash keyword arguments for a flattened row, computed on the host (no device sync)."""
-    cu, longest = varlen.sequence_bounds(position_ids.cpu())
-    cu = cu.to(device, non_blocking=True)
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    """transformers' flash keyword arguments for a flattened row, computed on the host (no device sync); with
+    prompt groups also the gathered keys' boundaries and index (tensors and ints: a compiled layer sees the same
+    kinds of inputs every step)."""
+    b = varlen.group_bounds(position_ids.cpu())
+    cu = b.cu_q.to(device, non_blocking=True)
+    kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": b.max_q, "max_length_k": b.max_q}
+    if b.key_index is not None:
+        kwargs.update({"cu_seq_lens_k": b.cu_k.to(device, non_blocking=True), "max_length_k": b.max_k,
+                       varlen.KEY_INDEX: b.key_index.to(device, non_blocking=True)})
+    return kwargs
 
 
 def _hidden(out) -> torch.Tensor:
@@ -172,8 +190,12 @@ def sequence_logps(
     device = spec.weight.device
     if flatten is None:
         flatten = uses_flash_attention(model)
+    name = attention_name(model)
+    if batch.score_positions is not None and not (name == varlen.NAME or (name == PACKED_SDPA and not flatten)):
+        raise ValueError(f"prompt-shared rows run on the packed_sdpa and varlen kernels; this model's attention "
+                         f"({name or '?'}{', flattened' if flatten else ''}) does not read prompt groups")
     extra = {}
-    if batch.packed and flatten and attention_name(model) == varlen.NAME:
+    if batch.packed and flatten and name == varlen.NAME:
         extra = _boundary_kwargs(batch.position_ids[batch.token_mask], device)
     aux = router_aux_loss_func(model) if router_aux else None
     if aux is not None:
@@ -225,9 +247,6 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
                     pair_tails: bool = False, wpo: bool = False) -> SequenceOutput:
     mask = None
     shared = batch.score_positions is not None
-    if shared and flatten:
-        raise ValueError("prompt-shared rows run on the packed_sdpa kernel; this model's attention flattens the "
-                         "micro-batch (varlen / flash), which does not read prompt groups yet")
     if batch.packed:
         input_ids, position_ids = batch.input_ids, batch.position_ids
         loss_mask, targets, seq_index = batch.loss_mask, batch.target_ids, batch.seq_index
@@ -250,7 +269,10 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
         mask = batch.attention_mask
     hidden = _hidden(out)
     if shared:  # a shared prompt's last position is scored once per completion it precedes
-        h = hidden.reshape(-1, hidden.shape[-1])[batch.score_positions]
+        at = batch.score_positions
+        if flatten:  # indices into [B * L] -> into the flattened real tokens
+            at = (batch.token_mask.reshape(-1).cumsum(0) - 1)[at]
+        h = hidden.reshape(-1, hidden.shape[-1])[at]
         scored_targets, index = batch.score_targets, batch.score_sequences
     else:
         h = hidden[loss_mask]  # [N, H]: gathered before the head
@@ -347,28 +369,58 @@ def check_against_model(
     return float((ours.view_as(ref).float() - ref).abs().max())
 
 
-def packing_leak(model: nn.Module) -> float:
+def packing_leak(model: nn.Module, *, siblings: bool = True) -> float:
     """How far a sequence's hidden states move when the OTHER sequence of its packed row changes (0 when
-    attention stays within sequences, as packing needs).
+    attention stays within sequences, as packing needs); with ``siblings`` and a kernel that reads prompt groups,
+    the larger of that and :func:`sibling_leak`.
 
     Models whose attention ignores position-id boundaries (ALiBi models such as Bloom, custom code) would
     otherwise train on pairs that see each other, silently. Two tiny seeded rows, no gradients.
     """
+    g = torch.Generator().manual_seed(0)
+    first, other, second = (_random_ids(model, n, g) for n in (5, 5, 6))
+    position_ids = torch.cat([torch.arange(5), torch.arange(6)])
+    leak = _moved(model, [torch.cat([head, second]) for head in (first, other)], position_ids, slice(5, None))
+    return max(leak, sibling_leak(model)) if siblings else leak
+
+
+def sibling_leak(model: nn.Module) -> float:
+    """How far a completion's hidden states move when a SIBLING of its prompt group changes: the row
+    ``prompt, c1, c2`` (positions of both completions continuing from the prompt), c1 changed. 0 when siblings
+    never see each other, as prompt sharing needs; 0.0 at once for a kernel that does not read prompt groups.
+
+    The kernel runs with the keywords training hands it (varlen: the gathered keys computed on the host), so a
+    wrong key gather shows here, at load, rather than as pairs that silently see each other.
+    """
+    if not reads_prompt_groups(model):
+        return 0.0
+    g = torch.Generator().manual_seed(1)
+    prompt, c1, other, c2 = (_random_ids(model, n, g) for n in (4, 3, 3, 5))
+    position_ids = torch.cat([torch.arange(7), torch.arange(4, 9)])
+    return _moved(model, [torch.cat([prompt, c, c2]) for c in (c1, other)], position_ids, slice(7, None))
+
+
+def _random_ids(model: nn.Module, n: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, int(model.get_input_embeddings().weight.shape[0]), (n,), generator=g)
+
+
+@torch.no_grad()
+def _moved(model: nn.Module, rows: list[torch.Tensor], position_ids: torch.Tensor, part: slice) -> float:
+    """Max |difference| of the hidden states at ``part`` between two one-row inputs (relative to their size), run
+    as training runs them: eval mode, the compute dtype, the kernel's keywords for a flattened row."""
     body, _ = body_and_head(model)
     device = head_spec(model).weight.device
-    vocab = int(model.get_input_embeddings().weight.shape[0])
-    g = torch.Generator().manual_seed(0)
-    first, other, second = (torch.randint(0, vocab, (n,), generator=g) for n in (5, 5, 6))
-    position_ids = torch.cat([torch.arange(5), torch.arange(6)])[None].to(device)
+    extra = _boundary_kwargs(position_ids, device) if attention_name(model) == varlen.NAME else {}
+    pos = position_ids[None].to(device)
     outs = []
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), compute_context(model, device):  # the kernel training will run, in its dtype
-            for head in (first, other):
-                ids = torch.cat([head, second])[None].to(device)
-                out = body(input_ids=ids, position_ids=position_ids, attention_mask=None, use_cache=False)
-                outs.append(_hidden(out)[0, 5:].float())
+        with compute_context(model, device):  # the kernel training will run, in its dtype
+            for ids in rows:
+                out = body(input_ids=ids[None].to(device), position_ids=pos, attention_mask=None, use_cache=False,
+                           **extra)
+                outs.append(_hidden(out)[0, part].float())
     finally:
         model.train(was_training)
     scale = 1.0 + float(outs[0].abs().max())

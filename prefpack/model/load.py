@@ -79,7 +79,7 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
     from transformers import AutoModelForCausalLM
 
     from prefpack.model.compile import compile_decoder_layers
-    from prefpack.model.forward import packing_leak
+    from prefpack.model.forward import packing_leak, sibling_leak
 
     register_packed_attention()
     varlen.register()
@@ -111,13 +111,19 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
     model = model.to(device)
     set_compute_dtype(model, precision)
     if packed:
-        leak = packing_leak(model)
+        leak = packing_leak(model, siblings=False)
+        impl = getattr(model.config, "_attn_implementation", "?")
         if leak > PACKING_LEAK_TOLERANCE:
-            impl = getattr(model.config, "_attn_implementation", "?")
             raise ModelError(
                 f"model {name_or_path!r} ({type(model).__name__}, attention {impl!r}) lets packed sequences attend "
                 f"to each other (a sequence's hidden states moved by {leak:.2g}, relative, when the other sequence of "
                 "its row changed), so prefpack cannot pack it; set data.packing=false for the padded fallback")
+        leak = sibling_leak(model)  # 0 unless the kernel reads prompt groups
+        if leak > PACKING_LEAK_TOLERANCE:
+            raise ModelError(
+                f"model {name_or_path!r} ({type(model).__name__}, attention {impl!r}) lets the completions of a "
+                f"prompt group attend to each other (a completion's hidden states moved by {leak:.2g}, relative, when "
+                "its sibling changed); set data.prefix_sharing=false and model.attn_implementation=sdpa")
     if compile_layers and not compile_decoder_layers(model, fall_back=compile_layers == "auto") \
             and compile_layers != "auto":
         raise ModelError(f"model {name_or_path!r}: model.compile found no list of decoder layers to compile; "

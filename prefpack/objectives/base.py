@@ -64,6 +64,16 @@ class Objective:
         """Tokens each example costs, for balancing ranks."""
         raise NotImplementedError
 
+    def schedule_groups(self) -> np.ndarray | None:
+        """The prompt group of each example, for a shuffle that keeps a group's examples in one step (None: every
+        example on its own)."""
+        return None
+
+    def units(self, ids: np.ndarray) -> int:
+        """The per-example loss values a step's examples give, which the step's loss is averaged over: one per
+        example, except ranked prompt groups, which give one per pair they yield."""
+        return len(ids)
+
     def plan(self, ids: np.ndarray, *, seed: Any) -> list[Planned]:
         raise NotImplementedError
 

@@ -27,11 +27,17 @@ the same micro-batch). Packed (default): main sequences are packed into rows of 
 ``data.max_tokens_per_row`` tokens, ``train.micro_batch_tokens // max_tokens_per_row`` rows per micro-batch
 (the budget of the gradient pass; ``prefpack.batching``'s one planner and collator, an example being a group of
 one sequence); the micro-batch's KL sequences are packed into their own rows under the
-same row budget for the no-grad pass. Padded (``data.packing=false``): one sequence per row. Either way the
-batch reads with the key names TRL's KTO collator uses: ``input_ids``, ``attention_mask``,
-``completion_mask`` for the policy branch, ``KL_input_ids``, ``KL_attention_mask``, ``KL_completion_mask``
-for the KL branch, and ``label``. ``completion_mask`` is 1 where the *input* token is a completion token
-(TRL's meaning; ``Batch.loss_mask`` is the same thing shifted onto the position that predicts it).
+same row budget for the no-grad pass. With ``data.prefix_sharing`` (packed only) the step's examples are planned by
+prompt group (``UnpairedView.groups``: a pair's two halves under ``paired_as_kto``, or repeated prompts of an
+unpaired store): a group's examples share one row (cut into runs where they would not fit one), its prompt laid
+out once then each completion, and their KL sequences (the same prompt with each partner's completion) are laid
+out the same way in the KL rows. Examples are numbered in group order, so example k is still sequence k of both
+passes; a micro-batch whose groups are all single examples keeps the unshared layout. Padded
+(``data.packing=false``): one sequence per row. Either way the batch reads with the key names TRL's KTO collator
+uses: ``input_ids``, ``attention_mask``, ``completion_mask`` for the policy branch, ``KL_input_ids``,
+``KL_attention_mask``, ``KL_completion_mask`` for the KL branch, and ``label``. ``completion_mask`` is 1 where the
+*input* token is a completion token (TRL's meaning; ``Batch.loss_mask`` is the same thing shifted onto the position
+that predicts it).
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import torch
 from torch import nn
 
 from prefpack.batching.collate import Batch, collate_groups
-from prefpack.batching.plan import balanced_rows, plan_groups, round_up
+from prefpack.batching.plan import balanced_rows, fit_runs, plan_groups, round_up
 from prefpack.batching.schedule import StepKey, StepSchedule
 from prefpack.data.kl_pairing import SALT_STEP, fixed_kl_partners, step_kl_partners
 from prefpack.data.store import Store, StoreError
@@ -76,11 +82,36 @@ def _computed(row_sizes: list[int], m: int) -> int:
     return len(row_sizes) * round_up(max(row_sizes), m)
 
 
+def _kl_rows(mb_groups: list[int], groups: list[np.ndarray], kl_cost: np.ndarray,
+             capacity: int) -> tuple[list[list[int]], list[int]]:
+    """A micro-batch's KL rows (positions in its flat example order) and their sizes: whole prompt groups
+    (``mb_groups``, in flat order) balanced over rows, so a group's KL sequences can share their prompt too."""
+    starts = np.cumsum([0] + [len(groups[g]) for g in mb_groups])
+    sizes = kl_cost[mb_groups]
+    rows = balanced_rows(sizes, capacity)
+    return ([[int(k) for j in r for k in range(starts[j], starts[j + 1])] for r in rows],
+            [int(sizes[r].sum()) for r in rows])
+
+
+def _completion_mask(parts, rows: list[list[int]], shape) -> torch.Tensor:
+    """TRL's ``completion_mask`` (1 where the input token is a completion token) of a prompt-shared layout:
+    each group's prompt, then its completions back to back (``collate_groups(share_prompts=True)``)."""
+    mask = torch.zeros(shape, dtype=torch.int64)
+    for r, row in enumerate(rows):
+        at = 0
+        for g in row:
+            prompt, completions = parts[g]
+            n = sum(len(c) for c in completions)
+            mask[r, at + len(prompt) : at + len(prompt) + n] = 1
+            at += len(prompt) + n
+    return mask
+
+
 @dataclass
 class KTOPlanned(Planned):
     """A planned KTO micro-batch: ``rows`` of example ids (the main pass), each example's KL partner
     (aligned with ``rows``; -1 without a KL branch) and the KL rows (indices into the micro-batch's examples
-    in row order)."""
+    in row order; with shared prompts a prompt group's examples sit together in one KL row, as in ``rows``)."""
 
     kl_partners: list[list[int]]
     kl_rows: list[list[int]]
@@ -275,11 +306,17 @@ class KTOTask(Objective):
         if self._step_cache is not None and self._step_cache[0] == step:
             return self._step_cache[1]
         tr = self.cfg.train
-        _, step_ids = StepSchedule(len(self), tr.global_batch_pairs, self.seed, self.cfg.data.shuffle
-                                   ).pairs_for_step(step)
+        _, step_ids = StepSchedule(len(self), tr.global_batch_pairs, self.seed, self.cfg.data.shuffle,
+                                   self.schedule_groups()).pairs_for_step(step)
         partners = step_kl_partners(step_ids, self.view.groups, [self.seed, step, SALT_STEP], self.fixed_partners())
         self._step_cache = (step, (step_ids, partners))
         return step_ids, partners
+
+    def schedule_groups(self) -> np.ndarray:
+        """Examples of one prompt (a pair's two halves with ``data.paired_as_kto``, several completions of a prompt
+        in an unpaired store) are shuffled as a block, so they share a step and, packed, one copy of the prompt.
+        Stores whose prompts all differ shuffle exactly as before."""
+        return self.view.groups
 
     def example_tokens(self, ids: np.ndarray) -> np.ndarray:
         """Tokens each example costs, for balancing ranks: its sequence, twice with a KL branch (the KL
@@ -290,6 +327,24 @@ class KTOTask(Objective):
 
     # ---- Task protocol
 
+    @property
+    def shares_prompts(self) -> bool:
+        """A prompt group's examples laid out after one copy of their prompt (``data.prefix_sharing``, packed only)."""
+        return bool(self.cfg.data.prefix_sharing) and self.cfg.data.packing
+
+    def _step_groups(self, ids: np.ndarray, partners: np.ndarray, capacity: int) -> list[np.ndarray]:
+        """Positions in ``ids`` by prompt group (groups in order of first appearance, examples in ``ids`` order)
+        when prompts are shared, so the planner keeps a group in one row; else one example per group. A group
+        longer than a row (many completions of one prompt) is cut into runs that fit, in both passes."""
+        if not self.shares_prompts:
+            return [np.array([k]) for k in range(len(ids))]
+        v = self.view
+        _, first, inverse = np.unique(v.groups[ids], return_index=True, return_inverse=True)
+        rank = np.argsort(np.argsort(first))[inverse]
+        sizes = np.stack([v.completion_len[ids], v.completion_len[np.maximum(partners, 0)]], axis=1)
+        return [run for g in np.split(np.argsort(rank, kind="stable"), np.cumsum(np.bincount(rank))[:-1])
+                for run in fit_runs(g, int(v.prompt_len[ids[g[0]]]), sizes, capacity)]
+
     def plan(self, ids: np.ndarray, *, seed: Any) -> list[KTOPlanned]:
         d, tr = self.cfg.data, self.cfg.train
         ids = np.asarray(ids, dtype=np.int64)
@@ -299,30 +354,36 @@ class KTOTask(Objective):
         kl_len = v.prompt_len[ids] + v.completion_len[np.maximum(partners, 0)]
         row_budget = min(d.max_tokens_per_row, tr.micro_batch_tokens)
         m = d.pad_to_multiple_of or 1
+        capacity = max((row_budget // m) * m, 1)
+        groups = self._step_groups(ids, partners, capacity)
+        # positions a group takes in a packed row: its prompt once, then each completion (one example: its sequence)
+        prompt = v.prompt_len[ids[[g[0] for g in groups]]]
+        completion, kl_completion = v.completion_len[ids], v.completion_len[np.maximum(partners, 0)]
+        main_cost = prompt + np.array([completion[g].sum() for g in groups], dtype=np.int64)
+        kl_cost = prompt + np.array([kl_completion[g].sum() for g in groups], dtype=np.int64)
         out = []
-        for mb in plan_groups(main_len, token_budget=tr.micro_batch_tokens, packing=d.packing, row_budget=row_budget,
+        for mb in plan_groups(main_cost, token_budget=tr.micro_batch_tokens, packing=d.packing, row_budget=row_budget,
                               pad_to_multiple_of=d.pad_to_multiple_of, seed=seed):
-            flat = [i for r in mb for i in r]
+            rows = [[int(k) for g in r for k in groups[g]] for r in mb]
+            flat = [k for r in rows for k in r]
             if d.packing:
-                main_rows = [int(main_len[r].sum()) for r in mb]
+                main_rows = [int(main_cost[r].sum()) for r in mb]
             else:
                 main_rows = [int(main_len[flat].max())] * len(flat)
             real = int(main_len[flat].sum())
             computed = _computed(main_rows, m)
             kl_rows: list[list[int]] = []
             if self.needs_kl:
-                sizes = kl_len[flat]
                 if d.packing:
-                    kl_rows = balanced_rows(sizes, max((row_budget // m) * m, 1))
-                    kl_row_sizes = [int(sizes[r].sum()) for r in kl_rows]
+                    kl_rows, kl_row_sizes = _kl_rows([g for r in mb for g in r], groups, kl_cost, capacity)
                 else:
                     kl_rows = [[k] for k in range(len(flat))]
-                    kl_row_sizes = [int(sizes.max())] * len(flat)
-                real += int(sizes.sum())
+                    kl_row_sizes = [int(kl_len[flat].max())] * len(flat)
+                real += int(kl_len[flat].sum())
                 computed += _computed(kl_row_sizes, m)
-            out.append(KTOPlanned(rows=[[int(ids[i]) for i in r] for r in mb], real_tokens=real,
+            out.append(KTOPlanned(rows=[[int(ids[k]) for k in r] for r in rows], real_tokens=real,
                                   computed_tokens=computed,
-                                  kl_partners=[[int(partners[i]) for i in r] for r in mb],
+                                  kl_partners=[[int(partners[k]) for k in r] for r in rows],
                                   kl_rows=kl_rows))
         return out
 
@@ -332,23 +393,60 @@ class KTOTask(Objective):
         flat = [i for r in planned.rows for i in r]
         partners = [p for r in planned.kl_partners for p in r]
         examples = [v[i] for i in flat]
-        local_rows, at = [], 0
-        for r in planned.rows:
-            local_rows.append(list(range(at, at + len(r))))
-            at += len(r)
-        main, cmask = collate_groups([(p, (c,)) for p, c, _ in examples], local_rows if d.packing else None,
-                                     ids=flat, pad_id=self.pad_id, pad_to_multiple_of=d.pad_to_multiple_of,
-                                     completion_mask=True)
-        kl = kl_cmask = None
-        if self.needs_kl:
-            kl_groups = [(examples[k][0], (v.completion(partners[k]),)) for k in range(len(flat))]
-            kl, kl_cmask = collate_groups(kl_groups, planned.kl_rows if d.packing else None, ids=flat,
-                                          pad_id=self.pad_id, pad_to_multiple_of=d.pad_to_multiple_of,
-                                          completion_mask=True)
+        groups, group_rows = self._row_groups(planned.rows)
+        if len(groups) < len(flat):  # some prompt is shared: one copy per group in both passes
+            main, kl, cmask, kl_cmask = self._collate_shared(examples, flat, partners, groups, group_rows,
+                                                             planned.kl_rows)
+        else:
+            main, cmask = collate_groups([(p, (c,)) for p, c, _ in examples], group_rows if d.packing else None,
+                                         ids=flat, pad_id=self.pad_id, pad_to_multiple_of=d.pad_to_multiple_of,
+                                         completion_mask=True)
+            kl = kl_cmask = None
+            if self.needs_kl:
+                kl_groups = [(examples[k][0], (v.completion(partners[k]),)) for k in range(len(flat))]
+                kl, kl_cmask = collate_groups(kl_groups, planned.kl_rows if d.packing else None, ids=flat,
+                                              pad_id=self.pad_id, pad_to_multiple_of=d.pad_to_multiple_of,
+                                              completion_mask=True)
         return KTOBatch(main=main, kl=kl, completion_mask=cmask, kl_completion_mask=kl_cmask,
                         label=torch.tensor([lab for _, _, lab in examples], dtype=torch.bool),
                         example_ids=torch.tensor(flat, dtype=torch.int64),
                         kl_ids=torch.tensor(partners, dtype=torch.int64))
+
+    def _row_groups(self, rows: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+        """The micro-batch's groups (positions in its flat example order) and each row's groups: with shared
+        prompts, consecutive examples of one row with the same prompt (how :meth:`plan` lays a group out)."""
+        groups: list[list[int]] = []
+        group_rows: list[list[int]] = []
+        at = 0
+        for r in rows:
+            group_rows.append([])
+            for k, i in enumerate(r):
+                if not (self.shares_prompts and k and self.view.groups[i] == self.view.groups[r[k - 1]]):
+                    groups.append([])
+                    group_rows[-1].append(len(groups) - 1)
+                groups[-1].append(at + k)
+            at += len(r)
+        return groups, group_rows
+
+    def _collate_shared(self, examples, flat, partners, groups, group_rows, kl_rows):
+        """The main and KL batches and completion masks of :meth:`collate` with each group's prompt laid out once,
+        in the main rows and in the KL rows (a group's KL sequences are its prompt with each partner's completion)."""
+        d, v = self.cfg.data, self.view
+        main_parts = [(examples[g[0]][0], tuple(examples[k][1] for k in g)) for g in groups]
+        group_ids = [int(v.groups[flat[g[0]]]) for g in groups]  # Batch.group_ids: the view's prompt group
+        main = collate_groups(main_parts, group_rows, ids=group_ids, pad_id=self.pad_id,
+                              pad_to_multiple_of=d.pad_to_multiple_of, share_prompts=True)
+        kl = kl_cmask = None
+        if self.needs_kl:
+            of = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+            kl_group_rows = [list(dict.fromkeys(int(of[k]) for k in r)) for r in kl_rows]
+            if sum(len(groups[g]) for r in kl_group_rows for g in r) != len(of):
+                raise ValueError("a prompt group's KL sequences must share one KL row")
+            kl_parts = [(examples[g[0]][0], tuple(v.completion(partners[k]) for k in g)) for g in groups]
+            kl = collate_groups(kl_parts, kl_group_rows, ids=group_ids, pad_id=self.pad_id,
+                                pad_to_multiple_of=d.pad_to_multiple_of, share_prompts=True)
+            kl_cmask = _completion_mask(kl_parts, kl_group_rows, kl.input_ids.shape)
+        return main, kl, _completion_mask(main_parts, group_rows, main.input_ids.shape), kl_cmask
 
     @staticmethod
     def _policy_logps(policy: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 from torch import nn
 
 from prefpack.batching.collate import collate, collate_packed
@@ -85,7 +86,10 @@ class PairTask(Objective):
         return collate(self.pairs, planned.rows, packing=d.packing, pad_id=self.pad_id,
                        pad_to_multiple_of=d.pad_to_multiple_of)
 
-    def loss(self, policy: nn.Module, reference: Reference, batch, step: StepState) -> LossOutput:
+    def pair_sums(self, policy: nn.Module, reference: Reference, batch) -> tuple[PairLogps, torch.Tensor | None,
+                                                                                 torch.Tensor | None]:
+        """The batch's pairs as :class:`PairLogps` (policy and reference sums), their WPO weights (or None) and the
+        MoE aux loss (or None): sequence ``2p`` is pair p's chosen, ``2p + 1`` its rejected."""
         cfg = self.cfg
         res = policy(batch)  # `policy` maps a batch to a SequenceOutput (SequenceLogps, maybe wrapped)
         pol = split_pairs(res[0], res[1])
@@ -114,13 +118,19 @@ class PairTask(Objective):
         weights = None
         if cfg.loss.use_weighting:
             weights = wpo_weights(wpo_mean[0::2], wpo_mean[1::2]).to(device, dtype)
+        return logps, weights, aux
+
+    def loss(self, policy: nn.Module, reference: Reference, batch, step: StepState) -> LossOutput:
+        cfg = self.cfg
+        logps, weights, aux = self.pair_sums(policy, reference, batch)
+        pol_chosen, pol_rejected = logps.policy_chosen, logps.policy_rejected
         out = preference_loss(logps, self.terms, beta=cfg.loss.beta, label_smoothing=cfg.loss.label_smoothing,
                               simpo_gamma=cfg.loss.simpo_gamma, bco_delta=self.running.get("bco_delta", 0.0),
                               discopop_tau=cfg.loss.discopop_tau, f_divergence_type=cfg.loss.f_divergence_type,
-                              f_alpha_divergence_coef=cfg.loss.f_alpha_divergence_coef, ld_alpha=ld_alpha,
+                              f_alpha_divergence_coef=cfg.loss.f_alpha_divergence_coef, ld_alpha=cfg.loss.ld_alpha,
                               pair_weights=weights)
         # Whether the policy itself ranks chosen above rejected (meaningful even when the reference equals it).
-        out.metrics["logps/accuracies"] = (pol.chosen.detach() > pol.rejected.detach()).to(pol.chosen.dtype)
+        out.metrics["logps/accuracies"] = (pol_chosen.detach() > pol_rejected.detach()).to(pol_chosen.dtype)
         if aux is not None and self.router_aux_loss_coef:
             # MoE router load-balancing loss (TRL: loss + coef * aux_loss, per forward). Losses here are per pair and
             # the loop divides the step's sum by its pair count, so coef * aux is added to EVERY pair of this

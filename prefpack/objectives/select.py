@@ -7,6 +7,7 @@ from prefpack.losses import UNPAIRED_LOSS_NAMES
 from prefpack.objectives.base import Objective
 from prefpack.objectives.kto import KTOTask
 from prefpack.objectives.pairs import PairTask
+from prefpack.objectives.ranked import RankedTask
 from prefpack.reference import PrecomputedReference, Reference, ReferenceMismatch
 
 __all__ = ["make_objectives", "open_store", "uses_unpaired_loss"]
@@ -32,7 +33,10 @@ def open_store(path: str, what: str, *, unpaired: bool, paired_as_kto: bool = Fa
         raise StoreError(f"{what} store {path!r} holds pairs; set data.paired_as_kto=true to train KTO on it "
                          "(chosen = desirable, rejected = undesirable), or use a store prepared with "
                          "--format unpaired")
-    if not unpaired and store.kind != "pairs":
+    if unpaired and store.kind == "ranked":
+        raise StoreError(f"{what} store {path!r} holds ranked completions, which pair losses train on; KTO on "
+                         "them is not supported (prepare the rows as --format unpaired with a label each)")
+    if not unpaired and store.kind not in ("pairs", "ranked"):
         raise StoreError(f"{what} store {path!r} holds unpaired examples (KTO); the DPO-family trainer needs pairs "
                          "(train it with loss.terms=[{name: kto}] or apo_zero_unpaired)")
     if len(store) == 0:
@@ -59,10 +63,17 @@ def make_objectives(cfg, train_store: Store, eval_store: Store | None, pad_id: i
             for o in objectives:
                 reference.load_examples(o.view, partners=o.fixed_partners() if o.needs_kl else None)
     else:
-        objectives = [PairTask(s, cfg, pad_id) for s in stores]
+        objectives = [RankedTask(s, cfg, pad_id) if s.kind == "ranked" else PairTask(s, cfg, pad_id) for s in stores]
+        for o in objectives:
+            note = o.skipped_note() if isinstance(o, RankedTask) else None
+            if note:
+                log(f"note: {note}")
         if isinstance(reference, PrecomputedReference):
             for s in stores:
-                reference.load_pairs(s, need_tails=cfg.loss.ld_alpha is not None)
+                if s.kind == "ranked":
+                    reference.load_completions(s)
+                else:
+                    reference.load_pairs(s, need_tails=cfg.loss.ld_alpha is not None)
         for o in objectives:
             o.router_aux_loss_coef = router_aux_loss_coef
     return objectives[0], objectives[1] if eval_store is not None else None

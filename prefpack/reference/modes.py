@@ -19,9 +19,11 @@ from prefpack.data.views import UnpairedView
 from prefpack.model import ModelError, SequenceLogps
 from prefpack.reference.sidecar import (
     KTO_SIDECAR_NAME,
+    RANKED_SIDECAR_NAME,
     SIDECAR_NAME,
     ReferenceMismatch,
     read_kto_sidecar,
+    read_ranked_sidecar,
     read_sidecar,
 )
 
@@ -100,6 +102,13 @@ class Reference:
         """Reference sums of a KTO batch's sequences (``kl``: its KL sequences), one per example of ``ids``."""
         n = int(batch.completion_tokens.shape[0])
         return self.sequence_logps(batch)[:n].to(device=device, dtype=dtype)
+
+    @torch.no_grad()
+    def completion_logps(self, batch: Batch, store: Store, rows: np.ndarray, device: torch.device,
+                         dtype: torch.dtype) -> torch.Tensor | None:
+        """Reference sums of a ranked batch's sequences, one per completion (``rows``: their store rows, in sequence
+        order); None when there is no reference."""
+        return self.sequence_logps(batch).to(device=device, dtype=dtype)
 
 
 class CopyReference(Reference):
@@ -201,6 +210,13 @@ class PrecomputedReference(Reference):
         values = self._table(store)["kl" if kl else "completion"][ids]
         return torch.as_tensor(values, device=device, dtype=dtype)
 
+    def load_completions(self, store: Store) -> None:
+        self.tables[Path(store.path)] = read_ranked_sidecar(Path(store.path) / RANKED_SIDECAR_NAME, store,
+                                                            reference_hash=self.reference_hash)
+
+    def completion_logps(self, batch, store, rows, device, dtype):
+        return torch.as_tensor(self._table(store)["completion"][rows], device=device, dtype=dtype)
+
 
 class NoReference(Reference):
     """No reference (reference-free losses)."""
@@ -212,6 +228,9 @@ class NoReference(Reference):
 
     def example_logps(self, batch, store, ids, *, kl, device, dtype):
         raise ValueError("this loss needs reference log-probs; reference.mode 'none' gives none")
+
+    def completion_logps(self, batch, store, rows, device, dtype):
+        return None
 
 
 REFERENCE_MODES: dict[str, type[Reference]] = {

@@ -7,25 +7,32 @@ import numpy as np
 import torch
 from torch import nn
 
-from prefpack.batching.collate import collate, collate_groups
-from prefpack.batching.plan import balanced_rows, plan_groups, plan_micro_batches
+from prefpack.batching.collate import collate, collate_groups, collate_packed
+from prefpack.batching.plan import balanced_rows, fit_runs, plan_groups, plan_micro_batches
 from prefpack.data.kl_pairing import fixed_kl_partners
 from prefpack.data.store import Store
 from prefpack.data.views import StorePairs, UnpairedView
-from prefpack.model import sequence_logps
+from prefpack.model import reads_prompt_groups, sequence_logps
 
 __all__ = ["compute_kto_store_logps", "compute_store_logps", "iter_store_batches"]
 
 
 def iter_store_batches(store: Store, *, micro_batch_tokens: int, row_tokens: int, packing: bool = True,
-                       pad_id: int = 0, pad_to_multiple_of: int | None = None):
-    """Every pair of a store once, in deterministic micro-batches; yields (batch, global pair ids)."""
+                       pad_id: int = 0, pad_to_multiple_of: int | None = None, share_prompts: bool = False):
+    """Every pair of a store once, in deterministic micro-batches; yields (batch, global pair ids).
+
+    ``share_prompts`` (packed only, for a kernel that reads prompt groups): each pair's prompt is laid out once and
+    the plan budgets the positions computed, as training does."""
     pairs = StorePairs(store)
+    share = share_prompts and packing
     plan = plan_micro_batches(pairs.lengths(), token_budget=micro_batch_tokens, packing=packing,
                               row_budget=min(row_tokens, micro_batch_tokens), pad_to_multiple_of=pad_to_multiple_of,
-                              seed=None)
+                              seed=None, share_prompts=share)
     for mb in plan:
-        batch = collate(pairs, mb, packing=packing, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of)
+        if share:
+            batch = collate_packed(pairs, mb, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, share_prompts=True)
+        else:
+            batch = collate(pairs, mb, packing=packing, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of)
         yield batch, pairs.ids[batch.pair_indices.numpy()]
 
 
@@ -37,13 +44,15 @@ def compute_store_logps(model: nn.Module, store: Store, *, micro_batch_tokens: i
 
     Under torchrun (`ctx` from prefpack.distributed) each rank scores every world-th micro-batch with its
     own full copy of the model, and the results are summed across ranks (each pair is scored by one rank).
+    A model whose attention reads prompt groups scores each pair after one copy of its prompt (same values).
     """
     rank, world = (ctx.rank, ctx.world) if ctx is not None else (0, 1)
     was_training = model.training
     model.eval()
     keys = ("chosen", "rejected", "chosen_tail", "rejected_tail")
     table = np.zeros((len(keys) + 1, len(store)), dtype=np.float64)  # + how often each pair was scored
-    batches = iter_store_batches(store, micro_batch_tokens=micro_batch_tokens, row_tokens=row_tokens)
+    batches = iter_store_batches(store, micro_batch_tokens=micro_batch_tokens, row_tokens=row_tokens,
+                                 share_prompts=reads_prompt_groups(model))
     if progress and rank == 0:
         from tqdm import tqdm
 
@@ -84,8 +93,20 @@ def compute_kto_store_logps(model: nn.Module, store: Store, *, paired_as_kto: bo
     was_training = model.training
     model.eval()
     row_budget = min(row_tokens, micro_batch_tokens)
-    main_len = view.prompt_len + view.completion_len
-    plans = plan_groups(main_len, token_budget=micro_batch_tokens, row_budget=row_budget, seed=None)
+    # A kernel that reads prompt groups scores a group's examples after one copy of their prompt (and their KL
+    # sequences likewise): groups of examples with identical prompts, in order of first appearance; else one each.
+    share = reads_prompt_groups(model)
+    kl_completion = view.completion_len[np.maximum(partners, 0)]
+    members = ([np.array([i]) for i in range(n)] if not share else
+               np.split(np.argsort(view.groups, kind="stable"), np.cumsum(np.bincount(view.groups))[:-1]))
+
+    sizes = np.stack([view.completion_len, kl_completion], axis=1)  # both passes must fit a row
+    if share:  # a group longer than a row is cut into runs that fit
+        members = [run for g in members for run in fit_runs(g, int(view.prompt_len[g[0]]), sizes, row_budget)]
+    first = np.array([g[0] for g in members], dtype=np.int64)
+    cost = view.prompt_len[first] + np.array([view.completion_len[g].sum() for g in members], dtype=np.int64)
+    kl_cost = view.prompt_len[first] + np.array([kl_completion[g].sum() for g in members], dtype=np.int64)
+    plans = plan_groups(cost, token_budget=micro_batch_tokens, row_budget=row_budget, seed=None)
     if progress and rank == 0:
         from tqdm import tqdm
 
@@ -93,22 +114,25 @@ def compute_kto_store_logps(model: nn.Module, store: Store, *, paired_as_kto: bo
     for k, mb in enumerate(plans):
         if k % world != rank:
             continue
-        flat = [i for r in mb for i in r]
+        gs = [g for r in mb for g in r]
+        flat = [int(i) for g in gs for i in members[g]]
         at, local = 0, []
         for r in mb:
             local.append(list(range(at, at + len(r))))
             at += len(r)
-        main = collate_groups([(view.prompt(i), (view.completion(i),)) for i in flat], local, ids=flat)
+        shared = share and len(gs) < len(flat)  # some group holds several examples
+        main = collate_groups([(view.prompt(first[g]), tuple(view.completion(i) for i in members[g])) for g in gs],
+                              local, ids=[int(first[g]) for g in gs], share_prompts=shared)
         logp = sequence_logps(model, main, chunk_size=chunk_size).logp_sum
         completion[flat] = logp[: len(flat)].double().cpu().numpy()
         seen[flat] += 1
-        has = [i for i in flat if partners[i] >= 0]
-        if has:
-            sizes = view.prompt_len[has] + view.completion_len[partners[has]]
-            kl_batch = collate_groups([(view.prompt(i), (view.completion(int(partners[i])),)) for i in has],
-                                      balanced_rows(sizes, row_budget), ids=has)
+        if (partners[flat] >= 0).all():  # every example has a partner, except in a one-example store
+            kl_batch = collate_groups([(view.prompt(first[g]), tuple(view.completion(int(partners[i]))
+                                                                     for i in members[g])) for g in gs],
+                                      balanced_rows(kl_cost[gs], row_budget), ids=[int(first[g]) for g in gs],
+                                      share_prompts=shared)
             logp = sequence_logps(model, kl_batch, chunk_size=chunk_size).logp_sum
-            kl[has] = logp[: len(has)].double().cpu().numpy()
+            kl[flat] = logp[: len(flat)].double().cpu().numpy()
     model.train(was_training)
     if world > 1:
         both = torch.from_numpy(np.stack([completion, kl, seen])).to(ctx.device)  # NCCL needs device tensors

@@ -4,7 +4,8 @@ reference model in memory.
 Pair sidecar (``ref_logps.safetensors``): one chosen and one rejected log-prob sum per pair, and (since LD-DPO)
 their sums past the shorter completion, so one sidecar serves every ``loss.ld_alpha``. KTO sidecar
 (``ref_logps_kto.safetensors``): every example's completion and its fixed KL sequence, with the pairing's seed.
-Both are tagged with the store's content hash and the reference weights' hash, written atomically (temporary
+Ranked sidecar (``ref_logps_ranked.safetensors``): every completion of a ranked store once, whatever pairs it
+joins. All are tagged with the store's content hash and the reference weights' hash, written atomically (temporary
 name, then rename), and read through one check (:func:`_open`), so training refuses a sidecar computed for other
 data or another model, by name and with the command that fixes it.
 """
@@ -19,14 +20,17 @@ import numpy as np
 from prefpack.data.store import Store
 from prefpack.data.views import UnpairedView
 
-__all__ = ["KTO_SIDECAR_NAME", "SIDECAR_FORMAT", "SIDECAR_NAME", "ReferenceMismatch", "read_kto_sidecar",
-           "read_sidecar", "store_hash", "write_kto_sidecar", "write_sidecar"]
+__all__ = ["KTO_SIDECAR_NAME", "RANKED_SIDECAR_NAME", "SIDECAR_FORMAT", "SIDECAR_NAME", "ReferenceMismatch",
+           "read_kto_sidecar", "read_ranked_sidecar", "read_sidecar", "store_hash", "write_kto_sidecar",
+           "write_ranked_sidecar", "write_sidecar"]
 
 SIDECAR_NAME = "ref_logps.safetensors"
 SIDECAR_FORMAT = "prefpack-ref-logps"
 SIDECAR_VERSION = "1"
 KTO_SIDECAR_NAME = "ref_logps_kto.safetensors"
 KTO_SIDECAR_VERSION = "1"
+RANKED_SIDECAR_NAME = "ref_logps_ranked.safetensors"
+RANKED_SIDECAR_VERSION = "1"
 
 
 class ReferenceMismatch(ValueError):
@@ -68,7 +72,8 @@ def _open(path: Path, store: Store, *, what: str, required: tuple[str, ...], opt
         raise ReferenceMismatch(f"{path}: cannot read {what} ({exc})") from exc
     if meta.get("format") != SIDECAR_FORMAT or meta.get("version") != version or \
             (kind is not None and meta.get("kind") != kind):
-        label = "KTO reference sidecar" if kind == "unpaired" else "reference sidecar"
+        label = {"unpaired": "KTO reference sidecar", "ranked": "ranked reference sidecar"}.get(kind,
+                                                                                                "reference sidecar")
         raise ReferenceMismatch(f"{path}: not a prefpack {label} of version {version}")
     if meta.get("store_hash") != store_hash(store) or any(len(table[k]) != rows for k in required):
         raise ReferenceMismatch(f"{path} was computed for other data than the store {str(store.path)!r}; run "
@@ -151,4 +156,24 @@ def read_kto_sidecar(path: str | Path, view: UnpairedView, *, reference_hash: st
                 f"{path} holds KL log-probs for the fixed pairing of seed {meta.get('kl_seed')}, not this run's "
                 f"(train.seed); run `prefpack precompute-ref --model REF --data {store.path}{kto_flag} "
                 "--seed TRAIN_SEED`")
+    return table
+
+
+# ------------------------------------------------------------------------------------------------ ranked
+
+
+def write_ranked_sidecar(path: str | Path, store: Store, completion: np.ndarray, *, reference_hash: str,
+                         reference_name: str) -> Path:
+    """Write a ranked store's sidecar: one reference sum per completion (store row)."""
+    meta = {"format": SIDECAR_FORMAT, "version": RANKED_SIDECAR_VERSION, "kind": "ranked",
+            "store_hash": store_hash(store), "reference_hash": reference_hash, "reference": reference_name,
+            "completions": str(len(store))}
+    return _write(path, {"completion": np.ascontiguousarray(completion, dtype=np.float64)}, meta)
+
+
+def read_ranked_sidecar(path: str | Path, store: Store, *, reference_hash: str | None) -> dict[str, np.ndarray]:
+    """Load a ranked sidecar, refusing one made for other data or (when given) other reference weights."""
+    table, _ = _open(Path(path), store, what="reference log-probs of the ranked completions", required=("completion",),
+                     version=RANKED_SIDECAR_VERSION, kind="ranked", rows=len(store),
+                     missing=f"prefpack precompute-ref --model REF --data {store.path}", reference_hash=reference_hash)
     return table

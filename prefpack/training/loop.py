@@ -116,7 +116,8 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg)
     task = setup.train_task
-    sched = StepSchedule(len(task), cfg.train.global_batch_pairs, cfg.train.seed, cfg.data.shuffle)
+    sched = StepSchedule(len(task), cfg.train.global_batch_pairs, cfg.train.seed, cfg.data.shuffle,
+                         task.schedule_groups())
     n_steps = total_steps(cfg, sched)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.optim.schedule, warmup_steps(cfg, n_steps), n_steps))
@@ -164,7 +165,8 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
         totals = StepTotals()
         # Every rank plans the same step, so its example count is known everywhere without communication.
         # Gradients are summed over ranks: DDP and FSDP2 average them, hence the factor world / n.
-        scale = ctx.world / len(ids)
+        units = task.units(ids)  # the step's loss terms: its examples, or the pairs of its ranked prompts
+        scale = ctx.world / units
         for i, (batch, weight) in enumerate(zip(batches, share.weights)):
             with grad_sync(module, enabled=i == len(batches) - 1):
                 with record_function("prefpack.forward_loss"):
@@ -188,7 +190,7 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
         dt = time.perf_counter() - t0
         last = totals.means()
         last.update({"lr": lr, "grad_norm": grad_norm, "epoch": epoch + (step % sched.steps_per_epoch + 1)
-                     / sched.steps_per_epoch, "tokens/s": totals.real_tokens / dt, "pairs/s": len(ids) / dt,
+                     / sched.steps_per_epoch, "tokens/s": totals.real_tokens / dt, "pairs/s": units / dt,
                      "tokens": totals.real_tokens, "positions": totals.positions})
         done = step + 1
         if done % cfg.run.log_every == 0 or done == n_steps:
@@ -200,6 +202,8 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
                 shown["acc"] = f"{last['rewards/accuracies']:.2f}"
             if "kl" in last:
                 shown["kl"] = f"{last['kl']:.3f}"
+            if last["positions"] < last["tokens"]:  # prompts laid out once: the share of positions not computed
+                shown["saved"] = f"{1 - last['positions'] / last['tokens']:.0%}"
             bar.set_postfix(shown)
         if setup.eval_task is not None and cfg.run.eval_every and done % cfg.run.eval_every == 0 and done < n_steps:
             metrics.log(done, run_eval(), split="eval")

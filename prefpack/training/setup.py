@@ -28,6 +28,7 @@ from prefpack.model import (
     load_causal_lm,
     pick_attention,
     pick_device,
+    reads_prompt_groups,
     release_freed_memory,
     resolve_tokenizer,
     router_aux_loss_coef,
@@ -166,9 +167,9 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
     if precision.weights == torch.bfloat16 and cfg.optim.master_dtype == "bfloat16":
         log(pure_bfloat16_warning([p for p in policy.parameters() if p.requires_grad], cfg.optim.lr))
     cfg = _with_budgets(cfg, policy, device, precision, attn, log)  # a resolved copy of the config
-    cfg.data.prefix_sharing = _prefix_sharing(cfg.data, policy, kto)
+    cfg.data.prefix_sharing = _prefix_sharing(cfg.data, policy)
     if cfg.data.prefix_sharing:
-        log("prompts laid out once per pair in packed rows (data.prefix_sharing)")
+        log("each prompt laid out once per prompt group in packed rows (data.prefix_sharing)")
     for what, store in (("train", train_store), ("eval", eval_store)):
         if store is not None:
             check_lengths(store, what, policy, cfg.data.max_tokens_per_row if cfg.data.packing else None, log)
@@ -195,25 +196,24 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
                  precision, cfg)
 
 
-def _prefix_sharing(data_cfg, policy: nn.Module, kto: bool) -> bool:
-    """``data.prefix_sharing`` resolved: prompt-shared rows need packing, a pair objective and a kernel that reads
-    prompt groups (packed_sdpa for now; CUDA's varlen does not). ``auto`` is on exactly there; ``true`` elsewhere
-    is an error naming what is missing."""
+def _prefix_sharing(data_cfg, policy: nn.Module) -> bool:
+    """``data.prefix_sharing`` resolved: prompt-shared rows need packing and a kernel that reads
+    prompt groups (packed_sdpa, and CUDA's varlen). ``auto`` is on with packed_sdpa only (the varlen speed-up is not
+    measured yet); ``true`` runs on either and elsewhere is an error naming what is missing."""
     setting = data_cfg.prefix_sharing
     if not setting:
         return False
     name = attention_name(policy)
     if setting == "auto":
-        return data_cfg.packing and not kto and name == "packed_sdpa"
+        return data_cfg.packing and name == "packed_sdpa"  # pair and KTO objectives alike
     if not data_cfg.packing:
         raise ModelError("data.prefix_sharing lays prompts out once in packed rows; with data.packing=false there are "
                          "none: set one of them false")
-    if kto:
-        raise ModelError("data.prefix_sharing is implemented for pair losses only so far, not KTO; set it false")
-    if name != "packed_sdpa":
-        raise ModelError(f"data.prefix_sharing needs the packed_sdpa attention kernel (the CPU default), which reads "
-                         f"prompt groups from position ids; this run uses {name or 'another kernel'!r}. Set "
-                         "data.prefix_sharing=false, or model.attn_implementation=packed_sdpa")
+    if not reads_prompt_groups(policy):
+        raise ModelError(f"data.prefix_sharing needs an attention kernel that reads prompt groups from position ids "
+                         f"(packed_sdpa, the CPU default, or varlen on CUDA); this run uses "
+                         f"{name or 'another kernel'!r}. Set data.prefix_sharing=false, or model.attn_implementation="
+                         "packed_sdpa (CPU) / varlen (CUDA)")
     return True
 
 
@@ -240,7 +240,7 @@ def check_lengths(store: Store, what: str, model: nn.Module, row_budget: int | N
         longest, example, unit = prompt + np.maximum(chosen, rejected), 2 * prompt + chosen + rejected, "pairs"
     else:
         longest = example = prompt + store.column("completion_len")
-        unit = "examples"
+        unit = "completions" if store.kind == "ranked" else "examples"
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and limit > 0 and int(longest.max()) > limit:

@@ -28,16 +28,22 @@ NAME = "packed_sdpa"
 __all__ = ["NAME", "block_bounds", "causal_block", "no_mask_when_packed", "packed_sdpa_attention", "register"]
 
 
-def block_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """Per row, the [start, end) spans where position ids run n, n+1, n+2, ... (a new span wherever they don't)."""
-    pos = position_ids.reshape(-1, position_ids.shape[-1])
+def _blocks(position_ids: torch.Tensor) -> list[list[tuple[int, int, int]]]:
+    """Per row, (start, end, first position id) of each span where position ids run n, n+1, ...; read from the host
+    in one transfer (a first position id > 0 marks a later completion of a prompt group)."""
+    pos = position_ids.reshape(-1, position_ids.shape[-1]).cpu()
     starts = torch.ones_like(pos, dtype=torch.bool)
     starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    rows: list[list[int]] = [[] for _ in range(pos.shape[0])]
-    for r, i in starts.nonzero().tolist():
-        rows[r].append(i)
+    rows: list[list[tuple[int, int]]] = [[] for _ in range(pos.shape[0])]
+    for (r, i), first in zip(starts.nonzero().tolist(), pos[starts].tolist(), strict=True):
+        rows[r].append((i, first))
     length = pos.shape[-1]
-    return [list(zip(r, [*r[1:], length], strict=True)) for r in rows]
+    return [[(i, e, f) for (i, f), e in zip(r, [*(i for i, _ in r[1:]), length], strict=True)] for r in rows]
+
+
+def block_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, the [start, end) spans where position ids run n, n+1, n+2, ... (a new span wherever they don't)."""
+    return [[(s, e) for s, e, _ in row] for row in _blocks(position_ids)]
 
 
 def causal_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
@@ -54,19 +60,48 @@ def causal_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
 
 
-def _shared_prefix_block(q, k, v, root: int, prefix: int, s: int, e: int, *, scale: float | None,
-                         window: int | None) -> torch.Tensor:
+def _prefix_mask(prefix: int, length: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[length, prefix + length] bool: a completion at positions ``prefix ..`` sees every prompt key (within the
+    window) and its own keys causally."""
+    q_pos = torch.arange(prefix, prefix + length, device=device)
+    d = q_pos[:, None] - torch.cat([torch.arange(prefix, device=device), q_pos])[None, :]
+    return (d >= 0) if window is None else (d >= 0) & (d < window)
+
+
+def _shared_prefix_block(q, k, v, prompt_k, prompt_v, *, scale: float | None, window: int | None) -> torch.Tensor:
     """A completion laid out after its group's prompt and earlier siblings: q [1, H, l, D] attends to the prompt's
-    keys ``k[root:root + prefix]`` and causally to its own ``k[s:e]`` (positions ``prefix ..``), never to a
+    keys ``prompt_k`` [1, Hkv, p, D] and causally to its own ``k`` [1, Hkv, l, D] (positions ``p ..``), never to a
     sibling's. Exactly what the completion would see right after its own copy of the prompt."""
-    keys = torch.cat([k[:, :, root:root + prefix], k[:, :, s:e]], dim=2)
-    values = torch.cat([v[:, :, root:root + prefix], v[:, :, s:e]], dim=2)
-    q_pos = torch.arange(prefix, prefix + (e - s), device=q.device)
-    k_pos = torch.cat([torch.arange(prefix, device=q.device), q_pos])
-    d = q_pos[:, None] - k_pos[None, :]
-    allowed = (d >= 0) if window is None else (d >= 0) & (d < window)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    prefix, length = prompt_k.shape[2], q.shape[2]
+    keys, values = torch.cat([prompt_k, k], dim=2), torch.cat([prompt_v, v], dim=2)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=_prefix_mask(prefix, length, window, q.device),
+                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _row_attention(q, k, v, blocks: list[tuple[int, int, int]], *, scale: float | None,
+                   window: int | None) -> torch.Tensor:
+    """One row, q [H, L, D] and k/v [Hkv, L, D] -> [L, H, D], block by block. The row is cut with ``split`` (one
+    gradient copy per tensor in backward, where a slice per block would zero-fill a whole-row gradient each)."""
+    sizes = [e - s for s, e, _ in blocks]
+    qs, ks, vs = (x.split(sizes, dim=1) for x in (q, k, v))
+    groups = q.shape[0] // k.shape[0]
+    pieces = []
+    root = 0  # the row's latest block starting at position 0 (a sequence, or a prompt group's prompt + first completion)
+    for i, (_, _, first) in enumerate(blocks):
+        qi, ki, vi = qs[i][None], ks[i][None], vs[i][None]
+        if first > 0:  # a later completion of a prompt group: it sees the group's first `first` tokens
+            o = _shared_prefix_block(qi, ki, vi, ks[root][None, :, :first], vs[root][None, :, :first], scale=scale,
+                                     window=window)
+        elif sizes[i] == 1:  # softmax over a single score is 1: the output is the value
+            root = i
+            pieces.append(vs[i].transpose(0, 1).repeat_interleave(groups, dim=1) if groups > 1
+                          else vs[i].transpose(0, 1))
+            continue
+        else:
+            root = i
+            o = causal_block(qi, ki, vi, scale=scale, window=window)
+        pieces.append(o[0].transpose(0, 1))  # [l, H, D]
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
 def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -82,33 +117,13 @@ def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
                                       **kwargs)
     if dropout and module.training:
         raise ValueError("packed_sdpa attention has no dropout (prefpack disables dropout for preference losses)")
-    batch, heads = query.shape[:2]
-    groups = heads // key.shape[1]
     window = kwargs.get("sliding_window")  # set on sliding-window layers (Mistral, Gemma's local layers, ...)
-    if position_ids.shape[0] != batch:
-        position_ids = position_ids.expand(batch, -1)
-    rows = []
-    for b, spans in enumerate(block_bounds(position_ids)):
-        pieces = []
-        root = 0  # where the row's latest block starting at position 0 (a prompt group's start) begins
-        for s, e in spans:
-            first = int(position_ids[b, s])
-            if first == 0:
-                root = s
-            elif first > 0:  # a later completion of a prompt group: it sees the group's first `first` tokens
-                pieces.append(_shared_prefix_block(query[b:b + 1, :, s:e], key[b:b + 1], value[b:b + 1],
-                                                   root, first, s, e, scale=scaling, window=window)[0].transpose(0, 1))
-                continue
-            if e - s == 1:  # softmax over a single score is 1: the output is the value
-                v = value[b, :, s:e].transpose(0, 1)  # [1, Hkv, D]
-                pieces.append(v.repeat_interleave(groups, dim=1) if groups > 1 else v)
-                continue
-            o = causal_block(query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e], scale=scaling,
-                             window=window)
-            pieces.append(o[0].transpose(0, 1))  # [l, H, D]
-        rows.append(torch.cat(pieces) if len(pieces) > 1 else pieces[0])
-    out = torch.stack(rows)
-    return out, None
+    if position_ids.shape[0] != query.shape[0]:
+        position_ids = position_ids.expand(query.shape[0], -1)
+    rows = [_row_attention(q, k, v, blocks, scale=scaling, window=window)
+            for q, k, v, blocks in zip(query.unbind(0), key.unbind(0), value.unbind(0), _blocks(position_ids),
+                                       strict=True)]
+    return torch.stack(rows), None
 
 
 def no_mask_when_packed(*args, **kwargs):

@@ -10,6 +10,14 @@ a flash varlen kernel (``torch.nn.attention.varlen.varlen_attn``, no extra packa
   (``cu_seq_lens_q`` and ``max_length_q``, transformers' flash keyword names) are computed once per forward by the
   caller and passed down to every layer; without them they are derived from the position ids;
 * causal attention; sliding-window layers through the kernel's window (query i sees keys i - w < j <= i);
+* prompt groups (``collate_groups(share_prompts=True)``, read from position ids as ``packed_sdpa`` reads them): a
+  block whose position ids start at p > 0 is a later completion of the group that began at the row's last block
+  starting at 0. Its keys are *gathered*: that block's first p tokens (the prompt), then its own tokens
+  (:func:`group_bounds`: ``cu_seq_lens_k`` and a key index into the flattened tokens, one ``index_select`` per
+  layer, whose backward sums the completions' gradients into the prompt's keys). The kernel aligns a causal mask
+  with more keys than queries bottom-right (query i of an l-token block sees keys up to i + k_len - l), which is
+  exactly "the prompt, then causally itself", and its window counts back from that diagonal, as positions do.
+  Rows without such blocks take no gather at all;
 * grouped-query attention: torch 2.13's kernel takes ``enable_gqa``, 2.11's does not, so key/value heads are
   repeated there;
 * the kernel needs half precision on CUDA: float32 compute, CPU tensors (the tests) and anything the kernel
@@ -21,15 +29,20 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from prefpack.model.attention.packed_sdpa import causal_block, no_mask_when_packed
 
 NAME = "varlen"
 
-__all__ = ["NAME", "register", "reference_varlen", "sequence_bounds", "torch_varlen_kernel", "varlen_attention"]
+__all__ = ["KEY_INDEX", "NAME", "GroupBounds", "group_bounds", "register", "reference_varlen", "sequence_bounds",
+           "torch_varlen_kernel", "varlen_attention"]
+
+KEY_INDEX = "varlen_key_index"  # the attention keyword carrying the key gather index of prompt-shared rows
 
 
 def sequence_bounds(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -59,20 +72,78 @@ def torch_varlen_kernel():
     return varlen_attn, "enable_gqa" in params, "window_size" in params  # 2.11: window, no gqa; 2.13: both
 
 
+class GroupBounds(NamedTuple):
+    """What the kernel reads for a flattened row: query and key boundaries, longest of each, the key gather."""
+
+    cu_q: torch.Tensor  # int32 [n + 1]
+    cu_k: torch.Tensor  # int32 [n + 1]; cu_q itself when no block reads a prompt
+    max_q: int
+    max_k: int
+    key_index: torch.Tensor | None  # int64 [T_k] into the flattened tokens; None when no block reads a prompt
+
+
+def group_bounds(position_ids: torch.Tensor) -> GroupBounds:
+    """:func:`sequence_bounds` plus the prompt groups of shared rows, computed once per forward on the host.
+
+    A block whose position ids start at p > 0 reads the first p tokens of its row's last block starting at 0 (its
+    prompt), then its own tokens; every other block reads its own. A block starting at p > 0 with no such block
+    before it in its row, or one shorter than p, is no group member and stays plain causal (nothing to read).
+    """
+    cu, longest = sequence_bounds(position_ids)
+    starts, lengths = cu[:-1].long(), (cu[1:] - cu[:-1]).long()
+    first = position_ids.reshape(-1)[starts]
+    block = torch.arange(starts.numel(), device=starts.device)
+    root = torch.cummax(torch.where(first == 0, block, -1), 0).values  # each block's latest block starting at 0
+    safe = root.clamp(min=0)
+    row = starts // position_ids.shape[-1]
+    member = (first > 0) & (root >= 0) & (row[safe] == row) & (lengths[safe] >= first)
+    if not bool(member.any()):
+        return GroupBounds(cu, cu, longest, longest, None)
+    prefix = torch.where(member, first, 0)
+    key_lengths = prefix + lengths
+    cu_k = torch.cat([cu.new_zeros(1), key_lengths.cumsum(0).to(torch.int32)])
+    # each block's keys are two runs, [prompt start, + prefix) and [own start, + length): expand runs to indices
+    run_start = torch.stack([starts[safe], starts], 1).reshape(-1)
+    run_length = torch.stack([prefix, lengths], 1).reshape(-1)
+    run_offset = run_length.cumsum(0) - run_length
+    total = int(key_lengths.sum())
+    key_index = torch.repeat_interleave(run_start - run_offset, run_length, output_size=total) \
+        + torch.arange(total, device=starts.device)
+    return GroupBounds(cu, cu_k, longest, int(key_lengths.max()), key_index)
+
+
 def reference_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *,
-                     scale: float | None = None, window: int | None = None) -> torch.Tensor:
-    """What the varlen kernel computes, one causal sdpa per sequence: q [T, H, D], k/v [T, Hkv, D] -> [T, H, D].
+                     scale: float | None = None, window: int | None = None,
+                     cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
+    """What the varlen kernel computes, one causal sdpa per sequence: q [T, H, D], k/v [T_k, Hkv, D] -> [T, H, D].
 
     The CPU stand-in for the CUDA kernel (tests compare the two paths' inputs and outputs through it) and the
-    fallback for dtypes or devices the kernel does not take.
+    fallback for dtypes or devices the kernel does not take. With ``cu_seqlens_k`` (gathered keys: a block's
+    prompt, then its own tokens) the causal mask is aligned bottom-right and the window counts back from that
+    diagonal, as the flash kernel does.
     """
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
     out = []
-    for s, e in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+    for s, e, sk, ek in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), cu_k[:-1].tolist(),
+                            cu_k[1:].tolist()):
         if e == s:
             continue
-        qs, ks, vs = (t[s:e].transpose(0, 1)[None] for t in (q, k, v))  # [1, H, l, D]
-        out.append(causal_block(qs, ks, vs, scale=scale, window=window)[0].transpose(0, 1))
+        qs = q[s:e].transpose(0, 1)[None]  # [1, H, l, D]
+        ks, vs = (t[sk:ek].transpose(0, 1)[None] for t in (k, v))
+        if ek - sk == e - s:
+            o = causal_block(qs, ks, vs, scale=scale, window=window)
+        else:
+            o = _bottom_right_block(qs, ks, vs, scale=scale, window=window)
+        out.append(o[0].transpose(0, 1))
     return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def _bottom_right_block(q, k, v, *, scale: float | None, window: int | None) -> torch.Tensor:
+    """q [1, H, l, D] over k/v [1, Hkv, m, D] with m > l: query i sees key j when 0 <= i + (m - l) - j (< window)."""
+    length, keys = q.shape[2], k.shape[2]
+    d = torch.arange(length, device=q.device)[:, None] + (keys - length) - torch.arange(keys, device=q.device)
+    allowed = (d >= 0) if window is None else (d >= 0) & (d < window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 _KERNEL: list = []  # torch_varlen_kernel(), looked up by register(): a compiled layer reads it without tracing it
@@ -86,13 +157,15 @@ def _usable_kernel(q: torch.Tensor):
     return kernel
 
 
-def _run_kernel(q, k, v, cu, longest, scale, window):
+def _run_kernel(q, k, v, cu, longest, scale, window, cu_k=None, longest_k=None):
+    """The kernel (or the reference) over q [T, H, D] and k/v [T_k, Hkv, D]; ``cu_k``/``longest_k`` default to the
+    query's (keys not gathered)."""
     kernel = _usable_kernel(q)
     if kernel is None:
-        return reference_varlen(q, k, v, cu, scale=scale, window=window)
+        return reference_varlen(q, k, v, cu, scale=scale, window=window, cu_seqlens_k=cu_k)
     fn, has_gqa, has_window = kernel
     if not has_window and window is not None:  # a kernel with only is_causal cannot band the attention
-        return reference_varlen(q, k, v, cu, scale=scale, window=window)
+        return reference_varlen(q, k, v, cu, scale=scale, window=window, cu_seqlens_k=cu_k)
     extra = {}
     if k.shape[1] != q.shape[1]:
         if has_gqa:
@@ -105,7 +178,11 @@ def _run_kernel(q, k, v, cu, longest, scale, window):
     else:
         extra["is_causal"] = True
     cu = cu.to(device=q.device, dtype=torch.int32)
-    return fn(q, k, v, cu, cu, longest, longest, scale=scale, **extra)
+    if cu_k is None:
+        cu_k, longest_k = cu, longest
+    else:
+        cu_k = cu_k.to(device=q.device, dtype=torch.int32)
+    return fn(q, k, v, cu, cu_k, longest, longest_k, scale=scale, **extra)
 
 
 def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -129,15 +206,19 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if cu is None:
         if position_ids.shape[0] != query.shape[0]:
             position_ids = position_ids.expand(query.shape[0], -1)
-        cu, longest = sequence_bounds(position_ids)
+        cu, cu_k, longest, longest_k, index = group_bounds(position_ids)
     else:
         longest = int(kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max()))
+        index = kwargs.get(KEY_INDEX)
+        cu_k, longest_k = (cu, longest) if index is None else (kwargs["cu_seq_lens_k"], int(kwargs["max_length_k"]))
     batch, heads, length, dim = query.shape
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value))
     dev = q.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else value.dtype
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)  # rotary embeddings may have promoted q and k to float32
-    out = _run_kernel(q, k, v, cu, longest, scaling, kwargs.get("sliding_window"))
+    if index is not None:  # prompt groups: each block's keys are its prompt's, then its own
+        k, v = k.index_select(0, index), v.index_select(0, index)
+    out = _run_kernel(q, k, v, cu, longest, scaling, kwargs.get("sliding_window"), cu_k, longest_k)
     return out.reshape(batch, length, heads, dim), None
 
 

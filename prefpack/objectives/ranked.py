@@ -1,0 +1,118 @@
+"""The DPO family on a ranked store: each prompt with its several scored completions is one example (a group);
+every completion is computed once, and the pairs the group yields (``data.ranked_pairs``) are gathered from the
+per-completion sums, so every pair loss works unchanged and a completion shared by several pairs costs nothing
+more. A step takes ``train.global_batch_pairs`` prompts and its loss is the mean over the pairs they yield."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from prefpack.batching.collate import collate_groups
+from prefpack.batching.plan import plan_groups
+from prefpack.data.store import Store
+from prefpack.data.views import RankedGroups
+from prefpack.losses import PairLogps, wpo_weights
+from prefpack.objectives.base import Planned
+from prefpack.objectives.pairs import PairTask
+from prefpack.reference import Reference
+
+__all__ = ["RankedTask"]
+
+
+class RankedTask(PairTask):
+    """Pair losses over the pairs of ranked prompt groups (see the module docstring)."""
+
+    kind = "ranked"
+
+    def __init__(self, store: Store, cfg, pad_id: int):
+        if cfg.loss.ld_alpha is not None:
+            raise ValueError("loss.ld_alpha (LD-DPO) weighs the tokens past the shorter completion of each pair, "
+                             "which differs from pair to pair of a ranked prompt; it is not supported on ranked "
+                             "stores yet: leave loss.ld_alpha null")
+        super().__init__(store, cfg, pad_id)
+        self.view = RankedGroups(store, cfg.data.ranked_pairs)
+        if len(self.view) == 0:
+            raise ValueError(f"store {str(store.path)!r}: no prompt yields a pair (every prompt's completions tie); "
+                             "nothing to train on")
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+    def skipped_note(self) -> str | None:
+        """What a run should be told about groups that give no pair (all their scores tie)."""
+        n = self.view.groups_without_pairs
+        if not n:
+            return None
+        return (f"{n} of {n + len(self.view)} prompts of {self.store.path} give no pair (their completions' scores "
+                "all tie) and are left out")
+
+    def units(self, ids: np.ndarray) -> int:
+        """The loss terms a step's examples give: the pairs of its prompt groups."""
+        return int(self.view.num_pairs[np.asarray(ids, dtype=np.int64)].sum())
+
+    def example_tokens(self, ids: np.ndarray) -> np.ndarray:
+        return self.view.costs(np.asarray(ids, dtype=np.int64), shared=False)[0]
+
+    def plan(self, ids: np.ndarray, *, seed: Any) -> list[Planned]:
+        d, tr = self.cfg.data, self.cfg.train
+        ids = np.asarray(ids, dtype=np.int64)
+        share = self.shares_prompts
+        cost, longest = self.view.costs(ids, shared=share)
+        real = self.view.costs(ids, shared=False)[0]
+        sizes = self.view.sizes[ids]
+        plans = plan_groups(cost, token_budget=tr.micro_batch_tokens, packing=d.packing,
+                            row_budget=min(d.max_tokens_per_row, tr.micro_batch_tokens), longest_sequence=longest,
+                            sequences_per_group=sizes, pad_to_multiple_of=d.pad_to_multiple_of, seed=seed)
+        m = d.pad_to_multiple_of or 1
+        out = []
+        for mb in plans:
+            if d.packing:
+                computed = len(mb) * -(-max(int(cost[r].sum()) for r in mb) // m) * m
+            else:
+                flat = [i for r in mb for i in r]
+                computed = int(sizes[flat].sum()) * -(-int(longest[flat].max()) // m) * m
+            out.append(Planned([[int(ids[i]) for i in r] for r in mb], int(sum(int(real[r].sum()) for r in mb)),
+                               computed))
+        return out
+
+    def collate(self, planned: Planned):
+        d = self.cfg.data
+        flat = [i for r in planned.rows for i in r]
+        local, at = [], 0
+        for r in planned.rows:
+            local.append(list(range(at, at + len(r))))
+            at += len(r)
+        groups = [self.view[i] for i in flat]
+        return collate_groups(groups, local if d.packing else None, ids=flat, pad_id=self.pad_id,
+                              pad_to_multiple_of=d.pad_to_multiple_of, share_prompts=self.shares_prompts)
+
+    def pair_sums(self, policy: nn.Module, reference: Reference, batch) -> tuple[PairLogps, torch.Tensor | None,
+                                                                                 torch.Tensor | None]:
+        """Every completion's sums once, then each pair's chosen and rejected gathered from them."""
+        res = policy(batch)
+        logp, n_tokens = res[0], res[1]
+        aux, wpo_mean = (res[i] if len(res) > i else None for i in (2, 4))
+        if self.cfg.loss.use_weighting and wpo_mean is None:
+            raise ValueError("loss.use_weighting needs the policy forward to return WPO means (SequenceLogps(wpo=True))")
+        examples = batch.group_ids.numpy()
+        chosen, rejected, rows, at = [], [], [], 0
+        for i in examples:
+            chosen.extend(at + c for c, _ in self.view.pairs[i])
+            rejected.extend(at + r for _, r in self.view.pairs[i])
+            rows.append(self.view.rows(i))
+            at += int(self.view.sizes[i])
+        device, dtype = logp.device, logp.dtype
+        c_idx, r_idx = (torch.as_tensor(x, dtype=torch.long, device=device) for x in (chosen, rejected))
+        ref = reference.completion_logps(batch, self.store, np.concatenate(rows), device, dtype)
+        tokens = n_tokens.to(device)
+        logps = PairLogps(policy_chosen=logp[c_idx], policy_rejected=logp[r_idx], chosen_tokens=tokens[c_idx],
+                          rejected_tokens=tokens[r_idx], ref_chosen=None if ref is None else ref[c_idx],
+                          ref_rejected=None if ref is None else ref[r_idx])
+        weights = None
+        if self.cfg.loss.use_weighting:
+            weights = wpo_weights(wpo_mean[c_idx], wpo_mean[r_idx]).to(device, dtype)
+        return logps, weights, aux

@@ -1,0 +1,233 @@
+"""Ranked stores (issue 13, item 4): one prompt with several scored completions, stored with the prompt once; at
+train time each completion is computed once and the pairs it yields (best vs the rest, or every ordered pair)
+reach the ordinary pair losses. Checked against the same pairs written out as a pair store: per-pair losses in
+float64, a `train()` run step by step, and the reference sidecar."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import write_jsonl
+
+from prefpack.data.prepare import PrepareError, PrepareOptions, prepare
+from prefpack.data.store import Store
+from prefpack.data.views import RankedGroups, group_pairs
+
+ROWS = [
+    {"prompt": "\n\nHuman: What is two plus two?\n\nAssistant:",
+     "completions": [{"text": " Four.", "score": 9}, {"text": " Five, I think.", "score": 2},
+                     {"text": " It is four, because two and two make four.", "score": 8.5}]},
+    {"prompt": "\n\nHuman: Name a colour.\n\nAssistant:",
+     "completions": [{"text": " Blue.", "rank": 1}, {"text": " A dog.", "rank": 2}]},
+    {"prompt": "\n\nHuman: Hi there, how are you today?\n\nAssistant:",
+     "completions": [{"response": " Hello!", "score": 5}, {"response": " Hey.", "score": 5},
+                     {"response": " Go away.", "score": 1}, {"response": " Hi! I am well, thank you.", "score": 7}]},
+    {"prompt": "\n\nHuman: Say something.\n\nAssistant:",  # all tied: yields no pair
+     "completions": [{"text": " Something.", "score": 3}, {"text": " Anything.", "score": 3}]},
+]
+
+
+def _prepare(tmp_path, tok, rows, name, **kw):
+    prepare(PrepareOptions(inputs=[str(write_jsonl(tmp_path / f"{name}.jsonl", rows))], tokenizer=str(tok),
+                           output=str(tmp_path / name), workers=1, **kw), log=lambda m: None)
+    return Store(tmp_path / name)
+
+
+def _expanded_pairs(mode: str) -> list[dict]:
+    """The pairs a ranked store yields, written out as pair rows (the independent layout to compare with)."""
+    out = []
+    for row in ROWS:
+        texts = [c.get("text", c.get("response")) for c in row["completions"]]
+        scores = np.array([c["score"] if "score" in c else -c["rank"] for c in row["completions"]], dtype=float)
+        out += [{"prompt": row["prompt"], "chosen": texts[c], "rejected": texts[r]} for c, r in group_pairs(scores, mode)]
+    return out
+
+
+def test_group_pairs_best_vs_rest_and_all_pairs_skip_ties():
+    s = np.array([5.0, 5.0, 1.0, 7.0])
+    assert group_pairs(s, "best_vs_rest") == [(3, 0), (3, 1), (3, 2)]
+    assert group_pairs(s, "all_pairs") == [(3, 0), (3, 1), (3, 2), (0, 2), (1, 2)]
+    assert group_pairs(np.array([2.0, 9.0, 8.5]), "best_vs_rest") == [(1, 0), (1, 2)]
+    assert group_pairs(np.array([3.0, 3.0]), "all_pairs") == group_pairs(np.array([3.0, 3.0]), "best_vs_rest") == []
+
+
+def test_prepare_stores_each_prompt_once_with_scores(tmp_path, toy_tokenizers):
+    from transformers import AutoTokenizer
+
+    tok_dir = toy_tokenizers["neox"]
+    store = _prepare(tmp_path, tok_dir, ROWS, "ranked")
+    store.verify()
+    assert store.kind == "ranked" and store.meta["layout"] == "ranked" and store.meta["num_groups"] == 4
+    assert store.group_starts().tolist() == [0, 3, 5, 9, 11]
+    assert store.scores().tolist() == [9, 2, 8.5, -1, -2, 5, 5, 1, 7, 3, 3]  # a rank r is stored as score -r
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    total = 0
+    for g, row in enumerate(ROWS):
+        prompt, comps = store.ranked_group(g)
+        assert tok.decode(prompt) == row["prompt"]
+        texts = [c.get("text", c.get("response")) for c in row["completions"]]
+        assert [tok.decode(c) for c in comps] == [t + tok.eos_token for t in texts]
+        total += len(prompt) + sum(len(c) for c in comps)
+    assert store.num_tokens == total  # the prompt once per row, not once per completion
+    view = RankedGroups(store, "all_pairs")
+    assert len(view) == 3 and view.groups_without_pairs == 1 and view.num_pairs.tolist() == [3, 1, 5]
+
+
+def test_prepare_names_bad_ranked_rows_or_counts_them(tmp_path, toy_tokenizers):
+    good = ROWS[0]
+    bad = [
+        {"prompt": "p", "completions": [{"text": " only one", "score": 1}]},
+        {"prompt": "p", "completions": [{"text": " same", "score": 1}, {"text": " same", "score": 2}]},
+        {"prompt": "p", "completions": [{"text": " a", "score": 1}, {"text": " b"}]},
+        {"prompt": "p", "completions": [{"text": " a", "score": 1}, {"text": " b", "score": "high"}]},
+        {"prompt": "p", "completions": [{"words": " a", "score": 1}, {"text": " b", "score": 2}]},
+    ]
+    with pytest.raises(PrepareError, match=r"strict.jsonl line 2, field .completions.: .*at least two.*\[too_few_completions\]"):
+        _prepare(tmp_path, toy_tokenizers["neox"], [good, *bad], "strict", layout="ranked")
+    store = _prepare(tmp_path, toy_tokenizers["neox"], [good, *bad], "lenient", layout="ranked", skip_invalid=True)
+    assert store.meta["counts"]["skipped"] == {"too_few_completions": 1, "identical_completions": 1,
+                                               "missing_field": 2, "wrong_type": 1}
+    skipped = [json.loads(x) for x in (tmp_path / "lenient" / "skipped.jsonl").read_text().splitlines()]
+    assert [s["field"] for s in skipped] == ["completions", "completions[1]", "completions[1]",
+                                             "completions[1].score", "completions[0]"]
+    assert len(store) == 3 and store.meta["num_groups"] == 1
+
+
+def _float64_llama(tok_dir, seed):
+    import transformers as tf
+
+    from prefpack.model.attention.packed_sdpa import register
+
+    register()
+    cfg = tf.LlamaConfig(vocab_size=600, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    cfg._attn_implementation = "packed_sdpa"
+    torch.manual_seed(seed)
+    return tf.LlamaForCausalLM(cfg).double().eval()
+
+
+@pytest.mark.parametrize("mode", ["best_vs_rest", "all_pairs"])
+@pytest.mark.parametrize("layout", ["shared", "packed", "padded"])
+def test_ranked_pair_losses_equal_the_same_pairs_from_a_pair_store(tmp_path, toy_tokenizers, mode, layout):
+    from prefpack.config import load_config
+    from prefpack.model import SequenceLogps
+    from prefpack.objectives.base import Planned
+    from prefpack.objectives.pairs import PairTask
+    from prefpack.objectives.ranked import RankedTask
+    from prefpack.reference import CopyReference
+
+    tok = toy_tokenizers["llama"]
+    ranked = _prepare(tmp_path, tok, ROWS, "ranked")
+    pairs = _prepare(tmp_path, tok, _expanded_pairs(mode), "pairs")
+    cfg = load_config(None, [f"data.ranked_pairs={mode}", f"data.prefix_sharing={layout == 'shared'}",
+                             f"data.packing={layout != 'padded'}", "loss.terms=[{name: sigmoid}, {name: sft, weight: 0.3}]",
+                             "loss.use_weighting=true"])
+    policy, reference = _float64_llama(tok, 0), CopyReference(_float64_llama(tok, 1))
+    module = SequenceLogps(policy, chunk_size=7, wpo=True)
+    r_task, p_task = RankedTask(ranked, cfg, 0), PairTask(pairs, cfg, 0)
+    packed = cfg.data.packing
+    r_rows = [[0, 1], [2]] if packed else [[0], [1], [2]]
+    p_rows = [list(range(len(pairs)))] if packed else [[i] for i in range(len(pairs))]
+    r_out = [r_task.loss(module, reference, r_task.collate(Planned(r_rows, 0, 0)), None)]
+    p_out = p_task.loss(module, reference, p_task.collate(Planned(p_rows, 0, 0)), None)
+    got = torch.cat([o.loss for o in r_out])
+    assert got.shape[0] == len(pairs) == r_task.units(np.arange(len(r_task)))
+    torch.testing.assert_close(got, p_out.loss, rtol=0, atol=1e-10)
+    for key in ("rewards/margins", "logps/chosen", "logps/rejected"):
+        torch.testing.assert_close(r_out[0].metrics[key], p_out.metrics[key], rtol=0, atol=1e-9)
+
+
+def test_training_on_a_ranked_store_equals_training_on_its_pairs(tmp_path, toy_tokenizers, one_thread):
+    """Two full-batch steps: a step of all 3 prompts is a step of their 9 pairs (the loss is the mean over pairs),
+    each completion and each prompt computed once; precomputed reference sums equal the copy's."""
+    from conftest import tiny_llama
+
+    from prefpack.config import load_config
+    from prefpack.model import load_causal_lm
+    from prefpack.reference import compute_ranked_store_logps, compute_store_logps
+    from prefpack.training import train
+
+    tok = toy_tokenizers["llama"]
+    ranked = _prepare(tmp_path, tok, ROWS, "ranked")
+    expanded = _expanded_pairs("all_pairs")
+    pairs = _prepare(tmp_path, tok, expanded, "pairs")
+    model = tiny_llama(tok, tmp_path / "model", seed=0)
+
+    def run(store, batch, name):
+        cfg = load_config(None, [f"model.name_or_path={model}", f"data.train={store.path}", "train.max_steps=2",
+                                 f"train.global_batch_pairs={batch}", "train.device=cpu", "optim.lr=2e-3",
+                                 "data.ranked_pairs=all_pairs", f"run.output_dir={tmp_path / name}", "run.plot=false",
+                                 "run.tensorboard=false"])
+        notes = []
+        train(cfg, progress=False, log=notes.append)
+        return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()], notes
+
+    got, notes = run(ranked, 4, "ranked")
+    want, _ = run(pairs, len(expanded), "pairs")
+    assert any("1 of 4 prompts" in n and "no pair" in n for n in notes)
+    # float32 sums in another order (a shared prompt's gradient is summed once), then one Adam step: 1e-5
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], abs=1e-5)
+    assert got[1]["loss"] != got[0]["loss"]
+    lengths = pairs.index[:, 1:4].astype(int)
+    assert got[0]["tokens"] < want[0]["tokens"] == int((2 * lengths[:, 0] + lengths[:, 1:].sum(1)).sum())
+    starts = ranked.group_starts()[:4]
+    useful = ranked.index[: starts[3]]  # the 3 prompts that give pairs
+    assert got[0]["positions"] == int(useful[:, 2].sum() + ranked.column("prompt_len")[starts[:3]].sum())
+
+    ref = load_causal_lm(str(model), device=torch.device("cpu"), attn_implementation="packed_sdpa")
+    per_row = compute_ranked_store_logps(ref, ranked, chunk_size=5)
+    per_pair = compute_store_logps(ref, pairs, chunk_size=5)
+    view = RankedGroups(ranked, "all_pairs")
+    chosen = [view.rows(i)[c] for i in range(len(view)) for c, _ in view.pairs[i]]
+    rejected = [view.rows(i)[r] for i in range(len(view)) for _, r in view.pairs[i]]
+    np.testing.assert_allclose(per_row[chosen], per_pair["chosen"], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(per_row[rejected], per_pair["rejected"], rtol=0, atol=1e-4)
+
+
+def test_eval_loss_is_the_same_shared_unshared_and_ranked(tmp_path, toy_tokenizers, one_thread):
+    """`evaluate()` (what `prefpack eval` and the run's eval report): the pairs of a pair store with prompts laid out
+    once or not, and the same pairs drawn from a ranked store, give one loss to 1e-6."""
+    from conftest import tiny_llama
+
+    from prefpack.config import load_config
+    from prefpack.training import build, evaluate
+
+    tok = toy_tokenizers["llama"]
+    ranked = _prepare(tmp_path, tok, ROWS, "ranked")
+    pairs = _prepare(tmp_path, tok, _expanded_pairs("best_vs_rest"), "pairs")
+    model, ref = tiny_llama(tok, tmp_path / "model", seed=0), tiny_llama(tok, tmp_path / "ref", seed=1)
+
+    def loss(store, sharing):
+        cfg = load_config(None, [f"model.name_or_path={model}", f"reference.model={ref}", f"data.train={store.path}",
+                                 f"data.prefix_sharing={sharing}", "train.device=cpu", "train.micro_batch_tokens=64",
+                                 f"run.output_dir={tmp_path / 'unused'}"])
+        setup = build(cfg, log=lambda m: None)
+        assert setup.train_task.shares_prompts == sharing
+        return evaluate(setup.policy, setup.reference, setup.train_task)
+
+    plain, shared, grouped = loss(pairs, False), loss(pairs, True), loss(ranked, True)
+    assert plain["loss"] != pytest.approx(0.6931, abs=1e-3)  # the reference differs from the policy
+    for other in (shared, grouped):
+        assert other["loss"] == pytest.approx(plain["loss"], abs=1e-6)
+        assert other["rewards/margins"] == pytest.approx(plain["rewards/margins"], abs=1e-5)
+
+
+def test_chat_ranked_rows_render_each_completion_after_the_prompt(tmp_path, toy_tokenizers):
+    from transformers import AutoTokenizer
+
+    tok_dir = toy_tokenizers["chatml"]
+    prompt = [{"role": "user", "content": "Hi?"}]
+    replies = [{"role": "assistant", "content": "Hello!"}, [{"role": "assistant", "content": "Go."}]]
+    store = _prepare(tmp_path, tok_dir, [{"prompt": prompt, "completions": [
+        {"text": replies[0], "score": 2}, {"content": replies[1], "score": 1}]}], "chat")
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    ids, comps = store.ranked_group(0)
+    for reply, comp in zip(([replies[0]], replies[1]), comps):
+        full = tok.apply_chat_template(prompt + reply, tokenize=False)
+        assert tok.decode(ids) + tok.decode(comp) == full
+    with pytest.raises(PrepareError, match=r"completions\[0\]\.text.*must be a list of messages|message list"):
+        _prepare(tmp_path, tok_dir, [{"prompt": prompt, "completions": [{"text": "plain", "score": 2},
+                                                                        {"text": "x", "score": 1}]}], "bad")
