@@ -212,12 +212,13 @@ def test_a_compiled_layer_traces_shared_rows_once(monkeypatch):
     try:
         model, eager = make_model("llama", False, "varlen"), make_model("llama", False, "varlen")
         compile_decoder_layers(model, backend="aot_eager")
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # the counter is process-wide
         for seed, rows in ((3, [[0, 1, 2], [3], [4, 5, 6]]), (4, [[0, 1], [2, 3, 4, 5, 6]])):
             batch = collate_packed(random_pairs(7, seed=seed), rows, pad_to_multiple_of=8, share_prompts=True)
             with torch.no_grad():
                 got, want = (sequence_logps(m, batch, chunk_size=5).logp_sum for m in (model, eager))
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
     finally:
         torch._dynamo.reset()
 
