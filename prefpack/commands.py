@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 def add_prepare(sub) -> None:
-    from prefpack.data.formats import LAYOUTS
+    from prefpack.data.formats import FIELD_HELP, LAYOUTS
 
     p = sub.add_parser("prepare", help="tokenise preference data into a binary store",
                        description="Read JSONL/JSON/Parquet/CSV files (or globs) or datasets folders, tokenise "
@@ -21,8 +21,8 @@ def add_prepare(sub) -> None:
     p.add_argument("--tokenizer", required=True, help="tokenizer folder or hub id")
     p.add_argument("--output", "-o", required=True, help="store folder to create")
     p.add_argument("--format", choices=LAYOUTS, default=None, help="input layout (default: detect from the first row)")
-    for name in ("prompt", "chosen", "rejected", "completion", "label", "completions"):
-        p.add_argument(f"--{name}-field", default=None, help=f"name of the {name} field")
+    for name, what in FIELD_HELP.items():
+        p.add_argument(f"--{name}-field", default=None, help=f"name of the {what} field")
     p.add_argument("--split", default=None, help="split to read from a DatasetDict folder")
     p.add_argument("--max-length", type=int, default=None,
                    help="longest prompt+completion sequence in tokens (default: no limit)")
@@ -45,10 +45,10 @@ def add_prepare(sub) -> None:
 
 
 def run_prepare(args, argv: list[str]) -> int:
+    from prefpack.data.formats import FIELD_HELP
     from prefpack.data.prepare import PrepareOptions, prepare
 
-    fields = {n: getattr(args, f"{n}_field") for n in ("prompt", "chosen", "rejected", "completion", "label",
-                                                         "completions")}
+    fields = {n: getattr(args, f"{n}_field") for n in FIELD_HELP}
     opts = PrepareOptions(
         inputs=args.inputs, tokenizer=args.tokenizer, output=args.output, layout=args.format, fields=fields,
         split=args.split, max_length=args.max_length, truncation=args.truncation, workers=args.workers,

@@ -231,3 +231,50 @@ def test_chat_ranked_rows_render_each_completion_after_the_prompt(tmp_path, toy_
     with pytest.raises(PrepareError, match=r"completions\[0\]\.text.*must be a list of messages|message list"):
         _prepare(tmp_path, tok_dir, [{"prompt": prompt, "completions": [{"text": "plain", "score": 2},
                                                                         {"text": "x", "score": 1}]}], "bad")
+
+
+def test_public_ranked_layouts_are_detected_and_read_alike(tmp_path, toy_tokenizers):
+    """UltraFeedback's raw rows (instruction, completions[].response/overall_score), Nectar's (prompt,
+    answers[].answer/rank) and plain lists with a parallel score list all give the store of the documented layout."""
+    tok = toy_tokenizers["neox"]
+    p, texts = "\n\nHuman: Hi?\n\nAssistant:", [" Hello!", " Go away.", " Hi, how can I help?"]
+    expected = _prepare(tmp_path, tok, [{"prompt": p, "completions": [
+        {"text": t, "score": s} for t, s in zip(texts, (7, 1, 9))]}], "documented")
+    variants = {
+        "ultrafeedback": {"source": "x", "instruction": p, "models": ["a", "b", "c"], "completions": [
+            {"model": m, "response": t, "overall_score": s, "annotations": {"helpfulness": {"Rating": "N/A"}}}
+            for m, t, s in zip("abc", texts, (7, 1, 9))]},
+        "nectar": {"prompt": p, "answers": [{"answer": t, "model": "m", "rank": r} for t, r in zip(texts, (2, 3, 1))],
+                   "num_responses": 3},
+        "parallel_scores": {"prompt": p, "responses": texts, "scores": [7, 1, 9]},
+        "parallel_ranks": {"prompt": p, "completions": texts, "ranks": [2, 3, 1]},
+    }
+    for name, row in variants.items():
+        store = _prepare(tmp_path, tok, [row], name)
+        assert store.kind == "ranked", name
+        prompt, comps = store.ranked_group(0)
+        want_prompt, want_comps = expected.ranked_group(0)
+        assert prompt.tolist() == want_prompt.tolist() and [c.tolist() for c in comps] == [
+            c.tolist() for c in want_comps], name
+        # the same order of preference (ranks are stored as minus the rank)
+        assert np.argsort(-store.scores()).tolist() == [2, 0, 1], name
+    # a named field wins over detection, and a parallel list of the wrong length is named
+    store = _prepare(tmp_path, tok, [{"question": p, "answers": [{"answer": t, "rank": r} for t, r in
+                                                                  zip(texts, (1, 2, 3))]}],
+                     "named", fields={"prompt": "question"})
+    assert store.kind == "ranked" and len(store) == 3
+    # SimPO's on-policy data (princeton-nlp/llama3-ultrafeedback-armorm): chosen/rejected plus all the samples
+    simpo = {"prompt": p, "chosen": texts[2], "rejected": texts[1], "all_generated_responses": texts,
+             "all_rm_scores": [0.7, 0.1, 0.9]}
+    store = _prepare(tmp_path, tok, [simpo], "simpo", layout="ranked",
+                     fields={"completions": "all_generated_responses", "scores": "all_rm_scores"})
+    assert np.argsort(-store.scores()).tolist() == [2, 0, 1] and store.scores().tolist() == [0.7, 0.1, 0.9]
+    with pytest.raises(PrepareError, match=r"field 'all_rm_scores' is null"):
+        _prepare(tmp_path, tok, [{**simpo, "all_rm_scores": None}], "simpo_null", layout="ranked",
+                 fields={"completions": "all_generated_responses", "scores": "all_rm_scores"})
+    with pytest.raises(PrepareError, match=r"line 1, field 'scores': .*list of 3 numbers.*got 2"):
+        _prepare(tmp_path, tok, [{"prompt": p, "completions": texts, "scores": [1, 2]}], "short")
+    with pytest.raises(PrepareError, match=r"field 'scores\[1\]' must be a finite number"):
+        _prepare(tmp_path, tok, [{"prompt": p, "completions": texts, "scores": [1, None, 2]}], "nan")
+    with pytest.raises(PrepareError, match=r"field 'completions\[0\]' must be an object.*'scores'"):
+        _prepare(tmp_path, tok, [{"prompt": p, "completions": texts}], "unscored", layout="ranked")

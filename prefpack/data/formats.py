@@ -10,8 +10,9 @@ Layouts:
   to the last assistant-turn boundary.
 - `unpaired`: prompt / completion / label (KTO); prompt and completion are strings or message lists.
 - `ranked`: prompt / completions, a list of several completions of one prompt with a score or a rank each
-  (UltraFeedback-style: ``{"prompt": ..., "completions": [{"text": ..., "score": 8.5}, ...]}``); stored with the
-  prompt once, and the pairs it yields are drawn at train time (``data.ranked_pairs``).
+  (UltraFeedback-style: ``{"prompt": ..., "completions": [{"text": ..., "score": 8.5}, ...]}``, or plain texts with
+  a parallel ``scores`` / ``ranks`` list; UltraFeedback's and Nectar's own field names are detected); stored with
+  the prompt once, and the pairs it yields are drawn at train time (``data.ranked_pairs``).
 
 Chat rows may also carry, as TRL's conversational datasets do, a `tools` column (a list of JSON-schema function
 definitions) and a `chat_template_kwargs` column (an object of extra template variables such as
@@ -29,9 +30,17 @@ from typing import Any
 LAYOUTS = ("pairs", "text-pairs", "messages", "implicit", "unpaired", "ranked")
 
 # A ranked row's completion: its text under one of these keys, and a score (higher is better) or a rank (1 is best).
-RANKED_TEXT_KEYS = ("text", "response", "completion", "content")
-RANKED_SCORE_KEYS = ("score", "rating", "overall_score")
+# "answer"/"rank" are Nectar's (berkeley-nest/Nectar: answers = [{answer, model, rank}]), "response"/"overall_score"
+# UltraFeedback's (openbmb/UltraFeedback: instruction, completions = [{response, overall_score, ...}]).
+RANKED_TEXT_KEYS = ("text", "response", "completion", "content", "answer")
+RANKED_SCORE_KEYS = ("score", "rating", "overall_score", "reward")
 RANKED_RANK_KEY = "rank"
+# Where detection looks for a ranked row's prompt and its completions when no field is named.
+RANKED_PROMPT_FIELDS = ("prompt", "instruction")
+RANKED_COMPLETIONS_FIELDS = ("completions", "answers", "responses")
+# Completions given as a plain list (strings or message lists) take their scores from a parallel list here.
+RANKED_SCORE_LISTS = ("scores", "ratings", "rewards")
+RANKED_RANK_LIST = "ranks"
 
 # Where an assistant reply starts in a whole-conversation string; the implicit prompt ends right after the
 # last one that occurs in the two conversations' shared prefix. (name, marker), also listed in the README.
@@ -57,6 +66,14 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 
 
+# The fields a user can rename (`prepare --NAME-field`), with what each holds.
+FIELD_HELP = {
+    "prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "completion": "completion (unpaired rows)",
+    "label": "label (unpaired rows)", "completions": "completions list (ranked rows)",
+    "scores": "scores list beside a plain completions list (ranked rows; higher is better)",
+}
+
+
 class InvalidRow(ValueError):
     """A row that cannot become an example; `reason` is a stable code used to count skips."""
 
@@ -75,6 +92,7 @@ class Fields:
     completion: str = "completion"
     label: str = "label"
     completions: str = "completions"
+    scores: str | None = None  # ranked rows with a plain list of completions: the list of their scores
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -104,15 +122,27 @@ def detect_layout(row: dict, overrides: dict[str, str | None]) -> tuple[str, str
     pname = overrides.get("prompt") or "prompt"
     if has(pname) and has(f.completion) and has(f.label):
         return "unpaired", f"fields {pname!r}, {f.completion!r}, {f.label!r}"
-    if has(pname) and has(f.completions) and isinstance(row[f.completions], list):
-        return "ranked", f"fields {pname!r}, {f.completions!r} (a list of scored completions)"
+    ranked = ranked_fields(row, overrides)
+    if ranked is not None:
+        rp, rc = ranked
+        return "ranked", f"fields {rp!r}, {rc!r} (a list of scored completions)"
     raise InvalidRow(
         "unknown_layout",
         None,
         f"cannot detect the layout from the fields {sorted(keys)}; expected prompt/chosen/rejected, "
         "text/chosen/rejected, chosen/rejected, prompt/completion/label, or prompt/completions (scored). Force one with --format and "
-        "name fields with --prompt-field, --chosen-field, --rejected-field, --completion-field, --label-field",
+        "name fields with --prompt-field, --chosen-field, --rejected-field, --completion-field, --label-field, "
+        "--completions-field",
     )
+
+
+def ranked_fields(row: dict, overrides: dict[str, str | None]) -> tuple[str, str] | None:
+    """The (prompt, completions) fields of a ranked row, the named ones or the first known names it has."""
+    prompts = [overrides["prompt"]] if overrides.get("prompt") else RANKED_PROMPT_FIELDS
+    lists = [overrides["completions"]] if overrides.get("completions") else RANKED_COMPLETIONS_FIELDS
+    p = next((name for name in prompts if name in row), None)
+    c = next((name for name in lists if isinstance(row.get(name), list)), None)
+    return None if p is None or c is None else (p, c)
 
 
 @dataclass
@@ -389,21 +419,28 @@ def _extract_ranked(row: dict, f: Fields) -> Example:
         raise InvalidRow("too_few_completions", f.completions, f"field {f.completions!r} holds {len(items)} "
                          "completion(s); a ranked row needs at least two to yield a pair")
     texts, scores, names = [], [], []
+    parallel = _parallel_scores(row, f, items)
     for i, item in enumerate(items):
         name = f"{f.completions}[{i}]"
-        if not isinstance(item, dict):
-            raise InvalidRow("wrong_type", name, f"field {name!r} must be an object such as {{\"text\": ..., "
-                             f"\"score\": 8.5}}, got {_json_type(item)}")
-        key = next((k for k in RANKED_TEXT_KEYS if k in item), None)
-        if key is None:
-            raise InvalidRow("missing_field", name, f"field {name!r} has no text: give it under one of "
-                             f"{', '.join(repr(k) for k in RANKED_TEXT_KEYS)} (it has {sorted(item)})")
-        wrapped = {f"{name}.{key}": item[key]}
-        if chat:
-            texts.append(_get_messages(wrapped, f"{name}.{key}", as_reply=True))
+        if parallel is not None:
+            key, wrapped = None, {name: item}
+        elif isinstance(item, dict):
+            key = next((k for k in RANKED_TEXT_KEYS if k in item), None)
+            if key is None:
+                raise InvalidRow("missing_field", name, f"field {name!r} has no text: give it under one of "
+                                 f"{', '.join(repr(k) for k in RANKED_TEXT_KEYS)} (it has {sorted(item)})")
+            wrapped = {f"{name}.{key}": item[key]}
         else:
-            texts.append(_get_str(wrapped, f"{name}.{key}"))
-        scores.append(_ranked_score(item, name))
+            raise InvalidRow("wrong_type", name, f"field {name!r} must be an object such as {{\"text\": ..., "
+                             f"\"score\": 8.5}}, or the row must give the scores as a list under one of "
+                             f"{', '.join(repr(k) for k in (*RANKED_SCORE_LISTS, RANKED_RANK_LIST))}; got "
+                             f"{_json_type(item)}")
+        text_name = name if key is None else f"{name}.{key}"
+        if chat:
+            texts.append(_get_messages(wrapped, text_name, as_reply=True))
+        else:
+            texts.append(_get_str(wrapped, text_name))
+        scores.append(parallel[i] if parallel is not None else _ranked_score(item, name))
         names.append(name)
     for i in range(len(texts)):
         for j in range(i):
@@ -411,6 +448,32 @@ def _extract_ranked(row: dict, f: Fields) -> Example:
                 raise InvalidRow("identical_completions", names[i], f"fields {names[j]!r} and {names[i]!r} hold "
                                  "the same completion; a pair of them would carry no preference")
     return Example(prompt, tuple(texts), chat=chat, completion_fields=tuple(names), scores=tuple(scores))
+
+
+def _parallel_scores(row: dict, f: Fields, items: list) -> list[float] | None:
+    """Scores given beside a plain list of completions (``"completions": [...], "scores": [...]``, or ``"ranks"``,
+    or the list ``--scores-field`` names), higher is better; None when the completions are objects carrying their
+    own score."""
+    if f.scores:
+        _require(row, f.scores)
+    elif all(isinstance(item, dict) and not {"role", "content"} <= set(item) for item in items):
+        return None
+    key = f.scores or next((k for k in (*RANKED_SCORE_LISTS, RANKED_RANK_LIST) if k in row), None)
+    if key is None:
+        return None  # each item is then checked (and named) on its own
+    values = row[key]
+    if not isinstance(values, list) or len(values) != len(items):
+        raise InvalidRow("wrong_type", key, f"field {key!r} must be a list of {len(items)} numbers, one per entry of "
+                         f"{f.completions!r}, got {_json_type(values) if not isinstance(values, list) else len(values)}")
+    return [_finite_number(v, f"{key}[{i}]", negate=key == RANKED_RANK_LIST and not f.scores)
+            for i, v in enumerate(values)]
+
+
+def _finite_number(value: Any, name: str, *, negate: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value or value in (
+            float("inf"), float("-inf")):
+        raise InvalidRow("wrong_type", name, f"field {name!r} must be a finite number, got {value!r}")
+    return -float(value) if negate else float(value)
 
 
 def _ranked_score(item: dict, name: str) -> float:
@@ -422,9 +485,4 @@ def _ranked_score(item: dict, name: str) -> float:
         raise InvalidRow("missing_field", name, f"field {name!r} has no score: give one under "
                          f"{', '.join(repr(k) for k in RANKED_SCORE_KEYS)} (higher is better) or a {RANKED_RANK_KEY!r} "
                          "(1 is best)")
-    value = item[key]
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value or value in (
-            float("inf"), float("-inf")):
-        raise InvalidRow("wrong_type", f"{name}.{key}", f"field {name}.{key!r} must be a finite number, got "
-                         f"{value!r}")
-    return -float(value) if rank else float(value)
+    return _finite_number(item[key], f"{name}.{key}", negate=rank)

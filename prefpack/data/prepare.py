@@ -28,6 +28,7 @@ from prefpack.data.formats import (
     extract,
     parse_template_kwargs,
     parse_tools,
+    ranked_fields,
     resolve_fields,
 )
 from prefpack.data.sources import RawRow, Source, file_sha256, iter_rows, peek_first_row, resolve_inputs
@@ -273,11 +274,11 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
     check_output(Path(opts.output), overwrite=opts.overwrite)
     tok = load_tokenizer(opts.tokenizer, trust_remote_code=opts.trust_remote_code)
     specials = special_tokens(tok)
-    layout, reason = _choose_layout(opts, sources)
+    layout, reason, field_names = _choose_layout(opts, sources)
     log(f"layout: {layout} ({reason})")
     template_kwargs, tools, tools_sha = _template_options(opts, layout)
     kind = {"unpaired": "unpaired", "ranked": "ranked"}.get(layout, "pairs")
-    fields = resolve_fields(layout, opts.fields)
+    fields = resolve_fields(layout, field_names)
     workers = opts.workers or os.cpu_count() or 1
     tcfg = TokenizeConfig(max_length=opts.max_length, truncation=opts.truncation,
                           chat_template_kwargs=template_kwargs, tools=tools)
@@ -290,7 +291,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
     rows_per_file: Counter = Counter()
     skipped_fh = None
     try:
-        init = (tok, opts.tokenizer, opts.trust_remote_code, layout, opts.fields, tcfg)
+        init = (tok, opts.tokenizer, opts.trust_remote_code, layout, field_names, tcfg)
         chunks = _chunks(sources, opts.split, opts.chunk_rows, rows_per_file)
         for res in _ordered_map(_process_chunk, chunks, workers, init):
             for p in res.problems:
@@ -404,15 +405,22 @@ def _check_inputs_outside(sources: list[Source], output: str) -> None:
                                "elsewhere first or choose another --output")
 
 
-def _choose_layout(opts: PrepareOptions, sources: list[Source]) -> tuple[str, str]:
-    if opts.layout:
-        return opts.layout, "forced with --format"
+def _choose_layout(opts: PrepareOptions, sources: list[Source]) -> tuple[str, str, dict[str, str | None]]:
+    """The layout (forced or detected from the first row), why, and the field names to read: the user's, plus a
+    ranked layout's prompt and completions fields found in the first row (``instruction``, ``answers``...)."""
     first = peek_first_row(sources, opts.split)
-    if first is None:
+    if opts.layout:
+        layout, why = opts.layout, "forced with --format"
+    elif first is None:
         raise PrepareError(f"no readable row in {', '.join(s.path for s in sources)}: cannot detect the layout")
-    src, row = first
-    try:
-        layout, why = detect_layout(row, opts.fields)
-    except InvalidRow as err:
-        raise PrepareError(f"{src.path}: {err.message}") from None
-    return layout, f"detected from the first row of {src.path}: {why}"
+    else:
+        try:
+            layout, why = detect_layout(first[1], opts.fields)
+        except InvalidRow as err:
+            raise PrepareError(f"{first[0].path}: {err.message}") from None
+        why = f"detected from the first row of {first[0].path}: {why}"
+    fields = dict(opts.fields)
+    found = ranked_fields(first[1], opts.fields) if layout == "ranked" and first is not None else None
+    if found is not None:
+        fields.update(prompt=found[0], completions=found[1])
+    return layout, why, fields
