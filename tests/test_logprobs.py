@@ -121,12 +121,51 @@ def test_never_materialises_more_than_chunk_logits():
     bound = max(chunk * V, V * H, n * H)
     assert n * V > 4 * bound  # the bound is meaningful: full logits would break it
     assert mode.largest <= bound, mode.largest
-    assert max(saved) <= max(V * H, n * H)  # no logits saved for backward
+    assert max(saved) <= max(V * H, n * H)  # no logits saved through autograd (one chunk is kept: below)
 
     # The check has teeth: the naive path does allocate the full logits.
     with _MaxNumel() as mode:
         naive(h, w, b, t).sum().backward()
     assert mode.largest >= n * V
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_backward_reuses_the_last_chunk_kept_by_forward():
+    """Forward keeps its last chunk's probabilities: backward recomputes the logits of every chunk but that one
+    (chunks of equal size, so the kept one is as large as any), and gives the same gradients again on a second
+    backward (retain_graph), when the kept chunk is gone."""
+    n, chunk = 10, 4  # three chunks: 4, 3, 3
+    h, w, b, t = make(n)
+    out = completion_logprobs(h, t, w, b, chunk_size=chunk)
+    weights = torch.randn(n, dtype=out.dtype, generator=torch.Generator().manual_seed(3))
+    with _CountMatmuls() as mode:
+        first = torch.autograd.grad((out * weights).sum(), [h, w, b], retain_graph=True)
+    assert mode.count == 3 * 3 - 1  # per chunk grad_h and grad_w, plus logits for the two chunks not kept
+    with _CountMatmuls() as mode:
+        second = torch.autograd.grad((out * weights).sum(), [h, w, b])
+    assert mode.count == 3 * 3  # nothing kept any more: every chunk recomputed
+    ref = torch.autograd.grad((naive(h, w, b, t) * weights).sum(), [h, w, b])
+    for a, c, r in zip(first, second, ref, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(c, r, rtol=1e-10, atol=1e-12)
+    # without grad (the reference model's forward) and with a softcap, nothing is kept: same counts as before
+    with torch.no_grad(), _CountMatmuls() as mode:
+        completion_logprobs(h, t, w, b, chunk_size=chunk)
+    assert mode.count == 3
+    capped = completion_logprobs(h, t, w, b, chunk_size=chunk, softcap=2.0)
+    with _CountMatmuls() as mode:
+        torch.autograd.grad(capped.sum(), [h, w, b])
+    assert mode.count == 3 * 3
 
 
 def test_segment_sum_grad():

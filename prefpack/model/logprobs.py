@@ -2,9 +2,10 @@
 
 The LM head is applied only to hidden states whose next token is a completion token, and in chunks, so
 that at most ``chunk_size x vocab`` logits (and never more than ``MAX_CHUNK_ELEMENTS``) are alive at once in
-forward and in backward (backward recomputes each chunk's logits instead of saving them; the forward's
-logsumexp works in place). With 150k vocabularies this is most of the memory of a preference step, hence the
-custom autograd function. The head's weight and logit transforms come from ``prefpack.model.head``.
+forward and in backward (backward recomputes each chunk's logits instead of saving them, except the last chunk's
+probabilities, which forward keeps so that backward starts with them; the forward's logsumexp works in place).
+With 150k vocabularies this is most of the memory of a preference step, hence the custom autograd function. The
+head's weight and logit transforms come from ``prefpack.model.head``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,17 @@ MAX_CHUNK_ELEMENTS = 1 << 25
 def chunk_rows(chunk_size: int, vocab: int, max_elements: int = MAX_CHUNK_ELEMENTS) -> int:
     """Rows per chunk: ``chunk_size``, lowered so that ``rows x vocab <= max_elements`` (at least 1)."""
     return max(1, min(int(chunk_size), int(max_elements) // max(int(vocab), 1)))
+
+
+def _chunk_bounds(n: int, chunk_size: int) -> list[tuple[int, int]]:
+    """``n`` rows cut into the fewest chunks of at most ``chunk_size`` rows, of equal sizes (give or take one), so
+    that the chunk forward keeps for backward is as large as the others."""
+    count = max(1, -(-n // chunk_size))
+    base, extra = divmod(n, count)
+    ends = [0]
+    for i in range(count):
+        ends.append(ends[-1] + base + (i < extra))
+    return [(s, e) for s, e in zip(ends[:-1], ends[1:]) if e > s]
 
 
 def _out_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -76,17 +88,22 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, targets, chunk_size, scale, softcap, with_log_sum_sq):
+    def forward(ctx, h, weight, bias, targets, chunk_size, scale, softcap, with_log_sum_sq, keep_last):
         mm_dtype = _matmul_dtype(h, weight)
         out_dtype = _out_dtype(mm_dtype)
         n = h.shape[0]
         logp = torch.empty(n, dtype=out_dtype, device=h.device)
         lse = torch.empty(n, dtype=out_dtype, device=h.device)
         log_sum_sq = torch.empty(n if with_log_sum_sq else 0, dtype=out_dtype, device=h.device)
+        # The last chunk's exp(z - m) stays alive for backward (which starts with it, then frees it): one chunk
+        # of memory between forward and backward, one matmul and one exp pass fewer in backward. Softcapped
+        # logits need z itself in backward, so they are always recomputed.
+        ctx.kept = None
+        keep_last = keep_last and softcap is None
+        bounds = _chunk_bounds(n, chunk_size)
         with torch.autocast(h.device.type, enabled=False):
             w, b = _cast(weight, mm_dtype), _cast(bias, mm_dtype)
-            for s in range(0, n, chunk_size):
-                e = min(s + chunk_size, n)
+            for i, (s, e) in enumerate(bounds):
                 z = _chunk_logits(_cast(h[s:e], mm_dtype), w, b, scale, softcap, out_dtype)
                 target_z = z.gather(1, targets[s:e, None]).squeeze(1)
                 # logsumexp in place (torch.logsumexp would allocate a second chunk-sized temporary)
@@ -99,6 +116,8 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
                     # log sum_v p_v^2 = 2 log ||exp(z - m)|| - 2 log sum exp(z - m); the norm needs no temporary
                     log_sum_sq[s:e] = 2.0 * (torch.linalg.vector_norm(scaled, dim=1).log_() - log_total)
                 logp[s:e] = target_z - lse[s:e]
+                if keep_last and i == len(bounds) - 1:
+                    ctx.kept = (s, e, scaled, log_total)  # softmax = scaled / exp(log_total)
                 del z, scaled
         ctx.save_for_backward(h, weight, bias, targets, lse)
         ctx.chunk_size, ctx.scale, ctx.softcap, ctx.mm_dtype = chunk_size, scale, softcap, mm_dtype
@@ -120,17 +139,24 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=out_dtype, device=bias.device) if need_b else None
 
+        kept, ctx.kept = ctx.kept, None  # used once: a second backward (retain_graph) recomputes it
         if need_h or need_w or need_b:
+            bounds = _chunk_bounds(n, chunk_size)
+            if kept is not None:
+                bounds = [bounds[-1], *bounds[:-1]]  # the kept chunk first, so it is freed before any other exists
             with torch.autocast(h.device.type, enabled=False):
                 w, b = _cast(weight, mm_dtype), _cast(bias, mm_dtype)
-                for s in range(0, n, chunk_size):
-                    e = min(s + chunk_size, n)
+                for s, e in bounds:
                     hc = _cast(h[s:e], mm_dtype)
-                    z = _chunk_logits(hc, w, b, scale, softcap, out_dtype)
                     g = grad_out[s:e, None]
                     # d logp / d z = onehot(target) - softmax(z); without softcap z is not needed again.
-                    dz = z - lse[s:e, None] if softcap is not None else z.sub_(lse[s:e, None])
-                    dz.exp_().mul_(-g)
+                    if kept is not None and kept[0] == s:
+                        z, dz = None, kept[2].mul_(torch.exp(-kept[3]).unsqueeze(1).mul_(-g))
+                        kept = None
+                    else:
+                        z = _chunk_logits(hc, w, b, scale, softcap, out_dtype)
+                        dz = z - lse[s:e, None] if softcap is not None else z.sub_(lse[s:e, None])
+                        dz.exp_().mul_(-g)
                     dz.scatter_add_(1, targets[s:e, None], g)
                     if softcap is not None:
                         # z = c * tanh(u / c)  =>  dz/du = 1 - (z / c)^2
@@ -155,7 +181,7 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
             grad_w = grad_w.to(weight.dtype)
         if need_b:
             grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def completion_logprobs(
@@ -209,6 +235,7 @@ def completion_logprobs(
         float(scale),
         None if softcap is None else float(softcap),
         bool(with_log_sum_sq),
+        torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad),
     )
     return (logp, log_sum_sq) if with_log_sum_sq else logp
 
