@@ -270,6 +270,8 @@ def eval_config(args):
 
 
 def run_eval(args, argv) -> int:
+    import numpy as np
+
     from prefpack.distributed import init_from_env, shutdown
     from prefpack.losses import UNPAIRED_LOSS_NAMES
     from prefpack.training import build, evaluate
@@ -286,10 +288,13 @@ def run_eval(args, argv) -> int:
         shutdown()
     if not ctx.is_main:
         return 0
+    task = setup.train_task
     if kto:
-        result["examples"] = len(setup.train_task)
+        result["examples"] = len(task)
     else:
-        result["pairs"] = len(setup.train_store)
+        result["pairs"] = task.units(np.arange(len(task)))  # a ranked store: the pairs its prompts yield
+        if task.kind == "ranked":
+            result["prompts"] = len(task)
     result["reference"] = setup.reference.mode
     if args.json:
         print(json.dumps(result))

@@ -187,7 +187,7 @@ def test_training_on_a_ranked_store_equals_training_on_its_pairs(tmp_path, toy_t
     np.testing.assert_allclose(per_row[rejected], per_pair["rejected"], rtol=0, atol=1e-4)
 
 
-def test_eval_loss_is_the_same_shared_unshared_and_ranked(tmp_path, toy_tokenizers, one_thread):
+def test_eval_loss_is_the_same_shared_unshared_and_ranked(tmp_path, toy_tokenizers, one_thread, capsys):
     """`evaluate()` (what `prefpack eval` and the run's eval report): the pairs of a pair store with prompts laid out
     once or not, and the same pairs drawn from a ranked store, give one loss to 1e-6."""
     from conftest import tiny_llama
@@ -213,6 +213,17 @@ def test_eval_loss_is_the_same_shared_unshared_and_ranked(tmp_path, toy_tokenize
     for other in (shared, grouped):
         assert other["loss"] == pytest.approx(plain["loss"], abs=1e-6)
         assert other["rewards/margins"] == pytest.approx(plain["rewards/margins"], abs=1e-5)
+    # the command reports the pairs a ranked store's prompts yield (not its completions) and the prompts used
+    from prefpack.cli import main as cli_main
+
+    for mode, want in (("best_vs_rest", 6), ("all_pairs", 9)):
+        capsys.readouterr()
+        assert cli_main(["eval", "--model", str(model), "--ref", str(ref), "--data", str(ranked.path), "--json",
+                         "--ranked-pairs", mode, "--micro-batch-tokens", "64"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert (out["pairs"], out["prompts"]) == (want, 3)
+        if mode == "best_vs_rest":
+            assert out["loss"] == pytest.approx(plain["loss"], abs=1e-6)
 
 
 def test_chat_ranked_rows_render_each_completion_after_the_prompt(tmp_path, toy_tokenizers):
@@ -278,3 +289,23 @@ def test_public_ranked_layouts_are_detected_and_read_alike(tmp_path, toy_tokeniz
         _prepare(tmp_path, tok, [{"prompt": p, "completions": texts, "scores": [1, None, 2]}], "nan")
     with pytest.raises(PrepareError, match=r"field 'completions\[0\]' must be an object.*'scores'"):
         _prepare(tmp_path, tok, [{"prompt": p, "completions": texts}], "unscored", layout="ranked")
+
+
+def test_unsupported_uses_of_a_ranked_store_are_user_errors(tmp_path, toy_tokenizers, capsys):
+    """LD-DPO on a ranked store, and a ranked store whose prompts all tie, stop `prefpack train` with a message
+    naming the store (exit 2), not a traceback."""
+    from conftest import tiny_llama
+
+    from prefpack.cli import main as cli_main
+
+    tok = toy_tokenizers["llama"]
+    ranked = _prepare(tmp_path, tok, ROWS, "ranked")
+    tied = _prepare(tmp_path, tok, ROWS[3:], "tied")
+    model = tiny_llama(tok, tmp_path / "model", seed=0)
+    base = [f"model.name_or_path={model}", "train.device=cpu", "train.max_steps=1", "run.eval_every=0"]
+    for store, extra, message in ((ranked, ["loss.ld_alpha=0.5"], "holds ranked completions, and loss.ld_alpha"),
+                                  (tied, [], "no prompt yields a pair")):
+        capsys.readouterr()
+        code = cli_main(["train", *base, f"data.train={store.path}", f"run.output_dir={tmp_path / 'run'}", *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and str(store.path) in err and "Traceback" not in err

@@ -13,7 +13,7 @@ from torch import nn
 
 from prefpack.batching.collate import collate_groups
 from prefpack.batching.plan import plan_groups
-from prefpack.data.store import Store
+from prefpack.data.store import Store, StoreError
 from prefpack.data.views import RankedGroups
 from prefpack.losses import PairLogps, wpo_weights
 from prefpack.objectives.base import Planned
@@ -30,13 +30,13 @@ class RankedTask(PairTask):
 
     def __init__(self, store: Store, cfg, pad_id: int):
         if cfg.loss.ld_alpha is not None:
-            raise ValueError("loss.ld_alpha (LD-DPO) weighs the tokens past the shorter completion of each pair, "
-                             "which differs from pair to pair of a ranked prompt; it is not supported on ranked "
-                             "stores yet: leave loss.ld_alpha null")
+            raise StoreError(f"store {str(store.path)!r} holds ranked completions, and loss.ld_alpha (LD-DPO) weighs "
+                             "the tokens past the shorter completion of each pair, which differs from pair to pair "
+                             "of a ranked prompt; it is not supported on ranked stores yet: leave loss.ld_alpha null")
         super().__init__(store, cfg, pad_id)
         self.view = RankedGroups(store, cfg.data.ranked_pairs)
         if len(self.view) == 0:
-            raise ValueError(f"store {str(store.path)!r}: no prompt yields a pair (every prompt's completions tie); "
+            raise StoreError(f"store {str(store.path)!r}: no prompt yields a pair (every prompt's completions tie); "
                              "nothing to train on")
 
     def __len__(self) -> int:
