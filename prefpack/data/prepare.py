@@ -408,6 +408,8 @@ def _check_inputs_outside(sources: list[Source], output: str) -> None:
 def _choose_layout(opts: PrepareOptions, sources: list[Source]) -> tuple[str, str, dict[str, str | None]]:
     """The layout (forced or detected from the first row), why, and the field names to read: the user's, plus a
     ranked layout's prompt and completions fields found in the first row (``instruction``, ``answers``...)."""
+    if opts.layout and opts.layout != "ranked":
+        return opts.layout, "forced with --format", dict(opts.fields)
     first = peek_first_row(sources, opts.split)
     if opts.layout:
         layout, why = opts.layout, "forced with --format"
@@ -423,4 +425,6 @@ def _choose_layout(opts: PrepareOptions, sources: list[Source]) -> tuple[str, st
     found = ranked_fields(first[1], opts.fields) if layout == "ranked" and first is not None else None
     if found is not None:
         fields.update(prompt=found[0], completions=found[1])
+        if opts.layout:
+            why += f"; fields {found[0]!r}, {found[1]!r}"
     return layout, why, fields
