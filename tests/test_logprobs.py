@@ -141,9 +141,9 @@ class _CountMatmuls(TorchDispatchMode):
 
 
 def test_backward_reuses_the_last_chunk_kept_by_forward():
-    """Forward keeps its last chunk's probabilities: backward recomputes the logits of every chunk but that one
-    (chunks of equal size, so the kept one is as large as any), and gives the same gradients again on a second
-    backward (retain_graph), when the kept chunk is gone."""
+    """Forward keeps its last chunk's logits: backward recomputes the logits of every chunk but that one (chunks of
+    equal size, so the kept one is as large as any), and gives bitwise the same gradients on a second backward
+    (retain_graph), when nothing is kept any more."""
     n, chunk = 10, 4  # three chunks: 4, 3, 3
     h, w, b, t = make(n)
     out = completion_logprobs(h, t, w, b, chunk_size=chunk)
@@ -158,14 +158,22 @@ def test_backward_reuses_the_last_chunk_kept_by_forward():
     for a, c, r in zip(first, second, ref, strict=True):
         torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(c, r, rtol=1e-10, atol=1e-12)
-    # without grad (the reference model's forward) and with a softcap, nothing is kept: same counts as before
+    # the kept chunk goes through the same ops as a recomputed one: its gradients are bitwise those of a run that
+    # kept nothing (the same chunks recomputed after a no-grad forward gave these values), so which chunk a
+    # micro-batch happens to keep cannot change a run
+    for a, c in zip(first, second, strict=True):
+        assert torch.equal(a, c)
+    # without grad (the reference model's forward) nothing is kept; a softcapped head keeps its chunk too
     with torch.no_grad(), _CountMatmuls() as mode:
         completion_logprobs(h, t, w, b, chunk_size=chunk)
     assert mode.count == 3
     capped = completion_logprobs(h, t, w, b, chunk_size=chunk, softcap=2.0)
     with _CountMatmuls() as mode:
-        torch.autograd.grad(capped.sum(), [h, w, b])
-    assert mode.count == 3 * 3
+        got = torch.autograd.grad(capped.sum(), [h, w, b])
+    assert mode.count == 3 * 3 - 1
+    ref = torch.autograd.grad(naive(h, w, b, t, softcap=2.0).sum(), [h, w, b])
+    for a, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12)
 
 
 def test_segment_sum_grad():

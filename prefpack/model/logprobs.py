@@ -2,8 +2,8 @@
 
 The LM head is applied only to hidden states whose next token is a completion token, and in chunks, so
 that at most ``chunk_size x vocab`` logits (and never more than ``MAX_CHUNK_ELEMENTS``) are alive at once in
-forward and in backward (backward recomputes each chunk's logits instead of saving them, except the last chunk's
-probabilities, which forward keeps so that backward starts with them; the forward's logsumexp works in place).
+forward and in backward (backward recomputes each chunk's logits instead of saving them, except the last chunk's,
+which forward keeps so that backward starts with them; the forward's logsumexp works in place).
 With 150k vocabularies this is most of the memory of a preference step, hence the custom autograd function. The
 head's weight and logit transforms come from ``prefpack.model.head``.
 """
@@ -95,30 +95,36 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
         logp = torch.empty(n, dtype=out_dtype, device=h.device)
         lse = torch.empty(n, dtype=out_dtype, device=h.device)
         log_sum_sq = torch.empty(n if with_log_sum_sq else 0, dtype=out_dtype, device=h.device)
-        # The last chunk's exp(z - m) stays alive for backward (which starts with it, then frees it): one chunk
-        # of memory between forward and backward, one matmul and one exp pass fewer in backward. Softcapped
-        # logits need z itself in backward, so they are always recomputed.
+        # The last chunk's logits stay alive for backward (which starts with them, then frees them): one chunk of
+        # memory between forward and backward, one matmul fewer in backward. Backward then runs the very same ops
+        # on the very same logits as for a recomputed chunk, so gradients do not depend on which chunk was kept.
         ctx.kept = None
-        keep_last = keep_last and softcap is None
         bounds = _chunk_bounds(n, chunk_size)
         with torch.autocast(h.device.type, enabled=False):
             w, b = _cast(weight, mm_dtype), _cast(bias, mm_dtype)
             for i, (s, e) in enumerate(bounds):
                 z = _chunk_logits(_cast(h[s:e], mm_dtype), w, b, scale, softcap, out_dtype)
                 target_z = z.gather(1, targets[s:e, None]).squeeze(1)
-                # logsumexp in place (torch.logsumexp would allocate a second chunk-sized temporary)
                 m = z.amax(dim=1, keepdim=True)
                 m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-                scaled = z.sub_(m).exp_()  # exp(z - m), in place
-                log_total = scaled.sum(dim=1).log_()
-                lse[s:e] = log_total + m.squeeze(1)
-                if with_log_sum_sq:
-                    # log sum_v p_v^2 = 2 log ||exp(z - m)|| - 2 log sum exp(z - m); the norm needs no temporary
-                    log_sum_sq[s:e] = 2.0 * (torch.linalg.vector_norm(scaled, dim=1).log_() - log_total)
+                keep = keep_last and i == len(bounds) - 1
+                # logsumexp in place (torch.logsumexp would allocate a second chunk-sized temporary); a kept chunk
+                # is read in row blocks instead, so that z survives with a temporary of an eighth of the chunk
+                step = max(1, -(-(e - s) // 8)) if keep else e - s
+                for r in range(0, e - s, step):
+                    block = z[r:r + step]
+                    scaled = (block - m[r:r + step]).exp_() if keep else block.sub_(m).exp_()  # exp(z - m)
+                    log_total = scaled.sum(dim=1).log_()
+                    lse[s + r:s + r + step] = log_total + m[r:r + step].squeeze(1)
+                    if with_log_sum_sq:
+                        # log sum_v p_v^2 = 2 log ||exp(z - m)|| - 2 log sum exp(z - m); no temporary for the norm
+                        log_sum_sq[s + r:s + r + step] = 2.0 * (
+                            torch.linalg.vector_norm(scaled, dim=1).log_() - log_total)
+                    del scaled
                 logp[s:e] = target_z - lse[s:e]
-                if keep_last and i == len(bounds) - 1:
-                    ctx.kept = (s, e, scaled, log_total)  # softmax = scaled / exp(log_total)
-                del z, scaled
+                if keep:
+                    ctx.kept = (s, z)
+                del z
         ctx.save_for_backward(h, weight, bias, targets, lse)
         ctx.chunk_size, ctx.scale, ctx.softcap, ctx.mm_dtype = chunk_size, scale, softcap, mm_dtype
         ctx.mark_non_differentiable(log_sum_sq)
@@ -141,9 +147,9 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
 
         kept, ctx.kept = ctx.kept, None  # used once: a second backward (retain_graph) recomputes it
         if need_h or need_w or need_b:
-            bounds = _chunk_bounds(n, chunk_size)
-            if kept is not None:
-                bounds = [bounds[-1], *bounds[:-1]]  # the kept chunk first, so it is freed before any other exists
+            # last chunk first: the kept one is freed before any other exists, and the weight gradient sums the
+            # chunks in one order whether or not a chunk was kept
+            bounds = _chunk_bounds(n, chunk_size)[::-1]
             with torch.autocast(h.device.type, enabled=False):
                 w, b = _cast(weight, mm_dtype), _cast(bias, mm_dtype)
                 for s, e in bounds:
@@ -151,12 +157,11 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
                     g = grad_out[s:e, None]
                     # d logp / d z = onehot(target) - softmax(z); without softcap z is not needed again.
                     if kept is not None and kept[0] == s:
-                        z, dz = None, kept[2].mul_(torch.exp(-kept[3]).unsqueeze(1).mul_(-g))
-                        kept = None
+                        z, kept = kept[1], None
                     else:
                         z = _chunk_logits(hc, w, b, scale, softcap, out_dtype)
-                        dz = z - lse[s:e, None] if softcap is not None else z.sub_(lse[s:e, None])
-                        dz.exp_().mul_(-g)
+                    dz = z - lse[s:e, None] if softcap is not None else z.sub_(lse[s:e, None])
+                    dz.exp_().mul_(-g)
                     dz.scatter_add_(1, targets[s:e, None], g)
                     if softcap is not None:
                         # z = c * tanh(u / c)  =>  dz/du = 1 - (z / c)^2
