@@ -1,5 +1,6 @@
-"""Invariances of training, each one test run for both objectives (the `world` fixture's two params): DPO
-(`sigmoid`) on a pair store and KTO on an unpaired store.
+"""Invariances of training, each one test run for every objective (the `world` fixture's params): DPO
+(`sigmoid`) on a pair store, KTO on an unpaired store (each also with prompts laid out once), and DPO on a ranked
+store (prompt groups of several scored completions, each completion computed once).
 
 * packed == padded (with and without data.pad_to_multiple_of),
 * one micro-batch per step == one example per micro-batch (1x8 == 8x1 accumulation),
@@ -62,14 +63,30 @@ def _unpaired_rows_shared(hh_train) -> dict[str, list[dict]]:
     return {"train": halves(rows[:10]), "eval": halves(rows[10:14])}
 
 
-@pytest.fixture(scope="module", params=["pairs", "pairs_shared", "kto", "kto_shared"])
+def _ranked_rows(hh_train) -> dict[str, list[dict]]:
+    """Ranked rows from hh: a short prompt with its chosen, rejected and the next row's chosen reply (scores 3, 1, 2),
+    and every third prompt a fourth reply (score 0), so that groups differ in size and in the pairs they yield."""
+    rows = [r for r in hh_train[:60] if r["chosen"].strip() and r["rejected"].strip() and r["chosen"] != r["rejected"]]
+    out = []
+    for k, (r, nxt, far) in enumerate(zip(rows, rows[1:], rows[2:])):
+        texts = [r["chosen"][:60], r["rejected"][:60], nxt["chosen"][:50]] + ([far["rejected"][:40]] if k % 3 == 0
+                                                                              else [])
+        if len(set(texts)) == len(texts):
+            out.append({"prompt": f"Q{k}:{r['prompt'][-50:]}",
+                        "completions": [{"text": t, "score": sc} for t, sc in zip(texts, (3, 1, 2, 0))]})
+    return {"train": out[:8], "eval": out[8:12]}
+
+
+@pytest.fixture(scope="module", params=["pairs", "pairs_shared", "kto", "kto_shared", "ranked_shared"])
 def world(request, tmp_path_factory, toy_tokenizers, hh_train):
     """One objective's train and eval stores, a policy, a different reference (tiny Llamas) and its settings:
 
     * pairs: 24 train and 10 eval hh pairs, loss `sigmoid`, 8 pairs a step;
     * pairs_shared: the same with each pair's prompt laid out once (`data.prefix_sharing=true`);
     * kto: 19 unpaired train examples (12 desirable) and 7 eval ones, loss `kto`, 5 examples a step;
-    * kto_shared: 20 train examples, 10 prompts with two completions each (and 8 eval ones), prompts laid out once.
+    * kto_shared: 20 train examples, 10 prompts with two completions each (and 8 eval ones), prompts laid out once;
+    * ranked_shared: 8 train prompts (4 eval) with 3 or 4 scored completions, `data.ranked_pairs=all_pairs` (3 or 6
+      pairs a prompt), 3 prompts a step, prompts laid out once.
     """
     kind = request.param
     root = tmp_path_factory.mktemp(f"invariance-{kind}")
@@ -85,6 +102,22 @@ def world(request, tmp_path_factory, toy_tokenizers, hh_train):
             # several pairs a micro-batch, the last step wraps into the second epoch
             "ranks": ["train.global_batch_pairs=10", "train.micro_batch_tokens=256", "data.max_tokens_per_row=256",
                       "optim.schedule=cosine", "optim.warmup_steps=1"],
+        }
+    elif kind == "ranked_shared":
+        stores = {}
+        for name, rows in _ranked_rows(hh_train).items():
+            assert cli_main(["prepare", str(write_jsonl(root / f"{name}.jsonl", rows)), "--tokenizer", str(tok),
+                             "--output", str(root / name), "--max-length", "64", "--workers", "1"]) == 0
+            stores[name] = root / name
+        settings = {
+            "size": sum(len(r["completions"]) for r in _ranked_rows(hh_train)["train"]), "count_key": "completions",
+            "sidecar": "ref_logps_ranked.safetensors", "precompute": [],
+            "base": ["loss.terms=[{name: sigmoid}]", "train.global_batch_pairs=3", "data.ranked_pairs=all_pairs"],
+            "keys": ("loss", "rewards/margins", "rewards/chosen"),
+            "precomputed": [],
+            # 3 prompts a step over two ranks: one rank holds twice the pairs of the other, which the step's
+            # normalisation (by all its pairs) must not notice
+            "ranks": ["train.micro_batch_tokens=256", "data.max_tokens_per_row=256"],
         }
     else:
         stores = {}
