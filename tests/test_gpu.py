@@ -131,3 +131,30 @@ def test_cuda_budgets_grow_with_free_memory():
     assert MIN_MICRO_BATCH_TOKENS <= budgets.micro_batch_tokens <= MAX_MICRO_BATCH_TOKENS
     assert budgets.chunk_size >= 1024 and budgets.row_tokens == min(budgets.micro_batch_tokens, 8192)
     assert free > 0
+
+
+def test_chunked_head_keeps_its_last_chunk_on_cuda_in_bfloat16():
+    """The chunked head under bf16 autocast on CUDA: log-probs and gradients against a float64 log_softmax of the
+    same bf16 logits, and the backward that starts from the kept chunk gives bitwise the gradients of a second
+    backward that recomputes every chunk."""
+    from prefpack.model.logprobs import completion_logprobs
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, hidden, vocab = 3000, 256, 32000
+    h = torch.randn(n, hidden, device="cuda", generator=g).requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda", generator=g) * 0.05).requires_grad_()
+    t = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    weights = torch.rand(n, device="cuda", generator=g)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = completion_logprobs(h, t, w, chunk_size=1024)  # three chunks of 1,000
+    assert out.dtype == torch.float32
+    first = torch.autograd.grad((out * weights).sum(), (h, w), retain_graph=True)
+    second = torch.autograd.grad((out * weights).sum(), (h, w))
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    hb, wb = h.detach().bfloat16().double().requires_grad_(), w.detach().bfloat16().double().requires_grad_()
+    ref = (hb @ wb.t()).log_softmax(-1).gather(1, t[:, None]).squeeze(1)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-2)
+    ref_grads = torch.autograd.grad((ref * weights.double()).sum(), (hb, wb))
+    for a, r in zip(first, ref_grads):
+        assert (a.double() - r).abs().max() <= 0.05 * r.abs().max() + 1e-3

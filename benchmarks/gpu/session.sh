@@ -2,7 +2,7 @@
 # One device call that measures what only a GPU shows, logs under $OUT. From the repository root, with .whl
 # carried (benchmarks/gpu/fetch_wheels.sh):
 #   bash benchmarks/gpu/session.sh [tests|compare|all|float32|profile|sharing] [PRESETS]
-# tests:   the CUDA tests (torch's varlen kernel against the reference in bfloat16, prompt-shared rows with gathered
+# tests:   the CUDA tests (the chunked head in bfloat16; torch's varlen kernel against the reference in bfloat16, prompt-shared rows with gathered
 #          keys included; training with prompts laid out once on varlen; budgets) and the CPU-exact
 #          precision/varlen/varlen-sharing tests;
 # float32: prefpack and TRL losses on CUDA in float32, every step (first preset);
@@ -39,7 +39,7 @@ QWEN=${QWEN:-none}
 [ -f .gpu/qwen2.5/tokenizer.json ] && QWEN=.gpu/qwen2.5  # carried: cp -r ../shared/tokenizers/qwen2.5 .gpu/
 if [ "$what" = tests ] || [ "$what" = all ]; then
   PREFPACK_TEST_CUDA=1 timeout "${TESTS_TIMEOUT:-240}" "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-    tests/test_varlen.py tests/test_varlen_shared.py tests/test_precision.py tests/test_budgets.py 2>&1 \
+    tests/test_varlen.py tests/test_varlen_shared.py tests/test_precision.py tests/test_budgets.py tests/test_logprobs.py 2>&1 \
     | tee "$OUT/tests.log"
 fi
 if [ "$what" = compare ] || [ "$what" = all ]; then
