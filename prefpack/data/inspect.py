@@ -85,6 +85,8 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
         if c.get(key):
             lines.append(f"{key:<10} " + ", ".join(f"{k}={v}" for k, v in sorted(c[key].items())))
     kept = {k: c[k] for k in ("empty_completions", "chat_examples", "examples_with_tools") if c.get(k)}
+    if (c.get("repeated_prompts") or {}).get("prompts"):  # pairs sharing a prompt with other pairs
+        kept["repeated_prompts"] = c["repeated_prompts"]
     if kept:  # counted, not skipped: what prepare kept that a reader may want to know about
         shown = [f"{k}=" + (" ".join(f"{p}:{n}" for p, n in sorted(v.items())) if isinstance(v, dict) else str(v))
                  for k, v in kept.items()]

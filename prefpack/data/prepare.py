@@ -7,6 +7,7 @@ input size. Results come back in input order, so the first bad row reported is t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -84,6 +85,7 @@ class PrepareReport:
     empty_completions: dict[str, int] = field(default_factory=dict)
     chat: dict[str, int] = field(default_factory=dict)  # "examples" rendered by the chat template, "with_tools"
     groups: int | None = None  # ranked stores: prompts (each with several completions, the examples)
+    repeated_prompts: dict[str, int] = field(default_factory=dict)  # pair stores: {"prompts": n, "pairs": m}
 
     def summary(self) -> str:
         what = f"{self.examples} examples" if self.groups is None else \
@@ -95,6 +97,12 @@ class PrepareReport:
         if self.skipped:
             lines.append("skipped (invalid): " + ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items()))
                          + f"; every skipped row is in {self.path / 'skipped.jsonl'}")
+        if self.repeated_prompts.get("prompts"):
+            r = self.repeated_prompts
+            lines.append(f"{r['pairs']} pairs share {r['prompts']} prompts with other pairs: each pair lays its prompt "
+                         "out once, but such a prompt is computed again for every pair, and a completion for every "
+                         "pair it is in; rows of one prompt with several scored completions (--format ranked) "
+                         "compute each prompt and each completion once")
         if self.dropped:
             lines.append("dropped (length policy): " + ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items())))
         if self.truncated:
@@ -289,6 +297,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
     truncated: Counter = Counter()
     chat: Counter = Counter()
     rows_per_file: Counter = Counter()
+    repeats = PromptRepeats()
     skipped_fh = None
     try:
         init = (tok, opts.tokenizer, opts.trust_remote_code, layout, field_names, tcfg)
@@ -313,6 +322,8 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
             empty.update(res.empty)
             chat.update(res.chat)
             writer.append(res.tokens, res.index)
+            if kind == "pairs":
+                repeats.observe(res.tokens, res.index)
         if skipped_fh is not None:
             skipped_fh.close()
             skipped_fh = None
@@ -329,7 +340,8 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
             "counts": {"rows_read": rows_read, "examples": writer.n_rows, "skipped": dict(skipped),
                        "dropped": dict(dropped), "truncated": dict(truncated),
                        "empty_completions": dict(empty), "chat_examples": chat["examples"],
-                       "examples_with_tools": chat["with_tools"]},
+                       "examples_with_tools": chat["with_tools"],
+                       **({"repeated_prompts": repeats.counts()} if kind == "pairs" else {})},
             "sources": [{"path": s.path, "kind": s.kind, "rows": rows_per_file[s.file_index],
                          "sha256": file_sha256(s.path)} for s in sources],
             "args": {"inputs": opts.inputs, "tokenizer": opts.tokenizer, "format": opts.layout,
@@ -355,7 +367,23 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
         raise
     return PrepareReport(path, layout, reason, writer.n_rows, writer.n_tokens, rows_read, dict(skipped),
                          dict(dropped), dict(truncated), time.perf_counter() - t0, dict(empty), dict(chat),
-                         writer.n_groups if kind == "ranked" else None)
+                         writer.n_groups if kind == "ranked" else None, repeats.counts())
+
+
+class PromptRepeats:
+    """Counts pairs whose prompt (as tokens) another pair also has: training computes such a prompt once per pair,
+    which a ranked layout would avoid. Keeps an 8-byte digest per distinct prompt."""
+
+    def __init__(self):
+        self.seen: Counter = Counter()
+
+    def observe(self, tokens: np.ndarray, index: np.ndarray) -> None:
+        for offset, prompt_len in index[:, :2].tolist():
+            self.seen[hashlib.blake2b(tokens[offset:offset + prompt_len].tobytes(), digest_size=8).digest()] += 1
+
+    def counts(self) -> dict[str, int]:
+        repeated = [n for n in self.seen.values() if n > 1]
+        return {"prompts": len(repeated), "pairs": sum(repeated)}
 
 
 def _template_options(opts: PrepareOptions, layout: str) -> tuple[dict, list | None, str | None]:
