@@ -109,9 +109,12 @@ def _float64_llama(tok_dir, seed):
     return tf.LlamaForCausalLM(cfg).double().eval()
 
 
+@pytest.mark.parametrize("ld", [False, True], ids=["wpo", "wpo+ld"])
 @pytest.mark.parametrize("mode", ["best_vs_rest", "all_pairs"])
 @pytest.mark.parametrize("layout", ["shared", "packed", "padded"])
-def test_ranked_pair_losses_equal_the_same_pairs_from_a_pair_store(tmp_path, toy_tokenizers, mode, layout):
+def test_ranked_pair_losses_equal_the_same_pairs_from_a_pair_store(tmp_path, toy_tokenizers, mode, layout, ld):
+    """Per-pair losses and their gradients, in float64: WPO weights, and LD-DPO's tails (which depend on the pair,
+    so a completion in several pairs has one per pair), against the same pairs written out as a pair store."""
     from prefpack.config import load_config
     from prefpack.model import SequenceLogps
     from prefpack.objectives.base import Planned
@@ -124,9 +127,10 @@ def test_ranked_pair_losses_equal_the_same_pairs_from_a_pair_store(tmp_path, toy
     pairs = _prepare(tmp_path, tok, _expanded_pairs(mode), "pairs")
     cfg = load_config(None, [f"data.ranked_pairs={mode}", f"data.prefix_sharing={layout == 'shared'}",
                              f"data.packing={layout != 'padded'}", "loss.terms=[{name: sigmoid}, {name: sft, weight: 0.3}]",
-                             "loss.use_weighting=true"])
+                             "loss.use_weighting=true", *(["loss.ld_alpha=0.4"] if ld else [])])
     policy, reference = _float64_llama(tok, 0), CopyReference(_float64_llama(tok, 1))
-    module = SequenceLogps(policy, chunk_size=7, wpo=True)
+    reference.configure(chunk_size=7, pair_tails=ld)
+    module = SequenceLogps(policy, chunk_size=7, wpo=True, pair_tails=ld)
     r_task, p_task = RankedTask(ranked, cfg, 0), PairTask(pairs, cfg, 0)
     packed = cfg.data.packing
     r_rows = [[0, 1], [2]] if packed else [[0], [1], [2]]
@@ -138,6 +142,22 @@ def test_ranked_pair_losses_equal_the_same_pairs_from_a_pair_store(tmp_path, toy
     torch.testing.assert_close(got, p_out.loss, rtol=0, atol=1e-10)
     for key in ("rewards/margins", "logps/chosen", "logps/rejected"):
         torch.testing.assert_close(r_out[0].metrics[key], p_out.metrics[key], rtol=0, atol=1e-9)
+    # Gradients to float32 accuracy: transformers' LlamaRMSNorm casts its input to float32 even in a float64 model,
+    # so backward is not exactly linear in its upstream gradient, and a completion in three pairs backpropagates
+    # 3 * g once here but g three times from the pair store (measured: equal to 1e-15 when both are scaled alike).
+    params = [p for p in policy.parameters() if p.requires_grad]
+    for a, b in zip(torch.autograd.grad(got.sum(), params), torch.autograd.grad(p_out.loss.sum(), params),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if ld:  # the tails matter: without them the same pairs give other losses
+        plain = load_config(None, [f"data.ranked_pairs={mode}", f"data.prefix_sharing={layout == 'shared'}",
+                                   f"data.packing={layout != 'padded'}",
+                                   "loss.terms=[{name: sigmoid}, {name: sft, weight: 0.3}]", "loss.use_weighting=true"])
+        task = RankedTask(ranked, plain, 0)
+        reference.configure(chunk_size=7, pair_tails=False)
+        other = torch.cat([task.loss(SequenceLogps(policy, chunk_size=7, wpo=True), reference,
+                                     task.collate(Planned(r_rows, 0, 0)), None).loss])
+        assert (other - got).abs().max() > 1e-3
 
 
 def test_training_on_a_ranked_store_equals_training_on_its_pairs(tmp_path, toy_tokenizers, one_thread):
@@ -292,8 +312,9 @@ def test_public_ranked_layouts_are_detected_and_read_alike(tmp_path, toy_tokeniz
 
 
 def test_unsupported_uses_of_a_ranked_store_are_user_errors(tmp_path, toy_tokenizers, capsys):
-    """LD-DPO on a ranked store, and a ranked store whose prompts all tie, stop `prefpack train` with a message
-    naming the store (exit 2), not a traceback."""
+    """LD-DPO on a ranked store with a precomputed reference (its sidecar holds one sum per completion, not the
+    tails of each pair), and a ranked store whose prompts all tie, stop `prefpack train` with a message naming the
+    store (exit 2), not a traceback."""
     from conftest import tiny_llama
 
     from prefpack.cli import main as cli_main
@@ -303,7 +324,8 @@ def test_unsupported_uses_of_a_ranked_store_are_user_errors(tmp_path, toy_tokeni
     tied = _prepare(tmp_path, tok, ROWS[3:], "tied")
     model = tiny_llama(tok, tmp_path / "model", seed=0)
     base = [f"model.name_or_path={model}", "train.device=cpu", "train.max_steps=1", "run.eval_every=0"]
-    for store, extra, message in ((ranked, ["loss.ld_alpha=0.5"], "holds ranked completions, and loss.ld_alpha"),
+    for store, extra, message in ((ranked, ["loss.ld_alpha=0.5", "reference.mode=precomputed"],
+                                   "holds ranked completions and loss.ld_alpha (LD-DPO) needs the reference's sums"),
                                   (tied, [], "no prompt yields a pair")):
         capsys.readouterr()
         code = cli_main(["train", *base, f"data.train={store.path}", f"run.output_dir={tmp_path / 'run'}", *extra])

@@ -82,7 +82,8 @@ class SequenceOutput(NamedTuple):
     logp_sum: torch.Tensor  # [S] completion log-prob sums (with gradient under autograd)
     n_tokens: torch.Tensor  # [S] completion token counts (host tensor)
     aux_loss: torch.Tensor | None = None  # scalar MoE router load-balancing loss (``router_aux``)
-    tail_sum: torch.Tensor | None = None  # [S] sum over the tokens past the shorter completion of the pair (LD-DPO)
+    tail_sum: torch.Tensor | None = None  # [S] sum over the tokens past the shorter completion of the pair (LD-DPO);
+    # [2, P] per drawn pair (chosen, rejected) when the batch gives ``tail_pairs`` (ranked stores)
     wpo_mean: torch.Tensor | None = None  # [S] detached mean over tokens of log p - log sum_v p_v^2 (WPO)
 
 
@@ -234,6 +235,27 @@ def _tail_mask(index: torch.Tensor, n_tokens: torch.Tensor) -> torch.Tensor:
     return ((where - first[index]) >= shared[index]).float()
 
 
+def _drawn_pair_tails(logp: torch.Tensor, index: torch.Tensor, n_tokens: torch.Tensor,
+                      pairs: torch.Tensor) -> torch.Tensor:
+    """[2, P]: for pair p = (a, b) = ``pairs[:, p]`` (sequence indices), the sums of ``logp`` over a's and over b's
+    completion tokens past ``min(len a, len b)``: LD-DPO's tails when one completion is in several pairs.
+
+    Each sequence's log-probs are laid out in a row of a [S, longest + 1] matrix (tokens contiguous and in order, as
+    in :func:`_tail_mask`) whose reversed cumulative sum gives every suffix sum; a pair reads its two at its cut.
+    """
+    n = n_tokens.to(index.device).long()
+    index = index.long()
+    where = torch.arange(index.numel(), device=index.device)
+    first = torch.full((n.numel(),), index.numel(), dtype=torch.long, device=index.device)
+    first = first.scatter_reduce(0, index, where, "amin")
+    width = int(n.max()) + 1 if n.numel() else 1
+    rows = logp.new_zeros(n.numel(), width).index_put((index, where - first[index]), logp)
+    suffix = rows.flip(1).cumsum(1).flip(1)  # suffix[s, k]: sum over sequence s's tokens from the k-th on
+    pairs = pairs.to(index.device).long()
+    cut = torch.minimum(n[pairs[0]], n[pairs[1]])
+    return torch.stack([suffix[pairs[0], cut], suffix[pairs[1], cut]])
+
+
 def _wpo_means(logp: torch.Tensor, log_sum_sq: torch.Tensor, index: torch.Tensor, n_tokens: torch.Tensor):
     """WPO (Zhou et al. 2024, arXiv:2406.11827, Eq. 2, as TRL 1.16 computes it): per sequence, the mean over its
     completion tokens of ``log p(token) - log sum_v p_v^2``, without gradient (a pair's weight is the exp of its
@@ -291,7 +313,9 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
         logp, log_sum_sq = logp
     logp_sum = segment_sum(logp, index, batch.num_sequences)
     tail_sum = wpo_mean = None
-    if pair_tails:
+    if pair_tails and batch.tail_pairs is not None:
+        tail_sum = _drawn_pair_tails(logp, index, batch.completion_tokens, batch.tail_pairs)
+    elif pair_tails:
         tail_sum = segment_sum(logp * _tail_mask(index, batch.completion_tokens).to(logp.dtype), index,
                                batch.num_sequences)
     if wpo:

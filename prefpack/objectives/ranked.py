@@ -29,10 +29,6 @@ class RankedTask(PairTask):
     kind = "ranked"
 
     def __init__(self, store: Store, cfg, pad_id: int):
-        if cfg.loss.ld_alpha is not None:
-            raise StoreError(f"store {str(store.path)!r} holds ranked completions, and loss.ld_alpha (LD-DPO) weighs "
-                             "the tokens past the shorter completion of each pair, which differs from pair to pair "
-                             "of a ranked prompt; it is not supported on ranked stores yet: leave loss.ld_alpha null")
         super().__init__(store, cfg, pad_id)
         self.view = RankedGroups(store, cfg.data.ranked_pairs)
         if len(self.view) == 0:
@@ -87,31 +83,48 @@ class RankedTask(PairTask):
             local.append(list(range(at, at + len(r))))
             at += len(r)
         groups = [self.view[i] for i in flat]
-        return collate_groups(groups, local if d.packing else None, ids=flat, pad_id=self.pad_id,
-                              pad_to_multiple_of=d.pad_to_multiple_of, share_prompts=self.shares_prompts)
+        batch = collate_groups(groups, local if d.packing else None, ids=flat, pad_id=self.pad_id,
+                               pad_to_multiple_of=d.pad_to_multiple_of, share_prompts=self.shares_prompts)
+        if self.cfg.loss.ld_alpha is not None:  # LD-DPO's tails depend on the pair: the forward computes them per pair
+            batch.tail_pairs = torch.as_tensor(np.stack(self._drawn_pairs(flat)[:2]), dtype=torch.long)
+        return batch
 
-    def pair_sums(self, policy: nn.Module, reference: Reference, batch) -> tuple[PairLogps, torch.Tensor | None,
-                                                                                 torch.Tensor | None]:
-        """Every completion's sums once, then each pair's chosen and rejected gathered from them."""
-        res = policy(batch)
-        logp, n_tokens = res[0], res[1]
-        aux, wpo_mean = (res[i] if len(res) > i else None for i in (2, 4))
-        if self.cfg.loss.use_weighting and wpo_mean is None:
-            raise ValueError("loss.use_weighting needs the policy forward to return WPO means (SequenceLogps(wpo=True))")
-        examples = batch.group_ids.numpy()
+    def _drawn_pairs(self, examples) -> tuple[list[int], list[int], np.ndarray]:
+        """The batch's pairs as sequence indices (chosen, rejected: each group's completions in order, groups in
+        batch order) and the store rows of its sequences."""
         chosen, rejected, rows, at = [], [], [], 0
         for i in examples:
             chosen.extend(at + c for c, _ in self.view.pairs[i])
             rejected.extend(at + r for _, r in self.view.pairs[i])
             rows.append(self.view.rows(i))
             at += int(self.view.sizes[i])
+        return chosen, rejected, np.concatenate(rows)
+
+    def pair_sums(self, policy: nn.Module, reference: Reference, batch) -> tuple[PairLogps, torch.Tensor | None,
+                                                                                 torch.Tensor | None]:
+        """Every completion's sums once, then each pair's chosen and rejected gathered from them."""
+        res = policy(batch)
+        logp, n_tokens = res[0], res[1]
+        aux, tail, wpo_mean = (res[i] if len(res) > i else None for i in (2, 3, 4))
+        if self.cfg.loss.use_weighting and wpo_mean is None:
+            raise ValueError("loss.use_weighting needs the policy forward to return WPO means (SequenceLogps(wpo=True))")
+        ld = self.cfg.loss.ld_alpha is not None
+        if ld and (tail is None or batch.tail_pairs is None):
+            raise ValueError("loss.ld_alpha needs the batch's drawn pairs (RankedTask.collate) and the policy forward's "
+                             "tails (SequenceLogps(pair_tails=True))")
+        chosen, rejected, rows = self._drawn_pairs(batch.group_ids.numpy())
         device, dtype = logp.device, logp.dtype
         c_idx, r_idx = (torch.as_tensor(x, dtype=torch.long, device=device) for x in (chosen, rejected))
-        ref = reference.completion_logps(batch, self.store, np.concatenate(rows), device, dtype)
+        ref, ref_tail = reference.completion_logps(batch, self.store, rows, device, dtype) or (None, None)
+        if ld and ref is not None and ref_tail is None:
+            raise ValueError("loss.ld_alpha needs the reference's tails (reference.configure(pair_tails=True))")
         tokens = n_tokens.to(device)
         logps = PairLogps(policy_chosen=logp[c_idx], policy_rejected=logp[r_idx], chosen_tokens=tokens[c_idx],
                           rejected_tokens=tokens[r_idx], ref_chosen=None if ref is None else ref[c_idx],
-                          ref_rejected=None if ref is None else ref[r_idx])
+                          ref_rejected=None if ref is None else ref[r_idx],
+                          policy_chosen_tail=tail[0] if ld else None, policy_rejected_tail=tail[1] if ld else None,
+                          ref_chosen_tail=ref_tail[0] if ld and ref is not None else None,
+                          ref_rejected_tail=ref_tail[1] if ld and ref is not None else None)
         weights = None
         if self.cfg.loss.use_weighting:
             weights = wpo_weights(wpo_mean[c_idx], wpo_mean[r_idx]).to(device, dtype)

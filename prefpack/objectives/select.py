@@ -70,6 +70,12 @@ def make_objectives(cfg, train_store: Store, eval_store: Store | None, pad_id: i
                 log(f"note: {note}")
         if isinstance(reference, PrecomputedReference):
             for s in stores:
+                if s.kind == "ranked" and cfg.loss.ld_alpha is not None:
+                    raise ReferenceMismatch(
+                        f"store {str(s.path)!r} holds ranked completions and loss.ld_alpha (LD-DPO) needs the "
+                        "reference's sums past the shorter completion of each pair, which a ranked sidecar does not "
+                        "hold (it has one sum per completion, whatever pairs it is in): use reference.mode=copy (or "
+                        "adapter) with LD-DPO on a ranked store")
                 if s.kind == "ranked":
                     reference.load_completions(s)
                 else:

@@ -105,10 +105,13 @@ class Reference:
 
     @torch.no_grad()
     def completion_logps(self, batch: Batch, store: Store, rows: np.ndarray, device: torch.device,
-                         dtype: torch.dtype) -> torch.Tensor | None:
+                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Reference sums of a ranked batch's sequences, one per completion (``rows``: their store rows, in sequence
-        order); None when there is no reference."""
-        return self.sequence_logps(batch).to(device=device, dtype=dtype)
+        order), and LD-DPO's [2, P] tails of the batch's ``tail_pairs`` (None unless ``pair_tails``); None when
+        there is no reference."""
+        out = self.outputs(batch)
+        tail = out[3] if len(out) > 3 and out[3] is not None else None
+        return out[0].to(device=device, dtype=dtype), None if tail is None else tail.to(device=device, dtype=dtype)
 
 
 class CopyReference(Reference):
@@ -215,7 +218,7 @@ class PrecomputedReference(Reference):
                                                             reference_hash=self.reference_hash)
 
     def completion_logps(self, batch, store, rows, device, dtype):
-        return torch.as_tensor(self._table(store)["completion"][rows], device=device, dtype=dtype)
+        return torch.as_tensor(self._table(store)["completion"][rows], device=device, dtype=dtype), None
 
 
 class NoReference(Reference):
