@@ -54,7 +54,10 @@ def command(root, run_dir, *extra) -> list[str]:
 
 def start(cmd) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # Ctrl-C as in a terminal: a suite started in the background (`cmd &`) inherits SIGINT ignored, which the
+    # child would inherit too and never see the interrupt
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for_checkpoint(proc, run_dir, at_least=1, timeout=120.0) -> None:
@@ -115,8 +118,8 @@ def test_sigkill_at_a_random_moment_then_resume_equals_the_uninterrupted_run(wor
 
 
 def test_ctrl_c_exits_130_without_a_traceback_and_prints_the_resume_command(world, tmp_path):
-    # The 10-step run can end between its second checkpoint and the signal on a busy machine (seen once in CI: exit
-    # 0, a finished run); that is the test's race, not an interrupted run, so such an attempt starts over.
+    # The 10-step run can end between its second checkpoint and the signal on a busy machine (exit 0, a finished
+    # run); that is the test's race, not an interrupted run, so such an attempt starts over.
     err = ""
     for attempt in range(3):
         run = tmp_path / f"run{attempt}"
