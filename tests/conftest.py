@@ -5,6 +5,9 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 # The suite checks CPU exactness (float32/float64 against formulas); on a machine with a GPU, `train.device: auto`
@@ -52,6 +55,25 @@ def toy_tokenizers(tmp_path_factory, hh_train) -> dict[str, Path]:
         tok.save_pretrained(root / style)
         out[style] = root / style
     return out
+
+
+def run_prefpack(*commands: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``prefpack`` command lines (argument lists) run in turn in one new process, or in one torchrun launch of
+    ``nproc`` ranks on one torch thread each (tests/cli_runs.py): start-up is paid once. Asserts they all exited
+    with 0 and returns the finished process (its stdout holds what rank 0 printed)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+        json.dump([[str(a) for a in argv] for argv in commands], fh)
+    script = str(Path(__file__).with_name("cli_runs.py"))
+    cmd = [sys.executable, script, fh.name]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *cmd[1:]]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    finally:
+        os.unlink(fh.name)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
 
 
 def tiny_llama(tok_dir, out, seed):

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import run_prefpack, write_jsonl
 
 from prefpack.batching.deal import deal_step, rank_tokens
 from prefpack.batching.schedule import StepKey
@@ -81,20 +81,24 @@ def test_token_balancing_beats_count_dealing_on_real_lengths(world):
 # ---------------------------------------------------------------- torchrun
 
 
-def _run(world, run_dir, *extra, nproc=1, stop=None, resume=False):
-    cmd = [sys.executable, "-m", "prefpack", "train", str(world["conf"]), f"run.output_dir={run_dir}", "--no-progress",
-           *extra]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "prefpack", *cmd[3:]]
-    if stop:
-        cmd.append(f"--stop-after-steps={stop}")
-    if resume:
-        cmd.append("--resume")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run_dir
+def _args(world, run_dir, *extra, stop=None, resume=False) -> list[str]:
+    """`prefpack train` of the world's config into ``run_dir``."""
+    return ["train", str(world["conf"]), f"run.output_dir={run_dir}", "--no-progress", *extra,
+            *([f"--stop-after-steps={stop}"] if stop else []), *(["--resume"] if resume else [])]
+
+
+def _full_and_resumed(world, name, *extra) -> tuple:
+    """An uninterrupted two-rank run and one stopped after step 3 (its last checkpoint at step 2) then resumed,
+    in one launch."""
+    full, cut = world["root"] / f"full-{name}", world["root"] / f"cut-{name}"
+    proc = run_prefpack(_args(world, full, *extra), _args(world, cut, *extra, stop=3),
+                        _args(world, cut, *extra, resume=True), nproc=2)
+    # the stopped run said so and printed no summary; the full and the resumed run each printed theirs
+    assert "continue with --resume" in proc.stderr
+    summaries = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert [(m["run_dir"], m["steps"]) for m in summaries] == [(str(full), 4), (str(cut), 4)]
+    assert (cut / "checkpoints" / "step-00000002").is_dir()
+    return full, cut
 
 
 def _weights(run_dir):
@@ -108,9 +112,6 @@ def _losses(run_dir):
     return [(m["step"], m["loss"], m["grad_norm"]) for m in lines if m["split"] == "train"]
 
 
-@pytest.fixture(scope="module")
-def single(world):
-    return _run(world, world["root"] / "single")
 
 
 # Tolerance: the two ranks' gradients are summed by an all-reduce in another order than one process sums
@@ -119,13 +120,24 @@ def single(world):
 ATOL = 1e-5
 
 
-@pytest.mark.parametrize("name", ["bco_pair", "bco_pair_running"])
-def test_bco_pair_two_ranks_equal_one_rank(world, name):
+BCO = ("bco_pair", "bco_pair_running")
+
+
+@pytest.fixture(scope="module")
+def bco_runs(world):
+    """Each BCO loss trained in one process and on two ranks (DDP)."""
+    runs = {(n, k): world["root"] / f"{n}-{k}" for n in BCO for k in ("one", "two")}
+    bco = {n: f"loss.terms=[{{name: {n}}}]" for n in BCO}
+    run_prefpack(*(_args(world, runs[n, "one"], bco[n]) for n in BCO))
+    run_prefpack(*(_args(world, runs[n, "two"], bco[n], "distributed.strategy=ddp") for n in BCO), nproc=2)
+    return runs
+
+
+@pytest.mark.parametrize("name", BCO)
+def test_bco_pair_two_ranks_equal_one_rank(bco_runs, name):
     """TRL 1.16's bco_pair has no running mean, and bco_pair_running's comes from each step's sums over all ranks:
     neither update depends on the number of ranks."""
-    bco = [f"loss.terms=[{{name: {name}}}]"]
-    one = _run(world, world["root"] / f"{name}-one", *bco)
-    two = _run(world, world["root"] / f"{name}-two", *bco, "distributed.strategy=ddp", nproc=2)
+    one, two = bco_runs[name, "one"], bco_runs[name, "two"]
     for (s1, l1, g1), (s2, l2, g2) in zip(_losses(one), _losses(two), strict=True):
         assert s1 == s2 and l1 == pytest.approx(l2, abs=1e-6) and g1 == pytest.approx(g2, rel=1e-5)
     w1, w2 = _weights(one), _weights(two)
@@ -134,11 +146,7 @@ def test_bco_pair_two_ranks_equal_one_rank(world, name):
 
 
 def test_distributed_resume_equals_uninterrupted(world):
-    full = _run(world, world["root"] / "full-fsdp2", "distributed.strategy=fsdp2", nproc=2)
-    cut = world["root"] / "cut-fsdp2"
-    _run(world, cut, "distributed.strategy=fsdp2", nproc=2, stop=3)
-    assert (cut / "checkpoints" / "step-00000002").is_dir() and not (cut / "final").exists()
-    _run(world, cut, "distributed.strategy=fsdp2", nproc=2, resume=True)
+    full, cut = _full_and_resumed(world, "fsdp2", "distributed.strategy=fsdp2")
     w1, w2 = _weights(full), _weights(cut)
     for k in w1:
         assert torch.equal(w1[k], w2[k]), k
@@ -153,25 +161,16 @@ def test_precompute_ref_and_eval_split_across_ranks(world, tmp_path):
     store = tmp_path / "store"
     shutil.copytree(world["store"], store)
     policy = world["root"] / "policy"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "prefpack"]
-
-    def run(cmd):
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc.stdout
-
-    run([sys.executable, "-m", "prefpack", "precompute-ref", "--model", str(policy), "--data", str(store)])
+    reference = ["precompute-ref", "--model", str(policy), "--data", str(store)]
+    scoring = ["eval", "--model", str(policy), "--data", str(store), "--loss", "sigmoid,nll", "--json"]
+    single = json.loads(run_prefpack(reference, scoring).stdout.strip().splitlines()[-1])
     one = load_file(str(store / "ref_logps.safetensors"))
-    run([*torchrun, "precompute-ref", "--model", str(policy), "--data", str(store)])
+    lines = run_prefpack(reference, scoring, nproc=2).stdout.strip().splitlines()
     two = load_file(str(store / "ref_logps.safetensors"))
     np.testing.assert_allclose(one["chosen"], two["chosen"], atol=1e-6)
     np.testing.assert_allclose(one["rejected"], two["rejected"], atol=1e-6)
-    args = ["eval", "--model", str(policy), "--data", str(store), "--loss", "sigmoid,nll", "--json"]
-    single = json.loads(run([sys.executable, "-m", "prefpack", *args]).strip().splitlines()[-1])
-    lines = run([*torchrun, *args]).strip().splitlines()
-    assert len(lines) == 1  # only rank 0 prints
-    double = json.loads(lines[0])
+    assert len(lines) == 2  # precompute-ref's line and eval's: only rank 0 prints
+    double = json.loads(lines[1])
     assert single["pairs"] == double["pairs"] == len(Store(store))
     for k in ("loss", "nll", "logps/chosen", "rewards/accuracies"):
         assert single[k] == pytest.approx(double[k], abs=1e-6)
@@ -223,34 +222,34 @@ SYNC = ("reference.sync=true", "reference.sync_steps=2", "reference.mixup_alpha=
 
 
 @pytest.fixture(scope="module")
-def single_sync(world):
-    return _run(world, world["root"] / "single-sync", *SYNC)
+def sync_runs(world):
+    """One process without and with the reference sync, and two ranks with it under each strategy (one launch)."""
+    runs = {k: world["root"] / f"sync-{k}" for k in ("plain", "one", "ddp", "fsdp2")}
+    run_prefpack(_args(world, runs["plain"]), _args(world, runs["one"], *SYNC))
+    run_prefpack(*(_args(world, runs[s], f"distributed.strategy={s}", *SYNC) for s in ("ddp", "fsdp2")), nproc=2)
+    return runs
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_reference_sync_two_processes_equal_one_process(world, single, single_sync, strategy):
+def test_reference_sync_two_processes_equal_one_process(sync_runs, strategy):
     """Each rank mixes its own copy (DDP) or shard (FSDP2) of the reference: the losses after the sync at step 2
     (which read the synced reference) and the final weights match one process."""
-    run = _run(world, world["root"] / f"two-sync-{strategy}", f"distributed.strategy={strategy}", *SYNC, nproc=2)
-    one, two = _losses(single_sync), _losses(run)
-    assert _losses(single)[2][1] != pytest.approx(one[2][1], abs=1e-6)  # the sync changed step 3's loss
+    one, two = _losses(sync_runs["one"]), _losses(sync_runs[strategy])
+    assert _losses(sync_runs["plain"])[2][1] != pytest.approx(one[2][1], abs=1e-6)  # the sync changed step 3's loss
     for (s1, l1, g1), (s2, l2, g2) in zip(one, two, strict=True):
         assert s1 == s2 and l1 == pytest.approx(l2, abs=1e-6) and g1 == pytest.approx(g2, rel=1e-5)
-    w1, w2 = _weights(single_sync), _weights(run)
+    w1, w2 = _weights(sync_runs["one"]), _weights(sync_runs[strategy])
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=ATOL, rtol=0)
 
 
 def test_reference_sync_distributed_resume_equals_uninterrupted(world):
     """The DCP checkpoint holds the synced reference (key `reference`), and --resume restores it."""
-    full = _run(world, world["root"] / "full-sync-fsdp2", "distributed.strategy=fsdp2", *SYNC, nproc=2)
-    cut = world["root"] / "cut-sync-fsdp2"
-    _run(world, cut, "distributed.strategy=fsdp2", *SYNC, nproc=2, stop=3)
     import torch.distributed.checkpoint as dcp
 
+    full, cut = _full_and_resumed(world, "sync-fsdp2", "distributed.strategy=fsdp2", *SYNC)
     meta = dcp.FileSystemReader(str(cut / "checkpoints" / "step-00000002" / "dcp")).read_metadata()
     assert any(k.startswith("reference.") for k in meta.state_dict_metadata)
-    _run(world, cut, "distributed.strategy=fsdp2", *SYNC, nproc=2, resume=True)
     w1, w2 = _weights(full), _weights(cut)
     for k in w1:
         assert torch.equal(w1[k], w2[k]), k

@@ -17,14 +17,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import prepare_hh_splits, tiny_llama, write_jsonl
+from conftest import prepare_hh_splits, run_prefpack, tiny_llama, write_jsonl
 
 from prefpack.cli import main as cli_main
 from prefpack.config import load_config
@@ -330,24 +327,26 @@ def test_precomputed_reference_refuses_a_sidecar_it_cannot_use(world, precompute
 # ---------------------------------------------------------------- two ranks == one rank (torchrun, gloo)
 
 
-def _run(w, run_dir, *extra, nproc=1):
-    """`prefpack train` in a subprocess (under torchrun with nproc > 1): 4 steps, the objective's rank settings."""
+def _train_args(w, run_dir, *extra) -> list[str]:
+    """`prefpack train` over 4 steps with the objective's rank settings."""
     # eps 1e-3: AdamW divides by sqrt(v) + eps, which turns float32 rounding noise in near-zero gradients (rows of
     # rare tokens) into full-size updates; a larger eps keeps the comparison about the gradients
-    args = ["train", *overrides(w, run_dir, "train.max_steps=4", "optim.eps=1.0e-3", *w["ranks"], *extra),
+    return ["train", *overrides(w, run_dir, "train.max_steps=4", "optim.eps=1.0e-3", *w["ranks"], *extra),
             "--no-progress"]
-    cmd = [sys.executable, "-m", "prefpack", *args]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
-               "prefpack", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run_dir
 
 
 @pytest.fixture(scope="module")
 def one_rank(world):
-    return _run(world, world["root"] / "one-rank")
+    run_prefpack(_train_args(world, world["root"] / "one-rank"))
+    return world["root"] / "one-rank"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(world):
+    """The same run on two ranks under torchrun, once with each strategy (one launch)."""
+    runs = {s: world["root"] / f"two-ranks-{s}" for s in ("ddp", "fsdp2")}
+    run_prefpack(*(_train_args(world, d, f"distributed.strategy={s}") for s, d in runs.items()), nproc=2)
+    return runs
 
 
 # Tolerance: the two ranks' gradients are summed by an all-reduce in another order than one process sums them, so
@@ -355,7 +354,7 @@ def one_rank(world):
 # measured; up to 4e-6 in KTO's reward metrics under FSDP2); 1e-5 is far below any real error (a pair lost or
 # counted twice moves weights by about 1e-4). The pair loss stays within 1e-6 (1.6e-7 measured).
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_ranks_equal_one_rank(world, one_rank, strategy):
-    two = _run(world, world["root"] / f"two-ranks-{strategy}", f"distributed.strategy={strategy}", nproc=2)
-    assert_same_runs(world, one_rank, two, atol=1e-5, loss_atol=1e-5 if world["kind"].startswith("kto") else 1e-6,
-                     grad_rtol=1e-5, weights_atol=1e-5, weights_rtol=0, steps=4)
+def test_two_ranks_equal_one_rank(world, one_rank, two_ranks, strategy):
+    assert_same_runs(world, one_rank, two_ranks[strategy], atol=1e-5,
+                     loss_atol=1e-5 if world["kind"].startswith("kto") else 1e-6, grad_rtol=1e-5, weights_atol=1e-5,
+                     weights_rtol=0, steps=4)

@@ -1,0 +1,27 @@
+"""Run several ``prefpack`` command lines one after another in one process: under torchrun, one launch whose ranks
+run them in turn in one process group, so a test comparing runs pays the interpreter's, torch's and the launcher's
+start-up once. Usage: ``cli_runs.py FILE`` where FILE holds a JSON list of argument lists; stops at the first that
+exits non-zero, with its exit status.
+
+The group is left once, after the last command: a gloo group cannot be joined again under the same launch (the
+second join reads the first one's addresses from torchrun's store and fails to connect), so each command's own
+``shutdown`` is skipped; commands find the group already joined (``init_from_env``)."""
+
+import json
+import sys
+
+import prefpack.distributed as distributed
+from prefpack.cli import main
+
+if __name__ == "__main__":
+    with open(sys.argv[1], encoding="utf-8") as fh:
+        runs = json.load(fh)
+    leave = distributed.shutdown
+    distributed.shutdown = lambda: None
+    try:
+        for argv in runs:
+            status = main(argv)
+            if status:
+                sys.exit(status)
+    finally:
+        leave()
