@@ -1,4 +1,5 @@
-"""Several completions per prompt: a ranked store against the same pairs written out as a pair store.
+"""Several completions per prompt: a ranked store against the same pairs written out as a pair store, read pair by
+pair and grouped by prompt (``data.group_by_prompt``).
 
 Builds UltraFeedback-shaped data from the bundled hh sample: prompt i gets four completions (its own chosen and
 rejected, and row i+1's chosen and rejected as two more replies of realistic length; scores 4, 1, 3, 2, so no
@@ -66,6 +67,7 @@ def worker(a) -> None:
     torch.set_num_threads(a.threads)
     cfg = load_config(None, [f"model.name_or_path={a.model}", f"data.train={a.store}", "data.shuffle=false",
                              f"data.ranked_pairs={a.mode}", f"data.prefix_sharing={a.sharing}",
+                             f"data.group_by_prompt={a.group}",
                              f"train.global_batch_pairs={a.batch}", f"train.max_steps={a.steps}", "train.device=cpu",
                              "optim.lr=1e-6", "optim.warmup_steps=0", "reference.mode=copy",
                              f"run.output_dir={a.out}", "run.plot=false", "run.tensorboard=false"])
@@ -91,7 +93,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    for hidden in ("--worker", "--model", "--store", "--out", "--batch", "--sharing", "--pairs-per-step"):
+    for hidden in ("--worker", "--model", "--store", "--out", "--batch", "--sharing", "--group", "--pairs-per-step"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -120,15 +122,16 @@ def main() -> None:
                       num_key_value_heads=max(a.hidden // 64, 1), max_position_embeddings=1024,
                       tie_word_embeddings=False)
     LlamaForCausalLM(cfg).save_pretrained(work / "model")
-    runs = {  # name: (store, global batch, sharing)
-        "pair store, prompt once per pair": ("pairs", round(a.per_step * per_prompt), "true"),
-        "ranked, prompt per completion": ("ranked", a.per_step, "false"),
-        "ranked, prompt once per group": ("ranked", a.per_step, "true"),
+    runs = {  # name: (store, global batch, sharing, group_by_prompt)
+        "pair store, prompt once per pair": ("pairs", round(a.per_step * per_prompt), "true", "false"),
+        "pair store, grouped by prompt": ("pairs", a.per_step, "true", "true"),
+        "ranked, prompt per completion": ("ranked", a.per_step, "false", "false"),
+        "ranked, prompt once per group": ("ranked", a.per_step, "true", "false"),
     }
     results = {}
-    for name, (store, batch, sharing) in runs.items():
+    for name, (store, batch, sharing, group) in runs.items():
         cmd = [sys.executable, __file__, "--worker", "1", "--model", str(work / "model"), "--store", str(work / store),
-               "--out", str(work / f"run-{len(results)}"), "--batch", str(batch), "--sharing", sharing,
+               "--out", str(work / f"run-{len(results)}"), "--batch", str(batch), "--sharing", sharing, "--group", group,
                "--steps", str(a.steps), "--threads", str(a.threads), "--mode", a.mode,
                "--pairs-per-step", str(round(a.per_step * per_prompt))]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]

@@ -293,7 +293,7 @@ def run_eval(args, argv) -> int:
         result["examples"] = len(task)
     else:
         result["pairs"] = task.units(np.arange(len(task)))  # a ranked store: the pairs its prompts yield
-        if task.kind == "ranked":
+        if task.kind == "groups":
             result["prompts"] = len(task)
     result["reference"] = setup.reference.mode
     if args.json:

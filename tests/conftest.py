@@ -99,6 +99,20 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def float64_llama(tok_dir, seed):
+    """A 2-layer float64 Llama on the packed_sdpa kernel for the toy tokenizers (600 ids), in eval mode."""
+    import transformers as tf
+
+    from prefpack.model.attention.packed_sdpa import register
+
+    register()
+    cfg = tf.LlamaConfig(vocab_size=600, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    cfg._attn_implementation = "packed_sdpa"
+    torch.manual_seed(seed)
+    return tf.LlamaForCausalLM(cfg).double().eval()
+
+
 def prepare_hh_splits(root, tok_dir, hh_rows, sizes: dict[str, int], max_length: int = 48) -> dict:
     """Consecutive splits (``{"train": 24, "eval": 10}``) of usable hh pairs, each prepared into ``root / name``."""
     from prefpack.data.prepare import PrepareOptions, prepare

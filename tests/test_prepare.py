@@ -205,13 +205,14 @@ def test_parallel_workers_write_the_same_store(tmp_path, hh_train, toy_tokenizer
 
 def test_pairs_that_share_a_prompt_are_counted_and_reported(tmp_path, toy_tokenizers):
     """A pair store whose prompts repeat across pairs (each prompt is then computed once per pair) says so, counted
-    over the token ids across chunks, with the ranked layout as the remedy; distinct prompts report none."""
+    over the token ids across chunks, with data.group_by_prompt as the remedy; distinct prompts report none."""
     rows = [*PAIRS, {**PAIRS[0], "chosen": " Paris, of course."}, {**PAIRS[1], "rejected": " Loud"},
             {**PAIRS[0], "rejected": " Marseille."}]
     report = run([write_jsonl(tmp_path / "d.jsonl", rows)], toy_tokenizers["llama"], tmp_path / "s", chunk_rows=2)
     assert report.repeated_prompts == {"prompts": 2, "pairs": 5}
     assert Store(tmp_path / "s").meta["counts"]["repeated_prompts"] == {"prompts": 2, "pairs": 5}
-    assert "5 pairs share 2 prompts with other pairs" in report.summary() and "--format ranked" in report.summary()
+    assert "5 pairs share 2 prompts with other pairs" in report.summary()
+    assert "data.group_by_prompt=true" in report.summary()
     alone = run([write_jsonl(tmp_path / "e.jsonl", PAIRS)], toy_tokenizers["llama"], tmp_path / "t")
     assert alone.repeated_prompts == {"prompts": 0, "pairs": 0} and "prompts with other pairs" not in alone.summary()
 

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import float64_llama, write_jsonl
 
 from prefpack.data.prepare import PrepareError, PrepareOptions, prepare
 from prefpack.data.store import Store
@@ -96,19 +96,6 @@ def test_prepare_names_bad_ranked_rows_or_counts_them(tmp_path, toy_tokenizers):
     assert len(store) == 3 and store.meta["num_groups"] == 1
 
 
-def _float64_llama(tok_dir, seed):
-    import transformers as tf
-
-    from prefpack.model.attention.packed_sdpa import register
-
-    register()
-    cfg = tf.LlamaConfig(vocab_size=600, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
-    cfg._attn_implementation = "packed_sdpa"
-    torch.manual_seed(seed)
-    return tf.LlamaForCausalLM(cfg).double().eval()
-
-
 @pytest.mark.parametrize("ld", [False, True], ids=["wpo", "wpo+ld"])
 @pytest.mark.parametrize("mode", ["best_vs_rest", "all_pairs"])
 @pytest.mark.parametrize("layout", ["shared", "packed", "padded"])
@@ -118,8 +105,8 @@ def test_ranked_pair_losses_equal_the_same_pairs_from_a_pair_store(tmp_path, toy
     from prefpack.config import load_config
     from prefpack.model import SequenceLogps
     from prefpack.objectives.base import Planned
+    from prefpack.objectives.groups import PromptGroupTask
     from prefpack.objectives.pairs import PairTask
-    from prefpack.objectives.ranked import RankedTask
     from prefpack.reference import CopyReference
 
     tok = toy_tokenizers["llama"]
@@ -128,10 +115,10 @@ def test_ranked_pair_losses_equal_the_same_pairs_from_a_pair_store(tmp_path, toy
     cfg = load_config(None, [f"data.ranked_pairs={mode}", f"data.prefix_sharing={layout == 'shared'}",
                              f"data.packing={layout != 'padded'}", "loss.terms=[{name: sigmoid}, {name: sft, weight: 0.3}]",
                              "loss.use_weighting=true", *(["loss.ld_alpha=0.4"] if ld else [])])
-    policy, reference = _float64_llama(tok, 0), CopyReference(_float64_llama(tok, 1))
+    policy, reference = float64_llama(tok, 0), CopyReference(float64_llama(tok, 1))
     reference.configure(chunk_size=7, pair_tails=ld)
     module = SequenceLogps(policy, chunk_size=7, wpo=True, pair_tails=ld)
-    r_task, p_task = RankedTask(ranked, cfg, 0), PairTask(pairs, cfg, 0)
+    r_task, p_task = PromptGroupTask(ranked, cfg, 0), PairTask(pairs, cfg, 0)
     packed = cfg.data.packing
     r_rows = [[0, 1], [2]] if packed else [[0], [1], [2]]
     p_rows = [list(range(len(pairs)))] if packed else [[i] for i in range(len(pairs))]
@@ -153,7 +140,7 @@ def test_ranked_pair_losses_equal_the_same_pairs_from_a_pair_store(tmp_path, toy
         plain = load_config(None, [f"data.ranked_pairs={mode}", f"data.prefix_sharing={layout == 'shared'}",
                                    f"data.packing={layout != 'padded'}",
                                    "loss.terms=[{name: sigmoid}, {name: sft, weight: 0.3}]", "loss.use_weighting=true"])
-        task = RankedTask(ranked, plain, 0)
+        task = PromptGroupTask(ranked, plain, 0)
         reference.configure(chunk_size=7, pair_tails=False)
         other = torch.cat([task.loss(SequenceLogps(policy, chunk_size=7, wpo=True), reference,
                                      task.collate(Planned(r_rows, 0, 0)), None).loss])

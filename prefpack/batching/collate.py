@@ -67,7 +67,7 @@ class Batch:
     score_positions: torch.Tensor | None = None  # [N] int64
     score_targets: torch.Tensor | None = None  # [N] int64
     score_sequences: torch.Tensor | None = None  # [N] int64
-    shared_tokens: int = 0  # prompt tokens laid out once instead of once per completion
+    shared_tokens: int = 0  # tokens laid out once for several sequences: a shared prompt, a repeated completion
     # Pairs drawn from a group's completions (ranked stores): [2, P] sequence indices, chosen then rejected, whose
     # LD-DPO tails the forward returns per pair. None: sequences 2p and 2p + 1 are pair p.
     tail_pairs: torch.Tensor | None = None

@@ -179,6 +179,10 @@ def _loss_problems(cfg: Config, errs: list[str]) -> None:
     if cfg.data.paired_as_kto and not unpaired:
         errs.append(f"data.paired_as_kto reads pairs as KTO examples but loss.terms has no unpaired loss; use "
                     f"loss.terms=[{{name: kto}}] (or {', '.join(UNPAIRED_LOSS_NAMES[1:])}) or paired_as_kto=false")
+    if cfg.data.group_by_prompt and unpaired:
+        errs.append(f"data.group_by_prompt groups pairs that share a prompt; {', '.join(unpaired)} trains unpaired "
+                    "examples, whose prompts data.prefix_sharing already lays out once per row: set "
+                    "group_by_prompt=false")
     if unpaired and (cfg.loss.ld_alpha is not None or cfg.loss.use_weighting):
         on = [k for k, v in (("ld_alpha", cfg.loss.ld_alpha is not None), ("use_weighting", cfg.loss.use_weighting))
               if v]

@@ -83,6 +83,10 @@ class DataConfig:
     ranked_pairs: RankedPairs = _f("best_vs_rest", "pairs drawn from a ranked store (several scored completions per "
                                    "prompt): best_vs_rest = the best completion against each lower-scored one, "
                                    "all_pairs = every pair of completions whose scores differ; ties give no pair")
+    group_by_prompt: bool = _f(False, "pair stores: train the pairs that share a prompt as one prompt group, as a "
+                               "ranked store's prompt is (the prompt and each distinct completion computed once, the "
+                               "group's pairs in one step, train.global_batch_pairs counting prompts); pays where "
+                               "prompts repeat (`prepare` counts them)")
 
 
 @dataclass

@@ -99,10 +99,9 @@ class PrepareReport:
                          + f"; every skipped row is in {self.path / 'skipped.jsonl'}")
         if self.repeated_prompts.get("prompts"):
             r = self.repeated_prompts
-            lines.append(f"{r['pairs']} pairs share {r['prompts']} prompts with other pairs: each pair lays its prompt "
-                         "out once, but such a prompt is computed again for every pair, and a completion for every "
-                         "pair it is in; rows of one prompt with several scored completions (--format ranked) "
-                         "compute each prompt and each completion once")
+            lines.append(f"{r['pairs']} pairs share {r['prompts']} prompts with other pairs: train with "
+                         "data.group_by_prompt=true to compute each such prompt, and each completion repeated in its "
+                         "pairs, once (a prompt's pairs then share a step); by default every pair computes its own")
         if self.dropped:
             lines.append("dropped (length policy): " + ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items())))
         if self.truncated:

@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import numpy as np
 
 from prefpack.data.store import Store, StoreError
 
-__all__ = ["RANKED_PAIR_MODES", "RankedGroups", "StorePairs", "UnpairedView", "group_pairs"]
+__all__ = ["RANKED_PAIR_MODES", "PairGroups", "PromptGroups", "RankedGroups", "StorePairs", "UnpairedView",
+           "group_pairs"]
 
 
 class StorePairs:
@@ -103,13 +105,48 @@ def _prompt_groups(store: Store) -> np.ndarray:
 RANKED_PAIR_MODES = ("best_vs_rest", "all_pairs")
 
 
-class RankedGroups:
+class PromptGroups:
+    """Prompt groups: example ``i`` is one prompt with ``sizes[i]`` completions (``view[i] = (prompt, [completion,
+    ...])``) and the (chosen, rejected) pairs of them it yields (``pairs[i]``, indices into its completions). Each
+    completion has a key (``rows(i)``) under which a precomputed reference holds its log-prob. Subclasses fill
+    ``pairs``, ``sizes``, ``prompt_len`` and ``completion_len`` (one array per example)."""
+
+    store: Store
+    pairs: list[list[tuple[int, int]]]
+    sizes: np.ndarray
+    prompt_len: np.ndarray
+    completion_len: list[np.ndarray]
+    groups_without_pairs = 0
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    @functools.cached_property
+    def num_pairs(self) -> np.ndarray:
+        return np.asarray([len(p) for p in self.pairs], dtype=np.int64)
+
+    def costs(self, ids: np.ndarray, *, shared: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Positions each example takes in a packed row (its prompt once with ``shared``, else once per completion)
+        and its longest sequence (prompt + longest completion)."""
+        p = self.prompt_len[ids]
+        total = np.asarray([int(self.completion_len[i].sum()) for i in ids], dtype=np.int64)
+        longest = np.asarray([int(self.completion_len[i].max()) for i in ids], dtype=np.int64)
+        return (p if shared else p * self.sizes[ids]) + total, p + longest
+
+    def real_tokens(self, ids: np.ndarray) -> np.ndarray:
+        """The tokens each example counts in a step's ``tokens`` (its data's tokens, whatever is computed once):
+        its prompt with each completion."""
+        return self.costs(ids, shared=False)[0]
+
+
+class RankedGroups(PromptGroups):
     """A ranked store (several scored completions per prompt) read as prompt groups and the pairs they yield.
 
     Example ``i`` is the i-th prompt group that yields at least one pair (a group whose scores all tie yields none
     and is counted in ``groups_without_pairs``). ``best_vs_rest``: the best completion (the first of the top score)
     against each completion scored lower; ``all_pairs``: every (higher, lower) pair of completions whose scores
-    differ. Pairs are (chosen, rejected) indices of the group's completions, in store order.
+    differ. Pairs are (chosen, rejected) indices of the group's completions, in store order. A completion's key is
+    its store row.
     """
 
     def __init__(self, store: Store, mode: str = "best_vs_rest"):
@@ -129,17 +166,12 @@ class RankedGroups:
                 groups.append(g)
                 pairs.append(got)
         self.groups = np.asarray(groups, dtype=np.int64)  # store group number of each example
-        self.pairs = pairs  # per example: [(chosen, rejected), ...] completion indices within the group
+        self.pairs = pairs
         self.groups_without_pairs = len(starts) - 1 - len(groups)
         self.first_row = starts[self.groups]  # store row of each example's first completion
         self.sizes = (starts[self.groups + 1] - self.first_row).astype(np.int64)  # completions per example
         self.prompt_len = prompt_len[self.first_row]
-        rows = [np.arange(a, a + k) for a, k in zip(self.first_row, self.sizes)]
-        self.completion_len = [completion_len[r] for r in rows]
-        self.num_pairs = np.asarray([len(p) for p in pairs], dtype=np.int64)
-
-    def __len__(self) -> int:
-        return int(self.groups.shape[0])
+        self.completion_len = [completion_len[self.rows(i)] for i in range(len(groups))]
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, list[np.ndarray]]:
         return self.store.ranked_group(int(self.groups[int(i)]))
@@ -148,13 +180,70 @@ class RankedGroups:
         """Store rows (one per completion) of example ``i``."""
         return np.arange(int(self.first_row[i]), int(self.first_row[i] + self.sizes[i]))
 
-    def costs(self, ids: np.ndarray, *, shared: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Positions each example takes in a packed row (its prompt once with ``shared``, else once per completion)
-        and its longest sequence (prompt + longest completion)."""
-        p = self.prompt_len[ids]
-        total = np.asarray([int(self.completion_len[i].sum()) for i in ids], dtype=np.int64)
-        longest = np.asarray([int(self.completion_len[i].max()) for i in ids], dtype=np.int64)
-        return (p if shared else p * self.sizes[ids]) + total, p + longest
+
+class PairGroups(PromptGroups):
+    """A pair store read as prompt groups (``data.group_by_prompt``): the pairs whose prompts are the same tokens
+    form a group, each distinct completion (by tokens) once, so a prompt in five pairs is computed once and a
+    chosen reply shared by three of them once. ``fits(prompt_len, completion_lens)`` bounds a group (a row's
+    budget): a prompt's pairs, in store order, start a new group where the next would not fit. Pairs stay the
+    store's pairs, each once (``pair_rows[i]``: the store rows of example i's pairs). A completion's key is ``2 * pair + side`` (side 0 chosen, 1 rejected), an index
+    into the pair store's chosen and rejected columns interleaved."""
+
+    def __init__(self, store: Store, fits=None):
+        if store.kind != "pairs":
+            raise StoreError(f"store {str(store.path)!r} holds {store.kind}, not pairs")
+        self.store = store
+        index, tokens = store.index, store.tokens
+        by_prompt: dict[int, list[int]] = {}
+        for row, g in enumerate(_prompt_groups(store)):
+            by_prompt.setdefault(int(g), []).append(row)
+        self.pairs, self.keys, self.completion_len, self.pair_rows, prompt_len = [], [], [], [], []
+
+        def add(p, keys, lengths, pairs, rows):
+            self.pairs.append(pairs)
+            self.keys.append(np.asarray(keys, dtype=np.int64))
+            self.completion_len.append(np.asarray(lengths, dtype=np.int64))
+            self.pair_rows.append(rows)
+            prompt_len.append(p)
+
+        for rows in by_prompt.values():  # prompts in order of first appearance
+            p = int(index[rows[0], 1])
+            at: dict[bytes, int] = {}  # a completion's tokens -> its index in the group
+            keys, lengths, pairs, start = [], [], [], 0
+            for row in rows:
+                off, _, c, r = (int(x) for x in index[row, :4])
+                sides = [(tokens[off + p:off + p + c].tobytes(), 2 * row, c),
+                         (tokens[off + p + c:off + p + c + r].tobytes(), 2 * row + 1, r)]
+                new = {t: n for t, _, n in sides if t not in at}
+                if pairs and fits is not None and not fits(p, [*lengths, *new.values()]):
+                    add(p, keys, lengths, pairs, rows[start:start + len(pairs)])
+                    at, keys, lengths, pairs, start = {}, [], [], [], start + len(pairs)
+                for t, key, n in sides:
+                    if t not in at:
+                        at[t] = len(keys)
+                        keys.append(key)
+                        lengths.append(n)
+                pairs.append((at[sides[0][0]], at[sides[1][0]]))
+            add(p, keys, lengths, pairs, rows[start:])
+        self.prompt_len = np.asarray(prompt_len, dtype=np.int64)
+        self.sizes = np.asarray([len(k) for k in self.keys], dtype=np.int64)
+        lengths = index[:, 1:4].astype(np.int64)
+        per_pair = 2 * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]
+        self._real = np.asarray([int(per_pair[r].sum()) for r in self.pair_rows], dtype=np.int64)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        keys = self.keys[int(i)]
+        pairs = [self.store.pair(int(k) // 2) for k in keys]
+        return pairs[0].prompt, [p.rejected if k % 2 else p.chosen for p, k in zip(pairs, keys)]
+
+    def rows(self, i: int) -> np.ndarray:
+        """Keys (``2 * pair + side``) of example ``i``'s completions."""
+        return self.keys[int(i)]
+
+    def real_tokens(self, ids: np.ndarray) -> np.ndarray:
+        """Every pair's prompt twice and both completions, as the same pairs count read one by one (so tokens/s
+        compares with and without grouping, and with TRL on the same store)."""
+        return self._real[np.asarray(ids, dtype=np.int64)]
 
 
 def group_pairs(scores: np.ndarray, mode: str) -> list[tuple[int, int]]:

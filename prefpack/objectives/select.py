@@ -5,9 +5,9 @@ from __future__ import annotations
 from prefpack.data.store import Store, StoreError
 from prefpack.losses import UNPAIRED_LOSS_NAMES
 from prefpack.objectives.base import Objective
+from prefpack.objectives.groups import PromptGroupTask
 from prefpack.objectives.kto import KTOTask
 from prefpack.objectives.pairs import PairTask
-from prefpack.objectives.ranked import RankedTask
 from prefpack.reference import PrecomputedReference, Reference, ReferenceMismatch
 
 __all__ = ["make_objectives", "open_store", "uses_unpaired_loss"]
@@ -63,19 +63,22 @@ def make_objectives(cfg, train_store: Store, eval_store: Store | None, pad_id: i
             for o in objectives:
                 reference.load_examples(o.view, partners=o.fixed_partners() if o.needs_kl else None)
     else:
-        objectives = [RankedTask(s, cfg, pad_id) if s.kind == "ranked" else PairTask(s, cfg, pad_id) for s in stores]
+        grouped = [s.kind == "ranked" or cfg.data.group_by_prompt for s in stores]
+        objectives = [PromptGroupTask(s, cfg, pad_id) if g else PairTask(s, cfg, pad_id) for s, g in zip(stores, grouped)]
         for o in objectives:
-            note = o.skipped_note() if isinstance(o, RankedTask) else None
+            note = o.skipped_note() if isinstance(o, PromptGroupTask) else None
             if note:
                 log(f"note: {note}")
         if isinstance(reference, PrecomputedReference):
-            for s in stores:
-                if s.kind == "ranked" and cfg.loss.ld_alpha is not None:
+            for s, g in zip(stores, grouped):
+                if g and cfg.loss.ld_alpha is not None:
+                    what = "holds ranked completions" if s.kind == "ranked" else "is read as prompt groups"
+                    fix = "" if s.kind == "ranked" else ", or data.group_by_prompt=false"
                     raise ReferenceMismatch(
-                        f"store {str(s.path)!r} holds ranked completions and loss.ld_alpha (LD-DPO) needs the "
-                        "reference's sums past the shorter completion of each pair, which a ranked sidecar does not "
-                        "hold (it has one sum per completion, whatever pairs it is in): use reference.mode=copy (or "
-                        "adapter) with LD-DPO on a ranked store")
+                        f"store {str(s.path)!r} {what} and loss.ld_alpha (LD-DPO) needs the reference's sums past "
+                        "the shorter completion of each pair, which prompt groups read from a sidecar as one sum per "
+                        "completion, whatever pairs it is in: use reference.mode=copy (or adapter) with LD-DPO on "
+                        f"prompt groups{fix}")
                 if s.kind == "ranked":
                     reference.load_completions(s)
                 else:

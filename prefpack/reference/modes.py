@@ -106,8 +106,8 @@ class Reference:
     @torch.no_grad()
     def completion_logps(self, batch: Batch, store: Store, rows: np.ndarray, device: torch.device,
                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Reference sums of a ranked batch's sequences, one per completion (``rows``: their store rows, in sequence
-        order), and LD-DPO's [2, P] tails of the batch's ``tail_pairs`` (None unless ``pair_tails``); None when
+        """Reference sums of a prompt-group batch's sequences, one per completion (``rows``: their keys in sequence
+        order, ``PromptGroups.rows``: a ranked store's rows, or ``2 * pair + side`` in a pair store), and LD-DPO's [2, P] tails of the batch's ``tail_pairs`` (None unless ``pair_tails``); None when
         there is no reference."""
         out = self.outputs(batch)
         tail = out[3] if len(out) > 3 and out[3] is not None else None
@@ -218,7 +218,13 @@ class PrecomputedReference(Reference):
                                                             reference_hash=self.reference_hash)
 
     def completion_logps(self, batch, store, rows, device, dtype):
-        return torch.as_tensor(self._table(store)["completion"][rows], device=device, dtype=dtype), None
+        table = self._table(store)
+        if store.kind == "pairs":  # a pair store read as prompt groups: keys 2 * pair + side (PairGroups)
+            rows = np.asarray(rows, dtype=np.int64)
+            values = np.where(rows % 2 == 0, table[0][rows // 2], table[1][rows // 2])
+        else:
+            values = table["completion"][rows]
+        return torch.as_tensor(values, device=device, dtype=dtype), None
 
 
 class NoReference(Reference):

@@ -1,7 +1,9 @@
-"""The DPO family on a ranked store: each prompt with its several scored completions is one example (a group);
-every completion is computed once, and the pairs the group yields (``data.ranked_pairs``) are gathered from the
-per-completion sums, so every pair loss works unchanged and a completion shared by several pairs costs nothing
-more. A step takes ``train.global_batch_pairs`` prompts and its loss is the mean over the pairs they yield."""
+"""The DPO family over prompt groups: each prompt with its completions is one example (a group); every completion
+is computed once, and the group's pairs are gathered from the per-completion sums, so every pair loss works
+unchanged and a completion shared by several pairs costs nothing more. The groups are a ranked store's prompts
+with their scored completions (pairs by ``data.ranked_pairs``), or a pair store's pairs grouped by prompt
+(``data.group_by_prompt``). A step takes ``train.global_batch_pairs`` prompts and its loss is the mean over the
+pairs they yield."""
 
 from __future__ import annotations
 
@@ -14,29 +16,42 @@ from torch import nn
 from prefpack.batching.collate import collate_groups
 from prefpack.batching.plan import plan_groups
 from prefpack.data.store import Store, StoreError
-from prefpack.data.views import RankedGroups
+from prefpack.data.views import PairGroups, RankedGroups
 from prefpack.losses import PairLogps, wpo_weights
 from prefpack.objectives.base import Planned
 from prefpack.objectives.pairs import PairTask
 from prefpack.reference import Reference
 
-__all__ = ["RankedTask"]
+__all__ = ["PromptGroupTask"]
 
 
-class RankedTask(PairTask):
-    """Pair losses over the pairs of ranked prompt groups (see the module docstring)."""
+class PromptGroupTask(PairTask):
+    """Pair losses over the pairs of prompt groups (see the module docstring)."""
 
-    kind = "ranked"
+    kind = "groups"
 
     def __init__(self, store: Store, cfg, pad_id: int):
         super().__init__(store, cfg, pad_id)
-        self.view = RankedGroups(store, cfg.data.ranked_pairs)
+        if store.kind == "ranked":
+            self.view = RankedGroups(store, cfg.data.ranked_pairs)
+        else:
+            self.view = PairGroups(store, fits=self._fits)
         if len(self.view) == 0:
             raise StoreError(f"store {str(store.path)!r}: no prompt yields a pair (every prompt's completions tie); "
                              "nothing to train on")
 
     def __len__(self) -> int:
         return len(self.view)
+
+    def _fits(self, prompt_len: int, completion_lens: list[int]) -> bool:
+        """Whether a group of these lengths fits one micro-batch's row as this run lays it out (a pair store's
+        prompt groups are cut to fit; a single pair always makes one)."""
+        d, tr = self.cfg.data, self.cfg.train
+        k = len(completion_lens)
+        if not d.packing:
+            return k * (prompt_len + max(completion_lens)) <= tr.micro_batch_tokens
+        cost = (prompt_len if self.shares_prompts else k * prompt_len) + sum(completion_lens)
+        return cost <= min(d.max_tokens_per_row, tr.micro_batch_tokens)
 
     def skipped_note(self) -> str | None:
         """What a run should be told about groups that give no pair (all their scores tie)."""
@@ -58,7 +73,7 @@ class RankedTask(PairTask):
         ids = np.asarray(ids, dtype=np.int64)
         share = self.shares_prompts
         cost, longest = self.view.costs(ids, shared=share)
-        real = self.view.costs(ids, shared=False)[0]
+        real = self.view.real_tokens(ids)
         sizes = self.view.sizes[ids]
         plans = plan_groups(cost, token_budget=tr.micro_batch_tokens, packing=d.packing,
                             row_budget=min(d.max_tokens_per_row, tr.micro_batch_tokens), longest_sequence=longest,
@@ -85,6 +100,9 @@ class RankedTask(PairTask):
         groups = [self.view[i] for i in flat]
         batch = collate_groups(groups, local if d.packing else None, ids=flat, pad_id=self.pad_id,
                                pad_to_multiple_of=d.pad_to_multiple_of, share_prompts=self.shares_prompts)
+        # a pair store's groups count every pair's tokens (``PairGroups.real_tokens``), deduplicated ones included
+        ids = np.asarray(flat, dtype=np.int64)
+        batch.shared_tokens += int((self.view.real_tokens(ids) - self.view.costs(ids, shared=False)[0]).sum())
         if self.cfg.loss.ld_alpha is not None:  # LD-DPO's tails depend on the pair: the forward computes them per pair
             batch.tail_pairs = torch.as_tensor(np.stack(self._drawn_pairs(flat)[:2]), dtype=torch.long)
         return batch
@@ -110,7 +128,7 @@ class RankedTask(PairTask):
             raise ValueError("loss.use_weighting needs the policy forward to return WPO means (SequenceLogps(wpo=True))")
         ld = self.cfg.loss.ld_alpha is not None
         if ld and (tail is None or batch.tail_pairs is None):
-            raise ValueError("loss.ld_alpha needs the batch's drawn pairs (RankedTask.collate) and the policy forward's "
+            raise ValueError("loss.ld_alpha needs the batch's drawn pairs (PromptGroupTask.collate) and the policy forward's "
                              "tails (SequenceLogps(pair_tails=True))")
         chosen, rejected, rows = self._drawn_pairs(batch.group_ids.numpy())
         device, dtype = logp.device, logp.dtype

@@ -1,0 +1,157 @@
+"""Pair stores whose pairs repeat a prompt, read as prompt groups (``data.group_by_prompt``, issue 13): the pairs of
+one prompt train as one group, the prompt and each distinct completion computed once. Checked against the same store
+read pair by pair: per-pair losses and gradients in float64, `train()` step by step, eval, and a precomputed
+reference."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import float64_llama, tiny_llama, write_jsonl
+
+from prefpack.data.prepare import PrepareOptions, prepare
+from prefpack.data.store import Store
+from prefpack.data.views import PairGroups
+
+MATH = "\n\nHuman: What is two plus two?\n\nAssistant:"
+COLOUR = "\n\nHuman: Name a colour.\n\nAssistant:"
+HELLO = "\n\nHuman: Hi there, how are you today?\n\nAssistant:"
+FOUR, FIVE, LONG = " Four.", " Five, I think.", " It is four, because two and two make four."
+HI, AWAY, WELL = " Hello!", " Go away.", " Hi! I am well, thank you."
+# three prompts, their pairs interleaved; completions repeat across a prompt's pairs, and one pair twice
+ROWS = [(MATH, FOUR, FIVE), (COLOUR, " Blue.", " A dog."), (HELLO, WELL, HI), (MATH, LONG, FIVE), (HELLO, WELL, AWAY),
+        (MATH, FOUR, LONG), (HELLO, HI, AWAY), (COLOUR, " Blue.", " A dog.")]
+
+
+def _store(tmp_path, tok) -> Store:
+    rows = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in ROWS]
+    prepare(PrepareOptions(inputs=[str(write_jsonl(tmp_path / "pairs.jsonl", rows))], tokenizer=str(tok),
+                           output=str(tmp_path / "pairs"), workers=1), log=lambda m: None)
+    return Store(tmp_path / "pairs")
+
+
+def test_a_pair_store_reads_as_one_group_per_prompt_with_each_completion_once(tmp_path, toy_tokenizers):
+    from transformers import AutoTokenizer
+
+    tok_dir = toy_tokenizers["llama"]
+    store = _store(tmp_path, tok_dir)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    view = PairGroups(store)
+    assert [list(r) for r in view.pair_rows] == [[0, 3, 5], [1, 7], [2, 4, 6]]  # prompts by first appearance
+    assert view.sizes.tolist() == [3, 2, 3] and view.num_pairs.tolist() == [3, 2, 3]
+    assert view.pairs == [[(0, 1), (2, 1), (0, 2)], [(0, 1), (0, 1)], [(0, 1), (0, 2), (1, 2)]]
+    texts = []
+    for i in range(len(view)):
+        prompt, comps = view[i]
+        texts.append([tok.decode(c).removesuffix(tok.eos_token) for c in comps])
+        # every pair of the store, once, as (prompt, chosen, rejected) tokens
+        for (c, r), row in zip(view.pairs[i], view.pair_rows[i], strict=True):
+            p = store.pair(row)
+            assert np.array_equal(prompt, p.prompt) and np.array_equal(comps[c], p.chosen)
+            assert np.array_equal(comps[r], p.rejected)
+        # a completion's key names where its tokens are in the store (what a precomputed reference reads)
+        for comp, key in zip(comps, view.rows(i), strict=True):
+            p = store.pair(int(key) // 2)
+            assert np.array_equal(comp, p.rejected if key % 2 else p.chosen)
+    assert texts == [[FOUR, FIVE, LONG], [" Blue.", " A dog."], [WELL, HI, AWAY]]
+    lengths = store.index[:, 1:4].astype(int)
+    cost, _ = view.costs(np.arange(3), shared=True)
+    assert cost.tolist() == [int(lengths[r[0], 0] + view.completion_len[i].sum()) for i, r in enumerate(view.pair_rows)]
+    # a bound on a group (a row's budget) cuts a prompt's pairs into groups that fit, in store order
+    small = PairGroups(store, fits=lambda p, lens: len(lens) <= 2)
+    assert [list(r) for r in small.pair_rows] == [[0], [3], [5], [1, 7], [2], [4], [6]]
+    assert small.sizes.tolist() == [2, 2, 2, 2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("ld", [False, True], ids=["wpo", "wpo+ld"])
+@pytest.mark.parametrize("layout", ["shared", "packed", "padded"])
+def test_grouped_pair_losses_equal_the_pairs_read_one_by_one(tmp_path, toy_tokenizers, layout, ld):
+    """Per-pair losses (sigmoid + sft, WPO weights, LD-DPO's per-pair tails) and their gradients in float64."""
+    from prefpack.config import load_config
+    from prefpack.model import SequenceLogps
+    from prefpack.objectives.base import Planned
+    from prefpack.objectives.groups import PromptGroupTask
+    from prefpack.objectives.pairs import PairTask
+    from prefpack.reference import CopyReference
+
+    tok = toy_tokenizers["llama"]
+    store = _store(tmp_path, tok)
+    cfg = load_config(None, [f"data.prefix_sharing={layout == 'shared'}", f"data.packing={layout != 'padded'}",
+                             "data.max_tokens_per_row=1024", "train.micro_batch_tokens=4096",
+                             "loss.terms=[{name: sigmoid}, {name: sft, weight: 0.3}]", "loss.use_weighting=true",
+                             *(["loss.ld_alpha=0.4"] if ld else [])])
+    policy, reference = float64_llama(tok, 0), CopyReference(float64_llama(tok, 1))
+    reference.configure(chunk_size=7, pair_tails=ld)
+    module = SequenceLogps(policy, chunk_size=7, wpo=True, pair_tails=ld)
+    g_task, p_task = PromptGroupTask(store, cfg, 0), PairTask(store, cfg, 0)
+    packed = cfg.data.packing
+    g_rows = [[0, 1], [2]] if packed else [[0], [1], [2]]
+    p_rows = [list(range(len(store)))] if packed else [[i] for i in range(len(store))]
+    g_out = g_task.loss(module, reference, g_task.collate(Planned(g_rows, 0, 0)), None)
+    p_out = p_task.loss(module, reference, p_task.collate(Planned(p_rows, 0, 0)), None)
+    order = torch.as_tensor([r for rows in g_task.view.pair_rows for r in rows])  # the store pair of each loss
+    assert g_out.loss.shape[0] == len(store) == g_task.units(np.arange(len(g_task)))
+    torch.testing.assert_close(g_out.loss, p_out.loss[order], rtol=0, atol=1e-10)
+    for key in ("rewards/margins", "logps/chosen", "logps/rejected"):
+        torch.testing.assert_close(g_out.metrics[key], p_out.metrics[key][order], rtol=0, atol=1e-9)
+    # float32 accuracy, as for ranked stores: LlamaRMSNorm computes in float32 even in a float64 model, and a
+    # completion in two pairs backpropagates 2g once here but g twice pair by pair
+    params = [p for p in policy.parameters() if p.requires_grad]
+    for a, b in zip(torch.autograd.grad(g_out.loss.sum(), params), torch.autograd.grad(p_out.loss.sum(), params),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_training_and_eval_with_grouped_prompts_equal_pair_by_pair(tmp_path, toy_tokenizers, one_thread):
+    """A full-batch step of the 3 prompts is a step of the store's 8 pairs (the loss is the mean over pairs), with
+    fewer positions; eval and a precomputed reference agree; LD-DPO with a precomputed reference and KTO refuse."""
+    from prefpack.cli import main as cli_main
+    from prefpack.config import ConfigError, load_config
+    from prefpack.reference import ReferenceMismatch
+    from prefpack.training import build, evaluate, train
+
+    tok = toy_tokenizers["llama"]
+    store = _store(tmp_path, tok)
+    model, ref = tiny_llama(tok, tmp_path / "model", seed=0), tiny_llama(tok, tmp_path / "ref", seed=1)
+
+    def config(name, *extra):
+        return load_config(None, [f"model.name_or_path={model}", f"reference.model={ref}", f"data.train={store.path}",
+                                  "train.max_steps=2", "train.device=cpu", "optim.lr=2e-3",
+                                  f"run.output_dir={tmp_path / name}", "run.plot=false", "run.tensorboard=false",
+                                  *extra])
+
+    def run(name, *extra):
+        notes = []
+        train(config(name, *extra), progress=False, log=notes.append)
+        return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    grouped = run("grouped", "data.group_by_prompt=true", "train.global_batch_pairs=3")
+    plain = run("plain", "train.global_batch_pairs=8")
+    # float32 sums in another order (a shared completion's gradient is summed once), then one Adam step: 1e-5
+    assert [r["loss"] for r in grouped] == pytest.approx([r["loss"] for r in plain], abs=1e-5)
+    assert grouped[1]["loss"] != grouped[0]["loss"]
+    assert grouped[0]["tokens"] == plain[0]["tokens"]  # real tokens counted as before: every pair's
+    view = PairGroups(store)
+    assert grouped[0]["positions"] == int(view.costs(np.arange(3), shared=True)[0].sum()) < plain[0]["positions"]
+
+    # eval: the same loss grouped or not; a precomputed reference (the pair sidecar) equals the copy
+    assert cli_main(["precompute-ref", "--model", str(ref), "--data", str(store.path)]) == 0
+    results = {}
+    for name, extra in {"copy": [], "pre": ["reference.mode=precomputed"], "plain": ["data.group_by_prompt=false"]}.items():
+        cfg = config(f"eval-{name}", "data.group_by_prompt=true", *extra)
+        setup = build(cfg, log=lambda m: None)
+        assert type(setup.train_task).__name__ == ("PairTask" if name == "plain" else "PromptGroupTask")
+        results[name] = evaluate(setup.policy, setup.reference, setup.train_task)
+    for key in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen"):
+        tol = {"rel": 1e-6} if key.startswith("logps") else {"abs": 1e-6}  # logps: float32 sums near -60
+        assert results["copy"][key] == pytest.approx(results["plain"][key], **tol), key
+        assert results["pre"][key] == pytest.approx(results["copy"][key], **tol), key
+
+    with pytest.raises(ReferenceMismatch, match="group_by_prompt=false"):
+        build(config("ld", "data.group_by_prompt=true", "reference.mode=precomputed", "loss.ld_alpha=0.5"),
+              log=lambda m: None)
+    with pytest.raises(ConfigError, match="group_by_prompt"):
+        config("kto", "data.group_by_prompt=true", "data.paired_as_kto=true", "loss.terms=[{name: kto}]").validate()
