@@ -43,10 +43,10 @@ def _alone(model, store: Store) -> dict[str, np.ndarray]:
     out = {k: np.zeros(len(store)) for k in ("chosen", "rejected", "chosen_tail", "rejected_tail")}
     for i in range(len(store)):
         pair = store.pair(i)
-        prompt = torch.as_tensor(np.asarray(pair.prompt), dtype=torch.long)
+        prompt = torch.tensor(pair.prompt, dtype=torch.long)  # a copy: the store is read-only
         shorter = min(len(pair.chosen), len(pair.rejected))
         for key in ("chosen", "rejected"):
-            completion = torch.as_tensor(np.asarray(getattr(pair, key)), dtype=torch.long)
+            completion = torch.tensor(getattr(pair, key), dtype=torch.long)
             ids = torch.cat([prompt, completion])[None]
             logp = model(input_ids=ids, use_cache=False).logits[0, :-1].double().log_softmax(-1)
             per_token = logp.gather(-1, ids[0, 1:, None])[:, 0][prompt.numel() - 1:]
