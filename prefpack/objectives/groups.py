@@ -53,8 +53,13 @@ class PromptGroupTask(PairTask):
         cost = (prompt_len if self.shares_prompts else k * prompt_len) + sum(completion_lens)
         return cost <= min(d.max_tokens_per_row, tr.micro_batch_tokens)
 
-    def skipped_note(self) -> str | None:
-        """What a run should be told about groups that give no pair (all their scores tie)."""
+    def run_note(self) -> str | None:
+        """What a run should be told: a pair store's grouping (how much it saves), or the ranked groups that give no
+        pair (all their scores tie)."""
+        if self.store.kind == "pairs":
+            pairs, comps = len(self.store), int(self.view.sizes.sum())
+            return (f"data.group_by_prompt: the {pairs} pairs of {self.store.path} read as {len(self.view)} prompt "
+                    f"groups with {comps} distinct completions (of {2 * pairs})")
         n = self.view.groups_without_pairs
         if not n:
             return None

@@ -66,7 +66,7 @@ def make_objectives(cfg, train_store: Store, eval_store: Store | None, pad_id: i
         grouped = [s.kind == "ranked" or cfg.data.group_by_prompt for s in stores]
         objectives = [PromptGroupTask(s, cfg, pad_id) if g else PairTask(s, cfg, pad_id) for s, g in zip(stores, grouped)]
         for o in objectives:
-            note = o.skipped_note() if isinstance(o, PromptGroupTask) else None
+            note = o.run_note() if isinstance(o, PromptGroupTask) else None
             if note:
                 log(f"note: {note}")
         if isinstance(reference, PrecomputedReference):
