@@ -1,6 +1,7 @@
 """Invariances of training, each one test run for every objective (the `world` fixture's params): DPO
-(`sigmoid`) on a pair store, KTO on an unpaired store (each also with prompts laid out once), and DPO on a ranked
-store (prompt groups of several scored completions, each completion computed once).
+(`sigmoid`) on a pair store, KTO on an unpaired store (each also with prompts laid out once), DPO on a ranked
+store (prompt groups of several scored completions, each completion computed once), and DPO on a pair store whose
+pairs repeat prompts, grouped by prompt.
 
 * packed == padded (with and without data.pad_to_multiple_of),
 * one micro-batch per step == one example per micro-batch (1x8 == 8x1 accumulation),
@@ -25,6 +26,8 @@ from conftest import prepare_hh_splits, run_prefpack, tiny_llama, write_jsonl
 
 from prefpack.cli import main as cli_main
 from prefpack.config import load_config
+from prefpack.data.store import Store
+from prefpack.data.views import PairGroups
 from prefpack.training import TrainingInterrupted, build, evaluate, train
 
 
@@ -74,7 +77,25 @@ def _ranked_rows(hh_train) -> dict[str, list[dict]]:
     return {"train": out[:8], "eval": out[8:12]}
 
 
-@pytest.fixture(scope="module", params=["pairs", "pairs_shared", "kto", "kto_shared", "ranked_shared"])
+def _grouped_rows(hh_train) -> dict[str, list[dict]]:
+    """Pair rows whose prompts repeat, interleaved: a short prompt with its chosen, rejected and the next row's chosen
+    reply as pairs (chosen, rejected), (chosen, next), (next, rejected), every other prompt only the first pair."""
+    rows = [r for r in hh_train[:60] if r["chosen"].strip() and r["rejected"].strip() and r["chosen"] != r["rejected"]]
+    groups = []
+    for k, (r, nxt) in enumerate(zip(rows, rows[1:])):
+        p, c, j, n = f"Q{k}:{r['prompt'][-50:]}", r["chosen"][:60], r["rejected"][:60], nxt["chosen"][:50]
+        if len({c, j, n}) == 3:
+            pairs = [(c, j), (c, n), (n, j)] if k % 2 == 0 else [(c, j)]
+            groups.append([{"prompt": p, "chosen": a, "rejected": b} for a, b in pairs])
+
+    def interleaved(part):
+        return [g[i] for i in range(3) for g in part if i < len(g)]
+
+    return {"train": interleaved(groups[:8]), "eval": interleaved(groups[8:12])}
+
+
+@pytest.fixture(scope="module", params=["pairs", "pairs_shared", "kto", "kto_shared", "ranked_shared",
+                                        "grouped_shared"])
 def world(request, tmp_path_factory, toy_tokenizers, hh_train):
     """One objective's train and eval stores, a policy, a different reference (tiny Llamas) and its settings:
 
@@ -83,7 +104,9 @@ def world(request, tmp_path_factory, toy_tokenizers, hh_train):
     * kto: 19 unpaired train examples (12 desirable) and 7 eval ones, loss `kto`, 5 examples a step;
     * kto_shared: 20 train examples, 10 prompts with two completions each (and 8 eval ones), prompts laid out once;
     * ranked_shared: 8 train prompts (4 eval) with 3 or 4 scored completions, `data.ranked_pairs=all_pairs` (3 or 6
-      pairs a prompt), 3 prompts a step, prompts laid out once.
+      pairs a prompt), 3 prompts a step, prompts laid out once;
+    * grouped_shared: a pair store whose 8 train prompts (4 eval) have 3 or 1 pairs each, interleaved, read with
+      `data.group_by_prompt=true` (each prompt and distinct completion once), 3 prompts a step.
     """
     kind = request.param
     root = tmp_path_factory.mktemp(f"invariance-{kind}")
@@ -99,6 +122,21 @@ def world(request, tmp_path_factory, toy_tokenizers, hh_train):
             # several pairs a micro-batch, the last step wraps into the second epoch
             "ranks": ["train.global_batch_pairs=10", "train.micro_batch_tokens=256", "data.max_tokens_per_row=256",
                       "optim.schedule=cosine", "optim.warmup_steps=1"],
+        }
+    elif kind == "grouped_shared":
+        stores = {}
+        for name, rows in _grouped_rows(hh_train).items():
+            assert cli_main(["prepare", str(write_jsonl(root / f"{name}.jsonl", rows)), "--tokenizer", str(tok),
+                             "--output", str(root / name), "--max-length", "64", "--workers", "1"]) == 0
+            stores[name] = root / name
+        assert sorted(PairGroups(Store(stores["train"])).num_pairs.tolist()) == [1, 1, 1, 1, 3, 3, 3, 3]
+        settings = {
+            "size": len(_grouped_rows(hh_train)["train"]), "count_key": "pairs", "sidecar": "ref_logps.safetensors",
+            "precompute": [],
+            "base": ["loss.terms=[{name: sigmoid}]", "train.global_batch_pairs=3", "data.group_by_prompt=true"],
+            "keys": ("loss", "rewards/margins", "rewards/chosen"),
+            "precomputed": [],
+            "ranks": ["train.micro_batch_tokens=256", "data.max_tokens_per_row=256"],
         }
     elif kind == "ranked_shared":
         stores = {}

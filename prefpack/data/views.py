@@ -184,12 +184,12 @@ class RankedGroups(PromptGroups):
 class PairGroups(PromptGroups):
     """A pair store read as prompt groups (``data.group_by_prompt``): the pairs whose prompts are the same tokens
     form a group, each distinct completion (by tokens) once, so a prompt in five pairs is computed once and a
-    chosen reply shared by three of them once. ``fits(prompt_len, completion_lens)`` bounds a group (a row's
-    budget): a prompt's pairs, in store order, start a new group where the next would not fit. Pairs stay the
-    store's pairs, each once (``pair_rows[i]``: the store rows of example i's pairs). A completion's key is ``2 * pair + side`` (side 0 chosen, 1 rejected), an index
+    chosen reply shared by three of them once. A group is never cut to fit a budget, so which pairs share a step
+    does not depend on memory settings (a group longer than a row gets a row of its own, as a long pair does).
+    Pairs stay the store's pairs, each once (``pair_rows[i]``: the store rows of example i's pairs). A completion's key is ``2 * pair + side`` (side 0 chosen, 1 rejected), an index
     into the pair store's chosen and rejected columns interleaved."""
 
-    def __init__(self, store: Store, fits=None):
+    def __init__(self, store: Store):
         if store.kind != "pairs":
             raise StoreError(f"store {str(store.path)!r} holds {store.kind}, not pairs")
         self.store = store
@@ -209,22 +209,18 @@ class PairGroups(PromptGroups):
         for rows in by_prompt.values():  # prompts in order of first appearance
             p = int(index[rows[0], 1])
             at: dict[bytes, int] = {}  # a completion's tokens -> its index in the group
-            keys, lengths, pairs, start = [], [], [], 0
+            keys, lengths, pairs = [], [], []
             for row in rows:
                 off, _, c, r = (int(x) for x in index[row, :4])
                 sides = [(tokens[off + p:off + p + c].tobytes(), 2 * row, c),
                          (tokens[off + p + c:off + p + c + r].tobytes(), 2 * row + 1, r)]
-                new = {t: n for t, _, n in sides if t not in at}
-                if pairs and fits is not None and not fits(p, [*lengths, *new.values()]):
-                    add(p, keys, lengths, pairs, rows[start:start + len(pairs)])
-                    at, keys, lengths, pairs, start = {}, [], [], [], start + len(pairs)
                 for t, key, n in sides:
                     if t not in at:
                         at[t] = len(keys)
                         keys.append(key)
                         lengths.append(n)
                 pairs.append((at[sides[0][0]], at[sides[1][0]]))
-            add(p, keys, lengths, pairs, rows[start:])
+            add(p, keys, lengths, pairs, rows)
         self.prompt_len = np.asarray(prompt_len, dtype=np.int64)
         self.sizes = np.asarray([len(k) for k in self.keys], dtype=np.int64)
         lengths = index[:, 1:4].astype(np.int64)

@@ -35,7 +35,7 @@ class PromptGroupTask(PairTask):
         if store.kind == "ranked":
             self.view = RankedGroups(store, cfg.data.ranked_pairs)
         else:
-            self.view = PairGroups(store, fits=self._fits)
+            self.view = PairGroups(store)
         if len(self.view) == 0:
             raise StoreError(f"store {str(store.path)!r}: no prompt yields a pair (every prompt's completions tie); "
                              "nothing to train on")
@@ -43,23 +43,24 @@ class PromptGroupTask(PairTask):
     def __len__(self) -> int:
         return len(self.view)
 
-    def _fits(self, prompt_len: int, completion_lens: list[int]) -> bool:
-        """Whether a group of these lengths fits one micro-batch's row as this run lays it out (a pair store's
-        prompt groups are cut to fit; a single pair always makes one)."""
-        d, tr = self.cfg.data, self.cfg.train
-        k = len(completion_lens)
-        if not d.packing:
-            return k * (prompt_len + max(completion_lens)) <= tr.micro_batch_tokens
-        cost = (prompt_len if self.shares_prompts else k * prompt_len) + sum(completion_lens)
-        return cost <= min(d.max_tokens_per_row, tr.micro_batch_tokens)
-
     def run_note(self) -> str | None:
         """What a run should be told: a pair store's grouping (how much it saves), or the ranked groups that give no
         pair (all their scores tie)."""
         if self.store.kind == "pairs":
             pairs, comps = len(self.store), int(self.view.sizes.sum())
-            return (f"data.group_by_prompt: the {pairs} pairs of {self.store.path} read as {len(self.view)} prompt "
+            note = (f"data.group_by_prompt: the {pairs} pairs of {self.store.path} read as {len(self.view)} prompt "
                     f"groups with {comps} distinct completions (of {2 * pairs})")
+            d, tr = self.cfg.data, self.cfg.train
+            cost, longest = self.view.costs(np.arange(len(self.view)), shared=self.shares_prompts)
+            if not d.packing:  # one padded row per completion
+                cost = self.view.sizes * longest
+            budget = min(d.max_tokens_per_row, tr.micro_batch_tokens) if d.packing else tr.micro_batch_tokens
+            over = cost > budget
+            if over.any():
+                note += (f"; {int(over.sum())} of them take more than a {'row' if d.packing else 'micro-batch'} "
+                         f"({budget:,} tokens; the longest {int(cost.max()):,}) and each gets one of its own: "
+                         "data.group_by_prompt=false trains their pairs one by one")
+            return note
         n = self.view.groups_without_pairs
         if not n:
             return None
