@@ -113,6 +113,29 @@ def float64_llama(tok_dir, seed):
     return tf.LlamaForCausalLM(cfg).double().eval()
 
 
+def group_and_pair_losses(tok_dir, group_store, pair_store, cfg, *, ld: bool):
+    """The per-pair losses of the same pairs read as prompt groups (``PromptGroupTask``: 3 groups in two packed
+    rows, or a padded row each) and pair by pair (``PairTask``: one row, or a padded row each), by one float64
+    policy against a float64 copy reference, with WPO means (and LD-DPO tails with ``ld``). Returns the policy and
+    both ``LossOutput``s."""
+    from prefpack.model import SequenceLogps
+    from prefpack.objectives.base import Planned
+    from prefpack.objectives.groups import PromptGroupTask
+    from prefpack.objectives.pairs import PairTask
+    from prefpack.reference import CopyReference
+
+    policy, reference = float64_llama(tok_dir, 0), CopyReference(float64_llama(tok_dir, 1))
+    reference.configure(chunk_size=7, pair_tails=ld)
+    module = SequenceLogps(policy, chunk_size=7, wpo=True, pair_tails=ld)
+    g_task, p_task = PromptGroupTask(group_store, cfg, 0), PairTask(pair_store, cfg, 0)
+    n = len(pair_store)
+    g_rows = [[0, 1], [2]] if cfg.data.packing else [[0], [1], [2]]
+    p_rows = [list(range(n))] if cfg.data.packing else [[i] for i in range(n)]
+    g_out = g_task.loss(module, reference, g_task.collate(Planned(g_rows, 0, 0)), None)
+    p_out = p_task.loss(module, reference, p_task.collate(Planned(p_rows, 0, 0)), None)
+    return policy, g_task, g_out, p_out
+
+
 def prepare_hh_splits(root, tok_dir, hh_rows, sizes: dict[str, int], max_length: int = 48) -> dict:
     """Consecutive splits (``{"train": 24, "eval": 10}``) of usable hh pairs, each prepared into ``root / name``."""
     from prefpack.data.prepare import PrepareOptions, prepare

@@ -94,6 +94,14 @@ def _grouped_rows(hh_train) -> dict[str, list[dict]]:
     return {"train": interleaved(groups[:8]), "eval": interleaved(groups[8:12])}
 
 
+def _prepare_splits(root, tok, splits: dict[str, list[dict]], *args) -> dict:
+    """Each split's rows prepared (`prefpack prepare`, 64 tokens at most) into ``root / name``."""
+    for name, rows in splits.items():
+        assert cli_main(["prepare", str(write_jsonl(root / f"{name}.jsonl", rows)), *args, "--tokenizer", str(tok),
+                         "--output", str(root / name), "--max-length", "64", "--workers", "1"]) == 0
+    return {name: root / name for name in splits}
+
+
 @pytest.fixture(scope="module", params=["pairs", "pairs_shared", "kto", "kto_shared", "ranked_shared",
                                         "grouped_shared"])
 def world(request, tmp_path_factory, toy_tokenizers, hh_train):
@@ -124,11 +132,7 @@ def world(request, tmp_path_factory, toy_tokenizers, hh_train):
                       "optim.schedule=cosine", "optim.warmup_steps=1"],
         }
     elif kind == "grouped_shared":
-        stores = {}
-        for name, rows in _grouped_rows(hh_train).items():
-            assert cli_main(["prepare", str(write_jsonl(root / f"{name}.jsonl", rows)), "--tokenizer", str(tok),
-                             "--output", str(root / name), "--max-length", "64", "--workers", "1"]) == 0
-            stores[name] = root / name
+        stores = _prepare_splits(root, tok, _grouped_rows(hh_train))
         assert sorted(PairGroups(Store(stores["train"])).num_pairs.tolist()) == [1, 1, 1, 1, 3, 3, 3, 3]
         settings = {
             "size": len(_grouped_rows(hh_train)["train"]), "count_key": "pairs", "sidecar": "ref_logps.safetensors",
@@ -139,11 +143,7 @@ def world(request, tmp_path_factory, toy_tokenizers, hh_train):
             "ranks": ["train.micro_batch_tokens=256", "data.max_tokens_per_row=256"],
         }
     elif kind == "ranked_shared":
-        stores = {}
-        for name, rows in _ranked_rows(hh_train).items():
-            assert cli_main(["prepare", str(write_jsonl(root / f"{name}.jsonl", rows)), "--tokenizer", str(tok),
-                             "--output", str(root / name), "--max-length", "64", "--workers", "1"]) == 0
-            stores[name] = root / name
+        stores = _prepare_splits(root, tok, _ranked_rows(hh_train))
         settings = {
             "size": sum(len(r["completions"]) for r in _ranked_rows(hh_train)["train"]), "count_key": "completions",
             "sidecar": "ref_logps_ranked.safetensors", "precompute": [],
@@ -155,13 +155,8 @@ def world(request, tmp_path_factory, toy_tokenizers, hh_train):
             "ranks": ["train.micro_batch_tokens=256", "data.max_tokens_per_row=256"],
         }
     else:
-        stores = {}
         data = _unpaired_rows_shared(hh_train) if kind == "kto_shared" else _unpaired_rows(hh_train)
-        for name, rows in data.items():
-            assert cli_main(["prepare", str(write_jsonl(root / f"{name}.jsonl", rows)), "--format", "unpaired",
-                             "--tokenizer", str(tok), "--output", str(root / name), "--max-length", "64",
-                             "--workers", "1"]) == 0
-            stores[name] = root / name
+        stores = _prepare_splits(root, tok, data, "--format", "unpaired")
         settings = {
             "size": len(data["train"]), "count_key": "examples", "sidecar": "ref_logps_kto.safetensors",
             "precompute": ["--seed", "0"],

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import float64_llama, tiny_llama, write_jsonl
+from conftest import group_and_pair_losses, tiny_llama, write_jsonl
 
 from prefpack.data.prepare import PrepareOptions, prepare
 from prefpack.data.store import Store
@@ -67,27 +67,13 @@ def test_a_pair_store_reads_as_one_group_per_prompt_with_each_completion_once(tm
 def test_grouped_pair_losses_equal_the_pairs_read_one_by_one(tmp_path, toy_tokenizers, layout, ld):
     """Per-pair losses (sigmoid + sft, WPO weights, LD-DPO's per-pair tails) and their gradients in float64."""
     from prefpack.config import load_config
-    from prefpack.model import SequenceLogps
-    from prefpack.objectives.base import Planned
-    from prefpack.objectives.groups import PromptGroupTask
-    from prefpack.objectives.pairs import PairTask
-    from prefpack.reference import CopyReference
 
     tok = toy_tokenizers["llama"]
     store = _store(tmp_path, tok)
     cfg = load_config(None, [f"data.prefix_sharing={layout == 'shared'}", f"data.packing={layout != 'padded'}",
-                             "data.max_tokens_per_row=1024", "train.micro_batch_tokens=4096",
                              "loss.terms=[{name: sigmoid}, {name: sft, weight: 0.3}]", "loss.use_weighting=true",
                              *(["loss.ld_alpha=0.4"] if ld else [])])
-    policy, reference = float64_llama(tok, 0), CopyReference(float64_llama(tok, 1))
-    reference.configure(chunk_size=7, pair_tails=ld)
-    module = SequenceLogps(policy, chunk_size=7, wpo=True, pair_tails=ld)
-    g_task, p_task = PromptGroupTask(store, cfg, 0), PairTask(store, cfg, 0)
-    packed = cfg.data.packing
-    g_rows = [[0, 1], [2]] if packed else [[0], [1], [2]]
-    p_rows = [list(range(len(store)))] if packed else [[i] for i in range(len(store))]
-    g_out = g_task.loss(module, reference, g_task.collate(Planned(g_rows, 0, 0)), None)
-    p_out = p_task.loss(module, reference, p_task.collate(Planned(p_rows, 0, 0)), None)
+    policy, g_task, g_out, p_out = group_and_pair_losses(tok, store, store, cfg, ld=ld)
     order = torch.as_tensor([r for rows in g_task.view.pair_rows for r in rows])  # the store pair of each loss
     assert g_out.loss.shape[0] == len(store) == g_task.units(np.arange(len(g_task)))
     torch.testing.assert_close(g_out.loss, p_out.loss[order], rtol=0, atol=1e-10)

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import float64_llama, write_jsonl
+from conftest import group_and_pair_losses, write_jsonl
 
 from prefpack.data.prepare import PrepareError, PrepareOptions, prepare
 from prefpack.data.store import Store
@@ -103,32 +103,24 @@ def test_ranked_pair_losses_equal_the_same_pairs_from_a_pair_store(tmp_path, toy
     """Per-pair losses and their gradients, in float64: WPO weights, and LD-DPO's tails (which depend on the pair,
     so a completion in several pairs has one per pair), against the same pairs written out as a pair store."""
     from prefpack.config import load_config
-    from prefpack.model import SequenceLogps
-    from prefpack.objectives.base import Planned
-    from prefpack.objectives.groups import PromptGroupTask
-    from prefpack.objectives.pairs import PairTask
-    from prefpack.reference import CopyReference
 
     tok = toy_tokenizers["llama"]
     ranked = _prepare(tmp_path, tok, ROWS, "ranked")
     pairs = _prepare(tmp_path, tok, _expanded_pairs(mode), "pairs")
-    cfg = load_config(None, [f"data.ranked_pairs={mode}", f"data.prefix_sharing={layout == 'shared'}",
-                             f"data.packing={layout != 'padded'}", "loss.terms=[{name: sigmoid}, {name: sft, weight: 0.3}]",
-                             "loss.use_weighting=true", *(["loss.ld_alpha=0.4"] if ld else [])])
-    policy, reference = float64_llama(tok, 0), CopyReference(float64_llama(tok, 1))
-    reference.configure(chunk_size=7, pair_tails=ld)
-    module = SequenceLogps(policy, chunk_size=7, wpo=True, pair_tails=ld)
-    r_task, p_task = PromptGroupTask(ranked, cfg, 0), PairTask(pairs, cfg, 0)
-    packed = cfg.data.packing
-    r_rows = [[0, 1], [2]] if packed else [[0], [1], [2]]
-    p_rows = [list(range(len(pairs)))] if packed else [[i] for i in range(len(pairs))]
-    r_out = [r_task.loss(module, reference, r_task.collate(Planned(r_rows, 0, 0)), None)]
-    p_out = p_task.loss(module, reference, p_task.collate(Planned(p_rows, 0, 0)), None)
-    got = torch.cat([o.loss for o in r_out])
+
+    def config(*extra):
+        return load_config(None, [f"data.ranked_pairs={mode}", f"data.prefix_sharing={layout == 'shared'}",
+                                  f"data.packing={layout != 'padded'}",
+                                  "loss.terms=[{name: sigmoid}, {name: sft, weight: 0.3}]", "loss.use_weighting=true",
+                                  *extra])
+
+    policy, r_task, r_out, p_out = group_and_pair_losses(tok, ranked, pairs, config(*(["loss.ld_alpha=0.4"] if ld else [])),
+                                                         ld=ld)
+    got = r_out.loss
     assert got.shape[0] == len(pairs) == r_task.units(np.arange(len(r_task)))
     torch.testing.assert_close(got, p_out.loss, rtol=0, atol=1e-10)
     for key in ("rewards/margins", "logps/chosen", "logps/rejected"):
-        torch.testing.assert_close(r_out[0].metrics[key], p_out.metrics[key], rtol=0, atol=1e-9)
+        torch.testing.assert_close(r_out.metrics[key], p_out.metrics[key], rtol=0, atol=1e-9)
     # Gradients to float32 accuracy: transformers' LlamaRMSNorm casts its input to float32 even in a float64 model,
     # so backward is not exactly linear in its upstream gradient, and a completion in three pairs backpropagates
     # 3 * g once here but g three times from the pair store (measured: equal to 1e-15 when both are scaled alike).
@@ -137,13 +129,7 @@ def test_ranked_pair_losses_equal_the_same_pairs_from_a_pair_store(tmp_path, toy
                     strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     if ld:  # the tails matter: without them the same pairs give other losses
-        plain = load_config(None, [f"data.ranked_pairs={mode}", f"data.prefix_sharing={layout == 'shared'}",
-                                   f"data.packing={layout != 'padded'}",
-                                   "loss.terms=[{name: sigmoid}, {name: sft, weight: 0.3}]", "loss.use_weighting=true"])
-        task = PromptGroupTask(ranked, plain, 0)
-        reference.configure(chunk_size=7, pair_tails=False)
-        other = torch.cat([task.loss(SequenceLogps(policy, chunk_size=7, wpo=True), reference,
-                                     task.collate(Planned(r_rows, 0, 0)), None).loss])
+        other = group_and_pair_losses(tok, ranked, pairs, config(), ld=False)[2].loss
         assert (other - got).abs().max() > 1e-3
 
 
