@@ -124,7 +124,8 @@ def test_training_and_eval_with_grouped_prompts_equal_pair_by_pair(tmp_path, toy
     # eval: the same loss grouped or not; a precomputed reference (the pair sidecar) equals the copy
     assert cli_main(["precompute-ref", "--model", str(ref), "--data", str(store.path)]) == 0
     results = {}
-    for name, extra in {"copy": [], "pre": ["reference.mode=precomputed"], "plain": ["data.group_by_prompt=false"]}.items():
+    runs = {"copy": [], "pre": ["reference.mode=precomputed"], "plain": ["data.group_by_prompt=false"]}
+    for name, extra in runs.items():
         cfg = config(f"eval-{name}", "data.group_by_prompt=true", *extra)
         setup = build(cfg, log=lambda m: None)
         assert type(setup.train_task).__name__ == ("PairTask" if name == "plain" else "PromptGroupTask")

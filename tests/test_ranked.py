@@ -114,8 +114,8 @@ def test_ranked_pair_losses_equal_the_same_pairs_from_a_pair_store(tmp_path, toy
                                   "loss.terms=[{name: sigmoid}, {name: sft, weight: 0.3}]", "loss.use_weighting=true",
                                   *extra])
 
-    policy, r_task, r_out, p_out = group_and_pair_losses(tok, ranked, pairs, config(*(["loss.ld_alpha=0.4"] if ld else [])),
-                                                         ld=ld)
+    ld_alpha = ["loss.ld_alpha=0.4"] if ld else []
+    policy, r_task, r_out, p_out = group_and_pair_losses(tok, ranked, pairs, config(*ld_alpha), ld=ld)
     got = r_out.loss
     assert got.shape[0] == len(pairs) == r_task.units(np.arange(len(r_task)))
     torch.testing.assert_close(got, p_out.loss, rtol=0, atol=1e-10)

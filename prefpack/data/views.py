@@ -186,8 +186,9 @@ class PairGroups(PromptGroups):
     form a group, each distinct completion (by tokens) once, so a prompt in five pairs is computed once and a
     chosen reply shared by three of them once. A group is never cut to fit a budget, so which pairs share a step
     does not depend on memory settings (a group longer than a row gets a row of its own, as a long pair does).
-    Pairs stay the store's pairs, each once (``pair_rows[i]``: the store rows of example i's pairs). A completion's key is ``2 * pair + side`` (side 0 chosen, 1 rejected), an index
-    into the pair store's chosen and rejected columns interleaved."""
+    Pairs stay the store's pairs, each once (``pair_rows[i]``: the store rows of example i's pairs). A
+    completion's key is ``2 * pair + side`` (side 0 chosen, 1 rejected), an index into the pair store's chosen
+    and rejected columns interleaved."""
 
     def __init__(self, store: Store):
         if store.kind != "pairs":

@@ -134,8 +134,8 @@ class PromptGroupTask(PairTask):
             raise ValueError("loss.use_weighting needs the policy forward to return WPO means (SequenceLogps(wpo=True))")
         ld = self.cfg.loss.ld_alpha is not None
         if ld and (tail is None or batch.tail_pairs is None):
-            raise ValueError("loss.ld_alpha needs the batch's drawn pairs (PromptGroupTask.collate) and the policy forward's "
-                             "tails (SequenceLogps(pair_tails=True))")
+            raise ValueError("loss.ld_alpha needs the batch's drawn pairs (PromptGroupTask.collate) and the policy "
+                             "forward's tails (SequenceLogps(pair_tails=True))")
         chosen, rejected, rows = self._drawn_pairs(batch.group_ids.numpy())
         device, dtype = logp.device, logp.dtype
         c_idx, r_idx = (torch.as_tensor(x, dtype=torch.long, device=device) for x in (chosen, rejected))

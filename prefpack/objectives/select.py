@@ -64,7 +64,8 @@ def make_objectives(cfg, train_store: Store, eval_store: Store | None, pad_id: i
                 reference.load_examples(o.view, partners=o.fixed_partners() if o.needs_kl else None)
     else:
         grouped = [s.kind == "ranked" or cfg.data.group_by_prompt for s in stores]
-        objectives = [PromptGroupTask(s, cfg, pad_id) if g else PairTask(s, cfg, pad_id) for s, g in zip(stores, grouped)]
+        objectives = [PromptGroupTask(s, cfg, pad_id) if g else PairTask(s, cfg, pad_id)
+                      for s, g in zip(stores, grouped)]
         for o in objectives:
             note = o.run_note() if isinstance(o, PromptGroupTask) else None
             if note:
