@@ -62,6 +62,28 @@ def test_a_pair_store_reads_as_one_group_per_prompt_with_each_completion_once(tm
     assert cost.tolist() == [int(lengths[r[0], 0] + view.completion_len[i].sum()) for i, r in enumerate(view.pair_rows)]
 
 
+def test_a_group_is_never_longer_than_the_longest_pair(tmp_path, toy_tokenizers):
+    """A group takes at most the positions of the store's longest pair read alone: a long prompt's pairs of short
+    replies make one group, a short prompt's pairs of long replies one group each (memory never exceeds what the
+    pairs need one by one, and no budget decides it)."""
+    long_prompt = "\n\nHuman: " + "Tell me about the weather in the mountains in spring. " * 6 + "\n\nAssistant:"
+    long_reply = " The mountains in spring are cold at night and warm by day, with rain in the afternoon."
+    data = {"short_replies": [{"prompt": long_prompt, "chosen": f" Yes {k}.", "rejected": f" No {k}."} for k in range(3)],
+            "long_replies": [{"prompt": "\n\nHuman: Hi\n\nAssistant:", "chosen": f"{long_reply} ({k})",
+                              "rejected": f"{long_reply} [{k}]"} for k in range(3)]}
+    for name, rows in data.items():
+        prepare(PrepareOptions(inputs=[str(write_jsonl(tmp_path / f"{name}.jsonl", rows))],
+                               tokenizer=str(toy_tokenizers["llama"]), output=str(tmp_path / name), workers=1),
+                log=lambda m: None)
+        store = Store(tmp_path / name)
+        view = PairGroups(store)
+        want = [[0, 1, 2]] if name == "short_replies" else [[0], [1], [2]]
+        assert [list(r) for r in view.pair_rows] == want, name
+        lengths = store.index[:, 1:4].astype(int)
+        longest = int((2 * lengths[:, 0] + lengths[:, 1:].sum(1)).max())
+        assert int(view.costs(np.arange(len(view)), shared=True)[0].max()) <= longest
+
+
 @pytest.mark.parametrize("ld", [False, True], ids=["wpo", "wpo+ld"])
 @pytest.mark.parametrize("layout", ["shared", "packed", "padded"])
 def test_grouped_pair_losses_equal_the_pairs_read_one_by_one(tmp_path, toy_tokenizers, layout, ld):
@@ -134,12 +156,6 @@ def test_training_and_eval_with_grouped_prompts_equal_pair_by_pair(tmp_path, toy
         tol = {"rel": 1e-6} if key.startswith("logps") else {"abs": 1e-6}  # logps: float32 sums near -60
         assert results["copy"][key] == pytest.approx(results["plain"][key], **tol), key
         assert results["pre"][key] == pytest.approx(results["copy"][key], **tol), key
-
-    # a group is never cut to fit a row (memory settings must not change the steps); the run says which do not fit
-    longest = int(view.costs(np.arange(3), shared=True)[0].max())
-    notes.clear()
-    build(config("small", "data.group_by_prompt=true", f"data.max_tokens_per_row={longest - 1}"), log=notes.append)
-    assert any(f"1 of them take more than a row ({longest - 1:,} tokens; the longest {longest:,})" in n for n in notes)
 
     with pytest.raises(ReferenceMismatch, match="group_by_prompt=false"):
         build(config("ld", "data.group_by_prompt=true", "reference.mode=precomputed", "loss.ld_alpha=0.5"),

@@ -184,11 +184,13 @@ class RankedGroups(PromptGroups):
 class PairGroups(PromptGroups):
     """A pair store read as prompt groups (``data.group_by_prompt``): the pairs whose prompts are the same tokens
     form a group, each distinct completion (by tokens) once, so a prompt in five pairs is computed once and a
-    chosen reply shared by three of them once. A group is never cut to fit a budget, so which pairs share a step
-    does not depend on memory settings (a group longer than a row gets a row of its own, as a long pair does).
-    Pairs stay the store's pairs, each once (``pair_rows[i]``: the store rows of example i's pairs). A
-    completion's key is ``2 * pair + side`` (side 0 chosen, 1 rejected), an index into the pair store's chosen
-    and rejected columns interleaved."""
+    chosen reply shared by three of them once. A group takes at most as many positions (its prompt once, each
+    completion once) as the store's longest pair read alone (its prompt twice and both completions): a prompt's
+    pairs, in store order, start a new group where the next would pass that. So a group never needs more memory
+    than that pair, and the grouping depends on the data only, never on memory settings. Pairs stay the store's
+    pairs, each once (``pair_rows[i]``: the store rows of example i's pairs). A completion's key is
+    ``2 * pair + side`` (side 0 chosen, 1 rejected), an index into the pair store's chosen and rejected columns
+    interleaved."""
 
     def __init__(self, store: Store):
         if store.kind != "pairs":
@@ -198,34 +200,39 @@ class PairGroups(PromptGroups):
         by_prompt: dict[int, list[int]] = {}
         for row, g in enumerate(_prompt_groups(store)):
             by_prompt.setdefault(int(g), []).append(row)
+        lengths = index[:, 1:4].astype(np.int64)
+        per_pair = 2 * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]
+        cap = int(per_pair.max(initial=0))  # the longest pair's positions, read alone
         self.pairs, self.keys, self.completion_len, self.pair_rows, prompt_len = [], [], [], [], []
 
-        def add(p, keys, lengths, pairs, rows):
+        def add(p, keys, sizes, pairs, rows):
             self.pairs.append(pairs)
             self.keys.append(np.asarray(keys, dtype=np.int64))
-            self.completion_len.append(np.asarray(lengths, dtype=np.int64))
+            self.completion_len.append(np.asarray(sizes, dtype=np.int64))
             self.pair_rows.append(rows)
             prompt_len.append(p)
 
         for rows in by_prompt.values():  # prompts in order of first appearance
             p = int(index[rows[0], 1])
             at: dict[bytes, int] = {}  # a completion's tokens -> its index in the group
-            keys, lengths, pairs = [], [], []
-            for row in rows:
+            keys, sizes, pairs, start, total = [], [], [], 0, p
+            for k, row in enumerate(rows):
                 off, _, c, r = (int(x) for x in index[row, :4])
                 sides = [(tokens[off + p:off + p + c].tobytes(), 2 * row, c),
                          (tokens[off + p + c:off + p + c + r].tobytes(), 2 * row + 1, r)]
+                if pairs and total + sum({t: n for t, _, n in sides if t not in at}.values()) > cap:
+                    add(p, keys, sizes, pairs, rows[start:k])
+                    at, keys, sizes, pairs, start, total = {}, [], [], [], k, p
                 for t, key, n in sides:
                     if t not in at:
                         at[t] = len(keys)
                         keys.append(key)
-                        lengths.append(n)
+                        sizes.append(n)
+                        total += n
                 pairs.append((at[sides[0][0]], at[sides[1][0]]))
-            add(p, keys, lengths, pairs, rows)
+            add(p, keys, sizes, pairs, rows[start:])
         self.prompt_len = np.asarray(prompt_len, dtype=np.int64)
         self.sizes = np.asarray([len(k) for k in self.keys], dtype=np.int64)
-        lengths = index[:, 1:4].astype(np.int64)
-        per_pair = 2 * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]
         self._real = np.asarray([int(per_pair[r].sum()) for r in self.pair_rows], dtype=np.int64)
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, list[np.ndarray]]:

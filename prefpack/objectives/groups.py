@@ -48,19 +48,8 @@ class PromptGroupTask(PairTask):
         pair (all their scores tie)."""
         if self.store.kind == "pairs":
             pairs, comps = len(self.store), int(self.view.sizes.sum())
-            note = (f"data.group_by_prompt: the {pairs} pairs of {self.store.path} read as {len(self.view)} prompt "
+            return (f"data.group_by_prompt: the {pairs} pairs of {self.store.path} read as {len(self.view)} prompt "
                     f"groups with {comps} distinct completions (of {2 * pairs})")
-            d, tr = self.cfg.data, self.cfg.train
-            cost, longest = self.view.costs(np.arange(len(self.view)), shared=self.shares_prompts)
-            if not d.packing:  # one padded row per completion
-                cost = self.view.sizes * longest
-            budget = min(d.max_tokens_per_row, tr.micro_batch_tokens) if d.packing else tr.micro_batch_tokens
-            over = cost > budget
-            if over.any():
-                note += (f"; {int(over.sum())} of them take more than a {'row' if d.packing else 'micro-batch'} "
-                         f"({budget:,} tokens; the longest {int(cost.max()):,}) and each gets one of its own: "
-                         "data.group_by_prompt=false trains their pairs one by one")
-            return note
         n = self.view.groups_without_pairs
         if not n:
             return None
