@@ -111,10 +111,9 @@ def test_grouped_pair_losses_equal_the_pairs_read_one_by_one(tmp_path, toy_token
 
 def test_training_and_eval_with_grouped_prompts_equal_pair_by_pair(tmp_path, toy_tokenizers, one_thread):
     """A full-batch step of the 3 prompts is a step of the store's 8 pairs (the loss is the mean over pairs), with
-    fewer positions; eval and a precomputed reference agree; LD-DPO with a precomputed reference and KTO refuse."""
+    fewer positions; eval and a precomputed reference agree (LD-DPO's tails included); KTO refuses grouping."""
     from prefpack.cli import main as cli_main
     from prefpack.config import ConfigError, load_config
-    from prefpack.reference import ReferenceMismatch
     from prefpack.training import build, evaluate, train
 
     tok = toy_tokenizers["llama"]
@@ -157,8 +156,13 @@ def test_training_and_eval_with_grouped_prompts_equal_pair_by_pair(tmp_path, toy
         assert results["copy"][key] == pytest.approx(results["plain"][key], **tol), key
         assert results["pre"][key] == pytest.approx(results["copy"][key], **tol), key
 
-    with pytest.raises(ReferenceMismatch, match="group_by_prompt=false"):
-        build(config("ld", "data.group_by_prompt=true", "reference.mode=precomputed", "loss.ld_alpha=0.5"),
-              log=lambda m: None)
+    # LD-DPO's per-pair tails: read from the pair sidecar for the drawn pairs, equal to the copy's
+    ld = {}
+    for name, extra in {"copy": [], "pre": ["reference.mode=precomputed"]}.items():
+        setup = build(config(f"ld-{name}", "data.group_by_prompt=true", "loss.ld_alpha=0.5", *extra), log=lambda m: None)
+        ld[name] = evaluate(setup.policy, setup.reference, setup.train_task)
+    assert ld["pre"]["loss"] == pytest.approx(ld["copy"]["loss"], abs=1e-6)
+    assert ld["pre"]["rewards/margins"] == pytest.approx(ld["copy"]["rewards/margins"], abs=1e-6)
+    assert abs(ld["copy"]["loss"] - results["copy"]["loss"]) > 1e-4  # the tails change the loss
     with pytest.raises(ConfigError, match="group_by_prompt"):
         config("kto", "data.group_by_prompt=true", "data.paired_as_kto=true", "loss.terms=[{name: kto}]").validate()

@@ -128,7 +128,10 @@ class PromptGroupTask(PairTask):
         chosen, rejected, rows = self._drawn_pairs(batch.group_ids.numpy())
         device, dtype = logp.device, logp.dtype
         c_idx, r_idx = (torch.as_tensor(x, dtype=torch.long, device=device) for x in (chosen, rejected))
-        ref, ref_tail = reference.completion_logps(batch, self.store, rows, device, dtype) or (None, None)
+        drawn = None  # a pair store's groups: the store pairs drawn, whose LD-DPO tails a pair sidecar holds
+        if isinstance(self.view, PairGroups):
+            drawn = np.concatenate([self.view.pair_rows[int(i)] for i in batch.group_ids.numpy()])
+        ref, ref_tail = reference.completion_logps(batch, self.store, rows, device, dtype, pairs=drawn) or (None, None)
         if ld and ref is not None and ref_tail is None:
             raise ValueError("loss.ld_alpha needs the reference's tails (reference.configure(pair_tails=True))")
         tokens = n_tokens.to(device)

@@ -71,15 +71,13 @@ def make_objectives(cfg, train_store: Store, eval_store: Store | None, pad_id: i
             if note:
                 log(f"note: {note}")
         if isinstance(reference, PrecomputedReference):
-            for s, g in zip(stores, grouped):
-                if g and cfg.loss.ld_alpha is not None:
-                    what = "holds ranked completions" if s.kind == "ranked" else "is read as prompt groups"
-                    fix = "" if s.kind == "ranked" else ", or data.group_by_prompt=false"
+            for s in stores:
+                if s.kind == "ranked" and cfg.loss.ld_alpha is not None:
                     raise ReferenceMismatch(
-                        f"store {str(s.path)!r} {what} and loss.ld_alpha (LD-DPO) needs the reference's sums past "
-                        "the shorter completion of each pair, which prompt groups read from a sidecar as one sum per "
-                        "completion, whatever pairs it is in: use reference.mode=copy (or adapter) with LD-DPO on "
-                        f"prompt groups{fix}")
+                        f"store {str(s.path)!r} holds ranked completions and loss.ld_alpha (LD-DPO) needs the "
+                        "reference's sums past the shorter completion of each pair, which a ranked sidecar does not "
+                        "hold (it has one sum per completion, whatever pairs it is in): use reference.mode=copy (or "
+                        "adapter) with LD-DPO on a ranked store")
                 if s.kind == "ranked":
                     reference.load_completions(s)
                 else:

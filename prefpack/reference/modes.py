@@ -105,10 +105,12 @@ class Reference:
 
     @torch.no_grad()
     def completion_logps(self, batch: Batch, store: Store, rows: np.ndarray, device: torch.device,
-                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                         dtype: torch.dtype, *, pairs: np.ndarray | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Reference sums of a prompt-group batch's sequences, one per completion (``rows``: their keys in sequence
-        order, ``PromptGroups.rows``: a ranked store's rows, or ``2 * pair + side`` in a pair store), and LD-DPO's [2, P] tails of the batch's ``tail_pairs`` (None unless ``pair_tails``); None when
-        there is no reference."""
+        order, ``PromptGroups.rows``: a ranked store's rows, or ``2 * pair + side`` in a pair store), and LD-DPO's
+        [2, P] tails of the batch's ``tail_pairs`` (None unless ``pair_tails``; ``pairs``: a pair store's rows of
+        those pairs, where a precomputed reference reads them); None when there is no reference."""
         out = self.outputs(batch)
         tail = out[3] if len(out) > 3 and out[3] is not None else None
         return out[0].to(device=device, dtype=dtype), None if tail is None else tail.to(device=device, dtype=dtype)
@@ -217,14 +219,17 @@ class PrecomputedReference(Reference):
         self.tables[Path(store.path)] = read_ranked_sidecar(Path(store.path) / RANKED_SIDECAR_NAME, store,
                                                             reference_hash=self.reference_hash)
 
-    def completion_logps(self, batch, store, rows, device, dtype):
+    def completion_logps(self, batch, store, rows, device, dtype, *, pairs=None):
         table = self._table(store)
-        if store.kind == "pairs":  # a pair store read as prompt groups: keys 2 * pair + side (PairGroups)
-            rows = np.asarray(rows, dtype=np.int64)
-            values = np.where(rows % 2 == 0, table[0][rows // 2], table[1][rows // 2])
-        else:
-            values = table["completion"][rows]
-        return torch.as_tensor(values, device=device, dtype=dtype), None
+        if store.kind != "pairs":
+            return torch.as_tensor(table["completion"][rows], device=device, dtype=dtype), None
+        # a pair store read as prompt groups: keys 2 * pair + side (PairGroups); the drawn pairs' tails per pair
+        rows = np.asarray(rows, dtype=np.int64)
+        values = np.where(rows % 2 == 0, table[0][rows // 2], table[1][rows // 2])
+        tails = None
+        if self.pair_tails and pairs is not None and table[2] is not None:
+            tails = torch.as_tensor(np.stack([table[2][pairs], table[3][pairs]]), device=device, dtype=dtype)
+        return torch.as_tensor(values, device=device, dtype=dtype), tails
 
 
 class NoReference(Reference):
@@ -238,7 +243,7 @@ class NoReference(Reference):
     def example_logps(self, batch, store, ids, *, kl, device, dtype):
         raise ValueError("this loss needs reference log-probs; reference.mode 'none' gives none")
 
-    def completion_logps(self, batch, store, rows, device, dtype):
+    def completion_logps(self, batch, store, rows, device, dtype, *, pairs=None):
         return None
 
 
