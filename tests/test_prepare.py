@@ -213,6 +213,11 @@ def test_pairs_that_share_a_prompt_are_counted_and_reported(tmp_path, toy_tokeni
     assert Store(tmp_path / "s").meta["counts"]["repeated_prompts"] == {"prompts": 2, "pairs": 5}
     assert "5 pairs share 2 prompts with other pairs" in report.summary()
     assert "data.group_by_prompt=true" in report.summary()
+    from prefpack.data.inspect import format_text, length_stats
+
+    store = Store(tmp_path / "s")
+    shown = format_text(store, length_stats(store), None)
+    assert "repeated_prompts=pairs:5 prompts:2" in shown and "data.group_by_prompt=true" in shown
     alone = run([write_jsonl(tmp_path / "e.jsonl", PAIRS)], toy_tokenizers["llama"], tmp_path / "t")
     assert alone.repeated_prompts == {"prompts": 0, "pairs": 0} and "prompts with other pairs" not in alone.summary()
 

@@ -91,6 +91,9 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
         shown = [f"{k}=" + (" ".join(f"{p}:{n}" for p, n in sorted(v.items())) if isinstance(v, dict) else str(v))
                  for k, v in kept.items()]
         lines.append("counted    " + ", ".join(shown))
+    if "repeated_prompts" in kept:
+        lines.append("           (pairs that repeat a prompt: data.group_by_prompt=true computes each prompt, and each "
+                     "completion repeated in its pairs, once)")
     lines.append("")
     lines.append(f"{'lengths':<12}{'mean':>9}{'p50':>7}{'p90':>7}{'max':>7}")
     if "prompts" in stats:
