@@ -340,6 +340,7 @@ def run_precompute(args, argv) -> int:
     from prefpack.reference import (
         RANKED_SIDECAR_NAME,
         SIDECAR_NAME,
+        compute_pair_group_logps,
         compute_ranked_store_logps,
         compute_store_logps,
         write_ranked_sidecar,
@@ -356,7 +357,11 @@ def run_precompute(args, argv) -> int:
     check_vocab_fits(model, store.meta, args.data)
     budgets = _scoring_budgets(args, model, device)
     try:
-        score = compute_ranked_store_logps if store.kind == "ranked" else compute_store_logps
+        score = compute_store_logps
+        if store.kind == "ranked":
+            score = compute_ranked_store_logps
+        elif (store.meta.get("counts", {}).get("repeated_prompts") or {}).get("prompts"):
+            score = compute_pair_group_logps  # pairs that repeat a prompt: each prompt and completion scored once
         table = score(model, store, micro_batch_tokens=budgets.micro_batch_tokens, row_tokens=budgets.row_tokens,
                       chunk_size=budgets.chunk_size, progress=True, ctx=ctx)
         ctx.barrier()  # no rank leaves while another is still in a collective

@@ -84,6 +84,24 @@ def test_a_group_is_never_longer_than_the_longest_pair(tmp_path, toy_tokenizers)
         assert int(view.costs(np.arange(len(view)), shared=True)[0].max()) <= longest
 
 
+@pytest.mark.parametrize("attn", ["packed_sdpa", "sdpa"])
+def test_precompute_ref_scores_each_prompt_and_completion_once_with_the_same_values(tmp_path, toy_tokenizers, attn):
+    """precompute-ref on a pair store that repeats prompts scores its prompt groups (each distinct completion once,
+    the prompt once where the kernel reads prompt groups): the same sums and LD-DPO tails per pair as scoring each
+    pair alone, to float32 accuracy."""
+    from prefpack.model import load_causal_lm
+    from prefpack.reference import compute_pair_group_logps, compute_store_logps
+
+    tok = toy_tokenizers["llama"]
+    store = _store(tmp_path, tok)
+    model = load_causal_lm(str(tiny_llama(tok, tmp_path / "m", seed=3)), device=torch.device("cpu"),
+                           attn_implementation=attn)
+    grouped, alone = compute_pair_group_logps(model, store, chunk_size=5), compute_store_logps(model, store, chunk_size=5)
+    for key in ("chosen", "rejected", "chosen_tail", "rejected_tail"):
+        np.testing.assert_allclose(grouped[key], alone[key], rtol=1e-6, atol=1e-4, err_msg=key)
+    assert np.abs(alone["chosen_tail"]).sum() > 0 and np.abs(alone["rejected_tail"]).sum() > 0
+
+
 @pytest.mark.parametrize("ld", [False, True], ids=["wpo", "wpo+ld"])
 @pytest.mark.parametrize("layout", ["shared", "packed", "padded"])
 def test_grouped_pair_losses_equal_the_pairs_read_one_by_one(tmp_path, toy_tokenizers, layout, ld):

@@ -25,6 +25,7 @@ _EXPORTS = {
     "SIDECAR_NAME": "prefpack.reference.sidecar",
     "RANKED_SIDECAR_NAME": "prefpack.reference.sidecar",
     "compute_kto_store_logps": "prefpack.reference.scoring",
+    "compute_pair_group_logps": "prefpack.reference.scoring_ranked",
     "compute_ranked_store_logps": "prefpack.reference.scoring_ranked",
     "compute_store_logps": "prefpack.reference.scoring",
     "iter_store_batches": "prefpack.reference.scoring",
