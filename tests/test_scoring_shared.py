@@ -57,8 +57,10 @@ def _alone(model, store: Store) -> dict[str, np.ndarray]:
 
 @pytest.fixture
 def scored(monkeypatch):
-    """(prompt-shared?, positions, real tokens) of every micro-batch precompute-ref's pair scoring runs."""
+    """(prompt-shared?, positions, real tokens) of every micro-batch precompute-ref's pair scoring runs, pair by
+    pair or, for a store whose pairs repeat prompts, over its prompt groups."""
     import prefpack.reference.scoring as scoring
+    import prefpack.reference.scoring_ranked as scoring_groups
 
     seen = []
     forward = scoring.sequence_logps
@@ -68,6 +70,7 @@ def scored(monkeypatch):
         return forward(model, batch, **kw)
 
     monkeypatch.setattr(scoring, "sequence_logps", recording)
+    monkeypatch.setattr(scoring_groups, "sequence_logps", recording)
     return seen
 
 
