@@ -185,9 +185,9 @@ class PairGroups(PromptGroups):
     """A pair store read as prompt groups (``data.group_by_prompt``): the pairs whose prompts are the same tokens
     form a group, each distinct completion (by tokens) once, so a prompt in five pairs is computed once and a
     chosen reply shared by three of them once. A group takes at most as many positions (its prompt once, each
-    completion once) as the store's longest pair read alone (its prompt twice and both completions): a prompt's
-    pairs, in store order, start a new group where the next would pass that. So a group never needs more memory
-    than that pair, and the grouping depends on the data only, never on memory settings. Pairs stay the store's
+    completion once) as the store's longest pair laid out with its prompt twice: a prompt's pairs, in store order,
+    start a new group where the next would pass that. So no group is longer than a pair of the store, and the
+    grouping depends on the data only, never on memory settings. Pairs stay the store's
     pairs, each once (``pair_rows[i]``: the store rows of example i's pairs). A completion's key is
     ``2 * pair + side`` (side 0 chosen, 1 rejected), an index into the pair store's chosen and rejected columns
     interleaved."""
