@@ -211,9 +211,9 @@ def test_shutdown_frees_the_process_group_and_its_threads(tmp_path):
                            str(script)], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = [tuple(map(int, line.split())) for line in proc.stdout.split("\n") if line.strip()]
-    assert len(counts) == 2
-    for before, during, after in counts:
-        assert during > after and after <= before, (before, during, after)  # the group's threads are gone
+    assert len(counts) == 2, (proc.stdout, proc.stderr[-2000:])
+    for before, during, after in counts:  # the group's threads are gone
+        assert during > after and after <= before, (before, during, after, proc.stderr[-2000:])
 
 
 # ---------------------------------------------------------------- TR-DPO reference syncing under torchrun
