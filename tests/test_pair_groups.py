@@ -151,7 +151,8 @@ def test_training_and_eval_with_grouped_prompts_equal_pair_by_pair(tmp_path, toy
         return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
     grouped = run("grouped", "data.group_by_prompt=true", "train.global_batch_pairs=3")
-    assert any("8 pairs" in n and "3 prompt groups with 8 distinct completions (of 16)" in n for n in notes)
+    assert any("8 pairs" in n and "3 prompt groups with 8 distinct completions (of 16)" in n
+               and "2.67 pairs each on average (a step of 3 holds about 8 pairs)" in n for n in notes)
     plain = run("plain", "train.global_batch_pairs=8")
     # float32 sums in another order (a shared completion's gradient is summed once), then one Adam step: 1e-5
     assert [r["loss"] for r in grouped] == pytest.approx([r["loss"] for r in plain], abs=1e-5)

@@ -48,8 +48,11 @@ class PromptGroupTask(PairTask):
         pair (all their scores tie)."""
         if self.store.kind == "pairs":
             pairs, comps = len(self.store), int(self.view.sizes.sum())
+            per_group, step = pairs / len(self.view), self.cfg.train.global_batch_pairs
             return (f"data.group_by_prompt: the {pairs} pairs of {self.store.path} read as {len(self.view)} prompt "
-                    f"groups with {comps} distinct completions (of {2 * pairs})")
+                    f"groups with {comps} distinct completions (of {2 * pairs}); train.global_batch_pairs counts "
+                    f"groups, {per_group:.2f} pairs each on average (a step of {step} holds about "
+                    f"{per_group * step:.0f} pairs)")
         n = self.view.groups_without_pairs
         if not n:
             return None
