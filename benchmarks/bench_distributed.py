@@ -29,10 +29,12 @@ def imbalance(store_dir: Path, *, global_batch: int, micro_tokens: int, row_toke
     from prefpack.batching.deal import deal_step, rank_tokens
     from prefpack.config import load_config
     from prefpack.data.store import Store
-    from prefpack.objectives import PairTask
+    from prefpack.objectives import PairTask, config_terms, settings_from_config
 
-    cfg = load_config(None, [f"train.micro_batch_tokens={micro_tokens}", f"data.max_tokens_per_row={row_tokens}"])
-    task = PairTask(Store(store_dir), cfg, pad_id=1)
+    # prompts shared as a CPU run shares them (data.prefix_sharing: auto on packed_sdpa)
+    cfg = load_config(None, [f"train.micro_batch_tokens={micro_tokens}", f"data.max_tokens_per_row={row_tokens}",
+                             "train.chunk_size=1024", "data.prefix_sharing=true"])
+    task = PairTask(Store(store_dir), settings_from_config(cfg, pad_id=1), config_terms(cfg))
     out = {}
     for balance in ("count", "tokens"):
         ratios = []

@@ -140,7 +140,7 @@ def main() -> None:
             "eval": [repr(m["loss"]) for m in lines if m["split"] == "eval"],
             "weights": _weights_digest(run_dir / "final" / "model.safetensors"),
         }
-        for pre in precompute:
+        if precompute:
             sidecars = sorted(stores[store].glob("ref_logps*.safetensors"))
             results[name]["sidecars"] = {p.name: _weights_digest(p) for p in sidecars}
             for p in sidecars:  # the next run of the same store scores again

@@ -16,6 +16,9 @@ class LossParam:
     name: str
     default: float | None  # None: decided at run time (router_aux_loss_coef: the model config's)
     help: str
+    # which loss functions take it as a keyword: "pair" (losses.preference_loss), "unpaired" (losses.unpaired_loss);
+    # none: the objective applies it itself (router_aux_loss_coef, resolved against the model)
+    read_by: tuple[str, ...] = ("pair",)
 
     @property
     def flag(self) -> str:
@@ -23,7 +26,7 @@ class LossParam:
 
 
 LOSS_PARAMS: dict[str, LossParam] = {p.name: p for p in (
-    LossParam("beta", 0.1, "inverse temperature shared by all terms (lambda for orpo)"),
+    LossParam("beta", 0.1, "inverse temperature shared by all terms (lambda for orpo)", ("pair", "unpaired")),
     LossParam("label_smoothing", 0.0, "label-flip rate in [0, 0.5): cDPO (sigmoid, simpo), robust, exo_pair "
               "(must be > 0 there), aot"),
     LossParam("simpo_gamma", 0.5, "SimPO target reward margin"),
@@ -34,10 +37,10 @@ LOSS_PARAMS: dict[str, LossParam] = {p.name: p for p in (
     LossParam("ld_alpha", None, "LD-DPO (Liu et al. 2024, arXiv:2409.06411; TRL's ld_alpha): completion tokens past the "
               "shorter completion of the pair count with this weight in [0, 1] in policy and reference log-probs; "
               "null = off (1 = plain sums); pair losses only"),
-    LossParam("desirable_weight", 1.0, "KTO weight of desirable examples (lambda_D)"),
-    LossParam("undesirable_weight", 1.0, "KTO weight of undesirable examples (lambda_U)"),
+    LossParam("desirable_weight", 1.0, "KTO weight of desirable examples (lambda_D)", ("unpaired",)),
+    LossParam("undesirable_weight", 1.0, "KTO weight of undesirable examples (lambda_U)", ("unpaired",)),
     LossParam("router_aux_loss_coef", None, "weight of the MoE router load-balancing loss added to the pair loss "
               "(TRL's router_aux_loss_coef): null = the model config's router_aux_loss_coef, 0 = off; only for "
               "models whose config has output_router_logits (Mixtral, Qwen2/3-MoE), an error otherwise; pair "
-              "losses only (not KTO)"),
+              "losses only (not KTO)", ()),
 )}

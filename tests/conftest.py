@@ -113,6 +113,29 @@ def float64_llama(tok_dir, seed):
     return tf.LlamaForCausalLM(cfg).double().eval()
 
 
+def task_settings(cfg, *, pad_id: int = 0):
+    """The ``RunSettings`` of an objective a test builds itself, resolved as ``build`` resolves them on CPU: ``auto``
+    budgets are CPU's (``budgets.CPU_BUDGETS``) and ``auto`` prefix sharing is on (packed_sdpa reads prompt groups)."""
+    from prefpack.budgets import CPU_BUDGETS
+    from prefpack.objectives import settings_from_config
+
+    def number(value, cpu: int) -> int:
+        return cpu if value == "auto" else int(value)
+
+    return settings_from_config(
+        cfg, pad_id=pad_id, micro_batch_tokens=number(cfg.train.micro_batch_tokens, CPU_BUDGETS.micro_batch_tokens),
+        row_tokens=number(cfg.data.max_tokens_per_row, CPU_BUDGETS.row_tokens),
+        chunk_size=number(cfg.train.chunk_size, CPU_BUDGETS.chunk_size),
+        shares_prompts=cfg.data.prefix_sharing in (True, "auto"))
+
+
+def make_task(cls, store, cfg, *, pad_id: int = 0):
+    """``cls(store, settings, terms)`` for a test config (see :func:`task_settings`)."""
+    from prefpack.objectives import config_terms
+
+    return cls(store, task_settings(cfg, pad_id=pad_id), config_terms(cfg))
+
+
 def group_and_pair_losses(tok_dir, group_store, pair_store, cfg, *, ld: bool):
     """The per-pair losses of the same pairs read as prompt groups (``PromptGroupTask``: 3 groups in two packed
     rows, or a padded row each) and pair by pair (``PairTask``: one row, or a padded row each), by one float64
@@ -127,7 +150,7 @@ def group_and_pair_losses(tok_dir, group_store, pair_store, cfg, *, ld: bool):
     policy, reference = float64_llama(tok_dir, 0), CopyReference(float64_llama(tok_dir, 1))
     reference.configure(chunk_size=7, pair_tails=ld)
     module = SequenceLogps(policy, chunk_size=7, wpo=True, pair_tails=ld)
-    g_task, p_task = PromptGroupTask(group_store, cfg, 0), PairTask(pair_store, cfg, 0)
+    g_task, p_task = make_task(PromptGroupTask, group_store, cfg), make_task(PairTask, pair_store, cfg)
     n = len(pair_store)
     g_rows = [[0, 1], [2]] if cfg.data.packing else [[0], [1], [2]]
     p_rows = [list(range(n))] if cfg.data.packing else [[i] for i in range(n)]

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import run_prefpack, write_jsonl
+from conftest import make_task, run_prefpack, write_jsonl
 
 from prefpack.batching.deal import deal_step, rank_tokens
 from prefpack.batching.schedule import StepKey
@@ -52,7 +52,7 @@ def world(tmp_path_factory, toy_tokenizers, hh_train):
 @pytest.mark.parametrize("n_world", [1, 2, 3])
 def test_every_pair_once_per_step_and_equal_micro_batch_counts(world, balance, n_world):
     cfg = load_config(world["conf"], ["train.micro_batch_tokens=200", "data.max_tokens_per_row=200"])
-    task = PairTask(Store(world["store"]), cfg, pad_id=0)
+    task = make_task(PairTask, Store(world["store"]), cfg)
     for n_ids in (1, 5, 10, 37):
         ids = np.random.default_rng(n_ids).permutation(len(task))[:n_ids]
         shares = deal_step(task, ids, seed=StepKey(0, n_ids), world=n_world, balance=balance)
@@ -66,7 +66,7 @@ def test_every_pair_once_per_step_and_equal_micro_batch_counts(world, balance, n
 
 def test_token_balancing_beats_count_dealing_on_real_lengths(world):
     cfg = load_config(world["conf"], ["train.micro_batch_tokens=300", "data.max_tokens_per_row=300"])
-    task = PairTask(Store(world["store"]), cfg, pad_id=0)
+    task = make_task(PairTask, Store(world["store"]), cfg)
     ratios = {}
     for balance in ("tokens", "count"):
         worst = []

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_llama, write_jsonl
+from conftest import make_task, tiny_llama, write_jsonl
 
 from prefpack.batching.schedule import StepKey, StepSchedule
 from prefpack.cli import main as cli_main
@@ -190,7 +190,7 @@ def test_examples_sharing_a_prompt_are_not_kl_partners(kworld, tmp_path):
             {"prompt": "Q three", "completion": " bad", "label": False}]
     prepare(PrepareOptions(inputs=[str(write_jsonl(tmp_path / "u.jsonl", rows))], tokenizer=str(kworld["tok"]),
                            output=str(tmp_path / "s"), workers=1), log=quiet)
-    task = KTOTask(Store(tmp_path / "s"), kcfg(kworld, "unused", f"data.train={tmp_path / 's'}"), pad_id=0)
+    task = make_task(KTOTask, Store(tmp_path / "s"), kcfg(kworld, "unused", f"data.train={tmp_path / 's'}"))
     groups = task.view.groups
     assert groups.tolist() == [0, 0, 0, 1, 2]
     assert (groups[task.fixed_partners()] != groups).all()
@@ -220,7 +220,7 @@ def test_collated_kl_sequences_across_accumulation(kworld):
     plans = {}
     for name, extra in (("one", []), ("many", ["train.micro_batch_tokens=16", "data.max_tokens_per_row=16"]),
                         ("padded", ["data.packing=false"])):
-        task = KTOTask(store, kcfg(kworld, "unused", *extra), pad_id=0)
+        task = make_task(KTOTask, store, kcfg(kworld, "unused", *extra))
         plans[name] = task.plan(ids, seed=StepKey(0, 4))
         partners = {}
         for planned in plans[name]:
@@ -235,8 +235,8 @@ def test_collated_kl_sequences_across_accumulation(kworld):
                 partners[i] = j
         assert sorted(partners) == sorted(ids.tolist())
         plans[name] = partners
-    assert len(KTOTask(store, kcfg(kworld, "u", "train.micro_batch_tokens=16", "data.max_tokens_per_row=16"),
-                       pad_id=0).plan(ids, seed=StepKey(0, 4))) == 5  # one example per micro-batch
+    small = kcfg(kworld, "u", "train.micro_batch_tokens=16", "data.max_tokens_per_row=16")
+    assert len(make_task(KTOTask, store, small).plan(ids, seed=StepKey(0, 4))) == 5  # one example per micro-batch
     # the pairing depends on the step and the seed only, not on packing or accumulation
     assert plans["one"] == plans["many"] == plans["padded"]
 
@@ -244,7 +244,7 @@ def test_collated_kl_sequences_across_accumulation(kworld):
 def test_padded_batch_reads_with_trl_keys(kworld):
     store = Store(kworld["train"])
     view = UnpairedView(store)
-    task = KTOTask(store, kcfg(kworld, "unused", "data.packing=false"), pad_id=0)
+    task = make_task(KTOTask, store, kcfg(kworld, "unused", "data.packing=false"))
     (planned,) = task.plan(np.array([2, 5, 6]), seed=None)
     batch = task.collate(planned)
     assert set(batch.keys()) >= {"input_ids", "attention_mask", "completion_mask", "KL_input_ids",
@@ -259,7 +259,7 @@ def test_padded_batch_reads_with_trl_keys(kworld):
         assert batch["KL_completion_mask"][row].sum() == len(view.completion(j))
         assert batch["KL_attention_mask"][row].sum() == m
         assert bool(batch["label"][row]) == label
-    packed = KTOTask(store, kcfg(kworld, "unused"), pad_id=0)
+    packed = make_task(KTOTask, store, kcfg(kworld, "unused"))
     pbatch = packed.collate(packed.plan(np.array([2, 5, 6]), seed=None)[0])
     assert pbatch["attention_mask"] is None and pbatch["input_ids"].shape[0] == 1  # one packed row
 
@@ -338,7 +338,7 @@ def test_tiny_kto_run_lowers_loss(kworld, tmp_path):
 def test_pair_store_read_as_kto(kworld, tmp_path):
     pairs = Store(kworld["pairs"])
     cfg = kcfg(kworld, tmp_path / "r", f"data.train={kworld['pairs']}", "data.paired_as_kto=true")
-    task = KTOTask(pairs, cfg, pad_id=0)
+    task = make_task(KTOTask, pairs, cfg)
     assert len(task) == 2 * len(pairs)
     for p in range(len(pairs)):
         pair = pairs.pair(p)
@@ -386,7 +386,7 @@ def test_eval_cli_on_an_unpaired_store_matches_float64_formula(kworld, capsys):
     models = {k: AutoModelForCausalLM.from_pretrained(kworld[k], dtype=torch.float32).eval() for k in ("policy", "ref")}
     store = Store(kworld["eval"])
     view = UnpairedView(store)
-    partners = KTOTask(store, kcfg(kworld, "unused"), pad_id=0).partners_for(np.arange(len(view)), None)
+    partners = make_task(KTOTask, store, kcfg(kworld, "unused")).partners_for(np.arange(len(view)), None)
     assert (partners != np.arange(len(view))).all()
     kl_logp = {k: [_seq_logp_f64(m, view.prompt(i), view.completion(j)) for i, j in enumerate(partners)]
                for k, m in models.items()}

@@ -15,7 +15,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_llama, write_jsonl
+from conftest import make_task, tiny_llama, write_jsonl
 
 from prefpack.batching.schedule import StepKey, StepSchedule
 from prefpack.config import load_config
@@ -108,7 +108,7 @@ def test_shared_kto_steps_equal_unshared(ks, which, row, one_thread):
     """``row=64``: the 3-completion prompt (19 + 24 + 18 + 12 tokens) is cut into runs that fit a row."""
     store = Store(ks[which])
     extra = (["data.paired_as_kto=true"] if which == "pairs" else []) + [f"data.max_tokens_per_row={row}"]
-    on, off = (KTOTask(store, _cfg(ks, ks[which], s, *extra), pad_id=0) for s in ("true", "false"))
+    on, off = (make_task(KTOTask, store, _cfg(ks, ks[which], s, *extra)) for s in ("true", "false"))
     view = on.view
     ids = np.random.default_rng(1).permutation(len(view))[:10]
     policy, reference = _model64(ks["tok"], 0), make_reference("copy", model=_model64(ks["tok"], 1), chunk_size=5)
@@ -143,8 +143,8 @@ def test_shared_kto_steps_equal_unshared(ks, which, row, one_thread):
 def test_shared_batch_order_and_completion_masks(ks):
     """Example k is sequence k of both passes; labels, ids and TRL's completion masks follow the shared layout."""
     store = Store(ks["pairs"])
-    task = KTOTask(store, _cfg(ks, ks["pairs"], "true", "data.paired_as_kto=true", "train.micro_batch_tokens=4096",
-                               "data.max_tokens_per_row=4096"), pad_id=0)
+    task = make_task(KTOTask, store, _cfg(ks, ks["pairs"], "true", "data.paired_as_kto=true",
+                                          "train.micro_batch_tokens=4096", "data.max_tokens_per_row=4096"))
     view = task.view
     (planned,) = task.plan(np.arange(len(view)), seed=StepKey(0, 0))
     b = task.collate(planned)
@@ -167,7 +167,7 @@ def test_shared_batch_order_and_completion_masks(ks):
 def test_distinct_prompts_keep_todays_batches(ks):
     """No prompt repeats: sharing on plans and collates exactly what sharing off does."""
     store = Store(ks["distinct"])
-    on, off = (KTOTask(store, _cfg(ks, ks["distinct"], s), pad_id=0) for s in ("true", "false"))
+    on, off = (make_task(KTOTask, store, _cfg(ks, ks["distinct"], s)) for s in ("true", "false"))
     ids = np.arange(len(on))
     assert len(set(on.view.groups.tolist())) == len(on)
     p_on, p_off = on.plan(ids, seed=StepKey(0, 2)), off.plan(ids, seed=StepKey(0, 2))

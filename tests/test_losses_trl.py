@@ -34,7 +34,7 @@ from prefpack.losses import (
     sigmoid_norm_loss,
     sppo_hard_loss,
 )
-from prefpack.objectives import PairTask
+from prefpack.objectives import LossParams, PairTask, RunSettings, Term
 
 DT = torch.float64
 
@@ -444,9 +444,12 @@ class _FakeStore:
 
 
 def _task(names, **loss):
-    params = {n: p.default for n, p in LOSS_PARAMS.items()} | {"f_divergence_type": "reverse_kl", "use_weighting": False} | loss
-    cfg = SimpleNamespace(loss=SimpleNamespace(terms=[SimpleNamespace(name=n, weight=1.0) for n in names], **params))
-    return PairTask(_FakeStore(len(ROWS)), cfg, pad_id=0)
+    params = {n: p.default for n, p in LOSS_PARAMS.items()} | {"f_divergence_type": "reverse_kl", "use_weighting": False,
+                                                                "kl_pairing": "step"} | loss
+    settings = RunSettings(micro_batch_tokens=64, row_tokens=64, chunk_size=64, packing=True, pad_to_multiple_of=None,
+                           shares_prompts=False, pad_id=0, global_batch=len(ROWS), seed=0, shuffle=False,
+                           ranked_pairs="best_vs_rest", paired_as_kto=False, loss=LossParams(**params))
+    return PairTask(_FakeStore(len(ROWS)), settings, [Term(n) for n in names])
 
 
 def _run(task):

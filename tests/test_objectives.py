@@ -58,10 +58,9 @@ def test_evaluation_scores_bco_pair_running_with_the_training_mean(world, tmp_pa
 def test_objective_state_is_typed_and_checked():
     from types import SimpleNamespace
 
-    cfg = SimpleNamespace(loss=SimpleNamespace(terms=[SimpleNamespace(name="sigmoid", weight=1.0)]))
     store = SimpleNamespace(index=np.zeros((3, 4), dtype=np.int64), path="fake", __len__=lambda: 3)
     task = PairTask.__new__(PairTask)
-    task.cfg, task.store, task.running, task.bco = cfg, store, {}, False
+    task.store, task.running, task.bco = store, {}, False
     assert task.state_dict() == {}
     with pytest.raises(ValueError, match="unknown pair-objective state"):
         task.load_state_dict({"kl": 1.0})
@@ -140,3 +139,51 @@ def test_each_mode_sets_itself_up_from_only_what_it_needs():
     adapter.bind_policy(model)
     assert isinstance(adapter, AdapterReference) and adapter.policy is model and calls == ["load", "hash"]
     assert {m for m, cls in REFERENCE_MODES.items() if cls.reads_weights} == {"copy", "precomputed"}
+
+
+def test_build_resolves_settings_once_and_leaves_the_config_alone(world, tmp_path):  # noqa: F811
+    """`build` resolves every `auto` into the objectives' RunSettings and never writes into the config; the
+    objectives plan with the resolved sharing, also where `auto` resolves to off (a kernel that reads no prompt
+    groups), which the old `bool(cfg.data.prefix_sharing)` read as on."""
+    import copy
+
+    from prefpack.objectives import RunSettings, settings_from_config
+
+    for attn, shared in (("packed_sdpa", True), ("sdpa", False)):
+        cfg = cfg_for(world, tmp_path / attn, f"model.attn_implementation={attn}", f"data.eval={world['eval']}",
+                      "train.micro_batch_tokens=auto", "data.max_tokens_per_row=auto", "train.chunk_size=auto")
+        before = copy.deepcopy(cfg)
+        setup = build(cfg, log=quiet)
+        assert cfg == before and cfg.data.prefix_sharing == "auto" and cfg.train.chunk_size == "auto"
+        s = setup.settings
+        assert isinstance(s, RunSettings) and setup.train_task.settings is s and setup.eval_task.settings is s
+        assert (s.micro_batch_tokens, s.row_tokens, s.chunk_size) == (4096, 2048, 1024)  # CPU's auto budgets
+        assert s.shares_prompts is shared and setup.train_task.shares_prompts is shared
+        batch = setup.train_task.collate(setup.train_task.plan(np.arange(4), seed=None)[0])
+        assert (batch.score_positions is not None) is shared  # the layout follows the resolved value
+        assert s.loss.beta == cfg.loss.beta and s.pad_id == setup.pad_id
+    with pytest.raises(ValueError, match="data.prefix_sharing is 'auto'"):
+        settings_from_config(cfg, pad_id=0, micro_batch_tokens=64, row_tokens=64, chunk_size=8)
+    with pytest.raises(ValueError, match="train.chunk_size is 'auto'"):
+        settings_from_config(cfg, pad_id=0, micro_batch_tokens=64, row_tokens=64, shares_prompts=False)
+
+
+def test_loss_keywords_come_from_the_table():
+    """Every loss.* parameter reaches the loss function that reads it (LOSS_PARAMS' read_by), and no other."""
+    import inspect
+
+    from prefpack.loss_params import LOSS_PARAMS
+    from prefpack.losses import preference_loss, unpaired_loss
+    from prefpack.objectives import LossParams
+
+    params = LossParams(**{n: float(i + 1) for i, n in enumerate(LOSS_PARAMS)}, f_divergence_type="forward_kl",
+                        use_weighting=True, kl_pairing="fixed")
+    for reader, fn in (("pair", preference_loss), ("unpaired", unpaired_loss)):
+        kw = params.keywords(reader)
+        accepted = set(inspect.signature(fn).parameters)
+        assert set(kw) <= accepted, (reader, set(kw) - accepted)
+        assert all(kw[n] == getattr(params, n) for n in kw)
+        # a table row that the function takes as a keyword is passed to it
+        assert {n for n in LOSS_PARAMS if n in accepted} <= set(kw), reader
+    assert params.keywords("pair")["f_divergence_type"] == "forward_kl"
+    assert "desirable_weight" not in params.keywords("pair") and "ld_alpha" not in params.keywords("unpaired")

@@ -16,6 +16,7 @@ import numpy as np
 __all__ = [
     "MicroBatch",
     "balanced_rows",
+    "computed_tokens",
     "fit_runs",
     "group_rows",
     "pair_lengths",
@@ -32,6 +33,15 @@ MicroBatch = list[list[int]]
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def computed_tokens(row_sizes: Sequence[int], multiple: int) -> int:
+    """Positions a micro-batch computes: its rows, each as long as the longest rounded up to ``multiple`` (a batch
+    is one rectangle). Packed: ``row_sizes`` are the rows' positions; padded: one entry per sequence, each the
+    longest sequence's length. The one cost model every objective reports (``filling`` = real / computed)."""
+    if not len(row_sizes):
+        return 0
+    return len(row_sizes) * round_up(int(max(row_sizes)), multiple)
 
 
 def _check_multiple(pad_to_multiple_of: int | None) -> int:

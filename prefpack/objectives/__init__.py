@@ -5,6 +5,8 @@ from prefpack.objectives.base import Objective, Planned, StepState, StepTotals
 from prefpack.objectives.kto import KTOBatch, KTOStep, KTOTask
 from prefpack.objectives.pairs import PairTask
 from prefpack.objectives.select import make_objectives, open_store, uses_unpaired_loss
+from prefpack.objectives.settings import LossParams, RunSettings, Term, config_terms, settings_from_config
 
-__all__ = ["KTOBatch", "KTOStep", "KTOTask", "Objective", "PairTask", "Planned", "StepState", "StepTotals",
-           "make_objectives", "open_store", "uses_unpaired_loss"]
+__all__ = ["KTOBatch", "KTOStep", "KTOTask", "LossParams", "Objective", "PairTask", "Planned", "RunSettings",
+           "StepState", "StepTotals", "Term", "config_terms", "make_objectives", "open_store", "settings_from_config",
+           "uses_unpaired_loss"]

@@ -28,6 +28,7 @@ from torch import nn
 from prefpack.data.store import Store
 from prefpack.distributed import SINGLE, Dist
 from prefpack.losses import LossOutput
+from prefpack.objectives.settings import RunSettings
 from prefpack.reference import Reference
 
 __all__ = ["Objective", "Planned", "StepState", "StepTotals"]
@@ -56,6 +57,7 @@ class Objective:
 
     kind = ""
     store: Store
+    settings: RunSettings  # what the objective reads of the run, resolved (never the config)
 
     def __len__(self) -> int:
         raise NotImplementedError

@@ -7,6 +7,7 @@ pairs they yield."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -14,12 +15,13 @@ import torch
 from torch import nn
 
 from prefpack.batching.collate import collate_groups
-from prefpack.batching.plan import plan_groups
+from prefpack.batching.plan import computed_tokens, plan_groups
 from prefpack.data.store import Store, StoreError
 from prefpack.data.views import PairGroups, RankedGroups
 from prefpack.losses import PairLogps, wpo_weights
 from prefpack.objectives.base import Planned
 from prefpack.objectives.pairs import PairTask
+from prefpack.objectives.settings import RunSettings
 from prefpack.reference import Reference
 
 __all__ = ["PromptGroupTask"]
@@ -30,10 +32,10 @@ class PromptGroupTask(PairTask):
 
     kind = "groups"
 
-    def __init__(self, store: Store, cfg, pad_id: int):
-        super().__init__(store, cfg, pad_id)
+    def __init__(self, store: Store, settings: RunSettings, terms: Sequence):
+        super().__init__(store, settings, terms)
         if store.kind == "ranked":
-            self.view = RankedGroups(store, cfg.data.ranked_pairs)
+            self.view = RankedGroups(store, settings.ranked_pairs)
         else:
             self.view = PairGroups(store)
         if len(self.view) == 0:
@@ -48,7 +50,7 @@ class PromptGroupTask(PairTask):
         pair (all their scores tie)."""
         if self.store.kind == "pairs":
             pairs, comps = len(self.store), int(self.view.sizes.sum())
-            per_group, step = pairs / len(self.view), self.cfg.train.global_batch_pairs
+            per_group, step = pairs / len(self.view), self.settings.global_batch
             return (f"data.group_by_prompt: the {pairs} pairs of {self.store.path} read as {len(self.view)} prompt "
                     f"groups with {comps} distinct completions (of {2 * pairs}); train.global_batch_pairs counts "
                     f"groups, {per_group:.2f} pairs each on average (a step of {step} holds about "
@@ -67,41 +69,39 @@ class PromptGroupTask(PairTask):
         return self.view.costs(np.asarray(ids, dtype=np.int64), shared=False)[0]
 
     def plan(self, ids: np.ndarray, *, seed: Any) -> list[Planned]:
-        d, tr = self.cfg.data, self.cfg.train
+        s = self.settings
         ids = np.asarray(ids, dtype=np.int64)
-        share = self.shares_prompts
-        cost, longest = self.view.costs(ids, shared=share)
+        cost, longest = self.view.costs(ids, shared=self.shares_prompts)
         real = self.view.real_tokens(ids)
         sizes = self.view.sizes[ids]
-        plans = plan_groups(cost, token_budget=tr.micro_batch_tokens, packing=d.packing,
-                            row_budget=min(d.max_tokens_per_row, tr.micro_batch_tokens), longest_sequence=longest,
-                            sequences_per_group=sizes, pad_to_multiple_of=d.pad_to_multiple_of, seed=seed)
-        m = d.pad_to_multiple_of or 1
+        plans = plan_groups(cost, token_budget=s.micro_batch_tokens, packing=s.packing, row_budget=s.row_budget,
+                            longest_sequence=longest, sequences_per_group=sizes,
+                            pad_to_multiple_of=s.pad_to_multiple_of, seed=seed)
         out = []
         for mb in plans:
-            if d.packing:
-                computed = len(mb) * -(-max(int(cost[r].sum()) for r in mb) // m) * m
+            if s.packing:
+                rows = [int(cost[r].sum()) for r in mb]
             else:
                 flat = [i for r in mb for i in r]
-                computed = int(sizes[flat].sum()) * -(-int(longest[flat].max()) // m) * m
+                rows = [int(longest[flat].max())] * int(sizes[flat].sum())
             out.append(Planned([[int(ids[i]) for i in r] for r in mb], int(sum(int(real[r].sum()) for r in mb)),
-                               computed))
+                               computed_tokens(rows, s.multiple)))
         return out
 
     def collate(self, planned: Planned):
-        d = self.cfg.data
+        s = self.settings
         flat = [i for r in planned.rows for i in r]
         local, at = [], 0
         for r in planned.rows:
             local.append(list(range(at, at + len(r))))
             at += len(r)
         groups = [self.view[i] for i in flat]
-        batch = collate_groups(groups, local if d.packing else None, ids=flat, pad_id=self.pad_id,
-                               pad_to_multiple_of=d.pad_to_multiple_of, share_prompts=self.shares_prompts)
+        batch = collate_groups(groups, local if s.packing else None, ids=flat, pad_id=s.pad_id,
+                               pad_to_multiple_of=s.pad_to_multiple_of, share_prompts=self.shares_prompts)
         # a pair store's groups count every pair's tokens (``PairGroups.real_tokens``), deduplicated ones included
         ids = np.asarray(flat, dtype=np.int64)
         batch.shared_tokens += int((self.view.real_tokens(ids) - self.view.costs(ids, shared=False)[0]).sum())
-        if self.cfg.loss.ld_alpha is not None:  # LD-DPO's tails depend on the pair: the forward computes them per pair
+        if s.loss.ld_alpha is not None:  # LD-DPO's tails depend on the pair: the forward computes them per pair
             batch.tail_pairs = torch.as_tensor(np.stack(self._drawn_pairs(flat)[:2]), dtype=torch.long)
         return batch
 
@@ -122,9 +122,10 @@ class PromptGroupTask(PairTask):
         res = policy(batch)
         logp, n_tokens = res[0], res[1]
         aux, tail, wpo_mean = (res[i] if len(res) > i else None for i in (2, 3, 4))
-        if self.cfg.loss.use_weighting and wpo_mean is None:
+        lo = self.settings.loss
+        if lo.use_weighting and wpo_mean is None:
             raise ValueError("loss.use_weighting needs the policy forward to return WPO means (SequenceLogps(wpo=True))")
-        ld = self.cfg.loss.ld_alpha is not None
+        ld = lo.ld_alpha is not None
         if ld and (tail is None or batch.tail_pairs is None):
             raise ValueError("loss.ld_alpha needs the batch's drawn pairs (PromptGroupTask.collate) and the policy "
                              "forward's tails (SequenceLogps(pair_tails=True))")
@@ -145,6 +146,6 @@ class PromptGroupTask(PairTask):
                           ref_chosen_tail=ref_tail[0] if ld and ref is not None else None,
                           ref_rejected_tail=ref_tail[1] if ld and ref is not None else None)
         weights = None
-        if self.cfg.loss.use_weighting:
+        if lo.use_weighting:
             weights = wpo_weights(wpo_mean[c_idx], wpo_mean[r_idx]).to(device, dtype)
         return logps, weights, aux

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from prefpack.batching.collate import Batch, collate_groups
-from prefpack.batching.plan import balanced_rows, fit_runs, plan_groups, round_up
+from prefpack.batching.plan import balanced_rows, computed_tokens, fit_runs, plan_groups
 from prefpack.batching.schedule import StepKey, StepSchedule
 from prefpack.data.kl_pairing import SALT_STEP, fixed_kl_partners, step_kl_partners
 from prefpack.data.store import Store, StoreError
@@ -67,6 +67,7 @@ from prefpack.losses.unpaired import (
     unpaired_loss,
 )
 from prefpack.objectives.base import Objective, Planned, StepState
+from prefpack.objectives.settings import RunSettings
 from prefpack.reference import Reference
 
 __all__ = ["KTOBatch", "KTOPlanned", "KTOStep", "KTOTask"]
@@ -74,12 +75,6 @@ __all__ = ["KTOBatch", "KTOPlanned", "KTOStep", "KTOTask"]
 
 # --------------------------------------------------------------------------------------------------------
 # Planning from lengths only
-
-
-def _computed(row_sizes: list[int], m: int) -> int:
-    if not row_sizes:
-        return 0
-    return len(row_sizes) * round_up(max(row_sizes), m)
 
 
 def _kl_rows(mb_groups: list[int], groups: list[np.ndarray], kl_cost: np.ndarray,
@@ -211,10 +206,6 @@ def _seed_key(seed: Any) -> list[int]:
     raise TypeError(f"a KTO plan seed must be an int, a sequence of ints or None, got {seed!r}")
 
 
-def _unpaired_terms(cfg) -> list:
-    return [t for t in cfg.loss.terms if t.name in UNPAIRED_LOSS_NAMES]
-
-
 @dataclass
 class KTOStep(StepState):
     """KTO's step-wide values: z0 and the sums it came from, and the step's (desirable, undesirable) counts."""
@@ -236,20 +227,18 @@ class KTOTask(Objective):
 
     kind = "unpaired"
 
-    def __init__(self, store: Store, cfg, pad_id: int):
+    def __init__(self, store: Store, settings: RunSettings, terms: Sequence):
         self.store = store
-        self.cfg = cfg
-        self.pad_id = pad_id
-        self.view = UnpairedView(store, paired_as_kto=cfg.data.paired_as_kto)
-        terms = _unpaired_terms(cfg)
-        if len(terms) != 1 or len(cfg.loss.terms) != 1:
+        self.settings = settings
+        self.view = UnpairedView(store, paired_as_kto=settings.paired_as_kto)
+        if len(terms) != 1 or terms[0].name not in UNPAIRED_LOSS_NAMES:
             raise ValueError(f"a KTO run takes exactly one loss term among {', '.join(UNPAIRED_LOSS_NAMES)}, "
-                             f"got {[t.name for t in cfg.loss.terms]}")
+                             f"got {[t.name for t in terms]}")
         self.loss_name = terms[0].name
         self.term_weight = float(terms[0].weight)
         self.needs_kl = self.loss_name in UNPAIRED_LOSSES_WITH_KL
-        self.kl_pairing = cfg.loss.kl_pairing
-        self.seed = int(cfg.train.seed)
+        self.kl_pairing = settings.loss.kl_pairing
+        self.seed = settings.seed
         self._fixed: np.ndarray | None = None
         self._step_cache: tuple[int, tuple[np.ndarray, np.ndarray]] | None = None
         if self.needs_kl and len(self.view) < 2:
@@ -265,7 +254,7 @@ class KTOTask(Objective):
 
     def class_balance_warning(self) -> str | None:
         n_d = int(self.view.labels.sum())
-        lo = self.cfg.loss
+        lo = self.settings.loss
         return class_balance_warning(n_d, len(self.view) - n_d, lo.desirable_weight, lo.undesirable_weight)
 
     # ---- pairing
@@ -305,8 +294,7 @@ class KTOTask(Objective):
         step = int(seed.step)
         if self._step_cache is not None and self._step_cache[0] == step:
             return self._step_cache[1]
-        tr = self.cfg.train
-        _, step_ids = StepSchedule(len(self), tr.global_batch_pairs, self.seed, self.cfg.data.shuffle,
+        _, step_ids = StepSchedule(len(self), self.settings.global_batch, self.seed, self.settings.shuffle,
                                    self.schedule_groups()).pairs_for_step(step)
         partners = step_kl_partners(step_ids, self.view.groups, [self.seed, step, SALT_STEP], self.fixed_partners())
         self._step_cache = (step, (step_ids, partners))
@@ -330,7 +318,7 @@ class KTOTask(Objective):
     @property
     def shares_prompts(self) -> bool:
         """A prompt group's examples laid out after one copy of their prompt (``data.prefix_sharing``, packed only)."""
-        return bool(self.cfg.data.prefix_sharing) and self.cfg.data.packing
+        return self.settings.shares_prompts
 
     def _step_groups(self, ids: np.ndarray, partners: np.ndarray, capacity: int) -> list[np.ndarray]:
         """Positions in ``ids`` by prompt group (groups in order of first appearance, examples in ``ids`` order)
@@ -346,15 +334,14 @@ class KTOTask(Objective):
                 for run in fit_runs(g, int(v.prompt_len[ids[g[0]]]), sizes, capacity)]
 
     def plan(self, ids: np.ndarray, *, seed: Any) -> list[KTOPlanned]:
-        d, tr = self.cfg.data, self.cfg.train
+        s = self.settings
         ids = np.asarray(ids, dtype=np.int64)
         v = self.view
         main_len = v.prompt_len[ids] + v.completion_len[ids]
         partners = self.partners_for(ids, seed) if self.needs_kl else np.full(ids.shape[0], -1, dtype=np.int64)
         kl_len = v.prompt_len[ids] + v.completion_len[np.maximum(partners, 0)]
-        row_budget = min(d.max_tokens_per_row, tr.micro_batch_tokens)
-        m = d.pad_to_multiple_of or 1
-        capacity = max((row_budget // m) * m, 1)
+        m = s.multiple
+        capacity = max((s.row_budget // m) * m, 1)
         groups = self._step_groups(ids, partners, capacity)
         # positions a group takes in a packed row: its prompt once, then each completion (one example: its sequence)
         prompt = v.prompt_len[ids[[g[0] for g in groups]]]
@@ -362,25 +349,25 @@ class KTOTask(Objective):
         main_cost = prompt + np.array([completion[g].sum() for g in groups], dtype=np.int64)
         kl_cost = prompt + np.array([kl_completion[g].sum() for g in groups], dtype=np.int64)
         out = []
-        for mb in plan_groups(main_cost, token_budget=tr.micro_batch_tokens, packing=d.packing, row_budget=row_budget,
-                              pad_to_multiple_of=d.pad_to_multiple_of, seed=seed):
+        for mb in plan_groups(main_cost, token_budget=s.micro_batch_tokens, packing=s.packing,
+                              row_budget=s.row_budget, pad_to_multiple_of=s.pad_to_multiple_of, seed=seed):
             rows = [[int(k) for g in r for k in groups[g]] for r in mb]
             flat = [k for r in rows for k in r]
-            if d.packing:
+            if s.packing:
                 main_rows = [int(main_cost[r].sum()) for r in mb]
             else:
                 main_rows = [int(main_len[flat].max())] * len(flat)
             real = int(main_len[flat].sum())
-            computed = _computed(main_rows, m)
+            computed = computed_tokens(main_rows, m)
             kl_rows: list[list[int]] = []
             if self.needs_kl:
-                if d.packing:
+                if s.packing:
                     kl_rows, kl_row_sizes = _kl_rows([g for r in mb for g in r], groups, kl_cost, capacity)
                 else:
                     kl_rows = [[k] for k in range(len(flat))]
                     kl_row_sizes = [int(kl_len[flat].max())] * len(flat)
                 real += int(kl_len[flat].sum())
-                computed += _computed(kl_row_sizes, m)
+                computed += computed_tokens(kl_row_sizes, m)
             out.append(KTOPlanned(rows=[[int(ids[k]) for k in r] for r in rows], real_tokens=real,
                                   computed_tokens=computed,
                                   kl_partners=[[int(partners[k]) for k in r] for r in rows],
@@ -388,7 +375,7 @@ class KTOTask(Objective):
         return out
 
     def collate(self, planned: KTOPlanned) -> KTOBatch:
-        d = self.cfg.data
+        s = self.settings
         v = self.view
         flat = [i for r in planned.rows for i in r]
         partners = [p for r in planned.kl_partners for p in r]
@@ -398,14 +385,14 @@ class KTOTask(Objective):
             main, kl, cmask, kl_cmask = self._collate_shared(examples, flat, partners, groups, group_rows,
                                                              planned.kl_rows)
         else:
-            main, cmask = collate_groups([(p, (c,)) for p, c, _ in examples], group_rows if d.packing else None,
-                                         ids=flat, pad_id=self.pad_id, pad_to_multiple_of=d.pad_to_multiple_of,
+            main, cmask = collate_groups([(p, (c,)) for p, c, _ in examples], group_rows if s.packing else None,
+                                         ids=flat, pad_id=s.pad_id, pad_to_multiple_of=s.pad_to_multiple_of,
                                          completion_mask=True)
             kl = kl_cmask = None
             if self.needs_kl:
                 kl_groups = [(examples[k][0], (v.completion(partners[k]),)) for k in range(len(flat))]
-                kl, kl_cmask = collate_groups(kl_groups, planned.kl_rows if d.packing else None, ids=flat,
-                                              pad_id=self.pad_id, pad_to_multiple_of=d.pad_to_multiple_of,
+                kl, kl_cmask = collate_groups(kl_groups, planned.kl_rows if s.packing else None, ids=flat,
+                                              pad_id=s.pad_id, pad_to_multiple_of=s.pad_to_multiple_of,
                                               completion_mask=True)
         return KTOBatch(main=main, kl=kl, completion_mask=cmask, kl_completion_mask=kl_cmask,
                         label=torch.tensor([lab for _, _, lab in examples], dtype=torch.bool),
@@ -431,11 +418,11 @@ class KTOTask(Objective):
     def _collate_shared(self, examples, flat, partners, groups, group_rows, kl_rows):
         """The main and KL batches and completion masks of :meth:`collate` with each group's prompt laid out once,
         in the main rows and in the KL rows (a group's KL sequences are its prompt with each partner's completion)."""
-        d, v = self.cfg.data, self.view
+        s, v = self.settings, self.view
         main_parts = [(examples[g[0]][0], tuple(examples[k][1] for k in g)) for g in groups]
         group_ids = [int(v.groups[flat[g[0]]]) for g in groups]  # Batch.group_ids: the view's prompt group
-        main = collate_groups(main_parts, group_rows, ids=group_ids, pad_id=self.pad_id,
-                              pad_to_multiple_of=d.pad_to_multiple_of, share_prompts=True)
+        main = collate_groups(main_parts, group_rows, ids=group_ids, pad_id=s.pad_id,
+                              pad_to_multiple_of=s.pad_to_multiple_of, share_prompts=True)
         kl = kl_cmask = None
         if self.needs_kl:
             of = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
@@ -443,8 +430,8 @@ class KTOTask(Objective):
             if sum(len(groups[g]) for r in kl_group_rows for g in r) != len(of):
                 raise ValueError("a prompt group's KL sequences must share one KL row")
             kl_parts = [(examples[g[0]][0], tuple(v.completion(partners[k]) for k in g)) for g in groups]
-            kl = collate_groups(kl_parts, kl_group_rows, ids=group_ids, pad_id=self.pad_id,
-                                pad_to_multiple_of=d.pad_to_multiple_of, share_prompts=True)
+            kl = collate_groups(kl_parts, kl_group_rows, ids=group_ids, pad_id=s.pad_id,
+                                pad_to_multiple_of=s.pad_to_multiple_of, share_prompts=True)
             kl_cmask = _completion_mask(kl_parts, kl_group_rows, kl.input_ids.shape)
         return main, kl, _completion_mask(main_parts, group_rows, main.input_ids.shape), kl_cmask
 
@@ -498,13 +485,11 @@ class KTOTask(Objective):
         return step
 
     def loss(self, policy: nn.Module, reference: Reference, batch: KTOBatch, step: StepState) -> LossOutput:
-        lo = self.cfg.loss
         if not isinstance(step, KTOStep) or (self.needs_kl and step.kl is None):
             raise RuntimeError("KTOTask.begin_step must run over the step's micro-batches before loss()")
         pol, tokens = self._policy_logps(policy, batch.main)
         ref = self._reference_logps(reference, batch, kl=False, device=pol.device, dtype=pol.dtype)
         logps = UnpairedLogps(policy=pol, reference=ref, label=batch.label.to(pol.device),
                               tokens=tokens.to(pol.device))
-        return unpaired_loss(logps, self.loss_name, beta=lo.beta, kl=float(step.kl or 0.0),
-                             desirable_weight=lo.desirable_weight, undesirable_weight=lo.undesirable_weight,
-                             weight=self.term_weight, class_counts=step.class_counts)
+        return unpaired_loss(logps, self.loss_name, **self.settings.loss.keywords("unpaired"),
+                             kl=float(step.kl or 0.0), weight=self.term_weight, class_counts=step.class_counts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -9,12 +10,13 @@ import torch
 from torch import nn
 
 from prefpack.batching.collate import collate, collate_packed
-from prefpack.batching.plan import plan_micro_batches
+from prefpack.batching.plan import computed_tokens, plan_micro_batches
 from prefpack.data.store import Store
 from prefpack.data.views import StorePairs
 from prefpack.losses import LossOutput, LossTerm, PairLogps, preference_loss, wpo_weights
 from prefpack.model import split_pairs
 from prefpack.objectives.base import Objective, Planned, StepState, StepTotals
+from prefpack.objectives.settings import RunSettings
 from prefpack.reference import Reference
 
 __all__ = ["PairTask"]
@@ -25,23 +27,26 @@ class PairTask(Objective):
 
     kind = "pairs"
 
-    def __init__(self, store: Store, cfg, pad_id: int):
+    def __init__(self, store: Store, settings: RunSettings, terms: Sequence):
         self.store = store
-        self.cfg = cfg
-        self.pad_id = pad_id
+        self.settings = settings
         self.pairs = StorePairs(store)
-        self.terms = [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
+        self.terms = [LossTerm(t.name, float(t.weight)) for t in terms]
         self.bco = "bco_pair_running" in {t.name for t in self.terms}  # bco_pair (TRL 1.16) has no running mean
         self.running: dict[str, float] = {}  # bco_pair_running's reward mean and count (checkpointed)
-        # MoE load-balancing weight, resolved against the model by objectives.select (forward.router_aux_loss_coef);
-        # when non-zero the policy module must be SequenceLogps(..., router_aux=True).
-        self.router_aux_loss_coef = 0.0
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        """MoE load-balancing weight, resolved against the model by ``build`` (forward.router_aux_loss_coef); when
+        non-zero the policy module must be SequenceLogps(..., router_aux=True)."""
+        return self.settings.router_aux_loss_coef
 
     def forward_options(self) -> dict:
         """What the policy forward (``prefpack.model.forward.SequenceLogps``) must return besides the sums: the MoE aux
         loss, LD-DPO's tail sums, WPO's means. The reference forward needs only ``pair_tails``."""
-        return {"router_aux": bool(self.router_aux_loss_coef), "pair_tails": self.cfg.loss.ld_alpha is not None,
-                "wpo": bool(self.cfg.loss.use_weighting)}
+        lo = self.settings.loss
+        return {"router_aux": bool(self.router_aux_loss_coef), "pair_tails": lo.ld_alpha is not None,
+                "wpo": bool(lo.use_weighting)}
 
     def __len__(self) -> int:
         return len(self.store)
@@ -52,52 +57,51 @@ class PairTask(Objective):
         return 2 * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]
 
     def plan(self, ids: np.ndarray, *, seed: Any) -> list[Planned]:
-        d, tr = self.cfg.data, self.cfg.train
+        s = self.settings
         lengths = self.pairs.lengths()[ids]
         share = self.shares_prompts
-        plans = plan_micro_batches(lengths, token_budget=tr.micro_batch_tokens, packing=d.packing,
-                                   row_budget=min(d.max_tokens_per_row, tr.micro_batch_tokens),
-                                   pad_to_multiple_of=d.pad_to_multiple_of, seed=seed, share_prompts=share)
+        plans = plan_micro_batches(lengths, token_budget=s.micro_batch_tokens, packing=s.packing,
+                                   row_budget=s.row_budget, pad_to_multiple_of=s.pad_to_multiple_of, seed=seed,
+                                   share_prompts=share)
         totals = 2 * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]
         row_cost = totals - lengths[:, 0] if share else totals  # positions a pair takes in its row
         seq_max = lengths[:, 0] + np.maximum(lengths[:, 1], lengths[:, 2])
-        m = d.pad_to_multiple_of or 1
         out = []
         for mb in plans:
             real = int(sum(int(totals[r].sum()) for r in mb))
-            if d.packing:
-                computed = len(mb) * -(-max(int(row_cost[r].sum()) for r in mb) // m) * m
+            if s.packing:
+                rows = [int(row_cost[r].sum()) for r in mb]
             else:
                 flat = [i for r in mb for i in r]
-                computed = 2 * len(flat) * -(-int(seq_max[flat].max()) // m) * m
-            out.append(Planned([[int(ids[i]) for i in r] for r in mb], real, computed))
+                rows = [int(seq_max[flat].max())] * (2 * len(flat))
+            out.append(Planned([[int(ids[i]) for i in r] for r in mb], real, computed_tokens(rows, s.multiple)))
         return out
 
     @property
     def shares_prompts(self) -> bool:
-        """A pair's prompt laid out once in its row (``data.prefix_sharing``, packed rows only)."""
-        return bool(self.cfg.data.prefix_sharing) and self.cfg.data.packing
+        """A pair's prompt laid out once in its row (``data.prefix_sharing`` as resolved, packed rows only)."""
+        return self.settings.shares_prompts
 
     def collate(self, planned: Planned):
-        d = self.cfg.data
+        s = self.settings
         if self.shares_prompts:
-            return collate_packed(self.pairs, planned.rows, pad_id=self.pad_id,
-                                  pad_to_multiple_of=d.pad_to_multiple_of, share_prompts=True)
-        return collate(self.pairs, planned.rows, packing=d.packing, pad_id=self.pad_id,
-                       pad_to_multiple_of=d.pad_to_multiple_of)
+            return collate_packed(self.pairs, planned.rows, pad_id=s.pad_id, pad_to_multiple_of=s.pad_to_multiple_of,
+                                  share_prompts=True)
+        return collate(self.pairs, planned.rows, packing=s.packing, pad_id=s.pad_id,
+                       pad_to_multiple_of=s.pad_to_multiple_of)
 
     def pair_sums(self, policy: nn.Module, reference: Reference, batch) -> tuple[PairLogps, torch.Tensor | None,
                                                                                  torch.Tensor | None]:
         """The batch's pairs as :class:`PairLogps` (policy and reference sums), their WPO weights (or None) and the
         MoE aux loss (or None): sequence ``2p`` is pair p's chosen, ``2p + 1`` its rejected."""
-        cfg = self.cfg
+        lo = self.settings.loss
         res = policy(batch)  # `policy` maps a batch to a SequenceOutput (SequenceLogps, maybe wrapped)
         pol = split_pairs(res[0], res[1])
         aux, tail, wpo_mean = (res[i] if len(res) > i else None for i in (2, 3, 4))
-        ld_alpha = cfg.loss.ld_alpha
+        ld_alpha = lo.ld_alpha
         if ld_alpha is not None and tail is None:
             raise ValueError("loss.ld_alpha needs the policy forward to return tail sums (SequenceLogps(pair_tails=True))")
-        if cfg.loss.use_weighting and wpo_mean is None:
+        if lo.use_weighting and wpo_mean is None:
             raise ValueError("loss.use_weighting needs the policy forward to return WPO means (SequenceLogps(wpo=True))")
         ids = batch.pair_indices.numpy()  # StorePairs over the whole store: local index == global id
         device, dtype = pol.chosen.device, pol.chosen.dtype
@@ -116,19 +120,15 @@ class PairTask(Objective):
             ref_rejected_tail=ref[3] if ld_alpha is not None else None,
         )
         weights = None
-        if cfg.loss.use_weighting:
+        if lo.use_weighting:
             weights = wpo_weights(wpo_mean[0::2], wpo_mean[1::2]).to(device, dtype)
         return logps, weights, aux
 
     def loss(self, policy: nn.Module, reference: Reference, batch, step: StepState) -> LossOutput:
-        cfg = self.cfg
         logps, weights, aux = self.pair_sums(policy, reference, batch)
         pol_chosen, pol_rejected = logps.policy_chosen, logps.policy_rejected
-        out = preference_loss(logps, self.terms, beta=cfg.loss.beta, label_smoothing=cfg.loss.label_smoothing,
-                              simpo_gamma=cfg.loss.simpo_gamma, bco_delta=self.running.get("bco_delta", 0.0),
-                              discopop_tau=cfg.loss.discopop_tau, f_divergence_type=cfg.loss.f_divergence_type,
-                              f_alpha_divergence_coef=cfg.loss.f_alpha_divergence_coef, ld_alpha=cfg.loss.ld_alpha,
-                              pair_weights=weights)
+        out = preference_loss(logps, self.terms, **self.settings.loss.keywords("pair"),
+                              bco_delta=self.running.get("bco_delta", 0.0), pair_weights=weights)
         # Whether the policy itself ranks chosen above rejected (meaningful even when the reference equals it).
         out.metrics["logps/accuracies"] = (pol_chosen.detach() > pol_rejected.detach()).to(pol_chosen.dtype)
         if aux is not None and self.router_aux_loss_coef:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prefpack.data.store import Store, StoreError
 from prefpack.losses import UNPAIRED_LOSS_NAMES
 from prefpack.objectives.base import Objective
 from prefpack.objectives.groups import PromptGroupTask
 from prefpack.objectives.kto import KTOTask
 from prefpack.objectives.pairs import PairTask
+from prefpack.objectives.settings import RunSettings
 from prefpack.reference import PrecomputedReference, Reference, ReferenceMismatch
 
 __all__ = ["make_objectives", "open_store", "uses_unpaired_loss"]
@@ -44,35 +47,34 @@ def open_store(path: str, what: str, *, unpaired: bool, paired_as_kto: bool = Fa
     return store
 
 
-def make_objectives(cfg, train_store: Store, eval_store: Store | None, pad_id: int, reference: Reference, *,
-                    router_aux_loss_coef: float = 0.0, log=print) -> tuple[Objective, Objective | None]:
-    """The train and eval objectives of a run. A precomputed reference loads each store's sidecar here (the
-    KTO one needs the objective's KL pairing); ``router_aux_loss_coef`` is the resolved MoE weight (pairs only)."""
+def make_objectives(settings: RunSettings, terms: Sequence, train_store: Store, eval_store: Store | None,
+                    reference: Reference, *, kto: bool, group_by_prompt: bool = False,
+                    log=print) -> tuple[Objective, Objective | None]:
+    """The train and eval objectives of a run (``kto``: the KTO family). A precomputed reference loads each store's
+    sidecar here (the KTO one needs the objective's KL pairing)."""
     stores = [s for s in (train_store, eval_store) if s is not None]
-    if uses_unpaired_loss(cfg):
-        if router_aux_loss_coef:
-            raise ValueError("loss.router_aux_loss_coef: the MoE load-balancing loss is added to pair losses only, "
-                             "not to KTO's; leave it null or 0")
-        objectives = [KTOTask(s, cfg, pad_id) for s in stores]
+    if kto:
+        objectives = [KTOTask(s, settings, terms) for s in stores]
         warning = objectives[0].class_balance_warning()
         if warning:
             log(f"warning: {warning}")
         if isinstance(reference, PrecomputedReference):
-            if objectives[0].needs_kl and cfg.loss.kl_pairing != "fixed":
+            if objectives[0].needs_kl and settings.loss.kl_pairing != "fixed":
                 raise ReferenceMismatch(_STEP_PAIRING_PRECOMPUTED)
             for o in objectives:
                 reference.load_examples(o.view, partners=o.fixed_partners() if o.needs_kl else None)
     else:
-        grouped = [s.kind == "ranked" or cfg.data.group_by_prompt for s in stores]
-        objectives = [PromptGroupTask(s, cfg, pad_id) if g else PairTask(s, cfg, pad_id)
+        grouped = [s.kind == "ranked" or group_by_prompt for s in stores]
+        objectives = [PromptGroupTask(s, settings, terms) if g else PairTask(s, settings, terms)
                       for s, g in zip(stores, grouped)]
         for o in objectives:
             note = o.run_note() if isinstance(o, PromptGroupTask) else None
             if note:
                 log(f"note: {note}")
+        ld = settings.loss.ld_alpha is not None
         if isinstance(reference, PrecomputedReference):
             for s in stores:
-                if s.kind == "ranked" and cfg.loss.ld_alpha is not None:
+                if s.kind == "ranked" and ld:
                     raise ReferenceMismatch(
                         f"store {str(s.path)!r} holds ranked completions and loss.ld_alpha (LD-DPO) needs the "
                         "reference's sums past the shorter completion of each pair, which a ranked sidecar does not "
@@ -81,7 +83,5 @@ def make_objectives(cfg, train_store: Store, eval_store: Store | None, pad_id: i
                 if s.kind == "ranked":
                     reference.load_completions(s)
                 else:
-                    reference.load_pairs(s, need_tails=cfg.loss.ld_alpha is not None)
-        for o in objectives:
-            o.router_aux_loss_coef = router_aux_loss_coef
+                    reference.load_pairs(s, need_tails=ld)
     return objectives[0], objectives[1] if eval_store is not None else None

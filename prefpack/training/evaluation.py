@@ -22,7 +22,7 @@ def evaluate(policy: nn.Module, reference: Reference, task: Objective, *, module
     are dealt across them and the sums all-reduced.
     """
     if module is None:
-        module = SequenceLogps(policy, chunk_size=task.cfg.train.chunk_size, **task.forward_options())
+        module = SequenceLogps(policy, chunk_size=task.settings.chunk_size, **task.forward_options())
     was_training = policy.training
     policy.eval()
     share = deal_step(task, np.arange(len(task)), seed=None, world=ctx.world, balance=balance)[ctx.rank]

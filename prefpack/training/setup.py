@@ -3,7 +3,6 @@ models, reference, budgets, tasks), the modules wrapped for the ranks, and the o
 
 from __future__ import annotations
 
-import copy
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -37,7 +36,15 @@ from prefpack.model import (
     wants_compile,
     weights_hash,
 )
-from prefpack.objectives import Objective, make_objectives, open_store, uses_unpaired_loss
+from prefpack.objectives import (
+    Objective,
+    RunSettings,
+    config_terms,
+    make_objectives,
+    open_store,
+    settings_from_config,
+    uses_unpaired_loss,
+)
 from prefpack.precision import DTYPES, Precision, pure_bfloat16_warning, resolve_precision
 from prefpack.reference import REFERENCE_MODES, Reference, ReferenceSetup
 from prefpack.tokenizer import tokenizer_matches
@@ -106,7 +113,8 @@ class Setup:
     train_task: Objective
     eval_task: Objective | None
     precision: Precision
-    cfg: Any  # the run's config with auto budgets filled for this device
+    cfg: Any  # the run's config as loaded (never changed; what build resolved is in ``settings``)
+    settings: RunSettings  # budgets, layout and loss parameters resolved for this device and kernel
 
 
 def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
@@ -166,15 +174,15 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if precision.weights == torch.bfloat16 and cfg.optim.master_dtype == "bfloat16":
         log(pure_bfloat16_warning([p for p in policy.parameters() if p.requires_grad], cfg.optim.lr))
-    cfg = _with_budgets(cfg, policy, device, precision, attn, log)  # a resolved copy of the config
-    cfg.data.prefix_sharing = _prefix_sharing(cfg.data, policy)
-    if cfg.data.prefix_sharing:
+    budgets = _budgets(cfg, policy, device, precision, attn, log)
+    shares_prompts = _prefix_sharing(cfg.data, policy)
+    if shares_prompts:
         log("each prompt laid out once per prompt group in packed rows (data.prefix_sharing)")
     for what, store in (("train", train_store), ("eval", eval_store)):
         if store is not None:
-            check_lengths(store, what, policy, cfg.data.max_tokens_per_row if cfg.data.packing else None, log)
+            check_lengths(store, what, policy, budgets.row_tokens if cfg.data.packing else None, log)
     # LD-DPO weights the reference's sums too
-    reference.configure(chunk_size=cfg.train.chunk_size, pair_tails=cfg.loss.ld_alpha is not None)
+    reference.configure(chunk_size=budgets.chunk_size, pair_tails=cfg.loss.ld_alpha is not None)
     pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     tokenizer = TokenizerHandle.of(tok, trust_remote_code=cfg.model.trust_remote_code)
     del tok  # loaded again to be saved with the final model; training needs only the ids
@@ -190,10 +198,13 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
             raise ModelError(str(e)) from None
         if coef:
             log(f"MoE router load-balancing loss added with weight {coef:g} (loss.router_aux_loss_coef)")
-    train_task, eval_task = make_objectives(cfg, train_store, eval_store, pad_id, reference,
-                                            router_aux_loss_coef=coef, log=log)
+    settings = settings_from_config(cfg, pad_id=pad_id, micro_batch_tokens=budgets.micro_batch_tokens,
+                                    row_tokens=budgets.row_tokens, chunk_size=budgets.chunk_size,
+                                    shares_prompts=shares_prompts, router_aux_loss_coef=coef)
+    train_task, eval_task = make_objectives(settings, config_terms(cfg), train_store, eval_store, reference, kto=kto,
+                                            group_by_prompt=cfg.data.group_by_prompt, log=log)
     return Setup(policy, reference, tokenizer, train_store, eval_store, device, dtype, pad_id, train_task, eval_task,
-                 precision, cfg)
+                 precision, cfg, settings)
 
 
 def _prefix_sharing(data_cfg, policy: nn.Module) -> bool:
@@ -217,18 +228,14 @@ def _prefix_sharing(data_cfg, policy: nn.Module) -> bool:
     return True
 
 
-def _with_budgets(cfg, policy: nn.Module, device: torch.device, precision: Precision, attn: str, log):
-    """A copy of the config with ``auto`` budgets filled for this device (the saved config keeps ``auto``)."""
+def _budgets(cfg, policy: nn.Module, device: torch.device, precision: Precision, attn: str, log):
+    """The micro-batch, row and chunk budgets: the config's numbers, ``auto`` ones sized for this device."""
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     budgets, line = resolve_budgets(cfg.train, cfg.data, policy, device, trainable_params=trainable,
                                     autocast=precision.autocast, checkpointing=cfg.model.gradient_checkpointing,
                                     flattened=uses_flash_attention(policy))
     log(f"{line}; precision: {precision.describe()}; attention: {attention_name(policy) or attn}")
-    resolved = copy.deepcopy(cfg)
-    resolved.train.micro_batch_tokens = budgets.micro_batch_tokens
-    resolved.data.max_tokens_per_row = budgets.row_tokens
-    resolved.train.chunk_size = budgets.chunk_size
-    return resolved
+    return budgets
 
 
 def check_lengths(store: Store, what: str, model: nn.Module, row_budget: int | None, log) -> None:
@@ -278,9 +285,9 @@ def _wrap_lora(model: nn.Module, cfg) -> nn.Module:
 
 def wrap_modules(setup: Setup, ctx: Dist) -> nn.Module:
     """The policy's SequenceLogps, wrapped for the ranks (DDP / FSDP2), and the reference's module to match."""
-    cfg, policy, reference = setup.cfg, setup.policy, setup.reference
-    strategy = cfg.distributed.strategy
-    chunk = cfg.train.chunk_size
+    policy, reference = setup.policy, setup.reference
+    strategy = setup.cfg.distributed.strategy
+    chunk = setup.settings.chunk_size
     mixed = setup.precision.compute if setup.precision.sharded_mixed else None
     options = setup.train_task.forward_options()  # MoE aux loss, LD-DPO tails, WPO means
     module = wrap(SequenceLogps(policy, chunk_size=chunk, **options), policy, strategy, ctx,
