@@ -458,13 +458,14 @@ def _run(task):
     from pathlib import Path
 
     from prefpack.objectives import StepState
-    from prefpack.reference import PrecomputedReference
+    from prefpack.reference import KeyedLogps, PrecomputedReference
 
     seq = torch.tensor([v for r in ROWS for v in (r[0], r[1])], dtype=DT)
     tokens = torch.tensor([v for r in ROWS for v in (r[4], r[5])], dtype=torch.long)
-    batch = SimpleNamespace(pair_indices=torch.arange(len(ROWS)))
+    batch = SimpleNamespace(pair_indices=torch.arange(len(ROWS)), sequence_keys=torch.arange(2 * len(ROWS)),
+                            key_store=task.store.path, completion_tokens=tokens, tail_pairs=None, tail_keys=None)
     reference = PrecomputedReference()
-    reference.tables[Path(task.store.path)] = (np.array([r[2] for r in ROWS]), np.array([r[3] for r in ROWS]))
+    reference.tables[Path(task.store.path)] = KeyedLogps(np.array([v for r in ROWS for v in (r[2], r[3])]))
     return task.loss(lambda b: (seq, tokens), reference, batch, StepState())
 
 

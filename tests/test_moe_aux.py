@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
+from conftest import task_settings
 
 from prefpack.batching.collate import collate
 from prefpack.config import Config, LossTermConfig
@@ -98,10 +101,10 @@ def test_aux_excludes_row_padding():
 def pair_task(coef):
     cfg = Config()
     cfg.loss.terms = [LossTermConfig("simpo", 1.0)]  # reference-free
-    task = PairTask.__new__(PairTask)
-    task.cfg, task.bco, task.running, task.store = cfg, False, {}, None
+    task = PairTask.__new__(PairTask)  # no store: the test collates its own batches
+    task.settings = dataclasses.replace(task_settings(cfg), router_aux_loss_coef=coef)
+    task.bco, task.running, task.store = False, {}, None
     task.terms = [LossTerm("simpo", 1.0)]
-    task.router_aux_loss_coef = coef
     return task
 
 

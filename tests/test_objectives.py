@@ -68,24 +68,31 @@ def test_objective_state_is_typed_and_checked():
 
 
 def test_reference_modes_answer_the_same_questions():
+    from pathlib import Path
     from types import SimpleNamespace
 
-    batch = SimpleNamespace(completion_tokens=torch.ones(4))
-    store = SimpleNamespace(path="s")
-    ids = np.array([1, 0])
+    from prefpack.reference import KeyedLogps
+
+    batch = SimpleNamespace(completion_tokens=torch.ones(4), sequence_keys=torch.tensor([2, 3, 0, 1]), key_store="s",
+                            tail_pairs=None, tail_keys=None)
     none = make_reference("none")
-    assert isinstance(none, NoReference) and none.pair_logps(batch, store, ids, "cpu", torch.float64) is None
-    with pytest.raises(ValueError, match="needs reference log-probs"):
-        none.example_logps(batch, store, ids, kl=False, device="cpu", dtype=torch.float64)
+    assert isinstance(none, NoReference) and none.sequence_logps(batch) is None
     with pytest.raises(ValueError, match="computes no log-probs"):
-        none.sequence_logps(batch)
+        none.outputs(batch)
 
     pre = make_reference("precomputed")
     with pytest.raises(ReferenceMismatch, match="no precomputed reference log-probs loaded"):
-        pre.pair_logps(batch, store, ids, "cpu", torch.float64)
-    pre.tables[__import__("pathlib").Path("s")] = (np.array([-1.0, -2.0]), np.array([-3.0, -4.0]))
-    chosen, rejected, c_tail, r_tail = pre.pair_logps(batch, store, ids, "cpu", torch.float64)
-    assert chosen.tolist() == [-2.0, -1.0] and rejected.tolist() == [-4.0, -3.0] and c_tail is r_tail is None
+        pre.sequence_logps(batch)
+    # pair 0 = (-1, -3), pair 1 = (-2, -4) at keys 2p / 2p + 1; the batch holds pair 1 then pair 0
+    pre.tables[Path("s")] = KeyedLogps(np.array([-1.0, -3.0, -2.0, -4.0]), np.array([-0.5, -1.5, -1.0, -2.0]))
+    out = pre.sequence_logps(batch)
+    assert out.logp_sum.tolist() == [-2.0, -4.0, -1.0, -3.0] and out.tail_sum is None  # tails only when asked
+    pre.configure(chunk_size=8, pair_tails=True)
+    assert pre.sequence_logps(batch).tail_sum.tolist() == [-1.0, -2.0, -0.5, -1.5]
+    drawn = SimpleNamespace(**{**vars(batch), "tail_pairs": torch.tensor([[0], [3]]), "tail_keys": torch.tensor([[0], [1]])})
+    assert pre.sequence_logps(drawn).tail_sum.tolist() == [[-0.5], [-1.5]]  # a drawn pair's tails by its own keys
+    with pytest.raises(ValueError, match="sequence keys"):
+        pre.sequence_logps(SimpleNamespace(**{**vars(batch), "sequence_keys": None}))
     assert isinstance(pre, PrecomputedReference) and pre.model is None
 
     model = torch.nn.Linear(2, 2)

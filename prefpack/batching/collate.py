@@ -71,6 +71,14 @@ class Batch:
     # Pairs drawn from a group's completions (ranked stores): [2, P] sequence indices, chosen then rejected, whose
     # LD-DPO tails the forward returns per pair. None: sequences 2p and 2p + 1 are pair p.
     tail_pairs: torch.Tensor | None = None
+    # Sequence keys (set by the objective's collate): what each sequence IS in its store, the address a precomputed
+    # reference reads and precompute-ref writes. Pair p's chosen / rejected -> 2p / 2p + 1 (also a KTO example read
+    # from pairs, and a pair store's prompt-group completion); a ranked store's completion -> its row; KTO example
+    # i -> i and its KL sequence -> N + i (N examples). ``tail_keys`` [2, P]: the keys of the drawn pairs' sides
+    # whose LD-DPO tails the batch needs (with ``tail_pairs``; None where tails are per sequence or not needed).
+    sequence_keys: torch.Tensor | None = None  # [S] int64
+    tail_keys: torch.Tensor | None = None  # [2, P] int64
+    key_store: str | None = None  # the store the keys address (its path)
 
     @property
     def pair_indices(self) -> torch.Tensor:

@@ -22,7 +22,7 @@ from prefpack.losses import PairLogps, wpo_weights
 from prefpack.objectives.base import Planned
 from prefpack.objectives.pairs import PairTask
 from prefpack.objectives.settings import RunSettings
-from prefpack.reference import Reference
+from prefpack.reference import Reference, as_sequence_output
 
 __all__ = ["PromptGroupTask"]
 
@@ -101,8 +101,13 @@ class PromptGroupTask(PairTask):
         # a pair store's groups count every pair's tokens (``PairGroups.real_tokens``), deduplicated ones included
         ids = np.asarray(flat, dtype=np.int64)
         batch.shared_tokens += int((self.view.real_tokens(ids) - self.view.costs(ids, shared=False)[0]).sum())
+        chosen, rejected, rows = self._drawn_pairs(flat)
+        batch.sequence_keys, batch.key_store = torch.as_tensor(rows, dtype=torch.long), str(self.store.path)
         if s.loss.ld_alpha is not None:  # LD-DPO's tails depend on the pair: the forward computes them per pair
-            batch.tail_pairs = torch.as_tensor(np.stack(self._drawn_pairs(flat)[:2]), dtype=torch.long)
+            batch.tail_pairs = torch.as_tensor(np.stack([chosen, rejected]), dtype=torch.long)
+            if isinstance(self.view, PairGroups):  # the drawn store pairs' own keys, where a pair sidecar has tails
+                drawn = torch.as_tensor(np.concatenate([self.view.pair_rows[i] for i in flat]), dtype=torch.long)
+                batch.tail_keys = torch.stack([2 * drawn, 2 * drawn + 1])
         return batch
 
     def _drawn_pairs(self, examples) -> tuple[list[int], list[int], np.ndarray]:
@@ -119,9 +124,8 @@ class PromptGroupTask(PairTask):
     def pair_sums(self, policy: nn.Module, reference: Reference, batch) -> tuple[PairLogps, torch.Tensor | None,
                                                                                  torch.Tensor | None]:
         """Every completion's sums once, then each pair's chosen and rejected gathered from them."""
-        res = policy(batch)
-        logp, n_tokens = res[0], res[1]
-        aux, tail, wpo_mean = (res[i] if len(res) > i else None for i in (2, 3, 4))
+        out = as_sequence_output(policy(batch))
+        logp, n_tokens, tail, wpo_mean = out.logp_sum, out.n_tokens, out.tail_sum, out.wpo_mean
         lo = self.settings.loss
         if lo.use_weighting and wpo_mean is None:
             raise ValueError("loss.use_weighting needs the policy forward to return WPO means (SequenceLogps(wpo=True))")
@@ -129,13 +133,12 @@ class PromptGroupTask(PairTask):
         if ld and (tail is None or batch.tail_pairs is None):
             raise ValueError("loss.ld_alpha needs the batch's drawn pairs (PromptGroupTask.collate) and the policy "
                              "forward's tails (SequenceLogps(pair_tails=True))")
-        chosen, rejected, rows = self._drawn_pairs(batch.group_ids.numpy())
+        chosen, rejected, _ = self._drawn_pairs(batch.group_ids.numpy())
         device, dtype = logp.device, logp.dtype
         c_idx, r_idx = (torch.as_tensor(x, dtype=torch.long, device=device) for x in (chosen, rejected))
-        drawn = None  # a pair store's groups: the store pairs drawn, whose LD-DPO tails a pair sidecar holds
-        if isinstance(self.view, PairGroups):
-            drawn = np.concatenate([self.view.pair_rows[int(i)] for i in batch.group_ids.numpy()])
-        ref, ref_tail = reference.completion_logps(batch, self.store, rows, device, dtype, pairs=drawn) or (None, None)
+        ref_out = reference.sequence_logps(batch)
+        ref = None if ref_out is None else ref_out.logp_sum.to(device, dtype)
+        ref_tail = None if ref_out is None or ref_out.tail_sum is None else ref_out.tail_sum.to(device, dtype)
         if ld and ref is not None and ref_tail is None:
             raise ValueError("loss.ld_alpha needs the reference's tails (reference.configure(pair_tails=True))")
         tokens = n_tokens.to(device)
@@ -148,4 +151,4 @@ class PromptGroupTask(PairTask):
         weights = None
         if lo.use_weighting:
             weights = wpo_weights(wpo_mean[c_idx], wpo_mean[r_idx]).to(device, dtype)
-        return logps, weights, aux
+        return logps, weights, out.aux_loss

@@ -68,7 +68,7 @@ from prefpack.losses.unpaired import (
 )
 from prefpack.objectives.base import Objective, Planned, StepState
 from prefpack.objectives.settings import RunSettings
-from prefpack.reference import Reference
+from prefpack.reference import Reference, as_sequence_output
 
 __all__ = ["KTOBatch", "KTOPlanned", "KTOStep", "KTOTask"]
 
@@ -394,6 +394,10 @@ class KTOTask(Objective):
                 kl, kl_cmask = collate_groups(kl_groups, planned.kl_rows if s.packing else None, ids=flat,
                                               pad_id=s.pad_id, pad_to_multiple_of=s.pad_to_multiple_of,
                                               completion_mask=True)
+        ids = torch.tensor(flat, dtype=torch.int64)  # example k is sequence k of both passes
+        main.sequence_keys, main.key_store = ids, str(self.store.path)
+        if kl is not None:
+            kl.sequence_keys, kl.key_store = len(v) + ids, str(self.store.path)
         return KTOBatch(main=main, kl=kl, completion_mask=cmask, kl_completion_mask=kl_cmask,
                         label=torch.tensor([lab for _, _, lab in examples], dtype=torch.bool),
                         example_ids=torch.tensor(flat, dtype=torch.int64),
@@ -439,14 +443,16 @@ class KTOTask(Objective):
     def _policy_logps(policy: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``policy`` maps a batch to per-sequence sums (``prefpack.model.forward.SequenceLogps``, maybe wrapped)."""
         n = int(batch.completion_tokens.shape[0])
-        res = policy(batch)
-        logp, tokens = res[0], res[1]
-        return logp[:n], tokens[:n]
+        out = as_sequence_output(policy(batch))
+        return out.logp_sum[:n], out.n_tokens[:n]
 
     @torch.no_grad()
     def _reference_logps(self, reference: Reference, batch: KTOBatch, *, kl: bool, device, dtype) -> torch.Tensor:
-        return reference.example_logps(batch.kl if kl else batch.main, self.store, batch.example_ids.numpy(), kl=kl,
-                                       device=device, dtype=dtype)
+        part = batch.kl if kl else batch.main
+        out = reference.sequence_logps(part)
+        if out is None:
+            raise ValueError("this loss needs reference log-probs; reference.mode 'none' gives none")
+        return out.logp_sum[:int(part.completion_tokens.shape[0])].to(device=device, dtype=dtype)
 
     def begin_step(self, policy: nn.Module, reference: Reference, batches: list[KTOBatch],
                    weights: Sequence[float] | None = None, dist: Dist = SINGLE) -> KTOStep:

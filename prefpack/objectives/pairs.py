@@ -17,7 +17,7 @@ from prefpack.losses import LossOutput, LossTerm, PairLogps, preference_loss, wp
 from prefpack.model import split_pairs
 from prefpack.objectives.base import Objective, Planned, StepState, StepTotals
 from prefpack.objectives.settings import RunSettings
-from prefpack.reference import Reference
+from prefpack.reference import Reference, as_sequence_output
 
 __all__ = ["PairTask"]
 
@@ -85,44 +85,49 @@ class PairTask(Objective):
     def collate(self, planned: Planned):
         s = self.settings
         if self.shares_prompts:
-            return collate_packed(self.pairs, planned.rows, pad_id=s.pad_id, pad_to_multiple_of=s.pad_to_multiple_of,
-                                  share_prompts=True)
-        return collate(self.pairs, planned.rows, packing=s.packing, pad_id=s.pad_id,
-                       pad_to_multiple_of=s.pad_to_multiple_of)
+            batch = collate_packed(self.pairs, planned.rows, pad_id=s.pad_id,
+                                   pad_to_multiple_of=s.pad_to_multiple_of, share_prompts=True)
+        else:
+            batch = collate(self.pairs, planned.rows, packing=s.packing, pad_id=s.pad_id,
+                            pad_to_multiple_of=s.pad_to_multiple_of)
+        pairs = batch.pair_indices  # StorePairs over the whole store: local index == global id
+        batch.sequence_keys = torch.stack([2 * pairs, 2 * pairs + 1], dim=1).reshape(-1)
+        batch.key_store = str(self.store.path)
+        return batch
 
     def pair_sums(self, policy: nn.Module, reference: Reference, batch) -> tuple[PairLogps, torch.Tensor | None,
                                                                                  torch.Tensor | None]:
         """The batch's pairs as :class:`PairLogps` (policy and reference sums), their WPO weights (or None) and the
         MoE aux loss (or None): sequence ``2p`` is pair p's chosen, ``2p + 1`` its rejected."""
         lo = self.settings.loss
-        res = policy(batch)  # `policy` maps a batch to a SequenceOutput (SequenceLogps, maybe wrapped)
-        pol = split_pairs(res[0], res[1])
-        aux, tail, wpo_mean = (res[i] if len(res) > i else None for i in (2, 3, 4))
-        ld_alpha = lo.ld_alpha
-        if ld_alpha is not None and tail is None:
+        out = as_sequence_output(policy(batch))  # `policy`: SequenceLogps, maybe wrapped
+        pol = split_pairs(out.logp_sum, out.n_tokens)
+        tail, wpo_mean = out.tail_sum, out.wpo_mean
+        ld = lo.ld_alpha is not None
+        if ld and tail is None:
             raise ValueError("loss.ld_alpha needs the policy forward to return tail sums (SequenceLogps(pair_tails=True))")
         if lo.use_weighting and wpo_mean is None:
             raise ValueError("loss.use_weighting needs the policy forward to return WPO means (SequenceLogps(wpo=True))")
-        ids = batch.pair_indices.numpy()  # StorePairs over the whole store: local index == global id
         device, dtype = pol.chosen.device, pol.chosen.dtype
-        ref = reference.pair_logps(batch, self.store, ids, device, dtype)
-        ref = (None,) * 4 if ref is None else (*ref, None, None)[:4]
+        ref = reference.sequence_logps(batch)
+        ref_sum = None if ref is None else ref.logp_sum.to(device, dtype)
+        ref_tail = None if ref is None or ref.tail_sum is None or not ld else ref.tail_sum.to(device, dtype)
         logps = PairLogps(
             policy_chosen=pol.chosen,
             policy_rejected=pol.rejected,
             chosen_tokens=pol.chosen_tokens.to(device),
             rejected_tokens=pol.rejected_tokens.to(device),
-            ref_chosen=ref[0],
-            ref_rejected=ref[1],
+            ref_chosen=None if ref_sum is None else ref_sum[0::2],
+            ref_rejected=None if ref_sum is None else ref_sum[1::2],
             policy_chosen_tail=None if tail is None else tail[0::2],
             policy_rejected_tail=None if tail is None else tail[1::2],
-            ref_chosen_tail=ref[2] if ld_alpha is not None else None,
-            ref_rejected_tail=ref[3] if ld_alpha is not None else None,
+            ref_chosen_tail=None if ref_tail is None else ref_tail[0::2],
+            ref_rejected_tail=None if ref_tail is None else ref_tail[1::2],
         )
         weights = None
         if lo.use_weighting:
             weights = wpo_weights(wpo_mean[0::2], wpo_mean[1::2]).to(device, dtype)
-        return logps, weights, aux
+        return logps, weights, out.aux_loss
 
     def loss(self, policy: nn.Module, reference: Reference, batch, step: StepState) -> LossOutput:
         logps, weights, aux = self.pair_sums(policy, reference, batch)

@@ -1,7 +1,7 @@
 """The reference a loss compares the policy with, one class per ``reference.mode``: a frozen copy, the policy
-with its adapter off, a precomputed sidecar (which owns its tables), or none. Objectives ask every mode the same
-two questions (:meth:`Reference.pair_logps`, :meth:`Reference.example_logps`), so no code outside this module
-tests the mode's name. The reference never runs under autograd."""
+with its adapter off, a precomputed sidecar (which owns its tables), or none. Objectives ask every mode one
+question, :meth:`Reference.sequence_logps` (a batch's per-sequence sums, addressed by its sequence keys), so no
+code outside this module tests the mode's name. The reference never runs under autograd."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import nn
 from prefpack.batching.collate import Batch
 from prefpack.data.store import Store
 from prefpack.data.views import UnpairedView
-from prefpack.model import ModelError, SequenceLogps
+from prefpack.model import ModelError, SequenceLogps, SequenceOutput
 from prefpack.reference.sidecar import (
     KTO_SIDECAR_NAME,
     RANKED_SIDECAR_NAME,
@@ -27,8 +27,27 @@ from prefpack.reference.sidecar import (
     read_sidecar,
 )
 
-__all__ = ["REFERENCE_MODES", "AdapterReference", "CopyReference", "NoReference", "PrecomputedReference",
-           "Reference", "ReferenceSetup", "make_reference"]
+__all__ = ["REFERENCE_MODES", "AdapterReference", "CopyReference", "KeyedLogps", "NoReference",
+           "PrecomputedReference", "Reference", "ReferenceSetup", "as_sequence_output", "make_reference"]
+
+
+@dataclass(frozen=True)
+class KeyedLogps:
+    """A store's reference sums by sequence key (``Batch.sequence_keys``), and LD-DPO's tails by the same keys."""
+
+    logps: np.ndarray
+    tails: np.ndarray | None = None
+
+
+def _interleave(chosen: np.ndarray, rejected: np.ndarray) -> np.ndarray:
+    out = np.empty(2 * len(chosen), dtype=np.float64)
+    out[0::2], out[1::2] = chosen, rejected
+    return out
+
+
+def as_sequence_output(out) -> SequenceOutput:
+    """A forward's result as a :class:`SequenceOutput` (a wrapper may hand back a plain tuple of its fields)."""
+    return out if isinstance(out, SequenceOutput) else SequenceOutput(*out)
 
 
 @dataclass
@@ -83,37 +102,10 @@ class Reference:
         raise ValueError(f"reference mode {self.mode!r} computes no log-probs")
 
     @torch.no_grad()
-    def sequence_logps(self, batch: Batch) -> torch.Tensor:
-        return self.outputs(batch)[0]
-
-    @torch.no_grad()
-    def pair_logps(self, batch: Batch, store: Store, ids: np.ndarray, device: torch.device,
-                   dtype: torch.dtype) -> tuple[torch.Tensor | None, ...] | None:
-        """``(chosen, rejected, chosen_tail, rejected_tail)`` reference sums of a pair batch in its pair order
-        (tails None unless ``pair_tails``); None when there is no reference. ``ids``: the pairs' store rows."""
-        out = self.outputs(batch)
-        seq, tail = out[0].to(device, dtype), out[3] if len(out) > 3 else None
-        tails = (None, None) if tail is None else (tail[0::2].to(device, dtype), tail[1::2].to(device, dtype))
-        return seq[0::2], seq[1::2], *tails
-
-    @torch.no_grad()
-    def example_logps(self, batch: Batch, store: Store, ids: np.ndarray, *, kl: bool, device: torch.device,
-                      dtype: torch.dtype) -> torch.Tensor:
-        """Reference sums of a KTO batch's sequences (``kl``: its KL sequences), one per example of ``ids``."""
-        n = int(batch.completion_tokens.shape[0])
-        return self.sequence_logps(batch)[:n].to(device=device, dtype=dtype)
-
-    @torch.no_grad()
-    def completion_logps(self, batch: Batch, store: Store, rows: np.ndarray, device: torch.device,
-                         dtype: torch.dtype, *, pairs: np.ndarray | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Reference sums of a prompt-group batch's sequences, one per completion (``rows``: their keys in sequence
-        order, ``PromptGroups.rows``: a ranked store's rows, or ``2 * pair + side`` in a pair store), and LD-DPO's
-        [2, P] tails of the batch's ``tail_pairs`` (None unless ``pair_tails``; ``pairs``: a pair store's rows of
-        those pairs, where a precomputed reference reads them); None when there is no reference."""
-        out = self.outputs(batch)
-        tail = out[3] if len(out) > 3 and out[3] is not None else None
-        return out[0].to(device=device, dtype=dtype), None if tail is None else tail.to(device=device, dtype=dtype)
+    def sequence_logps(self, batch: Batch) -> SequenceOutput | None:
+        """The reference's sums of the batch's sequences, in its sequence order (``logp_sum``), and LD-DPO's tails
+        when ``pair_tails`` (``tail_sum``: [S], or [2, P] for a batch's ``tail_pairs``); None without a reference."""
+        return as_sequence_output(self.outputs(batch))
 
 
 class CopyReference(Reference):
@@ -191,45 +183,39 @@ class PrecomputedReference(Reference):
     def __init__(self, *, reference_hash: str | None = None, chunk_size: int = 1024):
         super().__init__(chunk_size=chunk_size)
         self.reference_hash = reference_hash
-        self.tables: dict[Path, tuple | dict] = {}
+        self.tables: dict[Path, KeyedLogps] = {}
 
     def load_pairs(self, store: Store, *, need_tails: bool = False) -> None:
-        self.tables[Path(store.path)] = read_sidecar(Path(store.path) / SIDECAR_NAME, store,
-                                                     reference_hash=self.reference_hash, need_tails=need_tails)
+        """A pair store's sidecar: pair p's chosen / rejected at keys 2p / 2p + 1, their tails at the same keys."""
+        chosen, rejected, c_tail, r_tail = read_sidecar(Path(store.path) / SIDECAR_NAME, store,
+                                                        reference_hash=self.reference_hash, need_tails=need_tails)
+        self.tables[Path(store.path)] = KeyedLogps(_interleave(chosen, rejected),
+                                                   None if c_tail is None else _interleave(c_tail, r_tail))
 
     def load_examples(self, view: UnpairedView, *, partners: np.ndarray | None) -> None:
-        self.tables[Path(view.store.path)] = read_kto_sidecar(Path(view.store.path) / KTO_SIDECAR_NAME, view,
-                                                              reference_hash=self.reference_hash, partners=partners)
-
-    def _table(self, store: Store):
-        table = self.tables.get(Path(store.path))
-        if table is None:
-            raise ReferenceMismatch(f"no precomputed reference log-probs loaded for the store {str(store.path)!r}")
-        return table
-
-    def pair_logps(self, batch, store, ids, device, dtype):
-        table = (*self._table(store), None, None)[:4]
-        return tuple(None if t is None else torch.as_tensor(t[ids], device=device, dtype=dtype) for t in table)
-
-    def example_logps(self, batch, store, ids, *, kl, device, dtype):
-        values = self._table(store)["kl" if kl else "completion"][ids]
-        return torch.as_tensor(values, device=device, dtype=dtype)
+        """A KTO sidecar: example i at key i, its fixed KL sequence at key N + i."""
+        table = read_kto_sidecar(Path(view.store.path) / KTO_SIDECAR_NAME, view, reference_hash=self.reference_hash,
+                                 partners=partners)
+        self.tables[Path(view.store.path)] = KeyedLogps(np.concatenate([table["completion"], table["kl"]]))
 
     def load_completions(self, store: Store) -> None:
-        self.tables[Path(store.path)] = read_ranked_sidecar(Path(store.path) / RANKED_SIDECAR_NAME, store,
-                                                            reference_hash=self.reference_hash)
+        """A ranked store's sidecar: each completion at its row."""
+        table = read_ranked_sidecar(Path(store.path) / RANKED_SIDECAR_NAME, store, reference_hash=self.reference_hash)
+        self.tables[Path(store.path)] = KeyedLogps(table["completion"])
 
-    def completion_logps(self, batch, store, rows, device, dtype, *, pairs=None):
-        table = self._table(store)
-        if store.kind != "pairs":
-            return torch.as_tensor(table["completion"][rows], device=device, dtype=dtype), None
-        # a pair store read as prompt groups: keys 2 * pair + side (PairGroups); the drawn pairs' tails per pair
-        rows = np.asarray(rows, dtype=np.int64)
-        values = np.where(rows % 2 == 0, table[0][rows // 2], table[1][rows // 2])
-        tails = None
-        if self.pair_tails and pairs is not None and table[2] is not None:
-            tails = torch.as_tensor(np.stack([table[2][pairs], table[3][pairs]]), device=device, dtype=dtype)
-        return torch.as_tensor(values, device=device, dtype=dtype), tails
+    @torch.no_grad()
+    def sequence_logps(self, batch: Batch) -> SequenceOutput:
+        if batch.sequence_keys is None or batch.key_store is None:
+            raise ValueError("a precomputed reference reads a batch by its sequence keys; this batch has none")
+        table = self.tables.get(Path(batch.key_store))
+        if table is None:
+            raise ReferenceMismatch(f"no precomputed reference log-probs loaded for the store {batch.key_store!r}")
+        tail = None
+        tail_keys = batch.sequence_keys if batch.tail_pairs is None else batch.tail_keys
+        if self.pair_tails and table.tails is not None and tail_keys is not None:
+            tail = torch.as_tensor(table.tails[tail_keys.cpu().numpy()])
+        logps = torch.as_tensor(table.logps[batch.sequence_keys.cpu().numpy()])
+        return SequenceOutput(logps, batch.completion_tokens, tail_sum=tail)
 
 
 class NoReference(Reference):
@@ -237,13 +223,7 @@ class NoReference(Reference):
 
     mode = "none"
 
-    def pair_logps(self, batch, store, ids, device, dtype):
-        return None
-
-    def example_logps(self, batch, store, ids, *, kl, device, dtype):
-        raise ValueError("this loss needs reference log-probs; reference.mode 'none' gives none")
-
-    def completion_logps(self, batch, store, rows, device, dtype, *, pairs=None):
+    def sequence_logps(self, batch: Batch) -> None:
         return None
 
 
