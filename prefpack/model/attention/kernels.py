@@ -52,7 +52,7 @@ class Kernel:
 
     def runs_prompt_groups(self, flattened: bool) -> bool:
         """Whether prompt-shared rows may run on it in this layout: a flattening kernel reads the groups in either
-        layout; packed_sdpa reads them per row, as it is given them (flattening it is not what it was checked in)."""
+        layout; a row-wise reader (packed_sdpa) only in the rows training gives it, the layout its checks cover."""
         return self.reads_prompt_groups and (self.flattens_rows or not flattened)
 
     @property
