@@ -60,9 +60,9 @@ def cuda_budgets(model: nn.Module, device: torch.device, *, trainable_params: in
     What training will still allocate: float32 gradients and AdamW's two moments for the trained weights, and
     under autocast one compute-dtype copy of the weights. Of what is left, 60% goes to activations and 8% to
     the head's chunk of logits (about 8 bytes per logit at its peak in backward: the float32 logits, turned in
-    place into their gradient, and its compute-dtype copy). Rows: with a flattened
-    micro-batch (varlen or flash kernels) a row only limits the longest packed line, so 8,192; masked sdpa
-    pays row^2 per row, so 2,048.
+    place into their gradient, and its compute-dtype copy). Rows: with a flattened micro-batch (a kernel
+    whose descriptor flattens rows: varlen, flash) a row only limits the longest packed line, so 8,192; masked
+    sdpa pays row^2 per row, so 2,048.
     """
     free, _ = torch.cuda.mem_get_info(device)
     params = sum(p.numel() for p in model.parameters())

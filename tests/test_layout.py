@@ -76,6 +76,7 @@ def test_config_choices_are_the_registries():
     from prefpack.config.schema import AttnImpl, FDivergence, ReferenceMode
     from prefpack.losses import F_DIVERGENCES
     from prefpack.model.attention import packed_sdpa, varlen
+    from prefpack.model.attention.kernels import KERNELS
     from prefpack.reference import REFERENCE_MODES
 
     assert get_args(ReferenceMode) == tuple(REFERENCE_MODES)  # the config offers the reference folder's modes
@@ -83,6 +84,7 @@ def test_config_choices_are_the_registries():
     ours = {packed_sdpa.NAME, varlen.NAME}
     transformers_own = {"sdpa", "eager", "flash_attention_2"}
     assert set(get_args(AttnImpl)) == {"auto"} | ours | transformers_own
+    assert get_args(AttnImpl) == ("auto", *(k.name for k in KERNELS))  # the kernel table's rows, in its order
 
 
 def test_the_config_loads_without_torch():

@@ -398,28 +398,3 @@ def test_models_whose_attention_crosses_packed_sequences_are_refused(tmp_path):
     with pytest.warns(UserWarning, match="no sdpa attention; using eager"):
         model = load_causal_lm(gptj, dtype=torch.float32, attn_implementation="packed_sdpa", device=cpu)
     assert model.config._attn_implementation == "eager" and packing_leak(model) == 0.0
-
-
-def test_packed_sdpa_keeps_a_sliding_window():
-    """Blocks longer than a layer's sliding window get the band, like sdpa's mask (Mistral, window 4)."""
-    import transformers as tf
-
-    from prefpack.model.attention.packed_sdpa import register
-
-    register()
-    cfg = tf.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=4)
-    torch.manual_seed(0)
-    model = tf.MistralForCausalLM(cfg).double().eval()
-    position_ids = torch.cat([torch.arange(n) for n in (7, 3, 1, 9)])[None]
-    ids = torch.randint(0, VOCAB, position_ids.shape)
-    out = {}
-    for attn in ("sdpa", "packed_sdpa"):
-        model.set_attn_implementation(attn)
-        with torch.no_grad():
-            out[attn] = model.model(input_ids=ids, position_ids=position_ids, use_cache=False).last_hidden_state
-    torch.testing.assert_close(out["packed_sdpa"], out["sdpa"], rtol=0, atol=1e-12)
-    model.config.sliding_window = None  # the window matters here: without it the states move by O(1)
-    with torch.no_grad():
-        unbanded = model.model(input_ids=ids, position_ids=position_ids, use_cache=False).last_hidden_state
-    assert (unbanded - out["sdpa"]).abs().max() > 1e-2

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_packing import VOCAB, _value_and_grads, collate_packed, make_model, random_pairs
+from test_packing import _value_and_grads, collate_packed, make_model, random_pairs
 
 from prefpack.model import sequence_logps
 from prefpack.model.attention import varlen as va
@@ -86,28 +86,6 @@ def test_boundaries_are_computed_once_per_forward(monkeypatch):
     assert all(c["cu"] is kernel.calls[0]["cu"] for c in kernel.calls)
     expected = packed.position_ids[packed.token_mask]
     assert kernel.calls[0]["cu"].tolist() == va.sequence_bounds(expected[None])[0].tolist()
-
-
-def test_varlen_keeps_a_sliding_window(monkeypatch):
-    """Mistral with window 4: the kernel gets window_size (3, 0) and the states equal sdpa's banded mask."""
-    import transformers as tf
-
-    kernel = FakeKernel(True)
-    monkeypatch.setattr(va, "_usable_kernel", lambda q: (kernel, True, True))
-    va.register()
-    cfg = tf.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=4)
-    torch.manual_seed(0)
-    model = tf.MistralForCausalLM(cfg).double().eval()
-    position_ids = torch.cat([torch.arange(n) for n in (7, 3, 1, 9)])[None]
-    ids = torch.randint(0, VOCAB, position_ids.shape)
-    out = {}
-    for attn in ("sdpa", "varlen"):
-        model.set_attn_implementation(attn)
-        with torch.no_grad():
-            out[attn] = model.model(input_ids=ids, position_ids=position_ids, use_cache=False).last_hidden_state
-    torch.testing.assert_close(out["varlen"], out["sdpa"], rtol=0, atol=1e-12)
-    assert {c["window"] for c in kernel.calls} == {(3, 0)}
 
 
 def test_varlen_under_autocast_hands_the_kernel_one_half_dtype(monkeypatch):

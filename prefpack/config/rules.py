@@ -10,6 +10,7 @@ import difflib
 import math
 
 from prefpack.config.schema import Config, ConfigError
+from prefpack.model.attention.kernels import kernel_named
 
 
 def validate(cfg: Config, *, training: bool = True) -> None:
@@ -58,8 +59,8 @@ def _problems(cfg: Config, *, training: bool) -> list[str]:
     if training:
         need(bool(m.name_or_path), "model.name_or_path is required: a local model folder or a hub id")
         need(bool(d.train), "data.train is required: a store folder written by `prefpack prepare`")
-    need(not (tr.device == "cpu" and m.attn_implementation == "flash_attention_2"),
-         "model.attn_implementation 'flash_attention_2' needs CUDA but train.device is 'cpu'")
+    need(not (tr.device == "cpu" and kernel_named(m.attn_implementation).needs_cuda),
+         f"model.attn_implementation {m.attn_implementation!r} needs CUDA but train.device is 'cpu'")
     need(not (opt.master_dtype == "bfloat16" and m.dtype == "float32"),
          "optim.master_dtype bfloat16 with model.dtype float32 would compute in float32 on bfloat16 weights; "
          "set model.dtype=bfloat16 (pure bfloat16) or leave optim.master_dtype at auto")

@@ -1,6 +1,7 @@
-"""The model: `load` (loading, dtype, attention choice, packing-leak guard, tokenizer checks), `attention` (the
-kernels registered with transformers: `packed_sdpa`, `varlen`), `head` (where the body ends and the LM head
-begins), `logprobs` (the chunked completion-only log-prob op), `forward` (a micro-batch to per-sequence log-probs).
+"""The model: `load` (loading, dtype, packing-leak guard, tokenizer checks), `attention` (the kernel table
+`kernels`: one descriptor per kernel and the `auto` choice; the kernels registered with transformers:
+`packed_sdpa`, `varlen`), `head` (where the body ends and the LM head begins), `logprobs` (the chunked
+completion-only log-prob op), `forward` (a micro-batch to per-sequence log-probs).
 
 Import the public API from here.
 """
@@ -17,17 +18,21 @@ _EXPORTS = {
     "SequenceLogps": "prefpack.model.forward",
     "SequenceOutput": "prefpack.model.forward",
     "TokenizerHandle": "prefpack.model.load",
-    "attention_name": "prefpack.model.forward",
+    "attention_name": "prefpack.model.attention.kernels",
     "check_against_model": "prefpack.model.forward",
+    "Kernel": "prefpack.model.attention.kernels",
+    "KERNELS": "prefpack.model.attention.kernels",
     "check_model_source": "prefpack.model.load",
     "check_vocab_fits": "prefpack.model.load",
     "load_causal_lm": "prefpack.model.load",
+    "kernel_named": "prefpack.model.attention.kernels",
+    "kernel_of": "prefpack.model.attention.kernels",
     "load_scoring_model": "prefpack.model.load",
     "packing_leak": "prefpack.model.forward",
     "pair_logps": "prefpack.model.forward",
-    "pick_attention": "prefpack.model.load",
+    "pick_attention": "prefpack.model.attention.kernels",
     "pick_device": "prefpack.model.load",
-    "reads_prompt_groups": "prefpack.model.forward",
+    "reads_prompt_groups": "prefpack.model.attention.kernels",
     "release_freed_memory": "prefpack.model.load",
     "resolve_tokenizer": "prefpack.model.load",
     "router_aux_loss_coef": "prefpack.model.forward",
@@ -35,7 +40,7 @@ _EXPORTS = {
     "sibling_leak": "prefpack.model.forward",
     "source_dtype": "prefpack.model.load",
     "split_pairs": "prefpack.model.forward",
-    "uses_flash_attention": "prefpack.model.forward",
+    "uses_flash_attention": "prefpack.model.attention.kernels",
     "weights_hash": "prefpack.model.load",
     "wants_compile": "prefpack.model.compile",
 }

@@ -10,11 +10,12 @@ and ``use_cache=False``. transformers (5.23) then builds the attention from the 
   row silently attends to the first).
 * flash-attention 2/3: boundaries are read from position ids only when the batch has ONE row
   (``modeling_flash_attention_utils._is_packed_sequence`` requires batch size 1); with several rows it
-  would run plain causal attention across sequences. So for flash implementations and prefpack's ``varlen``
-  (``flatten=None`` picks it automatically) the micro-batch is flattened to one row ``[1, real tokens]``,
-  dropping row padding. For ``varlen`` the sequence boundaries (``cu_seq_lens_q``) are computed here, once per
-  forward and on the host, and handed to every layer; for prompt-shared rows also the key boundaries
-  (``cu_seq_lens_k``) and the key gather index (``varlen.KEY_INDEX``) that let a completion read its prompt.
+  would run plain causal attention across sequences. So for kernels whose descriptor says ``flattens_rows``
+  (flash implementations and prefpack's ``varlen``; ``flatten=None`` reads it) the micro-batch is flattened to one
+  row ``[1, real tokens]``, dropping row padding. For a kernel with ``boundary_kwargs`` (``varlen``) the sequence
+  boundaries (``cu_seq_lens_q``) are computed here, once per forward and on the host, and handed to every layer;
+  for prompt-shared rows also the key boundaries (``cu_seq_lens_k``) and the key gather index
+  (``varlen.KEY_INDEX``) that let a completion read its prompt. The descriptors: ``model/attention/kernels.py``.
 
 Prompt-shared rows (``Batch.score_positions``) need a kernel that reads prompt groups from position ids
 (:func:`reads_prompt_groups`: ``packed_sdpa``, ``varlen``); other flattening kernels (flash-attn) refuse them.
@@ -44,7 +45,7 @@ from torch import nn
 
 from prefpack.batching.collate import Batch
 from prefpack.model.attention import varlen
-from prefpack.model.attention.packed_sdpa import NAME as PACKED_SDPA
+from prefpack.model.attention.kernels import KERNELS, kernel_of, reads_prompt_groups, uses_flash_attention
 from prefpack.model.head import body_and_head, head_spec
 from prefpack.model.logprobs import DEFAULT_CHUNK_SIZE, completion_logprobs, segment_sum
 from prefpack.precision import compute_context
@@ -85,22 +86,6 @@ class SequenceOutput(NamedTuple):
     tail_sum: torch.Tensor | None = None  # [S] sum over the tokens past the shorter completion of the pair (LD-DPO);
     # [2, P] per drawn pair (chosen, rejected) when the batch gives ``tail_pairs`` (ranked stores)
     wpo_mean: torch.Tensor | None = None  # [S] detached mean over tokens of log p - log sum_v p_v^2 (WPO)
-
-
-def attention_name(model: nn.Module) -> str:
-    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
-    return str(getattr(config, "_attn_implementation", "") or "")
-
-
-def uses_flash_attention(model: nn.Module) -> bool:
-    """True when the model's attention reads packing boundaries only for a single row (flash kernels, varlen)."""
-    impl = attention_name(model)
-    return "flash" in impl.lower() or impl == varlen.NAME
-
-
-def reads_prompt_groups(model: nn.Module) -> bool:
-    """True when the model's attention reads prompt groups from position ids (prompt-shared rows run on it)."""
-    return attention_name(model) in (PACKED_SDPA, varlen.NAME)
 
 
 def _boundary_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
@@ -189,14 +174,15 @@ def sequence_logps(
     body, _ = body_and_head(model)
     spec = head_spec(model)
     device = spec.weight.device
+    kernel = kernel_of(model)
     if flatten is None:
-        flatten = uses_flash_attention(model)
-    name = attention_name(model)
-    if batch.score_positions is not None and not (name == varlen.NAME or (name == PACKED_SDPA and not flatten)):
-        raise ValueError(f"prompt-shared rows run on the packed_sdpa and varlen kernels; this model's attention "
-                         f"({name or '?'}{', flattened' if flatten else ''}) does not read prompt groups")
+        flatten = kernel.flattens_rows
+    if batch.score_positions is not None and not kernel.runs_prompt_groups(flatten):
+        readers = " and ".join(k.name for k in KERNELS if k.reads_prompt_groups)
+        raise ValueError(f"prompt-shared rows run on the {readers} kernels; this model's attention "
+                         f"({kernel.name or '?'}{', flattened' if flatten else ''}) does not read prompt groups")
     extra = {}
-    if batch.packed and flatten and name == varlen.NAME:
+    if batch.packed and flatten and kernel.boundary_kwargs:
         extra = _boundary_kwargs(batch.position_ids[batch.token_mask], device)
     aux = router_aux_loss_func(model) if router_aux else None
     if aux is not None:
@@ -434,7 +420,7 @@ def _moved(model: nn.Module, rows: list[torch.Tensor], position_ids: torch.Tenso
     as training runs them: eval mode, the compute dtype, the kernel's keywords for a flattened row."""
     body, _ = body_and_head(model)
     device = head_spec(model).weight.device
-    extra = _boundary_kwargs(position_ids, device) if attention_name(model) == varlen.NAME else {}
+    extra = _boundary_kwargs(position_ids, device) if kernel_of(model).boundary_kwargs else {}
     pos = position_ids[None].to(device)
     outs = []
     was_training = model.training

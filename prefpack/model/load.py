@@ -14,9 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from prefpack.model.attention import varlen
-from prefpack.model.attention.packed_sdpa import NAME as PACKED_SDPA
-from prefpack.model.attention.packed_sdpa import register as register_packed_attention
+from prefpack.model.attention.kernels import kernel_named, pick_attention
 from prefpack.precision import Precision, set_compute_dtype
 from prefpack.tokenizer import TokenizerError, load_tokenizer, tokenizer_hash, tokenizer_matches
 
@@ -33,28 +31,6 @@ def pick_device(name: str = "auto") -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ModelError("train.device is 'cuda' but no CUDA device is available")
     return torch.device(name)
-
-
-def pick_attention(name: str, device: torch.device, compute_dtype: torch.dtype = torch.float32) -> str:
-    """The attention kernel for ``auto``; explicit choices are kept.
-
-    CPU: ``packed_sdpa`` (one causal block per packed sequence, prefpack.model.attention.packed_sdpa). CUDA: the
-    flash-attn package when installed; else torch's own flash varlen (``varlen``, prefpack.model.attention.varlen)
-    when the compute dtype is half precision (the kernel has no float32); else sdpa, with cuDNN's sdpa switched
-    off at load (it plans anew for every packed shape).
-    """
-    if name != "auto":
-        return name
-    if device.type == "cuda":
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash_attention_2"
-        except ImportError:
-            pass
-        half = compute_dtype in (torch.float16, torch.bfloat16)
-        return varlen.NAME if half and varlen.torch_varlen_kernel() else "sdpa"
-    return "sdpa" if device.type != "cpu" else PACKED_SDPA
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -81,13 +57,14 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
     from prefpack.model.compile import compile_decoder_layers
     from prefpack.model.forward import packing_leak, sibling_leak
 
-    register_packed_attention()
-    varlen.register()
+    kernel = kernel_named(attn_implementation)
+    if kernel.register is not None:  # only the kernel this model runs: transformers checks the name it loads
+        kernel.register()
     if precision is None:
         precision = Precision(dtype or torch.float32, dtype or torch.float32)
     dtype = precision.weights
     check_model_source(name_or_path)
-    if device.type == "cuda" and attn_implementation == "sdpa":
+    if device.type == "cuda" and kernel.cudnn_sdp_off:
         torch.backends.cuda.enable_cudnn_sdp(False)  # a new cuDNN plan per packed shape: 14.8 ms CPU per call
 
     def load(attn: str) -> nn.Module:
@@ -98,16 +75,17 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
         try:
             model = load(attn_implementation)
         except ValueError as exc:
-            if attn_implementation not in ("sdpa", PACKED_SDPA) or "scaled_dot_product_attention" not in str(exc):
+            if kernel.fallback is None or "scaled_dot_product_attention" not in str(exc):
                 raise
-            warnings.warn(f"model {name_or_path!r} has no sdpa attention; using eager attention", stacklevel=2)
-            model = load("eager")
+            warnings.warn(f"model {name_or_path!r} has no sdpa attention; using {kernel.fallback} attention",
+                          stacklevel=2)
+            model = load(kernel.fallback)
     except Exception as exc:  # transformers raises OSError/ValueError/HF errors for bad paths and configs
         raise ModelError(f"cannot load model {name_or_path!r}: {exc}") from exc
     disable_dropout(model)
-    if attn_implementation == varlen.NAME and _config_value(model, "attn_logit_softcapping"):
-        raise ModelError(f"model {name_or_path!r} softcaps its attention logits, which the varlen kernel cannot do; "
-                         "set model.attn_implementation=eager")
+    for feature, why in kernel.refuses:
+        if _config_value(model, feature):
+            raise ModelError(f"model {name_or_path!r} {why}")
     model = model.to(device)
     set_compute_dtype(model, precision)
     if packed:

@@ -18,16 +18,17 @@ from prefpack.data.store import Store, StoreError
 from prefpack.distributed import Dist, wrap
 from prefpack.losses import BATCH_COUPLED_LOSSES, LossTerm, needs_reference
 from prefpack.model import (
+    KERNELS,
     ModelError,
     SequenceLogps,
     TokenizerHandle,
     attention_name,
     check_model_source,
     check_vocab_fits,
+    kernel_of,
     load_causal_lm,
     pick_attention,
     pick_device,
-    reads_prompt_groups,
     release_freed_memory,
     resolve_tokenizer,
     router_aux_loss_coef,
@@ -209,22 +210,23 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
 
 def _prefix_sharing(data_cfg, policy: nn.Module) -> bool:
     """``data.prefix_sharing`` resolved: prompt-shared rows need packing and a kernel that reads
-    prompt groups (packed_sdpa, and CUDA's varlen). ``auto`` is on with packed_sdpa only (the varlen speed-up is not
-    measured yet); ``true`` runs on either and elsewhere is an error naming what is missing."""
+    prompt groups (its descriptor says so). ``auto`` is on where the descriptor says sharing was measured faster
+    (``prefix_sharing_auto``); ``true`` runs on any reader and elsewhere is an error naming what is missing."""
     setting = data_cfg.prefix_sharing
     if not setting:
         return False
-    name = attention_name(policy)
+    kernel = kernel_of(policy)
     if setting == "auto":
-        return data_cfg.packing and name == "packed_sdpa"  # pair and KTO objectives alike
+        return data_cfg.packing and kernel.prefix_sharing_auto  # pair and KTO objectives alike
     if not data_cfg.packing:
         raise ModelError("data.prefix_sharing lays prompts out once in packed rows; with data.packing=false there are "
                          "none: set one of them false")
-    if not reads_prompt_groups(policy):
+    if not kernel.reads_prompt_groups:
+        readers = [k for k in KERNELS if k.reads_prompt_groups]
         raise ModelError(f"data.prefix_sharing needs an attention kernel that reads prompt groups from position ids "
-                         f"(packed_sdpa, the CPU default, or varlen on CUDA); this run uses "
-                         f"{name or 'another kernel'!r}. Set data.prefix_sharing=false, or model.attn_implementation="
-                         "packed_sdpa (CPU) / varlen (CUDA)")
+                         f"({' or '.join(f'{k.name} on {k.where}' for k in readers)}); this run uses "
+                         f"{kernel.name or 'another kernel'!r}. Set data.prefix_sharing=false, or "
+                         f"model.attn_implementation={' / '.join(f'{k.name} ({k.where})' for k in readers)}")
     return True
 
 

@@ -1,4 +1,6 @@
-"""The attention choices a config may name, torch-free: ``auto``, transformers' own kernels and the ones this folder
-registers (``packed_sdpa.NAME``, ``varlen.NAME``; tests/test_layout.py checks they agree)."""
+"""The attention choices a config may name, torch-free: ``auto`` and the rows of the kernel table (``kernels.py``,
+which imports torch only when a rule runs)."""
 
-ATTENTION_CHOICES: tuple[str, ...] = ("auto", "sdpa", "packed_sdpa", "varlen", "eager", "flash_attention_2")
+from prefpack.model.attention.kernels import KERNELS
+
+ATTENTION_CHOICES: tuple[str, ...] = ("auto", *(k.name for k in KERNELS))
