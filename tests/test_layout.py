@@ -129,3 +129,40 @@ def test_the_config_loads_without_torch():
     code = "import sys, prefpack.config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+def test_user_errors_share_one_base():
+    """The CLI catches ``PrefpackError`` alone for prefpack's user errors, so a new one must derive from it; each
+    keeps its builtin base so callers' ``except ValueError`` / ``except OSError`` still catch it."""
+    from prefpack.cli import USER_ERRORS
+    from prefpack.config import ConfigError
+    from prefpack.data.formats import InvalidRow
+    from prefpack.data.prepare import PrepareError
+    from prefpack.data.sources import SourceError
+    from prefpack.data.store import StoreError
+    from prefpack.distributed import LaunchError
+    from prefpack.errors import PrefpackError
+    from prefpack.metrics import MetricsSetupError, MetricsWriteError
+    from prefpack.model import ModelError
+    from prefpack.plot import PlotError
+    from prefpack.reference import ReferenceMismatch
+    from prefpack.tokenizer import TokenizerError
+    from prefpack.training.checkpoint.files import CheckpointDamaged, CheckpointWriteError
+
+    assert PrefpackError in USER_ERRORS
+    value_errors = (ConfigError, InvalidRow, PrepareError, SourceError, StoreError, LaunchError, MetricsSetupError,
+                    ModelError, PlotError, ReferenceMismatch, TokenizerError, CheckpointDamaged, CheckpointWriteError)
+    for cls in value_errors:
+        assert issubclass(cls, PrefpackError) and issubclass(cls, ValueError), cls
+    assert issubclass(MetricsWriteError, PrefpackError) and issubclass(MetricsWriteError, OSError)
+
+
+def test_the_help_loads_without_torch():
+    """``prefpack --help`` (the parser and the error classes the CLI catches) never loads torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom prefpack.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "False"

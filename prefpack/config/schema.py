@@ -11,12 +11,13 @@ from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Literal
 
 from prefpack.config import rules
+from prefpack.errors import PrefpackError
 from prefpack.loss_params import LOSS_PARAMS
 from prefpack.model.attention.names import ATTENTION_CHOICES
 from prefpack.reference.names import REFERENCE_MODE_NAMES
 
 
-class ConfigError(ValueError):
+class ConfigError(PrefpackError, ValueError):
     """A config file, override or value is wrong; the message names the dotted key and what was expected."""
 
 

@@ -27,6 +27,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefpack.errors import PrefpackError
+
 LAYOUTS = ("pairs", "text-pairs", "messages", "implicit", "unpaired", "ranked")
 
 # A ranked row's completion: its text under one of these keys, and a score (higher is better) or a rank (1 is best).
@@ -74,7 +76,7 @@ FIELD_HELP = {
 }
 
 
-class InvalidRow(ValueError):
+class InvalidRow(PrefpackError, ValueError):
     """A row that cannot become an example; `reason` is a stable code used to count skips."""
 
     def __init__(self, reason: str, field_name: str | None, message: str):

@@ -41,10 +41,11 @@ from prefpack.data.store import (
     recover_interrupted,
 )
 from prefpack.data.tokenize import Dropped, ExampleTokenizer, TokenizeConfig, TokenizedExample
+from prefpack.errors import PrefpackError
 from prefpack.tokenizer import HASH_VERSION, load_tokenizer, special_tokens, tokenizer_hash, tokenizer_name
 
 
-class PrepareError(ValueError):
+class PrepareError(PrefpackError, ValueError):
     """A user-facing failure of prepare (bad row without --skip-invalid, unreadable input...)."""
 
 

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from prefpack.errors import PrefpackError
 from prefpack.stale import OWNER_FILE, remove_stale_tmp, stale_entries, write_owner
 
 FORMAT_NAME = "prefpack-store"
@@ -42,7 +43,7 @@ FLAG_PROMPT_TRUNCATED = 1
 FLAG_COMPLETION_TRUNCATED = 2
 
 
-class StoreError(ValueError):
+class StoreError(PrefpackError, ValueError):
     """A store that is missing, incomplete, corrupt or of another format version."""
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from prefpack.errors import PrefpackError
 from prefpack.model.attention import varlen
 from prefpack.model.attention.packed_sdpa import NAME as PACKED_SDPA
 from prefpack.model.attention.packed_sdpa import register as register_packed_attention
@@ -23,7 +24,7 @@ from prefpack.tokenizer import TokenizerError, load_tokenizer, tokenizer_hash, t
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-class ModelError(ValueError):
+class ModelError(PrefpackError, ValueError):
     """A model that cannot be loaded or does not fit the store."""
 
 
