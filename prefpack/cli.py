@@ -6,24 +6,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from prefpack.errors import PrefpackError
+
 EXIT_USER_ERROR = 2
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from prefpack.config import ConfigError
-    from prefpack.data.formats import InvalidRow
-    from prefpack.data.prepare import PrepareError
-    from prefpack.data.sources import SourceError
-    from prefpack.data.store import StoreError
-    from prefpack.distributed import LaunchError
-    from prefpack.metrics import MetricsWriteError
-    from prefpack.model import ModelError
-    from prefpack.plot import PlotError
-    from prefpack.reference import ReferenceMismatch
-    from prefpack.tokenizer import TokenizerError
-
-    return (InvalidRow, PrepareError, SourceError, StoreError, TokenizerError, ConfigError, ModelError,
-            ReferenceMismatch, PlotError, FileExistsError, LaunchError, MetricsWriteError)
+# What the CLI prints as a message (no traceback): prefpack's own user errors, and quickstart refusing to write
+# into a folder it did not make (a builtin FileExistsError).
+USER_ERRORS: tuple[type[BaseException], ...] = (PrefpackError, FileExistsError)
 
 
 def _commands() -> dict:
@@ -71,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return _commands()[args.command][1](args, ["prefpack", *argv])
-    except _user_errors() as exc:
+    except USER_ERRORS as exc:
         print(f"prefpack {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:

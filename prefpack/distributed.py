@@ -25,8 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from prefpack.errors import PrefpackError
 
-class LaunchError(ValueError):
+
+class LaunchError(PrefpackError, ValueError):
     """torchrun asked for something this machine cannot give (more GPU processes than GPUs)."""
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from prefpack.config import ConfigError
+from prefpack.errors import PrefpackError
 
 __all__ = ["METRICS_FILE", "WANDB_ID_FILE", "MetricsLogger", "MetricsSetupError", "check_report_to", "read_metrics",
            "report_targets"]
@@ -71,7 +72,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return _parse_lines(p.read_text(encoding="utf-8"), p)
 
 
-class MetricsWriteError(OSError):
+class MetricsWriteError(PrefpackError, OSError):
     """metrics.jsonl could not be written (a full disk); the message names the file."""
 
 

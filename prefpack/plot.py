@@ -10,6 +10,7 @@ import math
 import os
 from pathlib import Path
 
+from prefpack.errors import PrefpackError
 from prefpack.metrics import METRICS_FILE, read_metrics
 
 __all__ = ["PANELS", "PlotError", "plot_run"]
@@ -28,7 +29,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
-class PlotError(ValueError):
+class PlotError(PrefpackError, ValueError):
     """Nothing to plot, or matplotlib is missing; the message says what to do."""
 
 

@@ -14,8 +14,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from prefpack.errors import PrefpackError
 
-class TokenizerError(ValueError):
+
+class TokenizerError(PrefpackError, ValueError):
     """The tokenizer cannot be loaded or lacks what prefpack needs (e.g. an EOS token)."""
 
 

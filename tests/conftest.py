@@ -1,9 +1,11 @@
-"""Shared fixtures: bundled real data and small locally built tokenizers (no network, no ../shared)."""
+"""Shared fixtures: bundled real data and small locally built tokenizers (no network, no ../shared); and the
+helpers several test modules use (imported as ``from conftest import ...``)."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import subprocess
 import sys
@@ -19,6 +21,7 @@ if os.environ.get("PREFPACK_TEST_CUDA") != "1":
 import pytest
 import torch
 
+from prefpack.config import load_config
 from prefpack.toy_tokenizer import build_toy_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,6 +40,18 @@ def write_jsonl(path: Path, rows: list) -> Path:
         for r in rows:
             fh.write((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n")
     return path
+
+
+def quiet(*_args, **_kwargs) -> None:
+    """A ``log`` callback that drops the messages."""
+    return None
+
+
+def log_sigmoid(x: float) -> float:
+    """log(1 / (1 + e^-x)) in plain float math, without overflow for large |x| (the formulas' reference)."""
+    if x >= 0:
+        return -math.log1p(math.exp(-x))
+    return x - math.log1p(math.exp(x))
 
 
 @pytest.fixture(scope="session")
@@ -172,3 +187,42 @@ def prepare_hh_splits(root, tok_dir, hh_rows, sizes: dict[str, int], max_length:
                                output=str(root / name), max_length=max_length, workers=1), log=lambda m: None)
         out[name] = root / name
     return out
+
+
+# ---------------------------------------------------------------- a training test's world and run folder
+
+
+def overrides(world, run_dir, *extra) -> list[str]:
+    """Config overrides of a run in ``run_dir`` on a test world (a dict with ``policy`` and ``train`` paths, and
+    ``settings``: the module's own overrides), then ``extra`` (later ones win)."""
+    return [f"model.name_or_path={world['policy']}", f"data.train={world['train']}", f"run.output_dir={run_dir}",
+            *world["settings"], *extra]
+
+
+def cfg_for(world, run_dir, *extra):
+    """The parsed (not yet validated) config of ``overrides(world, run_dir, *extra)``."""
+    return load_config(None, overrides(world, run_dir, *extra))
+
+
+def metrics_lines(run_dir, split="train") -> list[dict]:
+    """The rows of a run's metrics.jsonl of one split, in order."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["split"] == split]
+
+
+def final_weights(run_dir) -> dict:
+    """The state dict a run saved in ``final/``."""
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "final" / "model.safetensors"))
+
+
+def seq_logp_f64(model, prompt, completion) -> float:
+    """A completion's log-probability after its prompt, by one plain forward in float64 (the reference the
+    packed, chunked computation is checked against)."""
+    ids = torch.tensor([[int(t) for t in prompt] + [int(t) for t in completion]])
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits.double()
+    logp = torch.log_softmax(logits[0, :-1], -1)
+    targets = ids[0, 1:]
+    return float(logp[torch.arange(len(targets)), targets][len(prompt) - 1 :].sum())

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import prepare_hh_splits, tiny_llama
+from conftest import cfg_for, final_weights, overrides, prepare_hh_splits, quiet, tiny_llama
 
 from prefpack.cli import main as cli_main
 from prefpack.config import ConfigError, load_config
@@ -36,30 +36,11 @@ def world(tmp_path_factory, toy_tokenizers, hh_train):
     root = tmp_path_factory.mktemp("hardening")
     tok = toy_tokenizers["llama"]
     stores = prepare_hh_splits(root, tok, hh_train, {"train": 24, "eval": 6})
-    return {"root": root, **stores, "policy": tiny_llama(tok, root / "policy", 1)}
+    return {"root": root, **stores, "settings": BASE, "policy": tiny_llama(tok, root / "policy", 1)}
 
 
 BASE = ("optim.lr=1.0e-3", "optim.schedule=constant", "train.global_batch_pairs=8", "train.max_steps=4",
         "run.plot=false", "run.tensorboard=false", "run.save_every=1", "run.keep_checkpoints=3")
-
-
-def overrides(world, run_dir, *extra) -> list[str]:
-    return [f"model.name_or_path={world['policy']}", f"data.train={world['train']}", f"run.output_dir={run_dir}",
-            *BASE, *extra]
-
-
-def cfg_for(world, run_dir, *extra):
-    return load_config(None, overrides(world, run_dir, *extra))
-
-
-def quiet(_msg) -> None:
-    return None
-
-
-def final_weights(run_dir):
-    from safetensors.torch import load_file
-
-    return load_file(str(run_dir / "final" / "model.safetensors"))
 
 
 def assert_same_weights(a, b):

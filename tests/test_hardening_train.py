@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from test_train import cfg_for
+from conftest import cfg_for
 from test_train import world as world  # noqa: F401 - a module-scoped fixture shared with test_train
 
 from prefpack.distributed import LaunchError, init_from_env

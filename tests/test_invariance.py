@@ -22,17 +22,22 @@ import shutil
 
 import pytest
 import torch
-from conftest import prepare_hh_splits, run_prefpack, tiny_llama, write_jsonl
+from conftest import (
+    cfg_for,
+    final_weights,
+    metrics_lines,
+    overrides,
+    prepare_hh_splits,
+    quiet,
+    run_prefpack,
+    tiny_llama,
+    write_jsonl,
+)
 
 from prefpack.cli import main as cli_main
-from prefpack.config import load_config
 from prefpack.data.store import Store
 from prefpack.data.views import PairGroups
 from prefpack.training import TrainingInterrupted, build, evaluate, train
-
-
-def quiet(_msg):
-    return None
 
 
 def _unpaired_rows(hh_train) -> dict[str, list[dict]]:
@@ -100,6 +105,11 @@ def _prepare_splits(root, tok, splits: dict[str, list[dict]], *args) -> dict:
         assert cli_main(["prepare", str(write_jsonl(root / f"{name}.jsonl", rows)), *args, "--tokenizer", str(tok),
                          "--output", str(root / name), "--max-length", "64", "--workers", "1"]) == 0
     return {name: root / name for name in splits}
+
+
+# every world's run settings, before those of its objective (its "base")
+RUN = ("optim.lr=1.0e-3", "optim.schedule=constant", "train.max_steps=3", "run.plot=false", "run.tensorboard=false",
+       "train.micro_batch_tokens=4096", "data.max_tokens_per_row=1024")
 
 
 @pytest.fixture(scope="module", params=["pairs", "pairs_shared", "kto", "kto_shared", "ranked_shared",
@@ -170,30 +180,11 @@ def world(request, tmp_path_factory, toy_tokenizers, hh_train):
             "ranks": ["train.global_batch_pairs=3", "train.micro_batch_tokens=64", "data.max_tokens_per_row=64",
                       "loss.beta=0.5"],
         }
-    return {"kind": kind, "root": root, "tok": tok, **stores, **settings,
-            "policy": tiny_llama(tok, root / "policy", 1), "ref": tiny_llama(tok, root / "ref", 2)}
-
-
-def overrides(w, run_dir, *extra) -> list[str]:
-    return [f"model.name_or_path={w['policy']}", f"data.train={w['train']}", f"run.output_dir={run_dir}",
-            f"reference.model={w['ref']}", "optim.lr=1.0e-3", "optim.schedule=constant", "train.max_steps=3",
-            "run.plot=false", "run.tensorboard=false", "train.micro_batch_tokens=4096", "data.max_tokens_per_row=1024",
-            *w["base"], *extra]
-
-
-def cfg_for(w, run_dir, *extra):
-    return load_config(None, overrides(w, run_dir, *extra))
-
-
-def metrics_lines(run_dir, split="train"):
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["split"] == split]
-
-
-def final_weights(run_dir):
-    from safetensors.torch import load_file
-
-    return load_file(str(run_dir / "final" / "model.safetensors"))
+    policy, ref = tiny_llama(tok, root / "policy", 1), tiny_llama(tok, root / "ref", 2)
+    # what `cfg_for(world, ...)` sets besides the model, the train store and the run folder
+    run_settings = [f"reference.model={ref}", *RUN, *settings.pop("base")]
+    return {"kind": kind, "root": root, "tok": tok, **stores, **settings, "settings": run_settings,
+            "policy": policy, "ref": ref}
 
 
 def assert_same_runs(w, a, b, *, atol, grad_rtol, weights_atol, weights_rtol, loss_atol=None, steps=3):

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import make_task, tiny_llama, write_jsonl
+from conftest import make_task, metrics_lines, quiet, seq_logp_f64, tiny_llama, write_jsonl
 
 from prefpack.batching.schedule import StepKey, StepSchedule
 from prefpack.cli import main as cli_main
@@ -64,15 +64,6 @@ def kcfg(w, run_dir, *extra):
             "optim.schedule=constant", "train.global_batch_pairs=5", "train.max_steps=3", "run.plot=false",
             "run.tensorboard=false", "train.micro_batch_tokens=4096", "data.max_tokens_per_row=1024"]
     return load_config(None, base + list(extra))
-
-
-def metrics_lines(run_dir, split="train"):
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["split"] == split]
-
-
-def quiet(_msg):
-    return None
 
 
 # ---------------------------------------------------------------- the loss as a pure function
@@ -371,15 +362,6 @@ def test_imbalance_warning_is_logged(kworld, tmp_path):
 # ---------------------------------------------------------------- prefpack eval
 
 
-def _seq_logp_f64(model, prompt, completion):
-    ids = torch.tensor([[int(t) for t in prompt] + [int(t) for t in completion]])
-    with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=False).logits.double()
-    logp = torch.log_softmax(logits[0, :-1], -1)
-    targets = ids[0, 1:]
-    return float(logp[torch.arange(len(targets)), targets][len(prompt) - 1 :].sum())
-
-
 def test_eval_cli_on_an_unpaired_store_matches_float64_formula(kworld, capsys):
     from transformers import AutoModelForCausalLM
 
@@ -388,7 +370,7 @@ def test_eval_cli_on_an_unpaired_store_matches_float64_formula(kworld, capsys):
     view = UnpairedView(store)
     partners = make_task(KTOTask, store, kcfg(kworld, "unused")).partners_for(np.arange(len(view)), None)
     assert (partners != np.arange(len(view))).all()
-    kl_logp = {k: [_seq_logp_f64(m, view.prompt(i), view.completion(j)) for i, j in enumerate(partners)]
+    kl_logp = {k: [seq_logp_f64(m, view.prompt(i), view.completion(j)) for i, j in enumerate(partners)]
                for k, m in models.items()}
     # roles chosen so that E[policy - reference] > 0 on the KL sequences: z0 is not clamped to 0
     pol_name, ref_name = ("policy", "ref") if sum(kl_logp["policy"]) > sum(kl_logp["ref"]) else ("ref", "policy")
@@ -401,7 +383,7 @@ def test_eval_cli_on_an_unpaired_store_matches_float64_formula(kworld, capsys):
     losses = []
     for i in range(len(view)):
         prompt, completion, good = view[i]
-        r = _seq_logp_f64(pol, prompt, completion) - _seq_logp_f64(ref, prompt, completion)
+        r = seq_logp_f64(pol, prompt, completion) - seq_logp_f64(ref, prompt, completion)
         losses.append(1 - _sig(0.3 * (r - z0)) if good else 1 - _sig(0.3 * (z0 - r)))
     assert got["examples"] == len(view) == 7 and got["reference"] == "copy"
     assert got["kl"] == pytest.approx(z0, abs=1e-5)

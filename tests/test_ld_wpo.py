@@ -11,8 +11,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import cfg_for, metrics_lines
 from test_packing import make_model, random_pairs
-from test_train import cfg_for, metrics_lines, world  # noqa: F401 - `world` is a fixture
+from test_train import world  # noqa: F401 - a module-scoped fixture shared with test_train
 
 from prefpack.batching.collate import collate_packed, collate_padded
 from prefpack.cli import main as cli_main

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from test_train import cfg_for, metrics_lines
+from conftest import cfg_for, metrics_lines
 from test_train import world as world  # noqa: F401 - a module-scoped fixture shared with test_train
 
 from prefpack.cli import build_parser

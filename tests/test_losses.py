@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import log_sigmoid
 
 from prefpack.losses import (
     LENGTH_NORMALISED_LOSSES,
@@ -33,13 +34,6 @@ DT = torch.float64
 # --------------------------------------------------------------------------------------------------------
 # Reference math (scalars, plain `math`), independent of torch and of the code under test.
 # --------------------------------------------------------------------------------------------------------
-
-
-def log_sigmoid(x: float) -> float:
-    """log(1 / (1 + e^-x)) without overflow for large |x|."""
-    if x >= 0:
-        return -math.log1p(math.exp(-x))
-    return x - math.log1p(math.exp(x))
 
 
 def sigmoid(x: float) -> float:

@@ -12,6 +12,7 @@ import mpmath
 import numpy as np
 import pytest
 import torch
+from conftest import log_sigmoid
 from test_losses import HAND_ROWS, pair_logps, random_rows
 
 from prefpack.config import LossConfig
@@ -41,10 +42,6 @@ DT = torch.float64
 # --------------------------------------------------------------------------------------------------------
 # Plain-math helpers, independent of torch and of prefpack.
 # --------------------------------------------------------------------------------------------------------
-
-
-def log_sigmoid(x: float) -> float:
-    return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
 
 
 def sigmoid(x: float) -> float:

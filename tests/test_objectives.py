@@ -9,7 +9,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_train import cfg_for, metrics_lines, world  # noqa: F401 - `world` is a fixture
+from conftest import cfg_for, metrics_lines, quiet
+from test_train import world  # noqa: F401 - a module-scoped fixture shared with test_train
 
 from prefpack.objectives import PairTask, StepState
 from prefpack.reference import (
@@ -21,10 +22,6 @@ from prefpack.reference import (
     make_reference,
 )
 from prefpack.training import build, evaluate, train
-
-
-def quiet(*_a, **_k):
-    return None
 
 
 def test_evaluation_scores_bco_pair_running_with_the_training_mean(world, tmp_path):  # noqa: F811

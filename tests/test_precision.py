@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
+from conftest import cfg_for, final_weights, metrics_lines
 from safetensors.torch import load_file
-from test_train import cfg_for, final_weights, metrics_lines
 from test_train import world as world  # noqa: F401 - a module-scoped fixture shared with test_train
 
 from prefpack.config import ConfigError

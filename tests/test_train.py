@@ -7,12 +7,15 @@ import math
 
 import pytest
 import torch
-from conftest import prepare_hh_splits, tiny_llama
+from conftest import cfg_for, final_weights, metrics_lines, prepare_hh_splits, seq_logp_f64, tiny_llama
 
 from prefpack.cli import main as cli_main
-from prefpack.config import load_config
 from prefpack.data.store import Store
 from prefpack.training import build, train
+
+# what `cfg_for(world, ...)` sets besides the model, the train store and the run folder
+SETTINGS = ("optim.lr=1.0e-3", "optim.schedule=constant", "train.global_batch_pairs=8", "train.max_steps=3",
+            "run.plot=false", "run.tensorboard=false", "train.micro_batch_tokens=4096", "data.max_tokens_per_row=1024")
 
 
 @pytest.fixture(scope="module")
@@ -21,38 +24,11 @@ def world(tmp_path_factory, toy_tokenizers, hh_train):
     root = tmp_path_factory.mktemp("train")
     tok = toy_tokenizers["llama"]
     stores = prepare_hh_splits(root, tok, hh_train, {"train": 24, "eval": 10})
-    return {"root": root, "tok": tok, **stores,
+    return {"root": root, "tok": tok, **stores, "settings": SETTINGS,
             "policy": tiny_llama(tok, root / "policy", 1), "ref": tiny_llama(tok, root / "ref", 2)}
 
 
-def cfg_for(world, run_dir, *extra):
-    base = [f"model.name_or_path={world['policy']}", f"data.train={world['train']}", f"run.output_dir={run_dir}",
-            "optim.lr=1.0e-3", "optim.schedule=constant", "train.global_batch_pairs=8", "train.max_steps=3",
-            "run.plot=false", "run.tensorboard=false", "train.micro_batch_tokens=4096", "data.max_tokens_per_row=1024"]
-    return load_config(None, base + list(extra))
-
-
-def final_weights(run_dir):
-    from safetensors.torch import load_file
-
-    return load_file(str(run_dir / "final" / "model.safetensors"))
-
-
-def metrics_lines(run_dir, split="train"):
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if json.loads(x)["split"] == split]
-
-
 # ---------------------------------------------------------------- eval against an independent formula
-
-
-def _seq_logp_f64(model, prompt, completion):
-    ids = torch.tensor([[int(t) for t in prompt] + [int(t) for t in completion]])
-    with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=False).logits.double()
-    logp = torch.log_softmax(logits[0, :-1], -1)
-    targets = ids[0, 1:]
-    per_tok = logp[torch.arange(len(targets)), targets]
-    return float(per_tok[len(prompt) - 1 :].sum())
 
 
 def test_eval_matches_float64_formula(world, capsys):
@@ -68,8 +44,8 @@ def test_eval_matches_float64_formula(world, capsys):
     losses, accs, margins = [], [], []
     for i in range(len(store)):
         p = store.pair(i)
-        pc, pr = _seq_logp_f64(pol, p.prompt, p.chosen), _seq_logp_f64(pol, p.prompt, p.rejected)
-        rc, rr = _seq_logp_f64(ref, p.prompt, p.chosen), _seq_logp_f64(ref, p.prompt, p.rejected)
+        pc, pr = seq_logp_f64(pol, p.prompt, p.chosen), seq_logp_f64(pol, p.prompt, p.rejected)
+        rc, rr = seq_logp_f64(ref, p.prompt, p.chosen), seq_logp_f64(ref, p.prompt, p.rejected)
         z = 0.3 * ((pc - rc) - (pr - rr))
         losses.append(math.log1p(math.exp(-z)))  # -log sigmoid(z)
         accs.append(float((pc - rc) > (pr - rr)))

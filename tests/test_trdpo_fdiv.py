@@ -7,7 +7,8 @@ import math
 
 import pytest
 import torch
-from test_train import cfg_for, final_weights, metrics_lines, world  # noqa: F401 - `world` is a fixture
+from conftest import cfg_for, final_weights, log_sigmoid, metrics_lines
+from test_train import world  # noqa: F401 - a module-scoped fixture shared with test_train
 
 from prefpack.config import Config, ConfigError, load_config
 from prefpack.losses import (
@@ -47,10 +48,6 @@ def f_prime(u: float, kind: str, alpha: float) -> float:
     if kind == "alpha_divergence":
         return (u ** (alpha - 1.0) - 1.0) / (alpha - 1.0)
     raise AssertionError(kind)
-
-
-def log_sigmoid(x: float) -> float:
-    return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
 
 
 def expected(name: str, kind: str, alpha: float, beta: float, eps: float = 0.0) -> torch.Tensor:

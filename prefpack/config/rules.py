@@ -1,25 +1,20 @@
 """Value rules of a config: what ``Config.validate()`` refuses and what ``Config.warnings()`` points out.
 
 Apart from the schema because they read several sections at once (and the loss registry), and grow with every
-loss and option; parsing (``io``) only checks keys and types.
+loss and option; parsing (``io``) only checks keys and types. Below the schema: the schema's ``Config`` calls
+these, so they read the config by its attributes and name its class for type checkers only.
 """
 
 from __future__ import annotations
 
 import difflib
 import math
+from typing import TYPE_CHECKING
 
-from prefpack.config.schema import Config, ConfigError
 from prefpack.model.attention.kernels import kernel_named
 
-
-def validate(cfg: Config, *, training: bool = True) -> None:
-    """``Config.validate``: raise one ``ConfigError`` listing every problem of ``cfg``."""
-    problems = _problems(cfg, training=training)
-    if len(problems) == 1:
-        raise ConfigError(problems[0])
-    if problems:
-        raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
+if TYPE_CHECKING:
+    from prefpack.config.schema import Config
 
 
 def warnings(cfg: Config) -> list[str]:
@@ -37,7 +32,8 @@ def warnings(cfg: Config) -> list[str]:
     return out
 
 
-def _problems(cfg: Config, *, training: bool) -> list[str]:
+def problems(cfg: Config, *, training: bool) -> list[str]:
+    """``Config.validate``: every problem of ``cfg``, one message each (empty when it is valid)."""
     errs: list[str] = []
 
     def need(ok: bool, msg: str) -> None:

@@ -10,12 +10,14 @@ import copy
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Literal
 
+from prefpack.config import rules
+from prefpack.errors import PrefpackError
 from prefpack.loss_params import LOSS_PARAMS
 from prefpack.model.attention.names import ATTENTION_CHOICES
 from prefpack.reference.names import REFERENCE_MODE_NAMES
 
 
-class ConfigError(ValueError):
+class ConfigError(PrefpackError, ValueError):
     """A config file, override or value is wrong; the message names the dotted key and what was expected."""
 
 
@@ -228,12 +230,12 @@ class Config:
         ``training=False`` skips the keys only ``train`` needs (``model.name_or_path``, ``data.train``) so
         ``eval`` and tests can check partial configs.
         """
-        from prefpack.config.rules import validate  # here, not at the top: rules imports this module
-
-        validate(self, training=training)
+        problems = rules.problems(self, training=training)
+        if len(problems) == 1:
+            raise ConfigError(problems[0])
+        if problems:
+            raise ConfigError("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
 
     def warnings(self) -> list[str]:
         """Allowed but probably unintended settings, for the CLI to print."""
-        from prefpack.config.rules import warnings
-
-        return warnings(self)
+        return rules.warnings(self)

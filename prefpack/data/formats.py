@@ -19,13 +19,27 @@ definitions) and a `chat_template_kwargs` column (an object of extra template va
 `enable_thinking`); both are passed to the chat template when the row is rendered. Assistant messages may
 carry `tool_calls` (then their `content` may be null or absent) and prompts may hold `tool` messages; messages
 reach the template unchanged.
+
+The checks of one field (types, Unicode, messages, the chat columns) and ``InvalidRow`` are in ``row_checks``.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from prefpack.data.row_checks import (
+    KWARGS_FIELD,
+    TOOLS_FIELD,
+    InvalidRow,
+    get_label,
+    get_messages,
+    get_str,
+    json_type,
+    parse_template_kwargs,
+    parse_tools,
+    require,
+)
 
 LAYOUTS = ("pairs", "text-pairs", "messages", "implicit", "unpaired", "ranked")
 
@@ -55,16 +69,6 @@ ASSISTANT_MARKER_FAMILIES = (
 )
 ASSISTANT_MARKERS = tuple(marker for _, marker in ASSISTANT_MARKER_FAMILIES)
 
-# Per-row columns read for chat rows (TRL's names).
-TOOLS_FIELD = "tools"
-KWARGS_FIELD = "chat_template_kwargs"
-# apply_chat_template's own arguments: a template variable of one of these names cannot be passed through.
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "tools", "add_generation_prompt", "continue_final_message", "tokenize", "padding",
-    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs", "sanitize_control_tokens", "messages",
-})
-
 
 # The fields a user can rename (`prepare --NAME-field`), with what each holds.
 FIELD_HELP = {
@@ -72,16 +76,6 @@ FIELD_HELP = {
     "label": "label (unpaired rows)", "completions": "completions list (ranked rows)",
     "scores": "scores list beside a plain completions list (ranked rows; higher is better)",
 }
-
-
-class InvalidRow(ValueError):
-    """A row that cannot become an example; `reason` is a stable code used to count skips."""
-
-    def __init__(self, reason: str, field_name: str | None, message: str):
-        super().__init__(message)
-        self.reason = reason
-        self.field = field_name
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -193,168 +187,34 @@ def extract(row: dict, layout: str, f: Fields) -> Example:
     return ex
 
 
-def parse_tools(value: Any, name: str) -> list[dict] | None:
-    """A `tools` value: a list of function definitions (JSON objects), or a string holding one as JSON (the
-    usual way to store tools whose schemas differ from row to row in Parquet). None when absent or null."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise InvalidRow("wrong_type", name, f"field {name!r} must be a list of function definitions (JSON "
-                             f"objects); got a string that is not JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(value, list):
-        raise InvalidRow("wrong_type", name, f"field {name!r} must be a list of function definitions (JSON "
-                         f"objects), got {_json_type(value)}")
-    for i, tool in enumerate(value):
-        if not isinstance(tool, dict):
-            raise InvalidRow("wrong_type", name, f"field {name!r}: tool {i} must be a JSON object (a function "
-                             f"definition such as {{\"type\": \"function\", \"function\": {{...}}}}), "
-                             f"got {_json_type(tool)}")
-    return value
-
-
-def parse_template_kwargs(value: Any, name: str) -> dict[str, Any]:
-    """A `chat_template_kwargs` value: an object of template variables, or a string holding one as JSON."""
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise InvalidRow("wrong_type", name, f"field {name!r} must be a JSON object of template variables, "
-                             f"e.g. {{\"enable_thinking\": false}}; got a string that is not JSON ({exc.msg} at "
-                             f"column {exc.colno})") from None
-    if not isinstance(value, dict):
-        raise InvalidRow("wrong_type", name, f"field {name!r} must be a JSON object of template variables, e.g. "
-                         f"{{\"enable_thinking\": false}}; got {_json_type(value)}")
-    for key in value:
-        if not isinstance(key, str) or not key.isidentifier():
-            raise InvalidRow("wrong_type", name, f"field {name!r}: key {key!r} is not a template variable name")
-        if key in RESERVED_TEMPLATE_KWARGS:
-            hint = " (give tools in the 'tools' column or with --tools)" if key == "tools" else ""
-            raise InvalidRow("wrong_type", name, f"field {name!r}: key {key!r} is set by prepare itself, not a "
-                             f"template variable{hint}")
-    return dict(value)
-
-
-def _json_type(value: Any) -> str:
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
-             float: "a number", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
-
-
 def _extract(row: dict, layout: str, f: Fields) -> Example:
     if layout in ("pairs", "text-pairs"):
-        prompt = _get_str(row, f.prompt)
-        chosen = _get_str(row, f.chosen)
-        rejected = _get_str(row, f.rejected)
+        prompt = get_str(row, f.prompt)
+        chosen = get_str(row, f.chosen)
+        rejected = get_str(row, f.rejected)
         _check_distinct(chosen, rejected, f)
         return Example(prompt, (chosen, rejected), chat=False, completion_fields=(f.chosen, f.rejected))
     if layout == "messages":
-        prompt = _get_messages(row, f.prompt, allow_empty=True)
-        chosen = _get_messages(row, f.chosen, as_reply=True)
-        rejected = _get_messages(row, f.rejected, as_reply=True)
+        prompt = get_messages(row, f.prompt, allow_empty=True)
+        chosen = get_messages(row, f.chosen, as_reply=True)
+        rejected = get_messages(row, f.rejected, as_reply=True)
         _check_distinct(chosen, rejected, f)
         return Example(prompt, (chosen, rejected), chat=True, completion_fields=(f.chosen, f.rejected))
     if layout == "implicit":
         return _extract_implicit(row, f)
     if layout == "unpaired":
-        label = _get_label(row, f.label)
-        value = _require(row, f.prompt)
+        label = get_label(row, f.label)
+        value = require(row, f.prompt)
         if isinstance(value, list):
-            prompt = _get_messages(row, f.prompt, allow_empty=True)
-            completion = _get_messages(row, f.completion, as_reply=True)
+            prompt = get_messages(row, f.prompt, allow_empty=True)
+            completion = get_messages(row, f.completion, as_reply=True)
             return Example(prompt, (completion,), chat=True, label=label, completion_fields=(f.completion,))
-        prompt = _get_str(row, f.prompt)
-        completion = _get_str(row, f.completion)
+        prompt = get_str(row, f.prompt)
+        completion = get_str(row, f.completion)
         return Example(prompt, (completion,), chat=False, label=label, completion_fields=(f.completion,))
     if layout == "ranked":
         return _extract_ranked(row, f)
     raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
-
-
-def _require(row: dict, name: str) -> Any:
-    if name not in row:
-        raise InvalidRow("missing_field", name, f"missing field {name!r} (row has {sorted(row)})")
-    value = row[name]
-    if value is None:
-        raise InvalidRow("missing_field", name, f"field {name!r} is null")
-    return value
-
-
-def _check_text(value: str, name: str) -> None:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidRow("undecodable_text", name, f"field {name!r} holds text that is not valid Unicode "
-                         f"({exc.reason} at character {exc.start})") from None
-
-
-def _get_str(row: dict, name: str) -> str:
-    value = _require(row, name)
-    if not isinstance(value, str):
-        raise InvalidRow("wrong_type", name, f"field {name!r} must be a string, got {type(value).__name__}")
-    _check_text(value, name)
-    return value
-
-
-def _check_message(msg: Any, name: str, i: int) -> dict:
-    """Check one message; it is passed to the chat template unchanged (extra keys such as `tool_call_id`,
-    `name` or `reasoning_content` included)."""
-    if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-        raise InvalidRow("wrong_type", name, f"field {name!r}: message {i} must be an object with string "
-                         "'role' and 'content'")
-    calls = msg.get("tool_calls")
-    if calls is not None:
-        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-            raise InvalidRow("wrong_type", name, f"field {name!r}: message {i}'s 'tool_calls' must be a list of "
-                             "objects (each e.g. {'type': 'function', 'function': {'name': ..., 'arguments': "
-                             "{...}}})")
-        if calls and msg["role"] != "assistant":
-            raise InvalidRow("wrong_type", name, f"field {name!r}: message {i} has 'tool_calls' but role "
-                             f"{msg['role']!r}; only assistant messages call tools")
-    content = msg.get("content")
-    if content is None and calls:
-        return msg  # a pure tool call: no text
-    if not isinstance(content, str):
-        raise InvalidRow("wrong_type", name, f"field {name!r}: message {i} must be an object with string "
-                         "'role' and 'content' (content may be null only beside 'tool_calls')")
-    _check_text(content, name)
-    return msg
-
-
-def _get_messages(row: dict, name: str, *, allow_empty: bool = False, as_reply: bool = False) -> list[dict]:
-    value = _require(row, name)
-    if as_reply and isinstance(value, dict):
-        value = [value]
-    if as_reply and isinstance(value, str):
-        raise InvalidRow("wrong_type", name, f"field {name!r} is a string but the prompt is a message list; "
-                         "give the reply as [{'role': 'assistant', 'content': ...}]")
-    if not isinstance(value, list):
-        raise InvalidRow("wrong_type", name, f"field {name!r} must be a list of messages, got {type(value).__name__}")
-    msgs = [_check_message(m, name, i) for i, m in enumerate(value)]
-    if as_reply:
-        if not msgs:
-            raise InvalidRow("empty_completion", name, f"field {name!r} holds no reply message")
-        if msgs[0]["role"] != "assistant":
-            raise InvalidRow("wrong_type", name, f"field {name!r} must start with an assistant message, "
-                             f"got role {msgs[0]['role']!r}")
-    elif not allow_empty and not msgs:
-        raise InvalidRow("missing_field", name, f"field {name!r} is an empty message list")
-    return msgs
-
-
-def _get_label(row: dict, name: str) -> int:
-    value = _require(row, name)
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int) and value in (0, 1):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return int(value.strip().lower() == "true")
-    raise InvalidRow("wrong_type", name, f"field {name!r} must be a boolean (true = desirable), got {value!r}")
 
 
 def _check_distinct(chosen: Any, rejected: Any, f: Fields) -> None:
@@ -364,10 +224,10 @@ def _check_distinct(chosen: Any, rejected: Any, f: Fields) -> None:
 
 
 def _extract_implicit(row: dict, f: Fields) -> Example:
-    chosen_raw = _require(row, f.chosen)
+    chosen_raw = require(row, f.chosen)
     if isinstance(chosen_raw, list):
-        chosen = _get_messages(row, f.chosen)
-        rejected = _get_messages(row, f.rejected)
+        chosen = get_messages(row, f.chosen)
+        rejected = get_messages(row, f.rejected)
         _check_distinct(chosen, rejected, f)
         n = 0
         while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
@@ -381,8 +241,8 @@ def _extract_implicit(row: dict, f: Fields) -> Example:
                 raise InvalidRow("no_shared_prompt", name, f"field {name!r}: after the shared prefix the "
                                  "conversation does not continue with an assistant message")
         return Example(prompt, (c_reply, r_reply), chat=True, completion_fields=(f.chosen, f.rejected))
-    chosen = _get_str(row, f.chosen)
-    rejected = _get_str(row, f.rejected)
+    chosen = get_str(row, f.chosen)
+    rejected = get_str(row, f.rejected)
     _check_distinct(chosen, rejected, f)
     prompt = implicit_prompt(chosen, rejected)
     if prompt is None:
@@ -409,12 +269,12 @@ def implicit_prompt(chosen: str, rejected: str) -> str | None:
 
 def _extract_ranked(row: dict, f: Fields) -> Example:
     """A prompt with several scored completions: at least two, distinct texts, a finite score (or rank) each."""
-    chat = isinstance(_require(row, f.prompt), list)
-    prompt = _get_messages(row, f.prompt, allow_empty=True) if chat else _get_str(row, f.prompt)
-    items = _require(row, f.completions)
+    chat = isinstance(require(row, f.prompt), list)
+    prompt = get_messages(row, f.prompt, allow_empty=True) if chat else get_str(row, f.prompt)
+    items = require(row, f.completions)
     if not isinstance(items, list):
         raise InvalidRow("wrong_type", f.completions, f"field {f.completions!r} must be a list of completions, each "
-                         f"{{\"text\": ..., \"score\": number}}, got {_json_type(items)}")
+                         f"{{\"text\": ..., \"score\": number}}, got {json_type(items)}")
     if len(items) < 2:
         raise InvalidRow("too_few_completions", f.completions, f"field {f.completions!r} holds {len(items)} "
                          "completion(s); a ranked row needs at least two to yield a pair")
@@ -434,12 +294,12 @@ def _extract_ranked(row: dict, f: Fields) -> Example:
             raise InvalidRow("wrong_type", name, f"field {name!r} must be an object such as {{\"text\": ..., "
                              f"\"score\": 8.5}}, or the row must give the scores as a list under one of "
                              f"{', '.join(repr(k) for k in (*RANKED_SCORE_LISTS, RANKED_RANK_LIST))}; got "
-                             f"{_json_type(item)}")
+                             f"{json_type(item)}")
         text_name = name if key is None else f"{name}.{key}"
         if chat:
-            texts.append(_get_messages(wrapped, text_name, as_reply=True))
+            texts.append(get_messages(wrapped, text_name, as_reply=True))
         else:
-            texts.append(_get_str(wrapped, text_name))
+            texts.append(get_str(wrapped, text_name))
         scores.append(parallel[i] if parallel is not None else _ranked_score(item, name))
         names.append(name)
     for i in range(len(texts)):
@@ -455,7 +315,7 @@ def _parallel_scores(row: dict, f: Fields, items: list) -> list[float] | None:
     or the list ``--scores-field`` names), higher is better; None when the completions are objects carrying their
     own score."""
     if f.scores:
-        _require(row, f.scores)
+        require(row, f.scores)
     elif all(isinstance(item, dict) and not {"role", "content"} <= set(item) for item in items):
         return None
     key = f.scores or next((k for k in (*RANKED_SCORE_LISTS, RANKED_RANK_LIST) if k in row), None)
@@ -464,7 +324,7 @@ def _parallel_scores(row: dict, f: Fields, items: list) -> list[float] | None:
     values = row[key]
     if not isinstance(values, list) or len(values) != len(items):
         raise InvalidRow("wrong_type", key, f"field {key!r} must be a list of {len(items)} numbers, one per entry of "
-                         f"{f.completions!r}, got {_json_type(values) if not isinstance(values, list) else len(values)}")
+                         f"{f.completions!r}, got {json_type(values) if not isinstance(values, list) else len(values)}")
     return [_finite_number(v, f"{key}[{i}]", negate=key == RANKED_RANK_LIST and not f.scores)
             for i, v in enumerate(values)]
 

@@ -2,49 +2,42 @@
 
 Rows are read in order, cut into chunks, and the chunks are tokenised by a pool of worker processes
 (each with its own tokenizer); at most a few chunks are in flight, so memory stays bounded whatever the
-input size. Results come back in input order, so the first bad row reported is the first in the files.
+input size. Results come back in input order, so the first bad row reported is the first in the files. That
+parallel part is ``chunks``; this module holds the options, the layout choice, the store and the report.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing as mp
 import os
-import sys
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 import prefpack
+from prefpack.data.chunks import ordered_map, process_chunk, read_chunks
 from prefpack.data.formats import (
     InvalidRow,
     detect_layout,
-    extract,
     parse_template_kwargs,
     parse_tools,
     ranked_fields,
     resolve_fields,
 )
-from prefpack.data.sources import RawRow, Source, file_sha256, iter_rows, peek_first_row, resolve_inputs
-from prefpack.data.store import (
-    FLAG_COMPLETION_TRUNCATED,
-    FLAG_PROMPT_TRUNCATED,
-    StoreWriter,
-    check_output,
-    recover_interrupted,
-)
-from prefpack.data.tokenize import Dropped, ExampleTokenizer, TokenizeConfig, TokenizedExample
+from prefpack.data.sources import Source, file_sha256, peek_first_row, resolve_inputs
+from prefpack.data.store import StoreWriter, check_output, recover_interrupted
+from prefpack.data.tokenize import TokenizeConfig
+from prefpack.errors import PrefpackError
 from prefpack.tokenizer import HASH_VERSION, load_tokenizer, special_tokens, tokenizer_hash, tokenizer_name
 
 
-class PrepareError(ValueError):
+class PrepareError(PrefpackError, ValueError):
     """A user-facing failure of prepare (bad row without --skip-invalid, unreadable input...)."""
 
 
@@ -115,162 +108,6 @@ class PrepareReport:
         return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- worker side
-
-_WORKER: dict[str, Any] = {}
-
-
-def _init_worker(tokenizer: Any, trust_remote_code: bool, layout: str, fields: dict, tcfg: TokenizeConfig,
-                 threads: bool) -> None:
-    """Set up a worker; `tokenizer` is a loaded tokenizer (in-process or forked) or a path (spawned)."""
-    if not threads:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
-    tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code) if isinstance(tokenizer, str | Path) else tokenizer
-    _WORKER.update(
-        layout=layout,
-        fields=resolve_fields(layout, fields),
-        tokenize=ExampleTokenizer(tok, special_tokens(tok), tcfg),
-    )
-
-
-@dataclass
-class ChunkResult:
-    tokens: np.ndarray
-    index: np.ndarray  # int64 [n, columns], offsets relative to `tokens`
-    problems: list[dict]  # invalid rows and drops, in input order: {loc, reason, field, message, raw, kind}
-    truncated: Counter
-    empty: Counter  # completions kept although empty or whitespace-only, by field
-    chat: Counter  # examples rendered by the chat template ("examples") and those with tools ("with_tools")
-
-
-def _process_chunk(chunk: list[RawRow]) -> ChunkResult:
-    layout, fields, tokenize = _WORKER["layout"], _WORKER["fields"], _WORKER["tokenize"]
-    problems: list[dict] = []
-    examples, origin = [], []
-    for raw in chunk:
-        if raw.row is None:
-            problems.append(_problem(raw, raw.error or "unreadable", None, raw.message or "", raw.raw))
-            continue
-        try:
-            examples.append(extract(raw.row, layout, fields))
-            origin.append(raw)
-        except InvalidRow as err:
-            problems.append(_problem(raw, err.reason, err.field, err.message, raw.row))
-    results = tokenize(examples)
-    flat: list[int] = []
-    rows: list[list[int]] = []
-    truncated: Counter = Counter()
-    offset = 0
-    empty: Counter = Counter()
-    chat: Counter = Counter()
-    groups = 0  # ranked rows written by this chunk (the store writer numbers them globally)
-    for raw, ex, res in zip(origin, examples, results):
-        if isinstance(res, InvalidRow):
-            problems.append(_problem(raw, res.reason, res.field, res.message, raw.row))
-            continue
-        if isinstance(res, Dropped):
-            problems.append(_problem(raw, res.reason, None, "longer than --max-length", raw.row, kind="dropped"))
-            continue
-        assert isinstance(res, TokenizedExample)
-        empty.update(ex.empty_fields())
-        if ex.chat:
-            chat["examples"] += 1
-            chat["with_tools"] += bool(ex.tools if ex.tools is not None else tokenize.cfg.tools)
-        flags = 0
-        for what in res.truncated:
-            truncated[what] += 1
-            flags |= FLAG_PROMPT_TRUNCATED if what == "prompt" else FLAG_COMPLETION_TRUNCATED
-        if ex.scores is not None:  # ranked: one row per completion, the prompt once before the first
-            flat.extend(res.prompt)
-            for c, score in zip(res.completions, ex.scores):
-                rows.append([len(flat), len(res.prompt), len(c), _score_bits(score), groups, flags,
-                             raw.loc_file_index, raw.loc.row])
-                flat.extend(c)
-            groups += 1
-            offset = len(flat)
-            continue
-        lens = [len(res.prompt)] + [len(c) for c in res.completions]
-        if res.label is not None:
-            lens.append(res.label)
-        rows.append([offset, *lens, flags, raw.loc_file_index, raw.loc.row])
-        flat.extend(res.prompt)
-        for c in res.completions:
-            flat.extend(c)
-        offset = len(flat)
-    tokens = np.array(flat, dtype=np.int64)
-    width = 8 if layout == "ranked" else 7
-    index = np.asarray(rows, dtype=np.int64).reshape(-1, width)
-    problems.sort(key=lambda p: (p["file_index"], p["row"]))
-    return ChunkResult(tokens, index, problems, truncated, empty, chat)
-
-
-def _score_bits(score: float) -> int:
-    """A float64 score stored in the int64 index (its bit pattern; ``Store.scores`` reads it back exactly)."""
-    return int(np.array(score, dtype=np.float64).view(np.int64))
-
-
-def _problem(raw: Any, reason: str, field_name: str | None, message: str, content: Any, kind: str = "invalid") -> dict:
-    return {
-        "kind": kind,
-        "file_index": raw.loc_file_index,
-        "row": raw.loc.row,
-        "loc": raw.loc.to_json(),
-        "where": str(raw.loc),
-        "reason": reason,
-        "field": field_name,
-        "message": message,
-        "content": content,
-    }
-
-
-@dataclass(frozen=True)
-class _Row(RawRow):
-    loc_file_index: int = 0
-
-
-# ---------------------------------------------------------------- main side
-
-
-def _chunks(sources: list[Source], split: str | None, size: int, counts: Counter) -> Iterator[list[_Row]]:
-    chunk: list[_Row] = []
-    for src in sources:
-        n = 0
-        for raw in iter_rows(src, split=split):
-            chunk.append(_Row(raw.loc, raw.row, raw.error, raw.message, raw.raw, src.file_index))
-            n += 1
-            if len(chunk) >= size:
-                yield chunk
-                chunk = []
-        counts[src.file_index] = n
-    if chunk:
-        yield chunk
-
-
-def _ordered_map(fn: Callable, items: Iterator, workers: int, init_args: tuple) -> Iterator:
-    """Map in worker processes, in order, with at most 2 x workers items in flight (bounded memory).
-
-    One worker runs in this process with the tokenizer's own threads; several are forked processes that
-    inherit the loaded tokenizer (spawned ones, off Linux, load it again from its path).
-    """
-    tok, path, *rest = init_args
-    if workers <= 1:
-        _init_worker(tok, *rest, True)
-        yield from map(fn, items)
-        return
-    if sys.platform.startswith("linux"):
-        ctx, initargs = mp.get_context("fork"), (tok, *rest, False)
-    else:
-        ctx, initargs = mp.get_context("spawn"), (path, *rest, False)
-    with ctx.Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
-        pending: deque = deque()
-        for item in items:
-            pending.append(pool.apply_async(fn, (item,)))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
-
-
 def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> PrepareReport:
     t0 = time.perf_counter()
     if opts.max_length is not None and opts.max_length < 2:
@@ -300,8 +137,8 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
     skipped_fh = None
     try:
         init = (tok, opts.tokenizer, opts.trust_remote_code, layout, field_names, tcfg)
-        chunks = _chunks(sources, opts.split, opts.chunk_rows, rows_per_file)
-        for res in _ordered_map(_process_chunk, chunks, workers, init):
+        chunks = read_chunks(sources, opts.split, opts.chunk_rows, rows_per_file)
+        for res in ordered_map(process_chunk, chunks, workers, init):
             for p in res.problems:
                 if p["kind"] == "dropped":
                     dropped[p["reason"]] += 1

@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefpack.errors import PrefpackError
+
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 TABLE_SUFFIXES = {".parquet": "parquet", ".csv": "csv"}
 
 
-class SourceError(ValueError):
+class SourceError(PrefpackError, ValueError):
     """An input path that cannot be read as a dataset."""
 
 

@@ -1,16 +1,5 @@
-"""The binary preference store: written atomically, read zero-copy.
-
-A store is one folder:
-- `tokens.bin`: every example's tokens back to back (prompt once, then chosen and rejected; or prompt
-  then completion), uint16 when the vocabulary fits, else uint32.
-- `index.bin`: int64 rows, one per example, columns named in meta (`offset`, `prompt_len`, then
-  `chosen_len`, `rejected_len` for pairs or `completion_len`, `label` for unpaired data, then `flags`,
-  `source_file`, `source_row`). A ranked store (several scored completions per prompt) has one row per
-  *completion*: `offset` is where the completion starts, the group's prompt (stored once) sits right before its
-  first completion, `score` is the float64 score's bit pattern and `group` numbers the prompts 0, 1, 2, ...
-- `meta.json`: format version, layout, tokenizer identity, counts, drops by reason, sources, arguments.
-- `tokenizer/`: a copy of the tokenizer, so the store can be decoded and trained on by itself.
-- `skipped.jsonl` (only with --skip-invalid): every skipped row with its location and reason.
+"""The binary preference store: written atomically, read zero-copy. What a store folder holds (names, version,
+index columns, flags) is defined in ``store_format``; its names are importable from here too.
 
 The writer fills a temporary sibling folder and renames it into place only when complete, so a crash
 never leaves something that opens as a store; meta.json is written last.
@@ -30,28 +19,29 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from prefpack.data.store_format import (
+    FLAG_COMPLETION_TRUNCATED,
+    FLAG_PROMPT_TRUNCATED,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    STORE_ENTRIES,
+    STORE_KINDS,
+    StoreError,
+    columns_for,
+    token_dtype,
+)
 from prefpack.stale import OWNER_FILE, remove_stale_tmp, stale_entries, write_owner
 
-FORMAT_NAME = "prefpack-store"
-FORMAT_VERSION = 1
-PAIR_COLUMNS = ("offset", "prompt_len", "chosen_len", "rejected_len", "flags", "source_file", "source_row")
-UNPAIRED_COLUMNS = ("offset", "prompt_len", "completion_len", "label", "flags", "source_file", "source_row")
-RANKED_COLUMNS = ("offset", "prompt_len", "completion_len", "score", "group", "flags", "source_file", "source_row")
-STORE_KINDS = ("pairs", "unpaired", "ranked")
-FLAG_PROMPT_TRUNCATED = 1
-FLAG_COMPLETION_TRUNCATED = 2
-
-
-class StoreError(ValueError):
-    """A store that is missing, incomplete, corrupt or of another format version."""
+__all__ = ["FLAG_COMPLETION_TRUNCATED", "FLAG_PROMPT_TRUNCATED", "FORMAT_NAME", "FORMAT_VERSION", "STORE_KINDS", "Pair",
+           "Store", "StoreError", "StoreWriter", "Unpaired", "check_output", "columns_for", "foreign_entries",
+           "recover_interrupted", "token_dtype"]
 
 
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
-# What prefpack itself writes in a store folder (prepare, precompute-ref sidecars and their temporary files).
-STORE_ENTRIES = {"meta.json", "tokens.bin", "index.bin", "skipped.jsonl", "tokenizer"}
+# precompute-ref's sidecars (and their temporary files), which prefpack also writes in a store folder
 _SIDECAR = re.compile(r"\.?ref_logps[A-Za-z0-9_]*\.safetensors(\.tmp-\d+)?")
 
 
@@ -132,14 +122,6 @@ def _remove_backup(backup: Path, log: Callable[[str], None] | None) -> None:
         if log is not None:
             log(f"warning: could not delete the replaced store {backup} ({exc}); the new store is in place. "
                 "Delete it yourself (the next prepare on this output tries again).")
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
-
-
-def columns_for(kind: str) -> tuple[str, ...]:
-    return {"pairs": PAIR_COLUMNS, "ranked": RANKED_COLUMNS}.get(kind, UNPAIRED_COLUMNS)
 
 
 class StoreWriter:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from prefpack.errors import PrefpackError
 from prefpack.model.attention.kernels import kernel_named, pick_attention
 from prefpack.precision import Precision, set_compute_dtype
 from prefpack.tokenizer import TokenizerError, load_tokenizer, tokenizer_hash, tokenizer_matches
@@ -21,7 +22,7 @@ from prefpack.tokenizer import TokenizerError, load_tokenizer, tokenizer_hash, t
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-class ModelError(ValueError):
+class ModelError(PrefpackError, ValueError):
     """A model that cannot be loaded or does not fit the store."""
 
 

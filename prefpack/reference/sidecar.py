@@ -19,6 +19,7 @@ import numpy as np
 
 from prefpack.data.store import Store
 from prefpack.data.views import UnpairedView
+from prefpack.errors import PrefpackError
 
 __all__ = ["KTO_SIDECAR_NAME", "RANKED_SIDECAR_NAME", "SIDECAR_FORMAT", "SIDECAR_NAME", "ReferenceMismatch",
            "read_kto_sidecar", "read_ranked_sidecar", "read_sidecar", "store_hash", "write_kto_sidecar",
@@ -33,7 +34,7 @@ RANKED_SIDECAR_NAME = "ref_logps_ranked.safetensors"
 RANKED_SIDECAR_VERSION = "1"
 
 
-class ReferenceMismatch(ValueError):
+class ReferenceMismatch(PrefpackError, ValueError):
     """A sidecar that is missing, corrupt or does not match the store or the reference model."""
 
 

@@ -1,6 +1,6 @@
 """Checkpoints of a run and its final model: ``formats`` (one interface, ``save_checkpoint``/``load_checkpoint``,
-for the single-process and the torchrun format; resume with fallback; the final save) over ``files`` (checksums,
-listing, stale temporaries, failed-write reports)."""
+for the single-process and the torchrun format; resume with fallback) and ``final`` (the final save), over
+``files`` (checksums, listing, stale temporaries, failed-write reports)."""
 
 from prefpack.training.checkpoint.files import (
     CHECKSUMS,
@@ -13,6 +13,7 @@ from prefpack.training.checkpoint.files import (
     verify_checkpoint,
     write_checksums,
 )
+from prefpack.training.checkpoint.final import save_final
 from prefpack.training.checkpoint.formats import (
     Checkpointed,
     load_checkpoint,
@@ -22,7 +23,6 @@ from prefpack.training.checkpoint.formats import (
     save_checkpoint,
     save_checkpoint_distributed,
     save_checkpoint_single,
-    save_final,
 )
 
 __all__ = [

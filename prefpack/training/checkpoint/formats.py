@@ -4,7 +4,7 @@ One process writes `step-N/` with the weights (safetensors), the optimizer, sche
 only, loaded with ``weights_only``) and the trainer state (JSON); under torchrun every rank writes its shard with
 torch.distributed.checkpoint. `save_checkpoint` and `load_checkpoint` are the one interface for both formats (the
 run's `Dist` picks), which share the folder names, the publishing steps and the rotation of old checkpoints. The
-final model is `save_pretrained` output beside its tokenizer.
+final model (``final``) is `save_pretrained` output beside its tokenizer.
 
 Every checkpoint ends with `checksums.json` (size and sha256 of every other file in it, written last, before the
 rename), so `--resume` can tell a damaged checkpoint (truncated, emptied, a flipped bit) from an intact one and
@@ -15,7 +15,8 @@ space needed and free; the previous checkpoint stays the one to resume from. Tem
 process left behind (`.NAME.tmp-PID`, `.NAME.old-PID`) are removed by the next run on the folder once that
 process is gone (`remove_stale_temporaries`).
 
-This module holds the formats and the one interface; ``files`` the integrity and folder handling they share.
+This module holds the formats and the one interface; ``files`` the integrity and folder handling they share (and
+``final`` the final model's save).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import json
 import os
 import pickle
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,8 +35,7 @@ import torch
 from torch import nn
 
 from prefpack.distributed import SINGLE, Dist
-from prefpack.model import ModelError, TokenizerHandle
-from prefpack.tokenizer import TokenizerError
+from prefpack.model import ModelError
 from prefpack.training.checkpoint.files import (
     _MARGIN,
     CHECKSUMS,
@@ -403,56 +402,3 @@ def resume_from_checkpoints(run_dir: Path, load: Callable[[Path], dict], *, ctx:
     raise CheckpointDamaged(f"no intact checkpoint in {run_dir / 'checkpoints'}:\n{lines}\nnothing was changed; "
                             "restore a checkpoint from a backup, or move the checkpoints folder away to train again "
                             "from step 0")
-
-
-# ------------------------------------------------------------------------------------------------ final model
-
-
-def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module | None = None,
-               ctx: Dist = SINGLE, strategy: str = "ddp", dtype: torch.dtype | None = None) -> Path | None:
-    """`save_pretrained` the trained model (LoRA merged into it) and the tokenizer, atomically, on rank 0.
-
-    Under FSDP2 the shards are first gathered into one full state dict (every rank takes part). A failed write
-    (full disk) removes the temporary folder and raises `CheckpointWriteError` after the other ranks are released.
-    """
-    run_dir = Path(run_dir)
-    full_state = None
-    if ctx.enabled and strategy == "fsdp2":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        full_state = {k.removeprefix("model."): v for k, v in sd.items()}
-    final = run_dir / "final"
-    if not ctx.is_main:
-        ctx.barrier()
-        return final
-    tmp = run_dir / f".final.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
-        needed = _tensor_bytes(full_state if full_state is not None else policy.state_dict()) + _MARGIN
-        with _writing(tmp, final, needed=needed, run_dir=run_dir):
-            tmp.mkdir()
-            _own(tmp)
-            model = policy
-            if hasattr(policy, "merge_and_unload"):
-                policy.save_pretrained(tmp / "adapter")
-                model = policy.merge_and_unload()
-            if full_state is not None:
-                from transformers import AutoModelForCausalLM
-
-                model = AutoModelForCausalLM.from_config(policy.config)
-                model.load_state_dict(full_state)
-            if dtype is not None:  # run.save_dtype: cast after merging LoRA, so the merge happens in full precision
-                model = model.to(dtype)
-            model.save_pretrained(tmp)
-            try:
-                (tokenizer.load() if isinstance(tokenizer, TokenizerHandle) else tokenizer).save_pretrained(tmp)
-            except (ModelError, TokenizerError) as exc:  # the trained weights matter more than the tokenizer copy
-                print(f"warning: {exc}", file=sys.stderr)
-            _disown(tmp)
-            _discard(final)
-            os.replace(tmp, final)
-    finally:
-        ctx.barrier()  # the other ranks wait here whether or not the write succeeded
-    return final

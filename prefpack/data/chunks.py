@@ -1,0 +1,180 @@
+"""The parallel part of `prefpack prepare`: raw rows cut into chunks, each chunk checked and tokenised into token
+ids and index rows by a worker process, and the results handed back in input order.
+
+Apart from ``prepare`` (options, layout choice, the store and the report) because this side runs in other
+processes: what it reads is set up once per worker (``init_worker``), and what crosses back is a ``ChunkResult``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prefpack.data.formats import InvalidRow, extract, resolve_fields
+from prefpack.data.sources import RawRow, Source, iter_rows
+from prefpack.data.store import FLAG_COMPLETION_TRUNCATED, FLAG_PROMPT_TRUNCATED
+from prefpack.data.tokenize import Dropped, ExampleTokenizer, TokenizeConfig, TokenizedExample
+from prefpack.tokenizer import load_tokenizer, special_tokens
+
+_WORKER: dict[str, Any] = {}
+
+
+def init_worker(tokenizer: Any, trust_remote_code: bool, layout: str, fields: dict, tcfg: TokenizeConfig,
+                threads: bool) -> None:
+    """Set up a worker; `tokenizer` is a loaded tokenizer (in-process or forked) or a path (spawned)."""
+    if not threads:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code) if isinstance(tokenizer, str | Path) else tokenizer
+    _WORKER.update(
+        layout=layout,
+        fields=resolve_fields(layout, fields),
+        tokenize=ExampleTokenizer(tok, special_tokens(tok), tcfg),
+    )
+
+
+@dataclass
+class ChunkResult:
+    tokens: np.ndarray
+    index: np.ndarray  # int64 [n, columns], offsets relative to `tokens`
+    problems: list[dict]  # invalid rows and drops, in input order: {loc, reason, field, message, raw, kind}
+    truncated: Counter
+    empty: Counter  # completions kept although empty or whitespace-only, by field
+    chat: Counter  # examples rendered by the chat template ("examples") and those with tools ("with_tools")
+
+
+def process_chunk(chunk: list[RawRow]) -> ChunkResult:
+    """One chunk in a worker set up by ``init_worker``: its rows checked, tokenised and laid out as the store's
+    token ids and index rows; bad and dropped rows become problems."""
+    layout, fields, tokenize = _WORKER["layout"], _WORKER["fields"], _WORKER["tokenize"]
+    problems: list[dict] = []
+    examples, origin = [], []
+    for raw in chunk:
+        if raw.row is None:
+            problems.append(_problem(raw, raw.error or "unreadable", None, raw.message or "", raw.raw))
+            continue
+        try:
+            examples.append(extract(raw.row, layout, fields))
+            origin.append(raw)
+        except InvalidRow as err:
+            problems.append(_problem(raw, err.reason, err.field, err.message, raw.row))
+    results = tokenize(examples)
+    flat: list[int] = []
+    rows: list[list[int]] = []
+    truncated: Counter = Counter()
+    offset = 0
+    empty: Counter = Counter()
+    chat: Counter = Counter()
+    groups = 0  # ranked rows written by this chunk (the store writer numbers them globally)
+    for raw, ex, res in zip(origin, examples, results):
+        if isinstance(res, InvalidRow):
+            problems.append(_problem(raw, res.reason, res.field, res.message, raw.row))
+            continue
+        if isinstance(res, Dropped):
+            problems.append(_problem(raw, res.reason, None, "longer than --max-length", raw.row, kind="dropped"))
+            continue
+        assert isinstance(res, TokenizedExample)
+        empty.update(ex.empty_fields())
+        if ex.chat:
+            chat["examples"] += 1
+            chat["with_tools"] += bool(ex.tools if ex.tools is not None else tokenize.cfg.tools)
+        flags = 0
+        for what in res.truncated:
+            truncated[what] += 1
+            flags |= FLAG_PROMPT_TRUNCATED if what == "prompt" else FLAG_COMPLETION_TRUNCATED
+        if ex.scores is not None:  # ranked: one row per completion, the prompt once before the first
+            flat.extend(res.prompt)
+            for c, score in zip(res.completions, ex.scores):
+                rows.append([len(flat), len(res.prompt), len(c), _score_bits(score), groups, flags,
+                             raw.loc_file_index, raw.loc.row])
+                flat.extend(c)
+            groups += 1
+            offset = len(flat)
+            continue
+        lens = [len(res.prompt)] + [len(c) for c in res.completions]
+        if res.label is not None:
+            lens.append(res.label)
+        rows.append([offset, *lens, flags, raw.loc_file_index, raw.loc.row])
+        flat.extend(res.prompt)
+        for c in res.completions:
+            flat.extend(c)
+        offset = len(flat)
+    tokens = np.array(flat, dtype=np.int64)
+    width = 8 if layout == "ranked" else 7
+    index = np.asarray(rows, dtype=np.int64).reshape(-1, width)
+    problems.sort(key=lambda p: (p["file_index"], p["row"]))
+    return ChunkResult(tokens, index, problems, truncated, empty, chat)
+
+
+def _score_bits(score: float) -> int:
+    """A float64 score stored in the int64 index (its bit pattern; ``Store.scores`` reads it back exactly)."""
+    return int(np.array(score, dtype=np.float64).view(np.int64))
+
+
+def _problem(raw: Any, reason: str, field_name: str | None, message: str, content: Any, kind: str = "invalid") -> dict:
+    return {
+        "kind": kind,
+        "file_index": raw.loc_file_index,
+        "row": raw.loc.row,
+        "loc": raw.loc.to_json(),
+        "where": str(raw.loc),
+        "reason": reason,
+        "field": field_name,
+        "message": message,
+        "content": content,
+    }
+
+
+@dataclass(frozen=True)
+class ChunkRow(RawRow):
+    """A raw row with the number of its input file (the index's ``source_file``)."""
+
+    loc_file_index: int = 0
+
+
+def read_chunks(sources: list[Source], split: str | None, size: int, counts: Counter) -> Iterator[list[ChunkRow]]:
+    """The rows of every source in order, ``size`` a chunk; ``counts`` receives each file's row count."""
+    chunk: list[ChunkRow] = []
+    for src in sources:
+        n = 0
+        for raw in iter_rows(src, split=split):
+            chunk.append(ChunkRow(raw.loc, raw.row, raw.error, raw.message, raw.raw, src.file_index))
+            n += 1
+            if len(chunk) >= size:
+                yield chunk
+                chunk = []
+        counts[src.file_index] = n
+    if chunk:
+        yield chunk
+
+
+def ordered_map(fn: Callable, items: Iterator, workers: int, init_args: tuple) -> Iterator:
+    """Map in worker processes, in order, with at most 2 x workers items in flight (bounded memory).
+
+    One worker runs in this process with the tokenizer's own threads; several are forked processes that
+    inherit the loaded tokenizer (spawned ones, off Linux, load it again from its path).
+    """
+    tok, path, *rest = init_args
+    if workers <= 1:
+        init_worker(tok, *rest, True)
+        yield from map(fn, items)
+        return
+    if sys.platform.startswith("linux"):
+        ctx, initargs = mp.get_context("fork"), (tok, *rest, False)
+    else:
+        ctx, initargs = mp.get_context("spawn"), (path, *rest, False)
+    with ctx.Pool(workers, initializer=init_worker, initargs=initargs) as pool:
+        pending: deque = deque()
+        for item in items:
+            pending.append(pool.apply_async(fn, (item,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()

@@ -1,0 +1,169 @@
+"""One field of a raw row, read and checked: present and not null, of its JSON type, valid Unicode; message lists
+as a chat template takes them; a KTO label; and the chat columns a row may carry (``tools``,
+``chat_template_kwargs``). Every refusal is an ``InvalidRow`` that names the field.
+
+Apart from ``formats`` (which layout a row has, and which fields make its example) because these checks are the
+same whatever the layout; ``formats`` re-exports ``InvalidRow`` and the two chat-column parsers.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from prefpack.errors import PrefpackError
+
+
+class InvalidRow(PrefpackError, ValueError):
+    """A row that cannot become an example; `reason` is a stable code used to count skips."""
+
+    def __init__(self, reason: str, field_name: str | None, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.field = field_name
+        self.message = message
+
+
+# Per-row columns read for chat rows (TRL's names).
+TOOLS_FIELD = "tools"
+KWARGS_FIELD = "chat_template_kwargs"
+# apply_chat_template's own arguments: a template variable of one of these names cannot be passed through.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "sanitize_control_tokens", "messages",
+})
+
+
+def parse_tools(value: Any, name: str) -> list[dict] | None:
+    """A `tools` value: a list of function definitions (JSON objects), or a string holding one as JSON (the
+    usual way to store tools whose schemas differ from row to row in Parquet). None when absent or null."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise InvalidRow("wrong_type", name, f"field {name!r} must be a list of function definitions (JSON "
+                             f"objects); got a string that is not JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(value, list):
+        raise InvalidRow("wrong_type", name, f"field {name!r} must be a list of function definitions (JSON "
+                         f"objects), got {json_type(value)}")
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict):
+            raise InvalidRow("wrong_type", name, f"field {name!r}: tool {i} must be a JSON object (a function "
+                             f"definition such as {{\"type\": \"function\", \"function\": {{...}}}}), "
+                             f"got {json_type(tool)}")
+    return value
+
+
+def parse_template_kwargs(value: Any, name: str) -> dict[str, Any]:
+    """A `chat_template_kwargs` value: an object of template variables, or a string holding one as JSON."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise InvalidRow("wrong_type", name, f"field {name!r} must be a JSON object of template variables, "
+                             f"e.g. {{\"enable_thinking\": false}}; got a string that is not JSON ({exc.msg} at "
+                             f"column {exc.colno})") from None
+    if not isinstance(value, dict):
+        raise InvalidRow("wrong_type", name, f"field {name!r} must be a JSON object of template variables, e.g. "
+                         f"{{\"enable_thinking\": false}}; got {json_type(value)}")
+    for key in value:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise InvalidRow("wrong_type", name, f"field {name!r}: key {key!r} is not a template variable name")
+        if key in RESERVED_TEMPLATE_KWARGS:
+            hint = " (give tools in the 'tools' column or with --tools)" if key == "tools" else ""
+            raise InvalidRow("wrong_type", name, f"field {name!r}: key {key!r} is set by prepare itself, not a "
+                             f"template variable{hint}")
+    return dict(value)
+
+
+def json_type(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def require(row: dict, name: str) -> Any:
+    if name not in row:
+        raise InvalidRow("missing_field", name, f"missing field {name!r} (row has {sorted(row)})")
+    value = row[name]
+    if value is None:
+        raise InvalidRow("missing_field", name, f"field {name!r} is null")
+    return value
+
+
+def _check_text(value: str, name: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRow("undecodable_text", name, f"field {name!r} holds text that is not valid Unicode "
+                         f"({exc.reason} at character {exc.start})") from None
+
+
+def get_str(row: dict, name: str) -> str:
+    value = require(row, name)
+    if not isinstance(value, str):
+        raise InvalidRow("wrong_type", name, f"field {name!r} must be a string, got {type(value).__name__}")
+    _check_text(value, name)
+    return value
+
+
+def _check_message(msg: Any, name: str, i: int) -> dict:
+    """Check one message; it is passed to the chat template unchanged (extra keys such as `tool_call_id`,
+    `name` or `reasoning_content` included)."""
+    if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+        raise InvalidRow("wrong_type", name, f"field {name!r}: message {i} must be an object with string "
+                         "'role' and 'content'")
+    calls = msg.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise InvalidRow("wrong_type", name, f"field {name!r}: message {i}'s 'tool_calls' must be a list of "
+                             "objects (each e.g. {'type': 'function', 'function': {'name': ..., 'arguments': "
+                             "{...}}})")
+        if calls and msg["role"] != "assistant":
+            raise InvalidRow("wrong_type", name, f"field {name!r}: message {i} has 'tool_calls' but role "
+                             f"{msg['role']!r}; only assistant messages call tools")
+    content = msg.get("content")
+    if content is None and calls:
+        return msg  # a pure tool call: no text
+    if not isinstance(content, str):
+        raise InvalidRow("wrong_type", name, f"field {name!r}: message {i} must be an object with string "
+                         "'role' and 'content' (content may be null only beside 'tool_calls')")
+    _check_text(content, name)
+    return msg
+
+
+def get_messages(row: dict, name: str, *, allow_empty: bool = False, as_reply: bool = False) -> list[dict]:
+    value = require(row, name)
+    if as_reply and isinstance(value, dict):
+        value = [value]
+    if as_reply and isinstance(value, str):
+        raise InvalidRow("wrong_type", name, f"field {name!r} is a string but the prompt is a message list; "
+                         "give the reply as [{'role': 'assistant', 'content': ...}]")
+    if not isinstance(value, list):
+        raise InvalidRow("wrong_type", name, f"field {name!r} must be a list of messages, got {type(value).__name__}")
+    msgs = [_check_message(m, name, i) for i, m in enumerate(value)]
+    if as_reply:
+        if not msgs:
+            raise InvalidRow("empty_completion", name, f"field {name!r} holds no reply message")
+        if msgs[0]["role"] != "assistant":
+            raise InvalidRow("wrong_type", name, f"field {name!r} must start with an assistant message, "
+                             f"got role {msgs[0]['role']!r}")
+    elif not allow_empty and not msgs:
+        raise InvalidRow("missing_field", name, f"field {name!r} is an empty message list")
+    return msgs
+
+
+def get_label(row: dict, name: str) -> int:
+    value = require(row, name)
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int) and value in (0, 1):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return int(value.strip().lower() == "true")
+    raise InvalidRow("wrong_type", name, f"field {name!r} must be a boolean (true = desirable), got {value!r}")

@@ -1,0 +1,50 @@
+"""What a prefpack store folder holds: its format name and version, the index columns of each kind, the flag
+bits, the token dtype, and the names prefpack writes there; and ``StoreError``.
+
+A store is one folder:
+- `tokens.bin`: every example's tokens back to back (prompt once, then chosen and rejected; or prompt
+  then completion), uint16 when the vocabulary fits, else uint32.
+- `index.bin`: int64 rows, one per example, columns named in meta (`offset`, `prompt_len`, then
+  `chosen_len`, `rejected_len` for pairs or `completion_len`, `label` for unpaired data, then `flags`,
+  `source_file`, `source_row`). A ranked store (several scored completions per prompt) has one row per
+  *completion*: `offset` is where the completion starts, the group's prompt (stored once) sits right before its
+  first completion, `score` is the float64 score's bit pattern and `group` numbers the prompts 0, 1, 2, ...
+- `meta.json`: format version, layout, tokenizer identity, counts, drops by reason, sources, arguments.
+- `tokenizer/`: a copy of the tokenizer, so the store can be decoded and trained on by itself.
+- `skipped.jsonl` (only with --skip-invalid): every skipped row with its location and reason.
+
+Apart from ``store`` (writing and reading) so that the format is read in one place; ``store`` imports it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from prefpack.errors import PrefpackError
+
+FORMAT_NAME = "prefpack-store"
+FORMAT_VERSION = 1
+PAIR_COLUMNS = ("offset", "prompt_len", "chosen_len", "rejected_len", "flags", "source_file", "source_row")
+UNPAIRED_COLUMNS = ("offset", "prompt_len", "completion_len", "label", "flags", "source_file", "source_row")
+RANKED_COLUMNS = ("offset", "prompt_len", "completion_len", "score", "group", "flags", "source_file", "source_row")
+STORE_KINDS = ("pairs", "unpaired", "ranked")
+FLAG_PROMPT_TRUNCATED = 1
+FLAG_COMPLETION_TRUNCATED = 2
+
+
+class StoreError(PrefpackError, ValueError):
+    """A store that is missing, incomplete, corrupt or of another format version."""
+
+
+# What prefpack itself writes in a store folder (besides the sidecars of precompute-ref).
+STORE_ENTRIES = {"meta.json", "tokens.bin", "index.bin", "skipped.jsonl", "tokenizer"}
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The dtype of tokens.bin: uint16 when every token id fits, else uint32."""
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
+
+
+def columns_for(kind: str) -> tuple[str, ...]:
+    """The index.bin columns of a store kind."""
+    return {"pairs": PAIR_COLUMNS, "ranked": RANKED_COLUMNS}.get(kind, UNPAIRED_COLUMNS)

@@ -1,0 +1,71 @@
+"""The final model of a run: ``save_pretrained`` output (LoRA merged into it) beside its tokenizer, in ``final/``.
+
+Apart from the checkpoint formats because it is another artefact: read by transformers rather than by a resume,
+written once at the end. It shares their atomic write (a temporary folder renamed when complete) and the report
+of a failed write (``files``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from prefpack.distributed import SINGLE, Dist
+from prefpack.model import ModelError, TokenizerHandle
+from prefpack.tokenizer import TokenizerError
+from prefpack.training.checkpoint.files import _MARGIN, _discard, _disown, _own, _tensor_bytes, _writing
+
+
+def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module | None = None,
+               ctx: Dist = SINGLE, strategy: str = "ddp", dtype: torch.dtype | None = None) -> Path | None:
+    """`save_pretrained` the trained model (LoRA merged into it) and the tokenizer, atomically, on rank 0.
+
+    Under FSDP2 the shards are first gathered into one full state dict (every rank takes part). A failed write
+    (full disk) removes the temporary folder and raises `CheckpointWriteError` after the other ranks are released.
+    """
+    run_dir = Path(run_dir)
+    full_state = None
+    if ctx.enabled and strategy == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full_state = {k.removeprefix("model."): v for k, v in sd.items()}
+    final = run_dir / "final"
+    if not ctx.is_main:
+        ctx.barrier()
+        return final
+    tmp = run_dir / f".final.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        needed = _tensor_bytes(full_state if full_state is not None else policy.state_dict()) + _MARGIN
+        with _writing(tmp, final, needed=needed, run_dir=run_dir):
+            tmp.mkdir()
+            _own(tmp)
+            model = policy
+            if hasattr(policy, "merge_and_unload"):
+                policy.save_pretrained(tmp / "adapter")
+                model = policy.merge_and_unload()
+            if full_state is not None:
+                from transformers import AutoModelForCausalLM
+
+                model = AutoModelForCausalLM.from_config(policy.config)
+                model.load_state_dict(full_state)
+            if dtype is not None:  # run.save_dtype: cast after merging LoRA, so the merge happens in full precision
+                model = model.to(dtype)
+            model.save_pretrained(tmp)
+            try:
+                (tokenizer.load() if isinstance(tokenizer, TokenizerHandle) else tokenizer).save_pretrained(tmp)
+            except (ModelError, TokenizerError) as exc:  # the trained weights matter more than the tokenizer copy
+                print(f"warning: {exc}", file=sys.stderr)
+            _disown(tmp)
+            _discard(final)
+            os.replace(tmp, final)
+    finally:
+        ctx.barrier()  # the other ranks wait here whether or not the write succeeded
+    return final
