@@ -40,7 +40,7 @@ def main() -> None:
     from prefpack.data.store import Store
     from prefpack.data.views import PairGroups
     from prefpack.model import load_causal_lm
-    from prefpack.reference import compute_pair_group_logps, compute_store_logps
+    from prefpack.training.precompute import record_reference, scoring_objective
 
     work = Path(tempfile.mkdtemp(prefix="bench_precompute_"))
     prepare(PrepareOptions(inputs=[str(write_jsonl(work / "pairs.jsonl", pair_rows(ranked_rows(a.prompts), "all_pairs")))],
@@ -54,14 +54,16 @@ def main() -> None:
     store = Store(work / "pairs")
     view = PairGroups(store)
     model = load_causal_lm(str(work / "model"), device=torch.device("cpu"), attn_implementation="packed_sdpa")
-    runs = {"pair by pair": compute_store_logps, "prompt groups": compute_pair_group_logps}
+    budgets = dict(kto=False, seed=0, micro_batch_tokens=4096, row_tokens=2048, chunk_size=1024, shares_prompts=True)
+    runs = {"pair by pair": False, "prompt groups": True}  # precompute-ref's objective, ungrouped or grouped
     seconds, outs = {k: [] for k in runs}, {}
     for _ in range(a.repeats):
-        for name, score in runs.items():
+        for name, grouped in runs.items():
             t0 = time.perf_counter()
-            outs[name] = score(model, store)
+            table = record_reference(scoring_objective(store, group_by_prompt=grouped, **budgets), model)
+            outs[name] = {"logps": table.logps, "tails": table.tails}
             seconds[name].append(time.perf_counter() - t0)
-    keys = ("chosen", "rejected", "chosen_tail", "rejected_tail")
+    keys = ("logps", "tails")
     diff = max(float(np.abs(outs["pair by pair"][k] - outs["prompt groups"][k]).max()) for k in keys)
     rel = max(float((np.abs(outs["pair by pair"][k] - outs["prompt groups"][k])
                      / np.maximum(np.abs(outs["pair by pair"][k]), 1.0)).max()) for k in keys)

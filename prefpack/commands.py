@@ -230,7 +230,7 @@ def eval_config(args):
     from prefpack.data.store import Store
     from prefpack.loss_params import LOSS_PARAMS
     from prefpack.losses import UNPAIRED_LOSS_NAMES
-    from prefpack.reference import KTO_SIDECAR_NAME, RANKED_SIDECAR_NAME, SIDECAR_NAME
+    from prefpack.reference import SIDECAR_NAMES
 
     cfg = load_config(args.config, []) if args.config else Config()
     if args.loss:
@@ -249,7 +249,7 @@ def eval_config(args):
     if args.ranked_pairs:
         cfg.data.ranked_pairs = args.ranked_pairs
     kto = any(t.name in UNPAIRED_LOSS_NAMES for t in cfg.loss.terms)
-    sidecar = KTO_SIDECAR_NAME if kto else (RANKED_SIDECAR_NAME if Store(args.data).kind == "ranked" else SIDECAR_NAME)
+    sidecar = SIDECAR_NAMES["unpaired" if kto else Store(args.data).kind]  # the key space the run reads
     mode = "copy" if args.ref else ("precomputed" if (Path(args.data) / sidecar).exists() else "none")
     if args.micro_batch_tokens != "auto" and not str(args.micro_batch_tokens).isdigit():
         raise ConfigError(f"--micro-batch-tokens must be a positive integer or auto, got {args.micro_batch_tokens!r}")
@@ -327,127 +327,32 @@ def add_precompute(sub) -> None:
 
 
 def run_precompute(args, argv) -> int:
-    from prefpack.data.store import Store
     from prefpack.distributed import init_from_env, shutdown
-    from prefpack.model import (
-        check_vocab_fits,
-        load_scoring_model,
-        pick_device,
-        resolve_tokenizer,
-        weights_hash,
-    )
-    from prefpack.objectives import open_store
-    from prefpack.reference import (
-        RANKED_SIDECAR_NAME,
-        SIDECAR_NAME,
-        compute_pair_group_logps,
-        compute_ranked_store_logps,
-        compute_store_logps,
-        write_ranked_sidecar,
-        write_sidecar,
-    )
+    from prefpack.training.precompute import PrecomputeOptions, precompute_reference
 
-    if args.kto or Store(args.data).kind == "unpaired":
-        return _precompute_kto(args)
-    store = open_store(args.data, "reference", unpaired=False)
-    resolve_tokenizer(args.model, store.meta, store.tokenizer_path(), allow_mismatch=args.allow_tokenizer_mismatch)
+    opts = PrecomputeOptions(model=args.model, data=args.data, kto=args.kto, seed=args.seed,
+                             micro_batch_tokens=_budget("--micro-batch-tokens", args.micro_batch_tokens),
+                             chunk_size=_budget("--chunk-size", args.chunk_size), device=args.device,
+                             dtype=args.dtype, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch)
     ctx = init_from_env(args.device)  # under torchrun every rank scores a share of the store
-    device = ctx.device if args.device == "auto" else pick_device(args.device)
-    model = load_scoring_model(args.model, args.dtype, device)
-    check_vocab_fits(model, store.meta, args.data)
-    budgets = _scoring_budgets(args, model, device)
     try:
-        score = compute_store_logps
-        if store.kind == "ranked":
-            score = compute_ranked_store_logps
-        elif (store.meta.get("counts", {}).get("repeated_prompts") or {}).get("prompts"):
-            score = compute_pair_group_logps  # pairs that repeat a prompt: each prompt and completion scored once
-        table = score(model, store, micro_batch_tokens=budgets.micro_batch_tokens, row_tokens=budgets.row_tokens,
-                      chunk_size=budgets.chunk_size, progress=True, ctx=ctx)
+        summary = precompute_reference(opts, ctx=ctx, log=_err)
         ctx.barrier()  # no rank leaves while another is still in a collective
     finally:
         shutdown()
-    if not ctx.is_main:
-        return 0
-    if store.kind == "ranked":
-        path = write_ranked_sidecar(Path(args.data) / RANKED_SIDECAR_NAME, store, table,
-                                    reference_hash=weights_hash(model), reference_name=args.model)
-        print(json.dumps({"sidecar": str(path), "completions": len(store), "mean_completion": float(table.mean())}))
-        return 0
-    chosen, rejected = table["chosen"], table["rejected"]
-    path = write_sidecar(Path(args.data) / SIDECAR_NAME, store, chosen, rejected, chosen_tail=table["chosen_tail"],
-                         rejected_tail=table["rejected_tail"], reference_hash=weights_hash(model),
-                         reference_name=args.model)
-    print(json.dumps({"sidecar": str(path), "pairs": len(store), "mean_chosen": float(chosen.mean()),
-                      "mean_rejected": float(rejected.mean())}))
+    if ctx.is_main:
+        print(json.dumps(summary))
     return 0
 
 
-def _scoring_budgets(args, model, device):
-    """precompute-ref's budgets: the flags, or from the device (nothing trains, so all free memory is for it)."""
-    from types import SimpleNamespace
-
-    from prefpack.budgets import resolve_budgets
+def _budget(flag: str, value: str) -> int | str:
     from prefpack.config import ConfigError
-    from prefpack.model import uses_flash_attention
 
-    def budget(flag: str, value: str):
-        if value == "auto":
-            return value
-        if not value.isdigit() or int(value) < 1:
-            raise ConfigError(f"{flag} must be a positive integer or auto, got {value!r}")
-        return int(value)
-
-    train = SimpleNamespace(micro_batch_tokens=budget("--micro-batch-tokens", args.micro_batch_tokens),
-                            chunk_size=budget("--chunk-size", args.chunk_size))
-    budgets, line = resolve_budgets(train, SimpleNamespace(max_tokens_per_row="auto"), model, device,
-                                    trainable_params=0, autocast=False, checkpointing=False,
-                                    flattened=uses_flash_attention(model))
-    _err(line)
-    return budgets
-
-
-def _precompute_kto(args) -> int:
-    """precompute-ref for KTO: every example's completion and its fixed KL sequence (prefpack.objectives.kto)."""
-    import numpy as np
-
-    from prefpack.data.views import UnpairedView
-    from prefpack.distributed import init_from_env, shutdown
-    from prefpack.model import (
-        check_vocab_fits,
-        load_scoring_model,
-        pick_device,
-        resolve_tokenizer,
-        weights_hash,
-    )
-    from prefpack.objectives import open_store
-    from prefpack.reference import KTO_SIDECAR_NAME, compute_kto_store_logps, write_kto_sidecar
-
-    store = open_store(args.data, "reference", unpaired=True, paired_as_kto=args.kto)
-    resolve_tokenizer(args.model, store.meta, store.tokenizer_path(), allow_mismatch=args.allow_tokenizer_mismatch)
-    ctx = init_from_env(args.device)
-    device = ctx.device if args.device == "auto" else pick_device(args.device)
-    model = load_scoring_model(args.model, args.dtype, device)
-    check_vocab_fits(model, store.meta, args.data)
-    budgets = _scoring_budgets(args, model, device)
-    try:
-        arrays = compute_kto_store_logps(model, store, paired_as_kto=args.kto, seed=args.seed,
-                                         micro_batch_tokens=budgets.micro_batch_tokens,
-                                         row_tokens=budgets.row_tokens, chunk_size=budgets.chunk_size,
-                                         progress=True, ctx=ctx)
-        ctx.barrier()  # no rank leaves while another is still in a collective
-    finally:
-        shutdown()
-    if not ctx.is_main:
-        return 0
-    view = UnpairedView(store, paired_as_kto=args.kto)
-    path = write_kto_sidecar(Path(args.data) / KTO_SIDECAR_NAME, view, arrays, seed=args.seed,
-                             reference_hash=weights_hash(model), reference_name=args.model)
-    kl = arrays["kl"]
-    print(json.dumps({"sidecar": str(path), "examples": len(view), "kl_seed": args.seed,
-                      "mean_completion": float(arrays["completion"].mean()),
-                      "mean_kl": float(np.nanmean(kl)) if not np.isnan(kl).all() else None}))
-    return 0
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"{flag} must be a positive integer or auto, got {value!r}")
+    return int(value)
 
 
 # ---------------------------------------------------------------- quickstart and plot

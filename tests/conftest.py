@@ -151,6 +151,20 @@ def make_task(cls, store, cfg, *, pad_id: int = 0):
     return cls(store, task_settings(cfg, pad_id=pad_id), config_terms(cfg))
 
 
+def reference_table(model, store, *, kto: bool = False, seed: int = 0, micro_batch_tokens: int = 4096,
+                    row_tokens: int = 2048, chunk_size: int = 1024, group_by_prompt: bool | None = None,
+                    shares_prompts: bool | None = None):
+    """What precompute-ref writes for ``store`` with ``model`` (a ``KeyedLogps`` by sequence key), without the CLI;
+    prompts shared where the model's kernel reads prompt groups, unless ``shares_prompts`` says."""
+    from prefpack.model import kernel_of
+    from prefpack.training.precompute import record_reference, scoring_objective
+
+    share = kernel_of(model).reads_prompt_groups if shares_prompts is None else shares_prompts
+    task = scoring_objective(store, kto=kto, seed=seed, micro_batch_tokens=micro_batch_tokens, row_tokens=row_tokens,
+                             chunk_size=chunk_size, shares_prompts=share, group_by_prompt=group_by_prompt)
+    return record_reference(task, model)
+
+
 def group_and_pair_losses(tok_dir, group_store, pair_store, cfg, *, ld: bool):
     """The per-pair losses of the same pairs read as prompt groups (``PromptGroupTask``: 3 groups in two packed
     rows, or a padded row each) and pair by pair (``PairTask``: one row, or a padded row each), by one float64

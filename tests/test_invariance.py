@@ -132,7 +132,7 @@ def world(request, tmp_path_factory, toy_tokenizers, hh_train):
     if kind in ("pairs", "pairs_shared"):
         stores = prepare_hh_splits(root, tok, hh_train, {"train": 24, "eval": 10})
         settings = {
-            "size": 24, "count_key": "pairs", "sidecar": "ref_logps.safetensors", "precompute": [],
+            "size": 24, "sidecar": "ref_logps.safetensors", "precompute": [],
             "base": ["loss.terms=[{name: sigmoid}]", "train.global_batch_pairs=8",
                      f"data.prefix_sharing={'true' if kind == 'pairs_shared' else 'false'}"],
             "keys": ("loss", "rewards/margins", "rewards/chosen"),
@@ -145,7 +145,7 @@ def world(request, tmp_path_factory, toy_tokenizers, hh_train):
         stores = _prepare_splits(root, tok, _grouped_rows(hh_train))
         assert sorted(PairGroups(Store(stores["train"])).num_pairs.tolist()) == [1, 1, 1, 1, 3, 3, 3, 3]
         settings = {
-            "size": len(_grouped_rows(hh_train)["train"]), "count_key": "pairs", "sidecar": "ref_logps.safetensors",
+            "size": len(_grouped_rows(hh_train)["train"]), "sidecar": "ref_logps.safetensors",
             "precompute": [],
             "base": ["loss.terms=[{name: sigmoid}]", "train.global_batch_pairs=3", "data.group_by_prompt=true"],
             "keys": ("loss", "rewards/margins", "rewards/chosen"),
@@ -155,7 +155,7 @@ def world(request, tmp_path_factory, toy_tokenizers, hh_train):
     elif kind == "ranked_shared":
         stores = _prepare_splits(root, tok, _ranked_rows(hh_train))
         settings = {
-            "size": sum(len(r["completions"]) for r in _ranked_rows(hh_train)["train"]), "count_key": "completions",
+            "size": sum(len(r["completions"]) for r in _ranked_rows(hh_train)["train"]),
             "sidecar": "ref_logps_ranked.safetensors", "precompute": [],
             "base": ["loss.terms=[{name: sigmoid}]", "train.global_batch_pairs=3", "data.ranked_pairs=all_pairs"],
             "keys": ("loss", "rewards/margins", "rewards/chosen"),
@@ -168,7 +168,7 @@ def world(request, tmp_path_factory, toy_tokenizers, hh_train):
         data = _unpaired_rows_shared(hh_train) if kind == "kto_shared" else _unpaired_rows(hh_train)
         stores = _prepare_splits(root, tok, data, "--format", "unpaired")
         settings = {
-            "size": len(data["train"]), "count_key": "examples", "sidecar": "ref_logps_kto.safetensors",
+            "size": len(data["train"]), "sidecar": "ref_logps_kto.safetensors",
             "precompute": ["--seed", "0"],
             "base": ["loss.terms=[{name: kto}]", "train.global_batch_pairs=5",
                      f"data.prefix_sharing={'true' if kind == 'kto_shared' else 'false'}"],
@@ -293,7 +293,7 @@ def _evaluate(setup, task="train_task"):
 
 def test_copy_and_precomputed_reference_agree(world, precomputed, tmp_path):
     store, printed = precomputed
-    assert printed[world["count_key"]] == world["size"] and (store / world["sidecar"]).is_file()
+    assert printed["rows"] == world["size"] and (store / world["sidecar"]).is_file()
     same = [f"data.train={store}", *world["precomputed"]]
     copy = cfg_for(world, tmp_path / "copy", *same)
     pre = cfg_for(world, tmp_path / "pre", *same, "reference.mode=precomputed")

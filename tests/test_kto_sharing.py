@@ -24,7 +24,7 @@ from prefpack.data.store import Store
 from prefpack.data.views import UnpairedView
 from prefpack.model import SequenceLogps
 from prefpack.objectives import KTOTask
-from prefpack.reference import compute_kto_store_logps, make_reference
+from prefpack.reference import make_reference
 from prefpack.training import train
 
 
@@ -215,37 +215,29 @@ def test_training_kto_with_prefix_sharing_equals_training_without(ks, tmp_path, 
     assert len(plain) == 3 and plain[-1]["loss"] != plain[0]["loss"]
 
 
-def test_precompute_ref_kto_arrays_with_and_without_prompt_groups(ks, monkeypatch):
-    """compute_kto_store_logps lays prompt groups out once on packed_sdpa; the arrays equal the unshared layout
-    (a kernel that does not read groups) and one forward per sequence."""
-    import prefpack.reference.scoring as scoring
+def test_precompute_ref_kto_arrays_with_and_without_prompt_groups(ks):
+    """precompute-ref's KTO objective lays prompt groups out once on packed_sdpa; the table equals the unshared
+    layout (a kernel that does not read groups) and one forward per sequence, the KL sequences at keys N + i."""
+    from prefpack.training.precompute import record_reference, scoring_objective
 
-    shared_calls, widths = [], []
-    real = scoring.collate_groups
-
-    def spy(*a, **kw):
-        shared_calls.append(bool(kw.get("share_prompts")))
-        batch = real(*a, **kw)
-        widths.append(batch.input_ids.shape[1])
-        return batch
-
-    monkeypatch.setattr(scoring, "collate_groups", spy)
     store = Store(ks["repeated"])
     model = _model64(ks["tok"], 4)
-    kw = dict(seed=0, micro_batch_tokens=192, row_tokens=64, chunk_size=5)  # 3-completion prompt: cut
-    on = compute_kto_store_logps(model, store, **kw)
-    assert any(shared_calls) and max(widths) <= 64  # rows stay within row_tokens
+    kw = dict(kto=True, seed=0, micro_batch_tokens=192, row_tokens=64, chunk_size=5)  # 3-completion prompt: cut
+    shared = scoring_objective(store, shares_prompts=True, **kw)
+    batches = [shared.collate(p) for p in shared.plan(np.arange(len(shared)), seed=None)]
+    assert any(b.main.score_positions is not None and b.kl.score_positions is not None for b in batches)
+    assert max(max(b.main.input_ids.shape[1], b.kl.input_ids.shape[1]) for b in batches) <= 64  # rows fit
+    on = record_reference(shared, model)
     model.config._attn_implementation = "sdpa"
-    shared_calls.clear()
-    off = compute_kto_store_logps(model, store, **kw)
-    assert shared_calls and not any(shared_calls)
+    plain = scoring_objective(store, shares_prompts=False, **kw)
+    assert all(plain.collate(p).main.score_positions is None for p in plain.plan(np.arange(len(plain)), seed=None))
+    off = record_reference(plain, model)
     model.config._attn_implementation = "packed_sdpa"
     view = UnpairedView(store)
-    assert np.array_equal(on["kl_partner"], off["kl_partner"])
-    np.testing.assert_allclose(on["completion"], off["completion"], rtol=0, atol=1e-10)
-    np.testing.assert_allclose(on["kl"], off["kl"], rtol=0, atol=1e-10)
-    for i in range(len(view)):
-        assert on["completion"][i] == pytest.approx(_direct(model, view.prompt(i), view.completion(i)), abs=1e-10)
-        assert on["kl"][i] == pytest.approx(_direct(model, view.prompt(i), view.completion(on["kl_partner"][i])),
-                                            abs=1e-10)
-
+    n, partners = len(view), shared.fixed_partners()
+    assert on.tails is None and len(on.logps) == 2 * n and np.isfinite(on.logps).all()
+    np.testing.assert_allclose(on.logps, off.logps, rtol=0, atol=1e-10)
+    for i in range(n):
+        assert on.logps[i] == pytest.approx(_direct(model, view.prompt(i), view.completion(i)), abs=1e-10)
+        assert on.logps[n + i] == pytest.approx(_direct(model, view.prompt(i), view.completion(partners[i])),
+                                                abs=1e-10)

@@ -257,7 +257,7 @@ def test_precomputed_reference_serves_ld_dpo(world, tmp_path, capsys):  # noqa: 
     with_sidecar = _evaluate(world, tmp_path, *data, "reference.mode=precomputed")
     assert with_sidecar["loss"] == pytest.approx(with_model["loss"], abs=1e-6)
     assert abs(with_model["loss"] - math.log(2)) > 1e-3  # a real difference between policy and reference
-    # a sidecar from before LD-DPO (no tails) is refused by name, with what to do
+    # the sidecar by sequence key: pair p's chosen at 2p, its rejected at 2p + 1, the tails likewise
     from safetensors import safe_open
     from safetensors.numpy import load_file, save_file
 
@@ -267,8 +267,17 @@ def test_precomputed_reference_serves_ld_dpo(world, tmp_path, capsys):  # noqa: 
     with safe_open(str(path), framework="numpy") as fh:
         meta = fh.metadata()
     tensors = load_file(str(path))
-    save_file({k: v for k, v in tensors.items() if not k.endswith("_tail")}, str(path), metadata=meta)
-    with pytest.raises(ReferenceMismatch, match="ld_alpha.*precompute-ref again"):
-        _evaluate(world, tmp_path, *data, "reference.mode=precomputed")
+    assert meta["version"] == "2" and sorted(tensors) == ["logps", "tails"]
+    # a sidecar of format 1 (before sequence keys: one column per side) reads the same
+    v1 = {k: np.ascontiguousarray(tensors[t][s::2]) for k, t, s in (
+        ("chosen", "logps", 0), ("rejected", "logps", 1), ("chosen_tail", "tails", 0), ("rejected_tail", "tails", 1))}
+    v1_meta = {k: meta[k] for k in ("format", "store_hash", "reference_hash", "reference")} | {"version": "1"}
+    save_file(v1, str(path), metadata=v1_meta)
+    assert _evaluate(world, tmp_path, *data, "reference.mode=precomputed")["loss"] == with_sidecar["loss"]
+    # one without tails (format 1 from before LD-DPO, or 2 written so) is refused by name, with what to do
+    for tables, version in (({"logps": tensors["logps"]}, meta), ({k: v1[k] for k in ("chosen", "rejected")}, v1_meta)):
+        save_file(tables, str(path), metadata=version)
+        with pytest.raises(ReferenceMismatch, match="ld_alpha.*precompute-ref again"):
+            _evaluate(world, tmp_path, *data, "reference.mode=precomputed")
     old = _evaluate(world, tmp_path, *data, "reference.mode=precomputed", "loss.ld_alpha=null")
     assert np.isfinite(old["loss"]) and old["loss"] != pytest.approx(with_model["loss"], abs=1e-6)

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import group_and_pair_losses, tiny_llama, write_jsonl
+from conftest import group_and_pair_losses, reference_table, tiny_llama, write_jsonl
 
 from prefpack.data.prepare import PrepareOptions, prepare
 from prefpack.data.store import Store
@@ -90,16 +90,17 @@ def test_precompute_ref_scores_each_prompt_and_completion_once_with_the_same_val
     the prompt once where the kernel reads prompt groups): the same sums and LD-DPO tails per pair as scoring each
     pair alone, to float32 accuracy."""
     from prefpack.model import load_causal_lm
-    from prefpack.reference import compute_pair_group_logps, compute_store_logps
 
     tok = toy_tokenizers["llama"]
     store = _store(tmp_path, tok)
     model = load_causal_lm(str(tiny_llama(tok, tmp_path / "m", seed=3)), device=torch.device("cpu"),
                            attn_implementation=attn)
-    grouped, alone = compute_pair_group_logps(model, store, chunk_size=5), compute_store_logps(model, store, chunk_size=5)
-    for key in ("chosen", "rejected", "chosen_tail", "rejected_tail"):
-        np.testing.assert_allclose(grouped[key], alone[key], rtol=1e-6, atol=1e-4, err_msg=key)
-    assert np.abs(alone["chosen_tail"]).sum() > 0 and np.abs(alone["rejected_tail"]).sum() > 0
+    grouped = reference_table(model, store, chunk_size=5)  # the store repeats prompts: its prompt groups
+    alone = reference_table(model, store, chunk_size=5, group_by_prompt=False)
+    assert np.isfinite(grouped.logps).all() and np.isfinite(grouped.tails).all()  # every key, repeats filled in
+    np.testing.assert_allclose(grouped.logps, alone.logps, rtol=1e-6, atol=1e-4)
+    np.testing.assert_allclose(grouped.tails, alone.tails, rtol=1e-6, atol=1e-4)
+    assert np.abs(alone.tails[0::2]).sum() > 0 and np.abs(alone.tails[1::2]).sum() > 0
 
 
 @pytest.mark.parametrize("ld", [False, True], ids=["wpo", "wpo+ld"])

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import group_and_pair_losses, write_jsonl
+from conftest import group_and_pair_losses, reference_table, write_jsonl
 
 from prefpack.data.prepare import PrepareError, PrepareOptions, prepare
 from prefpack.data.store import Store
@@ -140,7 +140,6 @@ def test_training_on_a_ranked_store_equals_training_on_its_pairs(tmp_path, toy_t
 
     from prefpack.config import load_config
     from prefpack.model import load_causal_lm
-    from prefpack.reference import compute_ranked_store_logps, compute_store_logps
     from prefpack.training import train
 
     tok = toy_tokenizers["llama"]
@@ -171,13 +170,14 @@ def test_training_on_a_ranked_store_equals_training_on_its_pairs(tmp_path, toy_t
     assert got[0]["positions"] == int(useful[:, 2].sum() + ranked.column("prompt_len")[starts[:3]].sum())
 
     ref = load_causal_lm(str(model), device=torch.device("cpu"), attn_implementation="packed_sdpa")
-    per_row = compute_ranked_store_logps(ref, ranked, chunk_size=5)
-    per_pair = compute_store_logps(ref, pairs, chunk_size=5)
+    per_row = reference_table(ref, ranked, chunk_size=5).logps
+    per_pair = reference_table(ref, pairs, chunk_size=5).logps
+    assert np.isfinite(per_row[: starts[3]]).all() and np.isnan(per_row[starts[3]:]).all()  # ties: no pair reads
     view = RankedGroups(ranked, "all_pairs")
     chosen = [view.rows(i)[c] for i in range(len(view)) for c, _ in view.pairs[i]]
     rejected = [view.rows(i)[r] for i in range(len(view)) for _, r in view.pairs[i]]
-    np.testing.assert_allclose(per_row[chosen], per_pair["chosen"], rtol=0, atol=1e-4)
-    np.testing.assert_allclose(per_row[rejected], per_pair["rejected"], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(per_row[chosen], per_pair[0::2], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(per_row[rejected], per_pair[1::2], rtol=0, atol=1e-4)
 
 
 def test_eval_loss_is_the_same_shared_unshared_and_ranked(tmp_path, toy_tokenizers, one_thread, capsys):

@@ -57,35 +57,37 @@ def _alone(model, store: Store) -> dict[str, np.ndarray]:
 
 @pytest.fixture
 def scored(monkeypatch):
-    """(prompt-shared?, positions, real tokens) of every micro-batch precompute-ref's pair scoring runs, pair by
-    pair or, for a store whose pairs repeat prompts, over its prompt groups."""
-    import prefpack.reference.scoring as scoring
-    import prefpack.reference.scoring_ranked as scoring_groups
+    """(prompt-shared?, positions, real tokens) of every micro-batch precompute-ref's reference runs (its objective
+    lays a pair store out pair by pair or, for a store whose pairs repeat prompts, by prompt group)."""
+    from prefpack.reference import CopyReference
 
     seen = []
-    forward = scoring.sequence_logps
+    outputs = CopyReference.outputs
 
-    def recording(model, batch, **kw):
+    def recording(self, batch):
         seen.append((batch.score_positions is not None, batch.positions, batch.real_tokens))
-        return forward(model, batch, **kw)
+        return outputs(self, batch)
 
-    monkeypatch.setattr(scoring, "sequence_logps", recording)
-    monkeypatch.setattr(scoring_groups, "sequence_logps", recording)
+    monkeypatch.setattr(CopyReference, "outputs", recording)
     return seen
 
 
+def _by_side(table) -> dict[str, np.ndarray]:
+    return {"chosen": table.logps[0::2], "rejected": table.logps[1::2], "chosen_tail": table.tails[0::2],
+            "rejected_tail": table.tails[1::2]}
+
+
 def test_store_scored_with_shared_prompts_equals_each_sequence_alone(world, scored, one_thread):
-    from prefpack.reference.scoring import compute_store_logps
+    from conftest import reference_table
 
     store = Store(world["store"])
     model = _load(world["model"], "packed_sdpa")
-    got = compute_store_logps(model, store, micro_batch_tokens=160, row_tokens=80, chunk_size=7)
+    got = _by_side(reference_table(model, store, micro_batch_tokens=160, row_tokens=80, chunk_size=7))
     lengths = store.index[:, 1:4].astype(int)
     assert len(scored) > 1 and all(shared for shared, _, _ in scored)  # several micro-batches, every one shared
     assert sum(p for _, p, _ in scored) == int(lengths.sum())  # each prompt laid out once
     assert sum(t for _, _, t in scored) == int(lengths.sum() + lengths[:, 0].sum())
     want = _alone(model, store)
-    assert sorted(got) == sorted(want)
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=0, atol=1e-10, err_msg=key)
     assert (want["chosen_tail"] != 0).any() or (want["rejected_tail"] != 0).any()  # the tails are exercised
@@ -95,7 +97,7 @@ def test_precompute_ref_cli_writes_the_shared_scores(world, tmp_path, scored, on
     import shutil
 
     from prefpack.cli import main as cli_main
-    from prefpack.reference import SIDECAR_NAME, read_sidecar
+    from prefpack.reference import KeySpace, read_keyed_sidecar
 
     store_dir = tmp_path / "store"
     shutil.copytree(world["store"], store_dir)
@@ -103,13 +105,13 @@ def test_precompute_ref_cli_writes_the_shared_scores(world, tmp_path, scored, on
     with contextlib.redirect_stdout(out):
         assert cli_main(["precompute-ref", "--model", str(world["model"]), "--data", str(store_dir),
                          "--device", "cpu"]) == 0
-    assert json.loads(out.getvalue().strip().splitlines()[-1])["pairs"] == 10
+    printed = json.loads(out.getvalue().strip().splitlines()[-1])
+    assert printed["rows"] == 10 and printed["sequences"] == 20 and printed["kind"] == "pairs"
     assert scored and all(shared for shared, _, _ in scored)  # packed_sdpa, the CPU default, reads prompt groups
     store = Store(store_dir)
-    chosen, rejected, chosen_tail, rejected_tail = read_sidecar(store_dir / SIDECAR_NAME, store, reference_hash=None)
+    got = _by_side(read_keyed_sidecar(store, KeySpace("pairs", 20, tails=True), reference_hash=None))
     want = _alone(_load(world["model"], "sdpa"), store)  # float64, no prompt groups: an independent computation
-    for key, values in (("chosen", chosen), ("rejected", rejected), ("chosen_tail", chosen_tail),
-                        ("rejected_tail", rejected_tail)):
+    for key, values in got.items():
         np.testing.assert_allclose(np.asarray(values, dtype=np.float64), want[key], rtol=1e-6, atol=2e-5,
                                    err_msg=key)
 

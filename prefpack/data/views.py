@@ -190,7 +190,8 @@ class PairGroups(PromptGroups):
     grouping depends on the data only, never on memory settings. Pairs stay the store's
     pairs, each once (``pair_rows[i]``: the store rows of example i's pairs). A completion's key is
     ``2 * pair + side`` (side 0 chosen, 1 rejected), an index into the pair store's chosen and rejected columns
-    interleaved."""
+    interleaved; ``copies[key]`` is the key of the completion computed in its place (itself, or an earlier pair's
+    identical completion in the group)."""
 
     def __init__(self, store: Store):
         if store.kind != "pairs":
@@ -204,6 +205,7 @@ class PairGroups(PromptGroups):
         per_pair = 2 * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]
         cap = int(per_pair.max(initial=0))  # the longest pair's positions, read alone
         self.pairs, self.keys, self.completion_len, self.pair_rows, prompt_len = [], [], [], [], []
+        self.copies = np.arange(2 * len(store), dtype=np.int64)  # key -> the key of the same completion computed
 
         def add(p, keys, sizes, pairs, rows):
             self.pairs.append(pairs)
@@ -229,6 +231,7 @@ class PairGroups(PromptGroups):
                         keys.append(key)
                         sizes.append(n)
                         total += n
+                    self.copies[key] = keys[at[t]]
                 pairs.append((at[sides[0][0]], at[sides[1][0]]))
             add(p, keys, sizes, pairs, rows[start:])
         self.prompt_len = np.asarray(prompt_len, dtype=np.int64)

@@ -14,6 +14,11 @@ The hooks are fixed and typed, called in this order for every step:
    them is the same on every rank and does not depend on how the step was split);
 5. ``state_dict()`` / ``load_state_dict()``: what the objective carries from step to step (BCO's running mean),
    saved in checkpoints and handed to the eval objective so evaluation scores as training does.
+
+Every sequence a batch holds carries a key (``Batch.sequence_keys``) in the objective's :meth:`key_space`; the
+reference is asked about the batches :meth:`reference_batches` names. ``precompute-ref`` is the objective evaluated
+over its whole store with the reference recorded by key (``prefpack.training.precompute``), so a store kind is laid
+out in one place, its objective.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from prefpack.data.store import Store
 from prefpack.distributed import SINGLE, Dist
 from prefpack.losses import LossOutput
 from prefpack.objectives.settings import RunSettings
-from prefpack.reference import Reference
+from prefpack.reference import KeySpace, Reference
 
 __all__ = ["Objective", "Planned", "StepState", "StepTotals"]
 
@@ -81,6 +86,15 @@ class Objective:
 
     def collate(self, planned: Planned) -> Any:
         raise NotImplementedError
+
+    def key_space(self) -> KeySpace:
+        """What this objective's sequence keys address (the table a sidecar of its store holds)."""
+        raise NotImplementedError
+
+    def reference_batches(self, batch: Any) -> list[Any]:
+        """The sequence batches (``prefpack.batching.collate.Batch``) of a collated micro-batch whose reference sums
+        the objective reads: the batch itself, unless the objective collates several (KTO: main and KL)."""
+        return [batch]
 
     def forward_options(self) -> dict:
         """What the policy forward (``prefpack.model.forward.SequenceLogps``) must return besides the sums."""

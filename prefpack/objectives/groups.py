@@ -22,7 +22,7 @@ from prefpack.losses import PairLogps, wpo_weights
 from prefpack.objectives.base import Planned
 from prefpack.objectives.pairs import PairTask
 from prefpack.objectives.settings import RunSettings
-from prefpack.reference import Reference, as_sequence_output
+from prefpack.reference import KeySpace, Reference, as_sequence_output
 
 __all__ = ["PromptGroupTask"]
 
@@ -60,6 +60,13 @@ class PromptGroupTask(PairTask):
             return None
         return (f"{n} of {n + len(self.view)} prompts of {self.store.path} give no pair (their completions' scores "
                 "all tie) and are left out")
+
+    def key_space(self) -> KeySpace:
+        """A ranked store: each completion at its row (no tails: they depend on the pair, and a ranked row joins
+        several). A pair store: the pair keys, each repeated completion filled from the one computed."""
+        if isinstance(self.view, PairGroups):
+            return KeySpace("pairs", 2 * len(self.store), tails=True, copies=self.view.copies)
+        return KeySpace("ranked", len(self.store))
 
     def units(self, ids: np.ndarray) -> int:
         """The loss terms a step's examples give: the pairs of its prompt groups."""
@@ -103,11 +110,11 @@ class PromptGroupTask(PairTask):
         batch.shared_tokens += int((self.view.real_tokens(ids) - self.view.costs(ids, shared=False)[0]).sum())
         chosen, rejected, rows = self._drawn_pairs(flat)
         batch.sequence_keys, batch.key_store = torch.as_tensor(rows, dtype=torch.long), str(self.store.path)
-        if s.loss.ld_alpha is not None:  # LD-DPO's tails depend on the pair: the forward computes them per pair
-            batch.tail_pairs = torch.as_tensor(np.stack([chosen, rejected]), dtype=torch.long)
-            if isinstance(self.view, PairGroups):  # the drawn store pairs' own keys, where a pair sidecar has tails
-                drawn = torch.as_tensor(np.concatenate([self.view.pair_rows[i] for i in flat]), dtype=torch.long)
-                batch.tail_keys = torch.stack([2 * drawn, 2 * drawn + 1])
+        # LD-DPO's tails depend on the pair: a forward asked for them (pair_tails) computes them per drawn pair
+        batch.tail_pairs = torch.as_tensor(np.stack([chosen, rejected]), dtype=torch.long)
+        if isinstance(self.view, PairGroups):  # the drawn store pairs' own keys, where a pair sidecar has tails
+            drawn = torch.as_tensor(np.concatenate([self.view.pair_rows[i] for i in flat]), dtype=torch.long)
+            batch.tail_keys = torch.stack([2 * drawn, 2 * drawn + 1])
         return batch
 
     def _drawn_pairs(self, examples) -> tuple[list[int], list[int], np.ndarray]:

@@ -68,7 +68,7 @@ from prefpack.losses.unpaired import (
 )
 from prefpack.objectives.base import Objective, Planned, StepState
 from prefpack.objectives.settings import RunSettings
-from prefpack.reference import Reference, as_sequence_output
+from prefpack.reference import KeySpace, Reference, as_sequence_output, partners_tag
 
 __all__ = ["KTOBatch", "KTOPlanned", "KTOStep", "KTOTask"]
 
@@ -256,6 +256,18 @@ class KTOTask(Objective):
         n_d = int(self.view.labels.sum())
         lo = self.settings.loss
         return class_balance_warning(n_d, len(self.view) - n_d, lo.desirable_weight, lo.undesirable_weight)
+
+    def key_space(self) -> KeySpace:
+        """Example i at key i, its KL sequence at N + i; tagged with the view and (with a KL term) the fixed
+        pairing, the only one a table can hold (step pairing draws partners per step)."""
+        tags = {"view": self.view.source}
+        if self.needs_kl:
+            tags["kl_pairing"] = partners_tag(self.fixed_partners())
+        flags = (" --kto" if self.view.paired else "") + (f" --seed {self.seed}" if self.needs_kl else "")
+        return KeySpace("unpaired", 2 * len(self.view), tags=tags, labels={"kl_seed": str(self.seed)}, flags=flags)
+
+    def reference_batches(self, batch: KTOBatch) -> list[Batch]:
+        return [batch.main] if batch.kl is None else [batch.main, batch.kl]
 
     # ---- pairing
 

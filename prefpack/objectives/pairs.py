@@ -17,7 +17,7 @@ from prefpack.losses import LossOutput, LossTerm, PairLogps, preference_loss, wp
 from prefpack.model import split_pairs
 from prefpack.objectives.base import Objective, Planned, StepState, StepTotals
 from prefpack.objectives.settings import RunSettings
-from prefpack.reference import Reference, as_sequence_output
+from prefpack.reference import KeySpace, Reference, as_sequence_output
 
 __all__ = ["PairTask"]
 
@@ -50,6 +50,10 @@ class PairTask(Objective):
 
     def __len__(self) -> int:
         return len(self.store)
+
+    def key_space(self) -> KeySpace:
+        """Pair p's chosen at key 2p, its rejected at 2p + 1, each with its LD-DPO tail."""
+        return KeySpace("pairs", 2 * len(self.store), tails=True)
 
     def example_tokens(self, ids: np.ndarray) -> np.ndarray:
         """Tokens each pair costs (its prompt twice, both completions), for balancing ranks."""

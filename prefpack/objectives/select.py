@@ -51,18 +51,16 @@ def make_objectives(settings: RunSettings, terms: Sequence, train_store: Store, 
                     reference: Reference, *, kto: bool, group_by_prompt: bool = False,
                     log=print) -> tuple[Objective, Objective | None]:
     """The train and eval objectives of a run (``kto``: the KTO family). A precomputed reference loads each store's
-    sidecar here (the KTO one needs the objective's KL pairing)."""
+    sidecar here, by the objective's key space (the KTO one tagged with its KL pairing)."""
     stores = [s for s in (train_store, eval_store) if s is not None]
     if kto:
         objectives = [KTOTask(s, settings, terms) for s in stores]
         warning = objectives[0].class_balance_warning()
         if warning:
             log(f"warning: {warning}")
-        if isinstance(reference, PrecomputedReference):
-            if objectives[0].needs_kl and settings.loss.kl_pairing != "fixed":
-                raise ReferenceMismatch(_STEP_PAIRING_PRECOMPUTED)
-            for o in objectives:
-                reference.load_examples(o.view, partners=o.fixed_partners() if o.needs_kl else None)
+        if isinstance(reference, PrecomputedReference) and objectives[0].needs_kl and \
+                settings.loss.kl_pairing != "fixed":
+            raise ReferenceMismatch(_STEP_PAIRING_PRECOMPUTED)
     else:
         grouped = [s.kind == "ranked" or group_by_prompt for s in stores]
         objectives = [PromptGroupTask(s, settings, terms) if g else PairTask(s, settings, terms)
@@ -71,17 +69,15 @@ def make_objectives(settings: RunSettings, terms: Sequence, train_store: Store, 
             note = o.run_note() if isinstance(o, PromptGroupTask) else None
             if note:
                 log(f"note: {note}")
-        ld = settings.loss.ld_alpha is not None
-        if isinstance(reference, PrecomputedReference):
-            for s in stores:
-                if s.kind == "ranked" and ld:
-                    raise ReferenceMismatch(
-                        f"store {str(s.path)!r} holds ranked completions and loss.ld_alpha (LD-DPO) needs the "
-                        "reference's sums past the shorter completion of each pair, which a ranked sidecar does not "
-                        "hold (it has one sum per completion, whatever pairs it is in): use reference.mode=copy (or "
-                        "adapter) with LD-DPO on a ranked store")
-                if s.kind == "ranked":
-                    reference.load_completions(s)
-                else:
-                    reference.load_pairs(s, need_tails=ld)
+    if isinstance(reference, PrecomputedReference):  # each store's sidecar, read by the objective's keys
+        ld = not kto and settings.loss.ld_alpha is not None
+        for o in objectives:
+            space = o.key_space()
+            if ld and not space.tails:
+                raise ReferenceMismatch(
+                    f"store {str(o.store.path)!r} holds ranked completions and loss.ld_alpha (LD-DPO) needs the "
+                    "reference's sums past the shorter completion of each pair, which a ranked sidecar does not "
+                    "hold (it has one sum per completion, whatever pairs it is in): use reference.mode=copy (or "
+                    "adapter) with LD-DPO on a ranked store")
+            reference.load(o.store, space, need_tails=ld)
     return objectives[0], objectives[1] if eval_store is not None else None

@@ -9,40 +9,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 from prefpack.batching.collate import Batch
 from prefpack.data.store import Store
-from prefpack.data.views import UnpairedView
 from prefpack.model import ModelError, SequenceLogps, SequenceOutput
-from prefpack.reference.sidecar import (
-    KTO_SIDECAR_NAME,
-    RANKED_SIDECAR_NAME,
-    SIDECAR_NAME,
-    ReferenceMismatch,
-    read_kto_sidecar,
-    read_ranked_sidecar,
-    read_sidecar,
-)
+from prefpack.reference.sidecar import KeyedLogps, KeySpace, ReferenceMismatch, read_keyed_sidecar
 
-__all__ = ["REFERENCE_MODES", "AdapterReference", "CopyReference", "KeyedLogps", "NoReference",
+__all__ = ["REFERENCE_MODES", "AdapterReference", "CopyReference", "NoReference",
            "PrecomputedReference", "Reference", "ReferenceSetup", "as_sequence_output", "make_reference"]
-
-
-@dataclass(frozen=True)
-class KeyedLogps:
-    """A store's reference sums by sequence key (``Batch.sequence_keys``), and LD-DPO's tails by the same keys."""
-
-    logps: np.ndarray
-    tails: np.ndarray | None = None
-
-
-def _interleave(chosen: np.ndarray, rejected: np.ndarray) -> np.ndarray:
-    out = np.empty(2 * len(chosen), dtype=np.float64)
-    out[0::2], out[1::2] = chosen, rejected
-    return out
 
 
 def as_sequence_output(out) -> SequenceOutput:
@@ -185,23 +161,10 @@ class PrecomputedReference(Reference):
         self.reference_hash = reference_hash
         self.tables: dict[Path, KeyedLogps] = {}
 
-    def load_pairs(self, store: Store, *, need_tails: bool = False) -> None:
-        """A pair store's sidecar: pair p's chosen / rejected at keys 2p / 2p + 1, their tails at the same keys."""
-        chosen, rejected, c_tail, r_tail = read_sidecar(Path(store.path) / SIDECAR_NAME, store,
-                                                        reference_hash=self.reference_hash, need_tails=need_tails)
-        self.tables[Path(store.path)] = KeyedLogps(_interleave(chosen, rejected),
-                                                   None if c_tail is None else _interleave(c_tail, r_tail))
-
-    def load_examples(self, view: UnpairedView, *, partners: np.ndarray | None) -> None:
-        """A KTO sidecar: example i at key i, its fixed KL sequence at key N + i."""
-        table = read_kto_sidecar(Path(view.store.path) / KTO_SIDECAR_NAME, view, reference_hash=self.reference_hash,
-                                 partners=partners)
-        self.tables[Path(view.store.path)] = KeyedLogps(np.concatenate([table["completion"], table["kl"]]))
-
-    def load_completions(self, store: Store) -> None:
-        """A ranked store's sidecar: each completion at its row."""
-        table = read_ranked_sidecar(Path(store.path) / RANKED_SIDECAR_NAME, store, reference_hash=self.reference_hash)
-        self.tables[Path(store.path)] = KeyedLogps(table["completion"])
+    def load(self, store: Store, space: KeySpace, *, need_tails: bool = False) -> None:
+        """The sidecar of a store for an objective's key space (``Objective.key_space()``)."""
+        self.tables[Path(store.path)] = read_keyed_sidecar(store, space, reference_hash=self.reference_hash,
+                                                           need_tails=need_tails)
 
     @torch.no_grad()
     def sequence_logps(self, batch: Batch) -> SequenceOutput:
@@ -215,6 +178,9 @@ class PrecomputedReference(Reference):
         if self.pair_tails and table.tails is not None and tail_keys is not None:
             tail = torch.as_tensor(table.tails[tail_keys.cpu().numpy()])
         logps = torch.as_tensor(table.logps[batch.sequence_keys.cpu().numpy()])
+        if torch.isnan(logps).any() or (tail is not None and torch.isnan(tail).any()):
+            raise ReferenceMismatch(f"the sidecar of {batch.key_store!r} holds no reference log-probs for some "
+                                    "sequences this run reads; run precompute-ref again on this store")
         return SequenceOutput(logps, batch.completion_tokens, tail_sum=tail)
 
 

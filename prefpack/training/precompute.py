@@ -1,0 +1,159 @@
+"""``prefpack precompute-ref``: the run's own objective evaluated over its whole store, with the reference's sums
+recorded by sequence key into the store's sidecar. Each store kind is laid out in one place (its objective), so
+the sidecar holds exactly the sequences training reads, laid out as training lays them out (prompts once where the
+kernel reads prompt groups, KTO's fixed KL sequences beside their examples)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from prefpack.batching.deal import deal_step
+from prefpack.distributed import SINGLE, Dist
+from prefpack.objectives import Objective, Term, make_objectives, open_store, settings_from_config
+from prefpack.reference import CopyReference, KeyedLogps, NoReference, write_keyed_sidecar
+
+__all__ = ["PrecomputeOptions", "precompute_reference", "record_reference", "scoring_objective"]
+
+
+@dataclass
+class PrecomputeOptions:
+    """What ``precompute-ref`` is asked (its flags); budgets are numbers or ``"auto"``."""
+
+    model: str
+    data: str
+    kto: bool = False
+    seed: int = 0
+    micro_batch_tokens: int | str = "auto"
+    chunk_size: int | str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    allow_tokenizer_mismatch: bool = False
+
+
+def scoring_objective(store, *, kto: bool, seed: int, micro_batch_tokens: int, row_tokens: int, chunk_size: int,
+                      shares_prompts: bool, group_by_prompt: bool | None = None) -> Objective:
+    """The objective whose keys a sidecar of ``store`` holds: KTO (the store's examples with their fixed KL
+    sequences of ``seed``), a pair store's pairs (over its prompt groups when its pairs repeat prompts, so each
+    prompt and completion is computed once; ``group_by_prompt`` decides instead when given), or a ranked store's
+    prompt groups."""
+    from prefpack.config import Config
+    from prefpack.data.views import UnpairedView
+
+    cfg = Config()
+    cfg.data.paired_as_kto = kto and store.kind == "pairs"
+    cfg.data.packing = True
+    cfg.train.seed = seed
+    cfg.loss.kl_pairing = "fixed"
+    if kto:  # a one-example store has no KL partner: its completion alone
+        several = len(UnpairedView(store, paired_as_kto=cfg.data.paired_as_kto)) > 1
+        terms = [Term("kto" if several else "apo_zero_unpaired")]
+    else:
+        terms = [Term("sigmoid")]
+    repeats = bool((store.meta.get("counts", {}).get("repeated_prompts") or {}).get("prompts"))
+    if group_by_prompt is not None:
+        repeats = group_by_prompt
+    settings = settings_from_config(cfg, pad_id=0, micro_batch_tokens=micro_batch_tokens, row_tokens=row_tokens,
+                                    chunk_size=chunk_size, shares_prompts=shares_prompts)
+    task, _ = make_objectives(settings, terms, store, None, NoReference(), kto=kto, group_by_prompt=repeats,
+                              log=lambda _m: None)
+    return task
+
+
+@torch.no_grad()
+def record_reference(task: Objective, model: nn.Module, *, ctx: Dist = SINGLE, progress: bool = False) -> KeyedLogps:
+    """The reference sums (and LD-DPO tails, where the key space keeps them) of every sequence the objective reads
+    over its whole store, by sequence key; float64, NaN at keys no example reads.
+
+    Under torchrun (``ctx``) the store's micro-batches are dealt to the ranks as evaluation deals them, each rank
+    runs its share with its own full copy of the model, and the tables are summed across ranks."""
+    space = task.key_space()
+    reference = CopyReference(model, chunk_size=task.settings.chunk_size)
+    reference.configure(chunk_size=task.settings.chunk_size, pair_tails=space.tails)
+    share = deal_step(task, np.arange(len(task)), seed=None, world=ctx.world)[ctx.rank]
+    table = np.zeros((4, space.size))  # sums, times scored, tails, times scored
+    planned = [p for p, w in zip(share.planned, share.weights) if w]  # padding batches only keep ranks in step
+    if progress and ctx.is_main:
+        from tqdm import tqdm
+
+        planned = tqdm(planned, desc="reference log-probs", unit="batch")
+    for p in planned:
+        for part in task.reference_batches(task.collate(p)):
+            out = reference.sequence_logps(part)
+            keys = part.sequence_keys.numpy()
+            table[0, keys] = out.logp_sum[:len(keys)].double().cpu().numpy()
+            table[1, keys] += 1
+            tail_keys = part.sequence_keys if part.tail_pairs is None else part.tail_keys
+            if space.tails and tail_keys is not None:
+                tails = out.tail_sum if part.tail_pairs is not None else out.tail_sum[:len(keys)]
+                table[2, tail_keys.numpy().reshape(-1)] = tails.double().cpu().numpy().reshape(-1)
+                table[3, tail_keys.numpy().reshape(-1)] += 1
+    if ctx.world > 1:
+        both = torch.from_numpy(table).to(ctx.device)  # NCCL needs device tensors
+        ctx.all_reduce_sum(both)
+        table = both.cpu().numpy()
+    if (table[1] > 1).any() or (table[3] > 1).any():
+        raise RuntimeError("precompute-ref scored a sequence twice; the objective's keys overlap")
+    logps, tails = _filled(table[0], table[1], space.copies), _filled(table[2], table[3], space.copies)
+    return KeyedLogps(logps, tails if space.tails else None)
+
+
+def _filled(values: np.ndarray, seen: np.ndarray, copies: np.ndarray | None) -> np.ndarray:
+    """``values`` where scored, each repeated sequence's value at its own key too, NaN where nothing was."""
+    out = np.where(seen > 0, values, np.nan)
+    if copies is not None:
+        take = (seen == 0) & (seen[copies] > 0)
+        out[take] = values[copies[take]]
+    return out
+
+
+def precompute_reference(opts: PrecomputeOptions, *, ctx: Dist = SINGLE, log=print, progress: bool = True) -> dict:
+    """Score a store with a reference model and write its sidecar (rank 0); returns what ``precompute-ref`` prints."""
+    from prefpack.data.store import Store
+    from prefpack.model import (
+        check_vocab_fits,
+        kernel_of,
+        load_scoring_model,
+        pick_device,
+        resolve_tokenizer,
+        weights_hash,
+    )
+
+    kto = opts.kto or Store(opts.data).kind == "unpaired"
+    store = open_store(opts.data, "reference", unpaired=kto, paired_as_kto=opts.kto)
+    resolve_tokenizer(opts.model, store.meta, store.tokenizer_path(), allow_mismatch=opts.allow_tokenizer_mismatch)
+    device = ctx.device if opts.device == "auto" else pick_device(opts.device)
+    model = load_scoring_model(opts.model, opts.dtype, device)
+    check_vocab_fits(model, store.meta, opts.data)
+    budgets = _scoring_budgets(opts, model, device, log)
+    task = scoring_objective(store, kto=kto, seed=opts.seed, micro_batch_tokens=budgets.micro_batch_tokens,
+                             row_tokens=budgets.row_tokens, chunk_size=budgets.chunk_size,
+                             shares_prompts=kernel_of(model).reads_prompt_groups)
+    table = record_reference(task, model, ctx=ctx, progress=progress)
+    space = task.key_space()
+    if not ctx.is_main:
+        return {}
+    path = write_keyed_sidecar(store, space, table, reference_hash=weights_hash(model), reference_name=opts.model)
+    scored = np.isfinite(table.logps)
+    return {"sidecar": str(path), "kind": space.kind, "rows": len(store), "sequences": int(scored.sum()),
+            "mean_logp": float(table.logps[scored].mean()) if scored.any() else None,
+            **({"kl_seed": opts.seed} if kto else {})}
+
+
+def _scoring_budgets(opts: PrecomputeOptions, model: nn.Module, device: torch.device, log):
+    """precompute-ref's budgets: the flags, or from the device (nothing trains, so all free memory is for it)."""
+    from types import SimpleNamespace
+
+    from prefpack.budgets import resolve_budgets
+    from prefpack.model import uses_flash_attention
+
+    train = SimpleNamespace(micro_batch_tokens=opts.micro_batch_tokens, chunk_size=opts.chunk_size)
+    budgets, line = resolve_budgets(train, SimpleNamespace(max_tokens_per_row="auto"), model, device,
+                                    trainable_params=0, autocast=False, checkpointing=False,
+                                    flattened=uses_flash_attention(model))
+    log(line)
+    return budgets
+
