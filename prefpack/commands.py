@@ -308,10 +308,12 @@ def run_eval(args, argv) -> int:
 
 
 def add_precompute(sub) -> None:
-    p = sub.add_parser("precompute-ref", help="write reference log-probs of every pair beside the store",
-                       description="Score every pair once with the reference model and write "
-                       "ref_logps.safetensors into the store, tagged with hashes of the store and the weights; "
-                       "then train with reference.mode=precomputed and no reference model in memory.")
+    p = sub.add_parser("precompute-ref", help="write the reference log-probs a run reads beside the store",
+                       description="Score every sequence a run reads from the store (each pair's two sides, each "
+                       "ranked completion, each KTO example and its fixed KL sequence) once with the reference model, "
+                       "laid out as training lays it out, and write the sidecar into the store, tagged with hashes of "
+                       "the store and the weights; then train with reference.mode=precomputed and no reference model "
+                       "in memory.")
     p.add_argument("--model", required=True, help="reference model folder or hub id")
     p.add_argument("--data", required=True, help="prepared store: pairs, ranked completions, or unpaired examples "
                    "(KTO)")
