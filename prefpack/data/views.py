@@ -11,7 +11,7 @@ import numpy as np
 from prefpack.data.store import Store, StoreError
 
 __all__ = ["RANKED_PAIR_MODES", "PairGroups", "PromptGroups", "RankedGroups", "StorePairs", "UnpairedView",
-           "group_pairs"]
+           "group_pairs", "row_lengths"]
 
 
 class StorePairs:
@@ -87,6 +87,17 @@ class UnpairedView:
 
     def completion(self, i: int) -> np.ndarray:
         return self[i][1]
+
+
+def row_lengths(store: Store) -> tuple[np.ndarray, np.ndarray, str]:
+    """Per store row: its longest sequence (prompt + longer completion), the positions it takes read alone (a pair:
+    its prompt twice and both completions), and what a row is called (for messages)."""
+    prompt = store.column("prompt_len").astype(np.int64)
+    if store.kind == "pairs":
+        chosen, rejected = store.column("chosen_len").astype(np.int64), store.column("rejected_len").astype(np.int64)
+        return prompt + np.maximum(chosen, rejected), 2 * prompt + chosen + rejected, "pairs"
+    longest = prompt + store.column("completion_len").astype(np.int64)
+    return longest, longest, "completions" if store.kind == "ranked" else "examples"
 
 
 def _prompt_groups(store: Store) -> np.ndarray:

@@ -44,7 +44,7 @@ def scoring_objective(store, *, kto: bool, seed: int, micro_batch_tokens: int, r
     from prefpack.data.views import UnpairedView
 
     cfg = Config()
-    cfg.data.paired_as_kto = kto and store.kind == "pairs"
+    cfg.data.paired_as_kto = kto  # read only for a pair store
     cfg.data.packing = True
     cfg.train.seed = seed
     cfg.loss.kl_pairing = "fixed"

@@ -9,12 +9,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from prefpack.budgets import resolve_budgets
 from prefpack.data.store import Store, StoreError
+from prefpack.data.views import row_lengths
 from prefpack.distributed import Dist, wrap
 from prefpack.losses import BATCH_COUPLED_LOSSES, LossTerm, needs_reference
 from prefpack.model import (
@@ -243,13 +243,7 @@ def _budgets(cfg, policy: nn.Module, device: torch.device, precision: Precision,
 def check_lengths(store: Store, what: str, model: nn.Module, row_budget: int | None, log) -> None:
     """Refuse sequences longer than the model's positions (they would fail or silently extrapolate), and say
     once how many examples are longer than a packed row (each of those gets a row of its own)."""
-    prompt = store.column("prompt_len")
-    if store.kind == "pairs":
-        chosen, rejected = store.column("chosen_len"), store.column("rejected_len")
-        longest, example, unit = prompt + np.maximum(chosen, rejected), 2 * prompt + chosen + rejected, "pairs"
-    else:
-        longest = example = prompt + store.column("completion_len")
-        unit = "completions" if store.kind == "ranked" else "examples"
+    longest, example, unit = row_lengths(store)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and limit > 0 and int(longest.max()) > limit:
