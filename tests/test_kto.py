@@ -303,6 +303,34 @@ def test_pairing_and_kl_sums_do_not_depend_on_the_number_of_ranks(kworld, balanc
     assert sum(r.kl_sum for r in per_rank) == pytest.approx(ref.kl_sum, abs=1e-4)
 
 
+@pytest.mark.parametrize("store", ["train", "pairs"])
+def test_plan_step_draws_the_scheduled_steps_partners(kworld, store):
+    """deal_step hands KTO the whole step (plan_step) before dealing: every rank's partners are those of
+    step_kl_partners over the scheduled step's ids, seeded by (train.seed, step), for any world size and dealing;
+    a pair store read as KTO (a pair's halves one prompt group) included."""
+    from prefpack.batching.deal import deal_step
+    from prefpack.data.kl_pairing import SALT_STEP
+
+    extra = [f"data.train={kworld[store]}"] + (["data.paired_as_kto=true"] if store == "pairs" else [])
+    task = make_task(KTOTask, Store(kworld[store]), kcfg(kworld, "unused", *extra, "train.micro_batch_tokens=128",
+                                                         "data.max_tokens_per_row=128"))
+    groups = UnpairedView(Store(kworld[store]), paired_as_kto=store == "pairs").groups
+    sched = StepSchedule(len(groups), 5, 0, True, groups)  # the loop's schedule: global batch 5, seed 0, shuffled
+    fixed = fixed_kl_partners(groups, 0)
+    for step in range(2 * sched.steps_per_epoch):  # two epochs, the short last step of each included
+        ids = sched.pairs_for_step(step)[1]
+        expected = dict(zip(ids.tolist(), step_kl_partners(ids, groups, [0, step, SALT_STEP], fixed).tolist()))
+        for world, balance in ((1, "tokens"), (2, "tokens"), (2, "count"), (3, "tokens")):
+            got = {}
+            for share in deal_step(task, ids, seed=StepKey(0, step), world=world, balance=balance):
+                for planned, w in zip(share.planned, share.weights):
+                    if w:
+                        got.update({i: j for r, q in zip(planned.rows, planned.kl_partners) for i, j in zip(r, q)})
+            assert got == expected, (step, world, balance)
+        half = ids[: (len(ids) + 1) // 2]  # a share of the step planned on its own reads the step's partners
+        assert task.partners_for(half, StepKey(0, step)).tolist() == [expected[i] for i in half.tolist()]
+
+
 # ---------------------------------------------------------------- training
 
 

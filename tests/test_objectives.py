@@ -64,6 +64,46 @@ def test_objective_state_is_typed_and_checked():
     assert isinstance(task.begin_step(None, NoReference(), []), StepState)
 
 
+@pytest.mark.parametrize("balance", ["tokens", "count"])
+@pytest.mark.parametrize("n_world", [1, 2])
+def test_deal_step_calls_plan_step_once_per_step_with_the_whole_step(n_world, balance):
+    """``plan_step`` sees each step's examples once, all of them, before any rank plans its share."""
+    from prefpack.batching.deal import deal_step
+    from prefpack.batching.schedule import StepKey
+    from prefpack.objectives import Objective, Planned
+
+    class Recording(Objective):
+        def __init__(self):
+            self.calls = []
+
+        def __len__(self):
+            return 12
+
+        def example_tokens(self, ids):
+            return np.asarray(ids) % 5 + 3
+
+        def plan_step(self, ids, *, seed):
+            self.calls.append(("plan_step", sorted(np.asarray(ids).tolist()), seed))
+
+        def plan(self, ids, *, seed):
+            self.calls.append(("plan", sorted(np.asarray(ids).tolist()), seed))
+            return [Planned(rows=[[int(i)] for i in ids], real_tokens=len(ids), computed_tokens=len(ids))]
+
+    task = Recording()
+    for step, ids in enumerate([np.array([7, 2, 9, 0, 4]), np.array([11]), np.arange(12)]):
+        task.calls.clear()
+        key = StepKey(3, step)
+        deal_step(task, ids, seed=key, world=n_world, balance=balance)
+        assert task.calls[0] == ("plan_step", sorted(ids.tolist()), key)  # first, with the whole step
+        assert [c[0] for c in task.calls].count("plan_step") == 1
+        planned = sorted(i for name, part, _ in task.calls[1:] for i in part)
+        assert planned == sorted(ids.tolist())  # the ranks' shares (at most n_world plans) cover the step once
+        assert 1 <= len(task.calls) - 1 <= n_world
+    task.calls.clear()
+    deal_step(task, np.arange(12), seed=None, world=n_world, balance=balance)  # an evaluation pass: one step too
+    assert [c[:1] for c in task.calls].count(("plan_step",)) == 1 and task.calls[0][2] is None
+
+
 def test_reference_modes_answer_the_same_questions():
     from pathlib import Path
     from types import SimpleNamespace

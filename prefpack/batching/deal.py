@@ -21,7 +21,12 @@ class Share:
 
 
 def deal_step(task, ids: np.ndarray, *, seed: Any, world: int, balance: str = "tokens") -> list[Share]:
-    """Every rank's micro-batches for one step (the same answer on every rank)."""
+    """Every rank's micro-batches for one step (the same answer on every rank). ``task.plan_step`` sees the whole
+    step first, once, so what it draws for the step is the same whatever the world size and the dealing (a task
+    without the hook, a bare planner, plans as before)."""
+    plan_step = getattr(task, "plan_step", None)
+    if plan_step is not None:
+        plan_step(ids, seed=seed)
     if world == 1:
         planned = task.plan(ids, seed=seed)
         return [Share(planned, [1.0] * len(planned))]

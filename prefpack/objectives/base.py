@@ -3,6 +3,9 @@ per-example losses, and the loop (optimizer, accumulation, checkpoints, metrics,
 
 The hooks are fixed and typed, called in this order for every step:
 
+0. ``plan_step(ids, seed=...)`` once with the whole step's examples, before they are dealt to ranks
+   (``prefpack.batching.deal.deal_step``): what depends on the whole step (KTO's KL partners) is drawn here, so a
+   rank that plans only its share gets what one process would;
 1. ``plan(ids, seed=...)`` then ``collate(planned)``: the step's micro-batches (``seed`` is a
    ``prefpack.batching.schedule.StepKey`` in training, None in evaluation);
 2. ``begin_step(policy, reference, batches, weights, dist)`` -> a :class:`StepState`: what the whole step needs
@@ -80,6 +83,10 @@ class Objective:
         """The per-example loss values a step's examples give, which the step's loss is averaged over: one per
         example, except ranked prompt groups, which give one per pair they yield."""
         return len(ids)
+
+    def plan_step(self, ids: np.ndarray, *, seed: Any) -> None:
+        """Called once per step with the whole step's ``ids`` before they are dealt to ranks, so what depends on
+        the whole step does not depend on the dealing (default: nothing)."""
 
     def plan(self, ids: np.ndarray, *, seed: Any) -> list[Planned]:
         raise NotImplementedError

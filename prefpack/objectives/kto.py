@@ -52,7 +52,6 @@ from torch import nn
 
 from prefpack.batching.collate import Batch, collate_groups
 from prefpack.batching.plan import balanced_rows, computed_tokens, fit_runs, plan_groups
-from prefpack.batching.schedule import StepKey, StepSchedule
 from prefpack.data.kl_pairing import SALT_STEP, fixed_kl_partners, step_kl_partners
 from prefpack.data.store import Store, StoreError
 from prefpack.data.views import UnpairedView
@@ -219,7 +218,8 @@ class KTOStep(StepState):
 class KTOTask(Objective):
     """KTO / APO-zero-unpaired on unpaired examples (or a pair store with ``data.paired_as_kto``).
 
-    Implements ``prefpack.objectives.base.Objective``: ``plan`` (micro-batches and KL partners of a step),
+    Implements ``prefpack.objectives.base.Objective``: ``plan_step`` (the KL partners of a whole step), ``plan``
+    (a share of the step's micro-batches, with those partners),
     ``collate`` (a :class:`KTOBatch`), ``begin_step`` (z0 over the whole step, all ranks) and ``loss``
     (one value per example). ``begin_step`` is a collective over the ``dist`` it is given (the loop's ranks): every
     rank must call it, with its own (possibly empty) share of the step's micro-batches.
@@ -240,7 +240,7 @@ class KTOTask(Objective):
         self.kl_pairing = settings.loss.kl_pairing
         self.seed = settings.seed
         self._fixed: np.ndarray | None = None
-        self._step_cache: tuple[int, tuple[np.ndarray, np.ndarray]] | None = None
+        self._step: tuple[list[int], np.ndarray, np.ndarray] | None = None  # plan_step's (seed key, ids, partners)
         if self.needs_kl and len(self.view) < 2:
             raise StoreError(f"store {str(store.path)!r} holds {len(self.view)} example: KTO's KL term needs the "
                              "completion of another example; add examples or use loss apo_zero_unpaired")
@@ -276,41 +276,36 @@ class KTOTask(Objective):
             self._fixed = fixed_kl_partners(self.view.groups, self.seed)
         return self._fixed
 
+    def plan_step(self, ids: np.ndarray, *, seed: Any) -> None:
+        """Draw the KL partners of the whole step (``kl_pairing: step``) before its examples are dealt to ranks, so
+        a rank that plans only its share gets the partners one process would: the update depends neither on the
+        number of ranks nor on the dealing."""
+        if not self.needs_kl or self.kl_pairing == "fixed" or seed is None:
+            return
+        key = _seed_key(seed)
+        ids = np.array(ids, dtype=np.int64)  # a copy: the state outlives the caller's array
+        self._step = (key, ids, step_kl_partners(ids, self.view.groups, [*key, SALT_STEP], self.fixed_partners()))
+
     def partners_for(self, ids: np.ndarray, seed: Any) -> np.ndarray:
         """KL partners of ``ids`` (``seed`` as given to :meth:`plan`).
 
         * ``kl_pairing: fixed``, or ``seed=None`` (an evaluation pass over the store): the fixed pairing.
-        * ``seed=StepKey(train.seed, step)`` (how the training loop plans step ``step``) and ``ids`` inside that
-          scheduled step: the pairing of the *whole* step, computed from the step schedule, so a rank that
-          plans only its share of the step gets the partners a single process would (the update does not
-          depend on the number of ranks or on the dealing).
+        * ``seed`` the key :meth:`plan_step` last saw (the training loop's ``StepKey(train.seed, step)``) and ``ids``
+          inside that step: the partners drawn there for the *whole* step.
         * any other ``ids``/seed: a pairing inside ``ids`` seeded by ``seed``.
         """
         ids = np.asarray(ids, dtype=np.int64)
         if self.kl_pairing == "fixed" or seed is None:
             return self.fixed_partners()[ids]
-        scheduled = self._scheduled_step_partners(seed)
-        if scheduled is not None:
-            step_ids, partners = scheduled
+        key = _seed_key(seed)
+        if self._step is not None and self._step[0] == key:
+            step_ids, partners = self._step[1:]
             order = np.argsort(step_ids, kind="stable")
             pos = np.searchsorted(step_ids, ids, sorter=order)
             pos = order[np.minimum(pos, len(order) - 1)]
             if len(step_ids) and np.array_equal(step_ids[pos], ids):
                 return partners[pos]
-        return step_kl_partners(ids, self.view.groups, [*_seed_key(seed), SALT_STEP], self.fixed_partners())
-
-    def _scheduled_step_partners(self, seed: Any) -> tuple[np.ndarray, np.ndarray] | None:
-        """(step ids, their partners) of the training step that ``seed`` (a :class:`StepKey`) names."""
-        if not (isinstance(seed, StepKey) and int(seed.seed) == self.seed):
-            return None
-        step = int(seed.step)
-        if self._step_cache is not None and self._step_cache[0] == step:
-            return self._step_cache[1]
-        _, step_ids = StepSchedule(len(self), self.settings.global_batch, self.seed, self.settings.shuffle,
-                                   self.schedule_groups()).pairs_for_step(step)
-        partners = step_kl_partners(step_ids, self.view.groups, [self.seed, step, SALT_STEP], self.fixed_partners())
-        self._step_cache = (step, (step_ids, partners))
-        return step_ids, partners
+        return step_kl_partners(ids, self.view.groups, [*key, SALT_STEP], self.fixed_partners())
 
     def schedule_groups(self) -> np.ndarray:
         """Examples of one prompt (a pair's two halves with ``data.paired_as_kto``, several completions of a prompt

@@ -1,11 +1,12 @@
-"""Training, one job a module: `setup` (build), `loop` (train), `evaluation`, `checkpoint`, `resume_check`.
+"""Training, one job a module: `setup` (build), `loop` (train), `cadence` (what is due between steps), `evaluation`,
+`checkpoint`, `resume_check`.
 
 Import the public API from here.
 """
 
+from prefpack.training.cadence import TrainingInterrupted
 from prefpack.training.evaluation import evaluate
 from prefpack.training.loop import (
-    TrainingInterrupted,
     TrainResult,
     lr_lambda,
     total_steps,

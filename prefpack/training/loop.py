@@ -10,7 +10,6 @@ of the step number and the seed, so resuming needs only the step.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from prefpack.distributed import Dist, clip_grad_norm, grad_sync, init_from_env
 from prefpack.model import ModelError, release_freed_memory
 from prefpack.objectives import StepTotals
 from prefpack.reference import sync_reference
+from prefpack.training.cadence import Cadence
 from prefpack.training.checkpoint import (
     Checkpointed,
     latest_checkpoint,
@@ -42,11 +42,6 @@ from prefpack.training.setup import (
     save_run_config,
     wrap_modules,
 )
-
-
-class TrainingInterrupted(RuntimeError):
-    """Raised by `stop_after_steps` (tests simulate a crash with it)."""
-
 
 # ------------------------------------------------------------------------------------------------ schedule
 
@@ -139,18 +134,14 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
 
     if ctx.enabled:
         log(f"{ctx.world} processes, strategy {strategy}, micro-batches dealt by {cfg.distributed.balance}")
-    eval_before = None
-    if setup.eval_task is not None and start == 0:
-        eval_before = run_eval()
-        metrics.log(0, eval_before, split="eval")
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=n_steps, initial=start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+    synced = cfg.reference.sync and copied  # TR-DPO: the reference moves, checkpoints keep it
+    cadence = Cadence(cfg.run, n_steps, metrics, ctx, evaluate=run_eval if setup.eval_task is not None else None,
+                      save=lambda done: save_checkpoint(run_dir, done, parts, task.state_dict(),
+                                                        cfg.run.keep_checkpoints, ctx, with_reference=synced),
+                      stop_after_steps=stop_after_steps)
+    eval_before = cadence.begin(start, progress=progress)
     last: dict[str, float] = {}
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else float("inf")
-    synced = cfg.reference.sync and copied  # TR-DPO: the reference moves, checkpoints keep it
     for step in range(start, n_steps):
         t0 = time.perf_counter()
         with record_function("prefpack.plan_collate"):
@@ -192,52 +183,13 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
         last.update({"lr": lr, "grad_norm": grad_norm, "epoch": epoch + (step % sched.steps_per_epoch + 1)
                      / sched.steps_per_epoch, "tokens/s": totals.real_tokens / dt, "pairs/s": units / dt,
                      "tokens": totals.real_tokens, "positions": totals.positions})
-        done = step + 1
-        if done % cfg.run.log_every == 0 or done == n_steps:
-            metrics.log(done, last)
-        if bar is not None:
-            bar.update(1)
-            shown = {"loss": f"{last['loss']:.4f}", "fill": f"{last['filling']:.2f}"}
-            if "rewards/accuracies" in last:
-                shown["acc"] = f"{last['rewards/accuracies']:.2f}"
-            if "kl" in last:
-                shown["kl"] = f"{last['kl']:.3f}"
-            if last["positions"] < last["tokens"]:  # prompts laid out once: the share of positions not computed
-                shown["saved"] = f"{1 - last['positions'] / last['tokens']:.0%}"
-            bar.set_postfix(shown)
-        if setup.eval_task is not None and cfg.run.eval_every and done % cfg.run.eval_every == 0 and done < n_steps:
-            metrics.log(done, run_eval(), split="eval")
-        if cfg.run.save_every and done % cfg.run.save_every == 0 and done < n_steps:
-            save_checkpoint(run_dir, done, parts, task.state_dict(), cfg.run.keep_checkpoints, ctx,
-                            with_reference=synced)
-        if stop_after_steps is not None and done >= stop_after_steps and done < n_steps:
-            if bar is not None:
-                bar.close()
-            metrics.close()
-            ctx.barrier()  # no rank tears the process group down while another is still in a collective
-            raise TrainingInterrupted(f"stopped after step {done}")
-    if bar is not None:
-        bar.close()
-    eval_after = None
-    if setup.eval_task is not None:
-        eval_after = run_eval()
-        metrics.log(n_steps, eval_after, split="eval")
-    metrics.close()
-    # Training state is not needed to save the result: free it first, so saving never raises the run's peak.
-    optimizer.zero_grad(set_to_none=True)
-    optimizer.state.clear()
-    reference.release()
-    parts.reference = parts.reference_module = None
-    release_freed_memory()
+        cadence.after_step(step + 1, last)  # metrics line, bar, eval, checkpoint, stop: whatever is due
+    eval_after = cadence.finish()
+    _free_training_state(optimizer, reference, parts)
     final_dir = save_final(run_dir, policy, setup.tokenizer, module=module, ctx=ctx, strategy=strategy,
                            dtype=final_dtype(cfg, setup.precision))
     if cfg.run.plot and main:
-        try:
-            from prefpack.plot import plot_run
-
-            plot_run(run_dir)
-        except Exception as exc:  # a missing plotting library must not fail a finished training run
-            log(f"note: no curves.png ({exc})")
+        _plot(run_dir, log)
     ctx.barrier()
     return TrainResult(run_dir, n_steps, final_dir, eval_before, eval_after, last)
 
@@ -259,6 +211,25 @@ def _resume(run_dir: Path, parts: Checkpointed, n_steps: int, metrics, ctx: Dist
     metrics.truncate_after(start)
     log(f"resumed from {ckpt} at step {start}")
     return state, start
+
+
+def _free_training_state(optimizer, reference, parts: Checkpointed) -> None:
+    """Training state is not needed to save the result: free it first, so saving never raises the run's peak."""
+    optimizer.zero_grad(set_to_none=True)
+    optimizer.state.clear()
+    reference.release()
+    parts.reference = parts.reference_module = None
+    release_freed_memory()
+
+
+def _plot(run_dir: Path, log) -> None:
+    """curves.png; a missing plotting library must not fail a finished training run."""
+    try:
+        from prefpack.plot import plot_run
+
+        plot_run(run_dir)
+    except Exception as exc:
+        log(f"note: no curves.png ({exc})")
 
 
 def _quiet(*_args, **_kwargs) -> None:

@@ -1,0 +1,102 @@
+"""What the loop does between steps on a clock: evaluations (before, every ``run.eval_every``, after), metrics lines
+(every ``run.log_every``), checkpoints (every ``run.save_every``), the progress bar and ``stop_after_steps``.
+
+Kept apart from the loop so that ``train()`` reads as the step itself, and so that every "is step k due?" rule lives
+in one place: an evaluation or checkpoint that would fall on the last step is left to the end of the run (the final
+evaluation, the final model), and the last step always gets a metrics line.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from prefpack.distributed import Dist
+
+__all__ = ["Cadence", "TrainingInterrupted", "postfix"]
+
+
+class TrainingInterrupted(RuntimeError):
+    """Raised by `stop_after_steps` (tests simulate a crash with it)."""
+
+
+def postfix(last: dict[str, float]) -> dict[str, str]:
+    """The progress bar's short summary of a step's metrics (what is there: accuracy for pairs, KL for KTO, the
+    share of positions saved when prompts are laid out once)."""
+    shown = {"loss": f"{last['loss']:.4f}", "fill": f"{last['filling']:.2f}"}
+    if "rewards/accuracies" in last:
+        shown["acc"] = f"{last['rewards/accuracies']:.2f}"
+    if "kl" in last:
+        shown["kl"] = f"{last['kl']:.3f}"
+    if last["positions"] < last["tokens"]:  # prompts laid out once: the share of positions not computed
+        shown["saved"] = f"{1 - last['positions'] / last['tokens']:.0%}"
+    return shown
+
+
+class Cadence:
+    """The run's clock for steps ``start + 1 .. n_steps``: :meth:`begin` before the first, :meth:`after_step` after
+    each, :meth:`finish` after the last. ``evaluate`` (None without eval data) returns eval metrics; ``save(step)``
+    writes a checkpoint; ``metrics`` is the run's ``MetricsLogger``, closed by :meth:`finish` or on a stop."""
+
+    def __init__(self, run: Any, n_steps: int, metrics: Any, ctx: Dist, *, evaluate: Callable[[], dict] | None,
+                 save: Callable[[int], None], stop_after_steps: int | None = None):
+        self.log_every, self.eval_every, self.save_every = run.log_every, run.eval_every, run.save_every
+        self.n_steps = n_steps
+        self.metrics = metrics
+        self.ctx = ctx
+        self.evaluate = evaluate
+        self.save = save
+        self.stop_after_steps = stop_after_steps
+        self.bar = None
+
+    def _due(self, every: int | None, done: int) -> bool:
+        """Every ``every`` steps (0 or None: never), short of the last step, which the run's end covers."""
+        return bool(every) and done % every == 0 and done < self.n_steps
+
+    def begin(self, start: int, *, progress: bool) -> dict[str, float] | None:
+        """The evaluation before training (a fresh run with eval data only: a resumed run logged it already), then
+        the progress bar from ``start``. Returns that evaluation."""
+        before = None
+        if self.evaluate is not None and start == 0:
+            before = self.evaluate()
+            self.metrics.log(0, before, split="eval")
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.n_steps, initial=start, desc="train", unit="step", file=sys.stderr,
+                            dynamic_ncols=True)
+        return before
+
+    def after_step(self, done: int, last: dict[str, float]) -> None:
+        """After step ``done`` (counted from 1) with its metrics ``last``: whatever is due, in this order: the
+        metrics line, the bar, an evaluation, a checkpoint, then a stop that ``stop_after_steps`` asks for."""
+        if done % self.log_every == 0 or done == self.n_steps:
+            self.metrics.log(done, last)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(postfix(last))
+        if self.evaluate is not None and self._due(self.eval_every, done):
+            self.metrics.log(done, self.evaluate(), split="eval")
+        if self._due(self.save_every, done):
+            self.save(done)
+        if self.stop_after_steps is not None and done >= self.stop_after_steps and done < self.n_steps:
+            self._close_bar()
+            self.metrics.close()
+            self.ctx.barrier()  # no rank tears the process group down while another is still in a collective
+            raise TrainingInterrupted(f"stopped after step {done}")
+
+    def finish(self) -> dict[str, float] | None:
+        """After the last step: close the bar, evaluate (with eval data) and close the metrics. Returns that
+        evaluation."""
+        self._close_bar()
+        after = None
+        if self.evaluate is not None:
+            after = self.evaluate()
+            self.metrics.log(self.n_steps, after, split="eval")
+        self.metrics.close()
+        return after
+
+    def _close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
