@@ -444,7 +444,7 @@ def _task(names, **loss):
     params = {n: p.default for n, p in LOSS_PARAMS.items()} | {"f_divergence_type": "reverse_kl", "use_weighting": False,
                                                                 "kl_pairing": "step"} | loss
     settings = RunSettings(micro_batch_tokens=64, row_tokens=64, chunk_size=64, packing=True, pad_to_multiple_of=None,
-                           shares_prompts=False, pad_id=0, global_batch=len(ROWS), seed=0, shuffle=False,
+                           shares_prompts=False, pad_id=0, global_batch=len(ROWS), seed=0,
                            ranked_pairs="best_vs_rest", paired_as_kto=False, loss=LossParams(**params))
     return PairTask(_FakeStore(len(ROWS)), settings, [Term(n) for n in names])
 

@@ -22,28 +22,14 @@ that a distributed loop runs with weight 0 are excluded when their weights are p
 
 Batches
 -------
-A micro-batch holds whole examples with their KL sequences (an example and its KL sequence always land in
-the same micro-batch). Packed (default): main sequences are packed into rows of at most
-``data.max_tokens_per_row`` tokens, ``train.micro_batch_tokens // max_tokens_per_row`` rows per micro-batch
-(the budget of the gradient pass; ``prefpack.batching``'s one planner and collator, an example being a group of
-one sequence); the micro-batch's KL sequences are packed into their own rows under the
-same row budget for the no-grad pass. With ``data.prefix_sharing`` (packed only) the step's examples are planned by
-prompt group (``UnpairedView.groups``: a pair's two halves under ``paired_as_kto``, or repeated prompts of an
-unpaired store): a group's examples share one row (cut into runs where they would not fit one), its prompt laid
-out once then each completion, and their KL sequences (the same prompt with each partner's completion) are laid
-out the same way in the KL rows. Examples are numbered in group order, so example k is still sequence k of both
-passes; a micro-batch whose groups are all single examples keeps the unshared layout. Padded
-(``data.packing=false``): one sequence per row. Either way the batch reads with the key names TRL's KTO collator
-uses: ``input_ids``, ``attention_mask``, ``completion_mask`` for the policy branch, ``KL_input_ids``,
-``KL_attention_mask``, ``KL_completion_mask`` for the KL branch, and ``label``. ``completion_mask`` is 1 where the
-*input* token is a completion token (TRL's meaning; ``Batch.loss_mask`` is the same thing shifted onto the position
-that predicts it).
+Laid out in ``prefpack.objectives.kto_batch`` (an example and its KL sequence always share a micro-batch; TRL's
+key names).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,7 +37,7 @@ import torch
 from torch import nn
 
 from prefpack.batching.collate import Batch, collate_groups
-from prefpack.batching.plan import balanced_rows, computed_tokens, fit_runs, plan_groups
+from prefpack.batching.plan import computed_tokens, fit_runs, plan_groups
 from prefpack.data.kl_pairing import SALT_STEP, fixed_kl_partners, step_kl_partners
 from prefpack.data.store import Store, StoreError
 from prefpack.data.views import UnpairedView
@@ -65,126 +51,12 @@ from prefpack.losses.unpaired import (
     kl_reference_point,
     unpaired_loss,
 )
-from prefpack.objectives.base import Objective, Planned, StepState
+from prefpack.objectives.base import Objective, StepState
+from prefpack.objectives.kto_batch import KTOBatch, KTOPlanned, kl_rows_of_groups, shared_completion_mask
 from prefpack.objectives.settings import RunSettings
 from prefpack.reference import KeySpace, Reference, as_sequence_output, partners_tag
 
 __all__ = ["KTOBatch", "KTOPlanned", "KTOStep", "KTOTask"]
-
-
-# --------------------------------------------------------------------------------------------------------
-# Planning from lengths only
-
-
-def _kl_rows(mb_groups: list[int], groups: list[np.ndarray], kl_cost: np.ndarray,
-             capacity: int) -> tuple[list[list[int]], list[int]]:
-    """A micro-batch's KL rows (positions in its flat example order) and their sizes: whole prompt groups
-    (``mb_groups``, in flat order) balanced over rows, so a group's KL sequences can share their prompt too."""
-    starts = np.cumsum([0] + [len(groups[g]) for g in mb_groups])
-    sizes = kl_cost[mb_groups]
-    rows = balanced_rows(sizes, capacity)
-    return ([[int(k) for j in r for k in range(starts[j], starts[j + 1])] for r in rows],
-            [int(sizes[r].sum()) for r in rows])
-
-
-def _completion_mask(parts, rows: list[list[int]], shape) -> torch.Tensor:
-    """TRL's ``completion_mask`` (1 where the input token is a completion token) of a prompt-shared layout:
-    each group's prompt, then its completions back to back (``collate_groups(share_prompts=True)``)."""
-    mask = torch.zeros(shape, dtype=torch.int64)
-    for r, row in enumerate(rows):
-        at = 0
-        for g in row:
-            prompt, completions = parts[g]
-            n = sum(len(c) for c in completions)
-            mask[r, at + len(prompt) : at + len(prompt) + n] = 1
-            at += len(prompt) + n
-    return mask
-
-
-@dataclass
-class KTOPlanned(Planned):
-    """A planned KTO micro-batch: ``rows`` of example ids (the main pass), each example's KL partner
-    (aligned with ``rows``; -1 without a KL branch) and the KL rows (indices into the micro-batch's examples
-    in row order; with shared prompts a prompt group's examples sit together in one KL row, as in ``rows``)."""
-
-    kl_partners: list[list[int]]
-    kl_rows: list[list[int]]
-
-
-_TRL_KEYS = {
-    "input_ids": ("main", "input_ids"),
-    "attention_mask": ("main", "attention_mask"),
-    "position_ids": ("main", "position_ids"),
-    "completion_mask": ("completion_mask", None),
-    "KL_input_ids": ("kl", "input_ids"),
-    "KL_attention_mask": ("kl", "attention_mask"),
-    "KL_position_ids": ("kl", "position_ids"),
-    "KL_completion_mask": ("kl_completion_mask", None),
-    "label": ("label", None),
-}
-
-
-@dataclass
-class KTOBatch:
-    """One KTO micro-batch: the main sequences (with grad), the KL sequences (no grad) and the labels.
-
-    Example k of the micro-batch is sequence k of ``main`` and sequence k of ``kl``. Reads like TRL's KTO
-    batch: ``batch["input_ids"]``, ``batch["KL_completion_mask"]``, ``batch["label"]`` ... (see ``keys()``);
-    ``attention_mask`` and ``KL_attention_mask`` are None in the packed layout, where attention follows
-    ``position_ids``.
-    """
-
-    main: Batch
-    kl: Batch | None
-    completion_mask: torch.Tensor  # [B, L] int64, 1 where input_ids is a completion token
-    kl_completion_mask: torch.Tensor | None
-    label: torch.Tensor  # [n] bool, True = desirable
-    example_ids: torch.Tensor  # [n] int64, index in the task's view of the store
-    kl_ids: torch.Tensor  # [n] int64, the KL partner of each example (-1 without a KL branch)
-
-    @property
-    def packed(self) -> bool:
-        return self.main.packed
-
-    @property
-    def num_examples(self) -> int:
-        return int(self.label.shape[0])
-
-    @property
-    def real_tokens(self) -> int:
-        return self.main.real_tokens + (self.kl.real_tokens if self.kl is not None else 0)
-
-    @property
-    def computed_tokens(self) -> int:
-        return self.main.computed_tokens + (self.kl.computed_tokens if self.kl is not None else 0)
-
-    @property
-    def positions(self) -> int:
-        return self.main.positions + (self.kl.positions if self.kl is not None else 0)
-
-    def keys(self) -> list[str]:
-        return [k for k in _TRL_KEYS if self.kl is not None or not k.startswith("KL_")]
-
-    def __getitem__(self, key: str):
-        if key not in _TRL_KEYS:
-            raise KeyError(f"{key!r}; a KTO batch has the keys {self.keys()}")
-        part, name = _TRL_KEYS[key]
-        obj = getattr(self, part)
-        if name is None or obj is None:
-            return obj
-        return getattr(obj, name)
-
-    def as_dict(self) -> dict[str, torch.Tensor | None]:
-        return {k: self[k] for k in self.keys()}
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> KTOBatch:
-        moved = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, Batch | torch.Tensor):
-                v = v.to(device, non_blocking=non_blocking)
-            moved[f.name] = v
-        return KTOBatch(**moved)
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -369,7 +241,7 @@ class KTOTask(Objective):
             kl_rows: list[list[int]] = []
             if self.needs_kl:
                 if s.packing:
-                    kl_rows, kl_row_sizes = _kl_rows([g for r in mb for g in r], groups, kl_cost, capacity)
+                    kl_rows, kl_row_sizes = kl_rows_of_groups([g for r in mb for g in r], groups, kl_cost, capacity)
                 else:
                     kl_rows = [[k] for k in range(len(flat))]
                     kl_row_sizes = [int(kl_len[flat].max())] * len(flat)
@@ -443,8 +315,8 @@ class KTOTask(Objective):
             kl_parts = [(examples[g[0]][0], tuple(v.completion(partners[k]) for k in g)) for g in groups]
             kl = collate_groups(kl_parts, kl_group_rows, ids=group_ids, pad_id=s.pad_id,
                                 pad_to_multiple_of=s.pad_to_multiple_of, share_prompts=True)
-            kl_cmask = _completion_mask(kl_parts, kl_group_rows, kl.input_ids.shape)
-        return main, kl, _completion_mask(main_parts, group_rows, main.input_ids.shape), kl_cmask
+            kl_cmask = shared_completion_mask(kl_parts, kl_group_rows, kl.input_ids.shape)
+        return main, kl, shared_completion_mask(main_parts, group_rows, main.input_ids.shape), kl_cmask
 
     @staticmethod
     def _policy_logps(policy: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

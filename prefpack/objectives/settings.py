@@ -55,7 +55,6 @@ class RunSettings:
     pad_id: int
     global_batch: int  # examples (pairs, KTO examples, prompt groups) per optimizer step
     seed: int
-    shuffle: bool
     ranked_pairs: str
     paired_as_kto: bool
     loss: Any  # LossParams
@@ -106,7 +105,7 @@ def settings_from_config(cfg, *, pad_id: int, micro_batch_tokens: int | None = N
         chunk_size=int(given(chunk_size or tr.chunk_size, "train.chunk_size")),
         packing=bool(d.packing), pad_to_multiple_of=d.pad_to_multiple_of,
         shares_prompts=bool(sharing) and bool(d.packing), pad_id=int(pad_id),
-        global_batch=int(tr.global_batch_pairs), seed=int(tr.seed), shuffle=bool(d.shuffle),
+        global_batch=int(tr.global_batch_pairs), seed=int(tr.seed),
         ranked_pairs=d.ranked_pairs, paired_as_kto=bool(d.paired_as_kto), loss=params,
         router_aux_loss_coef=float(router_aux_loss_coef))
 
