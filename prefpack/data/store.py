@@ -19,11 +19,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from prefpack.data.spans import SPANS_FILE, ScoredTokens, scored_mask
 from prefpack.data.store_format import (
     FLAG_COMPLETION_TRUNCATED,
     FLAG_PROMPT_TRUNCATED,
     FORMAT_NAME,
     FORMAT_VERSION,
+    READABLE_VERSIONS,
     STORE_ENTRIES,
     STORE_KINDS,
     StoreError,
@@ -264,9 +266,9 @@ class Store:
         m = self.meta
         if m.get("format") != FORMAT_NAME:
             raise StoreError(f"{meta_path}: not a prefpack store (format {m.get('format')!r})")
-        if m.get("format_version") != FORMAT_VERSION:
+        if m.get("format_version") not in READABLE_VERSIONS:
             raise StoreError(f"{self.path}: store format version {m.get('format_version')} but this prefpack reads "
-                             f"version {FORMAT_VERSION}; prepare the data again with this version")
+                             f"versions {', '.join(map(str, READABLE_VERSIONS))}; prepare the data again")
         try:
             self.kind = m["kind"]
             self.dtype = np.dtype(m["dtype"])
@@ -285,6 +287,11 @@ class Store:
                        if self.num_tokens else np.zeros(0, dtype=self.dtype))
         self.index = (np.memmap(self.path / "index.bin", dtype=np.int64, mode="r").reshape(self.num_examples,
                       len(self.columns)) if self.num_examples else np.zeros((0, len(self.columns)), np.int64))
+        spans = int(m.get("num_spans", 0) or 0)  # unscored token ranges (prefpack.data.spans); none before version 2
+        self.spans = np.zeros((0, 2), np.int64)
+        if spans:
+            self._check_size(SPANS_FILE, spans * 16)
+            self.spans = np.memmap(self.path / SPANS_FILE, dtype=np.int64, mode="r").reshape(spans, 2)
         self._check_index()
         if verify:
             self.verify()
@@ -403,15 +410,13 @@ class Store:
         if self.kind != "pairs":
             raise StoreError(f"{self.path} holds unpaired examples, not pairs")
         off, p, c, r = (int(x) for x in self.index[i, :4])
-        t = self.tokens
-        return Pair(t[off : off + p], t[off + p : off + p + c], t[off + p + c : off + p + c + r])
+        return Pair(self.tokens[off : off + p], self._completion(off + p, c), self._completion(off + p + c, r))
 
     def unpaired(self, i: int) -> Unpaired:
         if self.kind != "unpaired":
             raise StoreError(f"{self.path} holds pairs, not unpaired examples")
         off, p, c, label = (int(x) for x in self.index[i, :4])
-        t = self.tokens
-        return Unpaired(t[off : off + p], t[off + p : off + p + c], label)
+        return Unpaired(self.tokens[off : off + p], self._completion(off + p, c), label)
 
     def group_starts(self) -> np.ndarray:
         """Ranked stores: [G + 1] row numbers where each prompt group starts (its rows are consecutive)."""
@@ -434,8 +439,13 @@ class Store:
         a, b = int(starts[g]), int(starts[g + 1])
         t = self.tokens
         first_off, p = int(self.index[a, 0]), int(self.index[a, 1])
-        comps = [t[int(self.index[i, 0]) : int(self.index[i, 0]) + int(self.index[i, 2])] for i in range(a, b)]
+        comps = [self._completion(int(self.index[i, 0]), int(self.index[i, 2])) for i in range(a, b)]
         return t[first_off - p : first_off], comps
+
+    def _completion(self, offset: int, length: int) -> np.ndarray:
+        """A completion's tokens; a :class:`ScoredTokens` where some of them are not scored."""
+        tokens, mask = self.tokens[offset : offset + length], scored_mask(self.spans, offset, length)
+        return tokens if mask is None else ScoredTokens(tokens, mask)
 
     def tokenizer_path(self) -> Path:
         return self.path / "tokenizer"

@@ -23,7 +23,8 @@ import numpy as np
 from prefpack.errors import PrefpackError
 
 FORMAT_NAME = "prefpack-store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # what prepare writes
+READABLE_VERSIONS = (1, 2)  # 2: may hold spans.bin, the completion tokens that are not scored (prefpack.data.spans)
 PAIR_COLUMNS = ("offset", "prompt_len", "chosen_len", "rejected_len", "flags", "source_file", "source_row")
 UNPAIRED_COLUMNS = ("offset", "prompt_len", "completion_len", "label", "flags", "source_file", "source_row")
 RANKED_COLUMNS = ("offset", "prompt_len", "completion_len", "score", "group", "flags", "source_file", "source_row")
@@ -37,7 +38,7 @@ class StoreError(PrefpackError, ValueError):
 
 
 # What prefpack itself writes in a store folder (besides the sidecars of precompute-ref).
-STORE_ENTRIES = {"meta.json", "tokens.bin", "index.bin", "skipped.jsonl", "tokenizer"}
+STORE_ENTRIES = {"meta.json", "tokens.bin", "index.bin", "spans.bin", "skipped.jsonl", "tokenizer"}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -1,0 +1,60 @@
+"""Completion tokens that are not scored (tool results, a user turn inside a multi-turn reply, a masked span), as a
+store keeps them and as a completion carries them to the collator.
+
+A store of format version 2 may hold ``spans.bin``: int64 rows ``[start, end)`` of absolute positions in
+``tokens.bin`` whose tokens are not scored, sorted by start, never overlapping, each inside one completion. A store
+without it (every store of version 1) scores every completion token. A completion read from a store with spans is
+a :class:`ScoredTokens`: the token ids as an ordinary array, plus ``scored`` (one bool per token); the collator
+reads ``scored`` (duck-typed: ``prefpack.batching`` sits below ``data``) and gives unscored positions no target.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["SPANS_FILE", "ScoredTokens", "scored_of", "scored_mask"]
+
+SPANS_FILE = "spans.bin"
+
+
+class ScoredTokens(np.ndarray):
+    """Token ids with ``scored`` (bool per token, False where the token gets no loss). Anything derived from it
+    (a slice, a copy, a concatenation) is a plain array again with ``scored = None``: only the completion as read
+    carries its mask, so a mask never goes out of step with the tokens it describes."""
+
+    scored: np.ndarray | None
+
+    def __new__(cls, tokens: np.ndarray, scored: np.ndarray) -> ScoredTokens:
+        scored = np.asarray(scored, dtype=bool)
+        obj = np.asarray(tokens).view(cls)
+        if scored.shape != obj.shape:
+            raise ValueError(f"a score mask of shape {scored.shape} for {obj.shape} tokens")
+        obj.scored = scored
+        return obj
+
+    def __array_finalize__(self, obj) -> None:
+        self.scored = None
+
+    def __reduce__(self):  # pickles (worker processes) as a plain array plus its mask
+        return ScoredTokens, (np.asarray(self), self.scored)
+
+
+def scored_of(tokens) -> np.ndarray | None:
+    """The score mask a completion carries (None: every token is scored)."""
+    return getattr(tokens, "scored", None)
+
+
+def scored_mask(spans: np.ndarray, offset: int, length: int) -> np.ndarray | None:
+    """The bool mask of ``tokens.bin[offset : offset + length]`` (True = scored) from a store's unscored ``spans``
+    ([M, 2], sorted); None when every token of the range is scored."""
+    if not len(spans):
+        return None
+    end = offset + length
+    lo = int(np.searchsorted(spans[:, 1], offset, side="right"))  # first span ending after offset
+    hi = int(np.searchsorted(spans[:, 0], end, side="left"))  # spans starting before end
+    if lo >= hi:
+        return None
+    mask = np.ones(length, dtype=bool)
+    for start, stop in spans[lo:hi]:
+        mask[max(int(start), offset) - offset : min(int(stop), end) - offset] = False
+    return mask
