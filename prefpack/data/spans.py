@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["SPANS_FILE", "ScoredTokens", "scored_of", "scored_mask"]
+__all__ = ["SPANS_FILE", "ScoredTokens", "check_spans", "mask_to_spans", "scored_of", "scored_mask"]
 
 SPANS_FILE = "spans.bin"
 
@@ -58,3 +58,29 @@ def scored_mask(spans: np.ndarray, offset: int, length: int) -> np.ndarray | Non
     for start, stop in spans[lo:hi]:
         mask[max(int(start), offset) - offset : min(int(stop), end) - offset] = False
     return mask
+
+
+def mask_to_spans(scored: np.ndarray, offset: int = 0) -> np.ndarray:
+    """The ``[start, end)`` runs of False in a score mask, shifted by ``offset`` ([M, 2] int64): how prepare turns
+    a completion's mask into the rows of spans.bin."""
+    unscored = np.concatenate([[False], ~np.asarray(scored, dtype=bool), [False]])
+    edges = np.flatnonzero(np.diff(unscored.astype(np.int8)))
+    return edges.reshape(-1, 2).astype(np.int64) + offset
+
+
+def check_spans(spans: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> str | None:
+    """What is wrong with a store's ``spans`` given its completions' ``[starts, ends)`` (sorted by start, apart),
+    or None: every span non-empty, sorted, apart from the next, and inside one completion."""
+    if not len(spans):
+        return None
+    s, e = np.asarray(spans[:, 0]), np.asarray(spans[:, 1])
+    if (e <= s).any():
+        return f"span {int(np.argmax(e <= s))} is empty or reversed"
+    if (s[1:] < e[:-1]).any():
+        return f"span {int(np.argmax(s[1:] < e[:-1])) + 1} starts before the previous one ends (unsorted or overlapping)"
+    k = np.searchsorted(starts, s, side="right") - 1  # the completion each span starts in
+    inside = (k >= 0) & (e <= np.asarray(ends)[np.maximum(k, 0)]) & (s < np.asarray(ends)[np.maximum(k, 0)])
+    if not inside.all():
+        i = int(np.argmax(~inside))
+        return f"span {i} [{int(s[i])}, {int(e[i])}) is not inside one completion"
+    return None

@@ -1,5 +1,6 @@
 """The binary preference store: written atomically, read zero-copy. What a store folder holds (names, version,
-index columns, flags) is defined in ``store_format``; its names are importable from here too.
+index columns, flags) is defined in ``store_format``, the output folder's safety (``--overwrite``, a killed prepare) in
+``store_output``; their names are importable from here too.
 
 The writer fills a temporary sibling folder and renames it into place only when complete, so a crash
 never leaves something that opens as a store; meta.json is written last.
@@ -10,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -19,20 +19,20 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from prefpack.data.spans import SPANS_FILE, ScoredTokens, scored_mask
+from prefpack.data.spans import SPANS_FILE, ScoredTokens, check_spans, scored_mask
 from prefpack.data.store_format import (
     FLAG_COMPLETION_TRUNCATED,
     FLAG_PROMPT_TRUNCATED,
     FORMAT_NAME,
     FORMAT_VERSION,
     READABLE_VERSIONS,
-    STORE_ENTRIES,
     STORE_KINDS,
     StoreError,
     columns_for,
     token_dtype,
 )
-from prefpack.stale import OWNER_FILE, remove_stale_tmp, stale_entries, write_owner
+from prefpack.data.store_output import check_output, foreign_entries, recover_interrupted, remove_backup
+from prefpack.stale import OWNER_FILE, write_owner
 
 __all__ = ["FLAG_COMPLETION_TRUNCATED", "FLAG_PROMPT_TRUNCATED", "FORMAT_NAME", "FORMAT_VERSION", "STORE_KINDS", "Pair",
            "Store", "StoreError", "StoreWriter", "Unpaired", "check_output", "columns_for", "foreign_entries",
@@ -41,89 +41,6 @@ __all__ = ["FLAG_COMPLETION_TRUNCATED", "FLAG_PROMPT_TRUNCATED", "FORMAT_NAME", 
 
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr)
-
-
-# precompute-ref's sidecars (and their temporary files), which prefpack also writes in a store folder
-_SIDECAR = re.compile(r"\.?ref_logps[A-Za-z0-9_]*\.safetensors(\.tmp-\d+)?")
-
-
-def foreign_entries(path: Path) -> list[str] | None:
-    """Names in `path` that prefpack did not write, or None when `path` holds no prefpack meta.json."""
-    try:
-        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        return None
-    return sorted(n for n in os.listdir(path) if n not in STORE_ENTRIES and not _SIDECAR.fullmatch(n))
-
-
-def _listing(names: list[str], limit: int = 5) -> str:
-    shown = ", ".join(repr(n) for n in names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def check_output(path: Path, *, overwrite: bool) -> None:
-    """Refuse an output that exists, unless --overwrite and it is a prefpack store or an empty folder.
-
-    --overwrite deletes the old folder, so it must never hit a user's own files.
-    """
-    if not os.path.lexists(path):
-        return
-    if path.is_symlink():
-        raise StoreError(f"output {str(path)!r} is a symbolic link; give the folder itself (or another --output)")
-    if not path.is_dir():
-        raise StoreError(f"output {str(path)!r} is a file, not a store folder; prefpack never replaces a file, even "
-                         "with --overwrite. Choose another --output, or move the file away yourself.")
-    if not overwrite:
-        raise StoreError(f"output {str(path)!r} already exists; pass --overwrite to replace it (only a prefpack store "
-                         "or an empty folder can be replaced)")
-    names = sorted(os.listdir(path))
-    if not names:
-        return
-    foreign = foreign_entries(path)
-    if foreign is None:
-        raise StoreError(f"--overwrite refused: {str(path)!r} is not a prefpack store (no meta.json with format "
-                         f"{FORMAT_NAME!r}) and holds {_listing(names)}. --overwrite only replaces a store or an "
-                         "empty folder; choose another --output, or move those files away yourself.")
-    if foreign:
-        raise StoreError(f"--overwrite refused: the store {str(path)!r} also holds {_listing(foreign)}, which "
-                         "prefpack did not write; move them away first, or choose another --output.")
-
-
-def recover_interrupted(path: Path, *, log: Callable[[str], None] | None = _stderr) -> None:
-    """Clean up after a prepare on `path` that was killed: its temporary folder and any old-store backup.
-
-    A backup whose process is gone is put back when nothing took its place (the kill came between the two
-    renames of an --overwrite), and removed when the new store is in place.
-    """
-    remove_stale_tmp(path.parent, f".{path.name}", log=log)
-    for backup, pid in stale_entries(path.parent, f".{path.name}", "old"):
-        is_store = backup.is_dir() and not backup.is_symlink() and (
-            not os.listdir(backup) or foreign_entries(backup) == [])
-        if not is_store:
-            if log is not None:
-                log(f"warning: left {backup} alone: it is not a prefpack store (process {pid} moved it aside "
-                    f"while replacing {path}); move it back or delete it yourself")
-        elif not os.path.lexists(path):
-            try:
-                os.replace(backup, path)
-            except OSError as exc:
-                raise StoreError(f"cannot put the store {backup} (left by process {pid} while replacing "
-                                 f"{path}) back: {exc}; rename it yourself") from exc
-            if log is not None:
-                log(f"restored {path} from {backup.name}: process {pid} was killed while replacing it")
-        else:
-            _remove_backup(backup, log)
-
-
-def _remove_backup(backup: Path, log: Callable[[str], None] | None) -> None:
-    try:
-        shutil.rmtree(backup)
-    except OSError as exc:
-        if log is not None:
-            log(f"warning: could not delete the replaced store {backup} ({exc}); the new store is in place. "
-                "Delete it yourself (the next prepare on this output tries again).")
 
 
 class StoreWriter:
@@ -148,15 +65,23 @@ class StoreWriter:
         write_owner(self.tmp)
         self._tokens = open(self.tmp / "tokens.bin", "wb")
         self._index = open(self.tmp / "index.bin", "wb")
+        self._spans = open(self.tmp / SPANS_FILE, "wb")
         self._tok_hash = hashlib.sha256()
         self._idx_hash = hashlib.sha256()
+        self._span_hash = hashlib.sha256()
+        self.n_spans = 0
+        self._span_end = 0  # where the last span written ends: spans must come sorted and apart
         self.n_tokens = 0
         self.n_rows = 0
         self.n_groups = 0  # ranked stores: prompts written so far
         self._closed = False
 
-    def append(self, tokens: np.ndarray, index_rows: np.ndarray) -> None:
-        """Append a block: `tokens` for several examples and their index rows with offsets relative to it."""
+    def append(self, tokens: np.ndarray, index_rows: np.ndarray, spans: np.ndarray | None = None) -> None:
+        """Append a block: `tokens` for several examples and their index rows with offsets relative to it, and the
+        block's unscored completion tokens as ``[start, end)`` rows relative to it too (sorted, apart; the store
+        keeps them as absolute positions in tokens.bin, see ``prefpack.data.spans``)."""
+        if spans is not None and len(spans):
+            self._append_spans(np.asarray(spans, dtype=np.int64).reshape(-1, 2), int(tokens.size))
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
             raise StoreError(f"token id out of range [0, {self.vocab_size}) while writing the store")
         rows = np.array(index_rows, dtype=np.int64, copy=True).reshape(-1, len(self.columns))
@@ -174,6 +99,17 @@ class StoreWriter:
         self.n_tokens += int(tokens.size)
         self.n_rows += int(rows.shape[0])
 
+    def _append_spans(self, spans: np.ndarray, block: int) -> None:
+        s = spans + self.n_tokens
+        if (spans[:, 0] >= spans[:, 1]).any() or spans.min() < 0 or spans.max() > block or \
+                int(s[0, 0]) < self._span_end or (s[1:, 0] < s[:-1, 1]).any():
+            raise StoreError("unscored spans out of order, overlapping or outside their block while writing the store")
+        b = np.ascontiguousarray(s).tobytes()
+        self._spans.write(b)
+        self._span_hash.update(b)
+        self.n_spans += len(s)
+        self._span_end = int(s[-1, 1])
+
     def commit(self, meta: dict[str, Any], *, overwrite: bool = False) -> Path:
         """Close files, write meta.json last, and rename the folder into place."""
         self._close_files()
@@ -190,8 +126,13 @@ class StoreWriter:
             "files": {
                 "tokens.bin": {"bytes": self.n_tokens * self.dtype.itemsize, "sha256": self._tok_hash.hexdigest()},
                 "index.bin": {"bytes": self.n_rows * len(self.columns) * 8, "sha256": self._idx_hash.hexdigest()},
+                **({SPANS_FILE: {"bytes": self.n_spans * 16, "sha256": self._span_hash.hexdigest()}}
+                   if self.n_spans else {}),
             },
+            "num_spans": self.n_spans,
         })
+        if not self.n_spans:  # every completion token scored: no spans.bin, as in a version-1 store
+            (self.tmp / SPANS_FILE).unlink()
         with open(self.tmp / "meta.json", "w", encoding="utf-8") as fh:
             json.dump(full, fh, indent=2, ensure_ascii=False)
             fh.flush()
@@ -218,7 +159,7 @@ class StoreWriter:
         except OSError as exc:
             os.replace(backup, self.path)
             raise StoreError(f"cannot move the new store into {str(self.path)!r} (the old one is kept): {exc}") from exc
-        _remove_backup(backup, self.log)
+        remove_backup(backup, self.log)
         return self.path
 
     def abort(self) -> None:
@@ -229,6 +170,7 @@ class StoreWriter:
         if not self._closed:
             self._tokens.close()
             self._index.close()
+            self._spans.close()
             self._closed = True
 
 
@@ -351,6 +293,20 @@ class Store:
             if h.hexdigest() != info.get("sha256"):
                 raise StoreError(f"{self.path}: {name} does not match its sha256 in meta.json: the store is corrupt")
         self.check_token_ids()
+        wrong = check_spans(self.spans, *self.completion_bounds())
+        if wrong:
+            raise StoreError(f"{self.path}: {SPANS_FILE}: {wrong}: the store is corrupt; prepare it again")
+
+    def completion_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every completion's ``[start, end)`` in tokens.bin, sorted by start."""
+        idx = np.asarray(self.index)
+        if self.kind == "ranked":
+            return idx[:, 0], idx[:, 0] + idx[:, 2]
+        first = idx[:, 0] + idx[:, 1]
+        if self.kind == "unpaired":
+            return first, first + idx[:, 2]
+        second = first + idx[:, 2]
+        return np.stack([first, second], 1).ravel(), np.stack([second, second + idx[:, 3]], 1).ravel()
 
     def _vocab_size(self) -> int:
         try:

@@ -10,6 +10,9 @@ A store is one folder:
   *completion*: `offset` is where the completion starts, the group's prompt (stored once) sits right before its
   first completion, `score` is the float64 score's bit pattern and `group` numbers the prompts 0, 1, 2, ...
 - `meta.json`: format version, layout, tokenizer identity, counts, drops by reason, sources, arguments.
+- `spans.bin` (version 2, only when some completion token is not scored): int64 rows ``[start, end)`` of absolute
+  positions in tokens.bin that get no loss, sorted, apart, each inside one completion; `num_spans` in meta.json
+  counts them (``prefpack.data.spans``).
 - `tokenizer/`: a copy of the tokenizer, so the store can be decoded and trained on by itself.
 - `skipped.jsonl` (only with --skip-invalid): every skipped row with its location and reason.
 
@@ -23,7 +26,7 @@ import numpy as np
 from prefpack.errors import PrefpackError
 
 FORMAT_NAME = "prefpack-store"
-FORMAT_VERSION = 1  # what prepare writes
+FORMAT_VERSION = 2  # what prepare writes (version 1: no spans.bin; every completion token scored)
 READABLE_VERSIONS = (1, 2)  # 2: may hold spans.bin, the completion tokens that are not scored (prefpack.data.spans)
 PAIR_COLUMNS = ("offset", "prompt_len", "chosen_len", "rejected_len", "flags", "source_file", "source_row")
 UNPAIRED_COLUMNS = ("offset", "prompt_len", "completion_len", "label", "flags", "source_file", "source_row")
