@@ -42,6 +42,10 @@ def add_prepare(sub) -> None:
     p.add_argument("--tools", default=None, metavar="FILE",
                    help="JSON file holding a list of tool (function) definitions, passed to the chat template for "
                    "chat rows with no tools column value of their own")
+    p.add_argument("--train-on", choices=("assistant", "last", "all"), default=None,
+                   help="chat replies (message lists): score each assistant message's own tokens, tool calls and "
+                   "end-of-turn, not tool results, user turns or role headers (assistant, default); only the final "
+                   "assistant message (last); or every completion token (all)")
 
 
 def run_prepare(args, argv: list[str]) -> int:
@@ -54,7 +58,7 @@ def run_prepare(args, argv: list[str]) -> int:
         split=args.split, max_length=args.max_length, truncation=args.truncation, workers=args.workers,
         skip_invalid=args.skip_invalid, overwrite=args.overwrite, trust_remote_code=args.trust_remote_code,
         allow_duplicate_inputs=args.allow_duplicate_inputs,
-        chat_template_kwargs=args.chat_template_kwargs, tools=args.tools,
+        chat_template_kwargs=args.chat_template_kwargs, tools=args.tools, train_on=args.train_on,
         argv=argv,
     )
     report = prepare(opts, log=lambda m: print(m, file=sys.stderr))

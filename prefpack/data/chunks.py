@@ -20,6 +20,7 @@ import numpy as np
 
 from prefpack.data.formats import InvalidRow, extract, resolve_fields
 from prefpack.data.sources import RawRow, Source, iter_rows
+from prefpack.data.spans import mask_to_spans
 from prefpack.data.store import FLAG_COMPLETION_TRUNCATED, FLAG_PROMPT_TRUNCATED
 from prefpack.data.tokenize import Dropped, ExampleTokenizer, TokenizeConfig, TokenizedExample
 from prefpack.tokenizer import load_tokenizer, special_tokens
@@ -48,6 +49,7 @@ class ChunkResult:
     truncated: Counter
     empty: Counter  # completions kept although empty or whitespace-only, by field
     chat: Counter  # examples rendered by the chat template ("examples") and those with tools ("with_tools")
+    spans: np.ndarray  # int64 [m, 2]: unscored completion tokens [start, end), positions in `tokens`
 
 
 def process_chunk(chunk: list[RawRow]) -> ChunkResult:
@@ -73,6 +75,13 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
     empty: Counter = Counter()
     chat: Counter = Counter()
     groups = 0  # ranked rows written by this chunk (the store writer numbers them globally)
+    spans: list[np.ndarray] = []
+
+    def add_completion(c: list[int], scored: list[bool] | None) -> None:
+        if scored is not None:
+            spans.append(mask_to_spans(scored, len(flat)))
+        flat.extend(c)
+
     for raw, ex, res in zip(origin, examples, results):
         if isinstance(res, InvalidRow):
             problems.append(_problem(raw, res.reason, res.field, res.message, raw.row))
@@ -91,10 +100,10 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
             flags |= FLAG_PROMPT_TRUNCATED if what == "prompt" else FLAG_COMPLETION_TRUNCATED
         if ex.scores is not None:  # ranked: one row per completion, the prompt once before the first
             flat.extend(res.prompt)
-            for c, score in zip(res.completions, ex.scores):
+            for c, score, scored in zip(res.completions, ex.scores, res.scored):
                 rows.append([len(flat), len(res.prompt), len(c), _score_bits(score), groups, flags,
                              raw.loc_file_index, raw.loc.row])
-                flat.extend(c)
+                add_completion(c, scored)
             groups += 1
             offset = len(flat)
             continue
@@ -103,14 +112,15 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
             lens.append(res.label)
         rows.append([offset, *lens, flags, raw.loc_file_index, raw.loc.row])
         flat.extend(res.prompt)
-        for c in res.completions:
-            flat.extend(c)
+        for c, scored in zip(res.completions, res.scored):
+            add_completion(c, scored)
         offset = len(flat)
     tokens = np.array(flat, dtype=np.int64)
     width = 8 if layout == "ranked" else 7
     index = np.asarray(rows, dtype=np.int64).reshape(-1, width)
     problems.sort(key=lambda p: (p["file_index"], p["row"]))
-    return ChunkResult(tokens, index, problems, truncated, empty, chat)
+    span_rows = np.concatenate(spans) if spans else np.zeros((0, 2), np.int64)
+    return ChunkResult(tokens, index, problems, truncated, empty, chat, span_rows)
 
 
 def _score_bits(score: float) -> int:

@@ -75,6 +75,8 @@ FIELD_HELP = {
     "prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "completion": "completion (unpaired rows)",
     "label": "label (unpaired rows)", "completions": "completions list (ranked rows)",
     "scores": "scores list beside a plain completions list (ranked rows; higher is better)",
+    "spans": "loss_masking_spans (text rows: character ranges [start, end) of a completion that are not scored; "
+             "pair rows {\"chosen\": [[s, e], ...], \"rejected\": [...]}, unpaired rows a list)",
 }
 
 
@@ -87,6 +89,7 @@ class Fields:
     label: str = "label"
     completions: str = "completions"
     scores: str | None = None  # ranked rows with a plain list of completions: the list of their scores
+    spans: str = "loss_masking_spans"  # text rows: unscored character ranges of the completions (``text_spans``)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -155,6 +158,9 @@ class Example:
     scores: tuple[float, ...] | None = None  # ranked rows: one per completion, higher is better
     tools: list[dict] | None = None  # the row's own `tools` (None: not given)
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # the row's own `chat_template_kwargs`
+    # text rows with `loss_masking_spans`: per completion, the character ranges that are not scored (None: none)
+    unscored: tuple[list[tuple[int, int]] | None, ...] | None = None
+    unscored_field: str | None = None  # the column they came from, named when they leave nothing scored
 
     def empty_fields(self) -> tuple[str, ...]:
         """Completions that are empty or only whitespace: kept (they become their whitespace and EOS, as in

@@ -33,6 +33,7 @@ from prefpack.data.formats import (
 from prefpack.data.sources import Source, file_sha256, peek_first_row, resolve_inputs
 from prefpack.data.store import StoreWriter, check_output, recover_interrupted
 from prefpack.data.tokenize import TokenizeConfig
+from prefpack.data.turns import TRAIN_ON
 from prefpack.errors import PrefpackError
 from prefpack.tokenizer import HASH_VERSION, load_tokenizer, special_tokens, tokenizer_hash, tokenizer_name
 
@@ -60,6 +61,7 @@ class PrepareOptions:
     # template variables for every chat row (an object, or its JSON text); a row's own override them per key
     chat_template_kwargs: dict | str | None = None
     tools: str | list | None = None  # JSON file (or list) of tools for chat rows that have no `tools` of their own
+    train_on: str | None = None  # chat replies: "assistant" (default), "last" or "all" (turns.TRAIN_ON)
     argv: list[str] = field(default_factory=list)
 
 
@@ -121,11 +123,14 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
     layout, reason, field_names = _choose_layout(opts, sources)
     log(f"layout: {layout} ({reason})")
     template_kwargs, tools, tools_sha = _template_options(opts, layout)
+    if opts.train_on is not None and opts.train_on not in TRAIN_ON:
+        raise PrepareError(f"--train-on must be one of {', '.join(TRAIN_ON)}, not {opts.train_on!r}")
+    train_on = opts.train_on or "assistant"
     kind = {"unpaired": "unpaired", "ranked": "ranked"}.get(layout, "pairs")
     fields = resolve_fields(layout, field_names)
     workers = opts.workers or os.cpu_count() or 1
     tcfg = TokenizeConfig(max_length=opts.max_length, truncation=opts.truncation,
-                          chat_template_kwargs=template_kwargs, tools=tools)
+                          chat_template_kwargs=template_kwargs, tools=tools, train_on=train_on)
     writer = StoreWriter(opts.output, kind=kind, vocab_size=specials.vocab_size, overwrite=opts.overwrite, log=log)
     skipped: Counter = Counter()
     empty: Counter = Counter()
@@ -157,7 +162,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
             truncated.update(res.truncated)
             empty.update(res.empty)
             chat.update(res.chat)
-            writer.append(res.tokens, res.index)
+            writer.append(res.tokens, res.index, res.spans)
             if kind == "pairs":
                 repeats.observe(res.tokens, res.index)
         if skipped_fh is not None:
@@ -171,6 +176,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
             "layout": layout,
             "source_layout": layout,
             "fields": fields.to_json(),
+            "train_on": train_on if chat["examples"] else None,  # which chat messages are scored (None: no chat rows)
             "tokenizer": {"name": tokenizer_name(tok, opts.tokenizer), "hash": tokenizer_hash(tok),
                           "hash_version": HASH_VERSION, "has_chat_template": bool(tok.chat_template), **specials.to_json()},
             "counts": {"rows_read": rows_read, "examples": writer.n_rows, "skipped": dict(skipped),
@@ -185,13 +191,16 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
                      "truncation": opts.truncation, "skip_invalid": opts.skip_invalid, "workers": workers,
                      "allow_duplicate_inputs": opts.allow_duplicate_inputs,
                      "chat_template_kwargs": template_kwargs or None,
-                     "tools": opts.tools,
+                     "tools": opts.tools, "train_on": opts.train_on,
                      "tools_sha256": tools_sha},
             "argv": opts.argv,
         }
         if writer.n_rows == 0:
             raise PrepareError(f"no examples left to write from {rows_read} rows (skipped: {dict(skipped)}, "
                                f"dropped: {dict(dropped)}); nothing was written")
+        if opts.train_on is not None and not chat["examples"]:
+            log("note: --train-on had no effect: no row holds chat messages (text rows are masked by their "
+                f"{fields.spans!r} column)")
         if (template_kwargs or tools is not None) and not chat["examples"]:
             log("note: --chat-template-kwargs / --tools had no effect: no row was rendered through the chat "
                 "template (the rows hold plain strings)")

@@ -5,6 +5,9 @@ split; tokenising apart keeps the boundary exact. Chat rows are rendered through
 template: the prompt with the generation prompt, and each completion as what the full rendering adds
 after it (the template must be prefix-stable for that to be well defined). Both renderings get the same
 tools and template variables: the row's own, else those given to prepare (per key for the variables).
+
+A completion may leave some of its tokens unscored (``--train-on`` for chat replies, ``loss_masking_spans`` for
+text): those are character ranges (``turns``), turned into a score mask per token through the tokenizer's offsets.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefpack.data.formats import Example, InvalidRow
+from prefpack.data.turns import Ranges, token_mask, unscored_chat_ranges
 from prefpack.tokenizer import SpecialTokens
 
 TRUNCATION_POLICIES = ("prompt-left", "drop")
@@ -25,6 +29,7 @@ class TokenizeConfig:
     min_prompt_tokens: int = 1  # never cut a prompt below this (the first completion token needs context)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template variables for every chat row
     tools: list[dict] | None = None  # tools for chat rows that give none of their own
+    train_on: str = "assistant"  # chat replies: which messages are scored (turns.TRAIN_ON)
 
 
 @dataclass
@@ -33,6 +38,7 @@ class TokenizedExample:
     completions: tuple[list[int], ...]
     label: int | None
     truncated: tuple[str, ...] = ()  # "prompt" and/or "completion" when --max-length cut something
+    scored: tuple[list[bool] | None, ...] = ()  # per completion: True per scored token, None when all are
 
 
 class Dropped(Exception):
@@ -43,9 +49,10 @@ class Dropped(Exception):
         self.reason = reason
 
 
-def render_chat(tok, ex: Example, kwargs: dict[str, Any] | None = None,
-                tools: list[dict] | None = None) -> tuple[str, list[str]]:
-    """Render a chat example into a prompt string and one completion string per reply.
+def render_chat(tok, ex: Example, kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None,
+                train_on: str = "all") -> tuple[str, list[str], list[Ranges | None]]:
+    """Render a chat example into a prompt string, one completion string per reply, and per reply the character
+    ranges of it that are not scored under `train_on` (None: all of it is).
 
     `kwargs` and `tools` are the defaults given to prepare; the row's own tools replace `tools`, and its own
     template variables override `kwargs` key by key. Messages go to the template unchanged.
@@ -58,7 +65,7 @@ def render_chat(tok, ex: Example, kwargs: dict[str, Any] | None = None,
     if row_tools is not None:
         template_kwargs["tools"] = row_tools
     prompt_text = _apply(tok, ex.prompt, None, add_generation_prompt=True, **template_kwargs)
-    completions = []
+    completions, unscored = [], []
     for reply, name in zip(ex.completions, ex.completion_fields):
         full = _apply(tok, list(ex.prompt) + list(reply), name, **template_kwargs)
         if not full.startswith(prompt_text):
@@ -69,7 +76,14 @@ def render_chat(tok, ex: Example, kwargs: dict[str, Any] | None = None,
                 "be cut out exactly. Use a template that renders earlier turns the same whatever follows.",
             )
         completions.append(full[len(prompt_text):])
-    return prompt_text, completions
+        render = lambda msgs, gen, name=name: _apply(tok, msgs, name, add_generation_prompt=gen, **template_kwargs)  # noqa: E731
+        try:
+            unscored.append(unscored_chat_ranges(render, ex.prompt, reply, prompt_text, full, train_on))
+        except ValueError as exc:
+            raise InvalidRow("template_not_prefix_stable", name, f"the chat template is not prefix-stable inside "
+                             f"field {name!r} ({exc}), so its assistant messages cannot be cut out exactly for "
+                             f"--train-on {train_on}; use such a template, or --train-on all") from None
+    return prompt_text, completions, unscored
 
 
 def _apply(tok, messages: list[dict], name: str | None, **kwargs) -> str:
@@ -133,21 +147,30 @@ class ExampleTokenizer:
     def __call__(self, examples: list[Example]) -> list[TokenizedExample | InvalidRow | Dropped]:
         texts: list[str] = []
         rendered: list[tuple[int, int] | InvalidRow] = []  # (start in texts, number of completions)
+        masked: dict[int, Ranges] = {}  # text number -> its unscored character ranges
         for ex in examples:
             try:
                 if ex.chat:
                     self._check_tool_support(ex)
-                    prompt, comps = render_chat(self.tok, ex, self.cfg.chat_template_kwargs, self.cfg.tools)
+                    prompt, comps, unscored = render_chat(self.tok, ex, self.cfg.chat_template_kwargs,
+                                                          self.cfg.tools, self.cfg.train_on)
                 else:
                     prompt, comps = ex.prompt, list(ex.completions)
+                    unscored = list(ex.unscored or [None] * len(comps))
             except InvalidRow as err:
                 rendered.append(err)
                 continue
             rendered.append((len(texts), len(comps)))
+            masked.update({len(texts) + 1 + k: u for k, u in enumerate(unscored) if u})
             texts.append(prompt)
             texts.extend(comps)
-        # The backend's batch encoder skips transformers' per-text dict building (half the time here).
-        ids = [e.ids for e in self.tok.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+        # The backend's batch encoder skips transformers' per-text dict building (half the time here); it keeps
+        # no offsets, so the few texts with unscored ranges are encoded again with them.
+        backend = self.tok.backend_tokenizer
+        ids = [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+        keys = sorted(masked)
+        masks = {k: token_mask(e.offsets, masked[k]) for k, e in
+                 zip(keys, backend.encode_batch([texts[k] for k in keys], add_special_tokens=False))}
         out: list[TokenizedExample | InvalidRow | Dropped] = []
         for ex, r in zip(examples, rendered):
             if isinstance(r, InvalidRow):
@@ -155,12 +178,14 @@ class ExampleTokenizer:
                 continue
             start, n = r
             try:
-                out.append(self._finish(ex, ids[start], ids[start + 1 : start + 1 + n]))
+                out.append(self._finish(ex, ids[start], ids[start + 1 : start + 1 + n],
+                                        [masks.get(k) for k in range(start + 1, start + 1 + n)]))
             except (InvalidRow, Dropped) as err:
                 out.append(err)
         return out
 
-    def _finish(self, ex: Example, prompt: list[int], comps: list[list[int]]) -> TokenizedExample:
+    def _finish(self, ex: Example, prompt: list[int], comps: list[list[int]],
+                masks: list[list[bool] | None]) -> TokenizedExample:
         sp = self.specials
         prefix = list(sp.prefix_ids)
         if prefix and prompt[: len(prefix)] != prefix:
@@ -168,13 +193,23 @@ class ExampleTokenizer:
         if not prompt:
             raise InvalidRow("empty_prompt", None, "the prompt is empty and the tokenizer adds no BOS, so the first "
                              "completion token would have no context to be predicted from")
-        finished = []
-        for c in comps:
+        finished, scored = [], []
+        for c, m, name in zip(comps, masks, ex.completion_fields):
+            if m is not None and not any(m):
+                raise InvalidRow("no_scored_tokens", ex.unscored_field or name, f"field {name!r}: every token of "
+                                 "the completion is unscored, so it would carry no training signal")
             if not self._ends_with_eos(c):  # an empty completion becomes [EOS]: "answer nothing", as in TRL
                 c = c + [sp.eos_id]
+                m = None if m is None else m + [True]
             finished.append(c)
+            scored.append(m)
         prompt, finished, truncated = self._truncate(prompt, finished)
-        return TokenizedExample(prompt=prompt, completions=tuple(finished), label=ex.label, truncated=truncated)
+        scored = [m if m is None else m[: len(c)] for m, c in zip(scored, finished)]
+        if any(m is not None and not any(m) for m in scored):
+            raise InvalidRow("no_scored_tokens", None, "--max-length cut every scored token of a completion; "
+                             "raise --max-length or use --truncation drop")
+        return TokenizedExample(prompt=prompt, completions=tuple(finished), label=ex.label, truncated=truncated,
+                                scored=tuple(scored))
 
     def _truncate(self, prompt: list[int], comps: list[list[int]]):
         limit = self.cfg.max_length
