@@ -162,7 +162,10 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
             truncated.update(res.truncated)
             empty.update(res.empty)
             chat.update(res.chat)
-            writer.append(res.tokens, res.index, res.spans)
+            if len(res.spans):
+                writer.append(res.tokens, res.index, res.spans)
+            else:  # the call of a store without spans, as before
+                writer.append(res.tokens, res.index)
             if kind == "pairs":
                 repeats.observe(res.tokens, res.index)
         if skipped_fh is not None:
