@@ -40,6 +40,7 @@ from prefpack.data.row_checks import (
     parse_tools,
     require,
 )
+from prefpack.data.text_spans import PAIR_KEYS, read_text_spans
 
 LAYOUTS = ("pairs", "text-pairs", "messages", "implicit", "unpaired", "ranked")
 
@@ -160,7 +161,7 @@ class Example:
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # the row's own `chat_template_kwargs`
     # text rows with `loss_masking_spans`: per completion, the character ranges that are not scored (None: none)
     unscored: tuple[list[tuple[int, int]] | None, ...] | None = None
-    unscored_field: str | None = None  # the column they came from, named when they leave nothing scored
+    unscored_fields: tuple[str, ...] = ()  # where they came from, named when they leave nothing scored
 
     def empty_fields(self) -> tuple[str, ...]:
         """Completions that are empty or only whitespace: kept (they become their whitespace and EOS, as in
@@ -177,6 +178,16 @@ def _is_empty(value: Any) -> bool:
 def extract(row: dict, layout: str, f: Fields) -> Example:
     """Check one row's fields and types and return its example, or raise InvalidRow."""
     ex = _extract(row, layout, f)
+    spans = row.get(f.spans)
+    if spans is not None:
+        if ex.chat:
+            raise InvalidRow("spans_on_chat", f.spans, f"field {f.spans!r} gives character spans, but this row's "
+                             "replies are message lists: chat replies are masked by prepare --train-on")
+        if layout not in ("pairs", "text-pairs", "unpaired"):
+            raise InvalidRow("spans_unsupported", f.spans, f"field {f.spans!r} is read for pairs, text-pairs and "
+                             f"unpaired text rows, not the {layout!r} layout")
+        ex.unscored = read_text_spans(spans, f.spans, ex.completions, paired=layout != "unpaired")
+        ex.unscored_fields = tuple(f"{f.spans}.{k}" for k in PAIR_KEYS) if layout != "unpaired" else (f.spans,)
     tools = parse_tools(row.get(TOOLS_FIELD), TOOLS_FIELD)
     kwargs = parse_template_kwargs(row.get(KWARGS_FIELD), KWARGS_FIELD)
     # A key set to null counts as unset: Parquet and `datasets` fill the keys other rows have with null.

@@ -194,10 +194,11 @@ class ExampleTokenizer:
             raise InvalidRow("empty_prompt", None, "the prompt is empty and the tokenizer adds no BOS, so the first "
                              "completion token would have no context to be predicted from")
         finished, scored = [], []
-        for c, m, name in zip(comps, masks, ex.completion_fields):
+        for k, (c, m, name) in enumerate(zip(comps, masks, ex.completion_fields)):
             if m is not None and not any(m):
-                raise InvalidRow("no_scored_tokens", ex.unscored_field or name, f"field {name!r}: every token of "
-                                 "the completion is unscored, so it would carry no training signal")
+                where = ex.unscored_fields[k] if ex.unscored_fields else name
+                raise InvalidRow("no_scored_tokens", where, f"field {where!r}: no token of the completion "
+                                 f"{name!r} is left scored, so it would carry no training signal")
             if not self._ends_with_eos(c):  # an empty completion becomes [EOS]: "answer nothing", as in TRL
                 c = c + [sp.eos_id]
                 m = None if m is None else m + [True]
