@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from prefpack.data.formats import InvalidRow, extract, resolve_fields
+from prefpack.data.formats import InvalidRow, extract, resolve_fields, used_fields
 from prefpack.data.sources import RawRow, Source, iter_rows
 from prefpack.data.spans import mask_to_spans
 from prefpack.data.store import FLAG_COMPLETION_TRUNCATED, FLAG_PROMPT_TRUNCATED
@@ -50,6 +50,7 @@ class ChunkResult:
     empty: Counter  # completions kept although empty or whitespace-only, by field
     chat: Counter  # examples rendered by the chat template ("examples") and those with tools ("with_tools")
     spans: np.ndarray  # int64 [m, 2]: unscored completion tokens [start, end), positions in `tokens`
+    unused: set  # input columns no row of the chunk was read from
 
 
 def process_chunk(chunk: list[RawRow]) -> ChunkResult:
@@ -58,10 +59,12 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
     layout, fields, tokenize = _WORKER["layout"], _WORKER["fields"], _WORKER["tokenize"]
     problems: list[dict] = []
     examples, origin = [], []
+    used, unused = used_fields(layout, fields), set()
     for raw in chunk:
         if raw.row is None:
             problems.append(_problem(raw, raw.error or "unreadable", None, raw.message or "", raw.raw))
             continue
+        unused.update(k for k in raw.row if k not in used)
         try:
             examples.append(extract(raw.row, layout, fields))
             origin.append(raw)
@@ -120,7 +123,7 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
     index = np.asarray(rows, dtype=np.int64).reshape(-1, width)
     problems.sort(key=lambda p: (p["file_index"], p["row"]))
     span_rows = np.concatenate(spans) if spans else np.zeros((0, 2), np.int64)
-    return ChunkResult(tokens, index, problems, truncated, empty, chat, span_rows)
+    return ChunkResult(tokens, index, problems, truncated, empty, chat, span_rows, unused)
 
 
 def _score_bits(score: float) -> int:

@@ -31,6 +31,7 @@ from typing import Any
 from prefpack.data.row_checks import (
     KWARGS_FIELD,
     TOOLS_FIELD,
+    VISION_MESSAGE,
     InvalidRow,
     get_label,
     get_messages,
@@ -69,6 +70,23 @@ ASSISTANT_MARKER_FAMILIES = (
     ("Phi-3 / Zephyr, no newline", "<|assistant|>"),
 )
 ASSISTANT_MARKERS = tuple(marker for _, marker in ASSISTANT_MARKER_FAMILIES)
+
+
+# Columns of images or video: refused (a run must never train text-only on vision-language data without knowing it).
+VISION_FIELDS = ("images", "image", "videos", "video", "image_url", "image_path", "pixel_values")
+
+
+def used_fields(layout: str, f: Fields) -> frozenset[str]:
+    """The columns a row of `layout` is read from; prepare reports the others once, by name."""
+    chat = {TOOLS_FIELD, KWARGS_FIELD, f.spans}
+    if layout == "implicit":
+        return frozenset({f.chosen, f.rejected, *chat})
+    if layout == "unpaired":
+        return frozenset({f.prompt, f.completion, f.label, *chat})
+    if layout == "ranked":
+        return frozenset({f.prompt, f.completions, *({f.scores} - {None}), *RANKED_SCORE_LISTS, RANKED_RANK_LIST,
+                          *chat})
+    return frozenset({f.prompt, f.chosen, f.rejected, *chat})
 
 
 # The fields a user can rename (`prepare --NAME-field`), with what each holds.
@@ -177,6 +195,9 @@ def _is_empty(value: Any) -> bool:
 
 def extract(row: dict, layout: str, f: Fields) -> Example:
     """Check one row's fields and types and return its example, or raise InvalidRow."""
+    for key, value in row.items():
+        if str(key).lower() in VISION_FIELDS and value not in (None, [], ""):
+            raise InvalidRow("vision_not_supported", key, f"field {key!r} holds images or video: {VISION_MESSAGE}")
     ex = _extract(row, layout, f)
     spans = row.get(f.spans)
     if spans is not None:

@@ -81,6 +81,8 @@ class PrepareReport:
     chat: dict[str, int] = field(default_factory=dict)  # "examples" rendered by the chat template, "with_tools"
     groups: int | None = None  # ranked stores: prompts (each with several completions, the examples)
     repeated_prompts: dict[str, int] = field(default_factory=dict)  # pair stores: {"prompts": n, "pairs": m}
+    unused_columns: list[str] = field(default_factory=list)  # input columns prepare did not read
+    spans: int = 0  # unscored token ranges stored (spans.bin)
 
     def summary(self) -> str:
         what = f"{self.examples} examples" if self.groups is None else \
@@ -104,6 +106,11 @@ class PrepareReport:
         if self.empty_completions:
             lines.append("kept empty or whitespace-only completions (each is its whitespace then EOS, as TRL "
                          "trains them): " + ", ".join(f"{k}={v}" for k, v in sorted(self.empty_completions.items())))
+        if self.unused_columns:
+            lines.append(f"not used (input columns): {', '.join(map(repr, self.unused_columns))}")
+        if self.spans:
+            lines.append(f"unscored spans: {self.spans} token ranges inside completions get no loss (spans.bin; "
+                         "`prefpack inspect --row N` shows them)")
         if self.chat.get("with_tools"):
             lines.append(f"rendered with tools: {self.chat['with_tools']} of {self.chat.get('examples', 0)} chat "
                          "examples")
@@ -139,6 +146,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
     chat: Counter = Counter()
     rows_per_file: Counter = Counter()
     repeats = PromptRepeats()
+    unused: set = set()
     skipped_fh = None
     try:
         init = (tok, opts.tokenizer, opts.trust_remote_code, layout, field_names, tcfg)
@@ -162,6 +170,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
             truncated.update(res.truncated)
             empty.update(res.empty)
             chat.update(res.chat)
+            unused |= res.unused
             if len(res.spans):
                 writer.append(res.tokens, res.index, res.spans)
             else:  # the call of a store without spans, as before
@@ -197,10 +206,14 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
                      "tools": opts.tools, "train_on": opts.train_on,
                      "tools_sha256": tools_sha},
             "argv": opts.argv,
+            "unused_columns": sorted(unused),
         }
         if writer.n_rows == 0:
             raise PrepareError(f"no examples left to write from {rows_read} rows (skipped: {dict(skipped)}, "
                                f"dropped: {dict(dropped)}); nothing was written")
+        if unused:  # never drop a column silently
+            log(f"note: input columns not used: {', '.join(map(repr, sorted(unused)))} (layout {layout!r} reads "
+                "only its own fields, tools, chat_template_kwargs and the spans field)")
         if opts.train_on is not None and not chat["examples"]:
             log("note: --train-on had no effect: no row holds chat messages (text rows are masked by their "
                 f"{fields.spans!r} column)")
@@ -215,7 +228,8 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
         raise
     return PrepareReport(path, layout, reason, writer.n_rows, writer.n_tokens, rows_read, dict(skipped),
                          dict(dropped), dict(truncated), time.perf_counter() - t0, dict(empty), dict(chat),
-                         writer.n_groups if kind == "ranked" else None, repeats.counts())
+                         writer.n_groups if kind == "ranked" else None, repeats.counts(), sorted(unused),
+                         writer.n_spans)
 
 
 class PromptRepeats:

@@ -24,6 +24,9 @@ class InvalidRow(PrefpackError, ValueError):
         self.message = message
 
 
+VISION_MESSAGE = ("vision-language data is not supported yet: prefpack trains text-only models and would drop the "
+                  "images; remove the column (or the image parts) only if training on the text alone is intended")
+
 # Per-row columns read for chat rows (TRL's names).
 TOOLS_FIELD = "tools"
 KWARGS_FIELD = "chat_template_kwargs"
@@ -128,6 +131,9 @@ def _check_message(msg: Any, name: str, i: int) -> dict:
             raise InvalidRow("wrong_type", name, f"field {name!r}: message {i} has 'tool_calls' but role "
                              f"{msg['role']!r}; only assistant messages call tools")
     content = msg.get("content")
+    if isinstance(content, list) and any(_is_media(part) for part in content):
+        raise InvalidRow("vision_not_supported", name, f"field {name!r}: message {i} has an image or video content "
+                         f"part: {VISION_MESSAGE}")
     if content is None and calls:
         return msg  # a pure tool call: no text
     if not isinstance(content, str):
@@ -135,6 +141,14 @@ def _check_message(msg: Any, name: str, i: int) -> dict:
                          "'role' and 'content' (content may be null only beside 'tool_calls')")
     _check_text(content, name)
     return msg
+
+
+def _is_media(part: Any) -> bool:
+    """A multimodal content part (OpenAI's image_url / input_image, TRL's and HF's {"type": "image"}, video, audio)."""
+    if not isinstance(part, dict):
+        return False
+    kind = str(part.get("type", ""))
+    return any(w in kind for w in ("image", "video", "audio")) or bool({"image", "image_url", "video"} & set(part))
 
 
 def get_messages(row: dict, name: str, *, allow_empty: bool = False, as_reply: bool = False) -> list[dict]:
