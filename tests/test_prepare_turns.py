@@ -153,3 +153,28 @@ def test_qwen25_tools_template_round_trip(tmp_path):
     assert scored_text(tok, st.pair(0).chosen) == want
     last = run(tmp_path, path, [row], "last")
     assert scored_text(tok, last.pair(0).chosen) == "Sunny, 21 C.<|im_end|>\n"
+
+
+def test_inspect_shows_which_tokens_are_scored(tmp_path, chat_toks, capsys):
+    from prefpack.cli import main as cli_main
+    from prefpack.data.store import StoreError
+
+    st = run(tmp_path, chat_toks["chatml"], [{"prompt": PROMPT, "chosen": AGENT, "rejected": PLAIN}])
+    assert cli_main(["inspect", str(st.path), "--row", "0", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "train_on=assistant" in out and f"{st.meta['num_spans']} unscored spans" in out
+    n, k = len(st.pair(0).chosen), int(scored_of(st.pair(0).chosen).sum())
+    assert f"--- chosen ({n} tokens, {k} scored;" in out and "--- rejected (" in out and "all scored" in out
+    assert "⟦<|im_start|>tool\n" in out and "It is 21 degrees and sunny in Paris.<|im_end|>\n" in out
+    assert "⟦It is 21" not in out
+    assert cli_main(["inspect", str(st.path), "--row", "0", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["row"]
+    assert row["chosen_scored"] == scored_of(st.pair(0).chosen).tolist() and "rejected_scored" not in row
+    spans = np.fromfile(st.path / "spans.bin", dtype=np.int64).reshape(-1, 2)
+    spans[0] = spans[0][::-1]  # a reversed span: the hashes catch it first, so rewrite them too
+    spans.tofile(st.path / "spans.bin")
+    meta = json.loads((st.path / "meta.json").read_text())
+    meta["files"].pop("spans.bin")
+    (st.path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(StoreError, match="spans.bin: span 0 is empty or reversed"):
+        Store(st.path, verify=True)

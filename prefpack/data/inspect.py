@@ -1,4 +1,5 @@
-"""`prefpack inspect`: a store's meta, length statistics, and one example decoded."""
+"""`prefpack inspect`: a store's meta, length statistics, and one example decoded (unscored completion tokens shown
+between ⟦ and ⟧, with counts of scored and total tokens)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,18 @@ from typing import Any
 
 import numpy as np
 
+from prefpack.data.spans import scored_of
 from prefpack.data.store import FLAG_COMPLETION_TRUNCATED, FLAG_PROMPT_TRUNCATED, Store, StoreError
+
+UNSCORED_OPEN, UNSCORED_CLOSE = "⟦", "⟧"
 
 
 def length_stats(store: Store) -> dict[str, Any]:
     parts = ("prompt", "chosen", "rejected") if store.kind == "pairs" else ("prompt", "completion")
     stats: dict[str, Any] = {"examples": len(store), "tokens": store.num_tokens}
+    comp = ("chosen_len", "rejected_len") if store.kind == "pairs" else ("completion_len",)
+    stats["completion_tokens"] = int(sum(int(store.column(c).sum()) for c in comp)) if len(store) else 0
+    stats["unscored_tokens"] = int((store.spans[:, 1] - store.spans[:, 0]).sum()) if len(store.spans) else 0
     for part in parts:
         col = store.column(f"{part}_len")
         stats[part] = _summary(col)
@@ -68,7 +75,22 @@ def decode_row(store: Store, i: int, tok) -> dict[str, Any]:
     for name, ids in parts.items():
         out[f"{name}_ids"] = [int(t) for t in ids]
         out[name] = tok.decode(out[f"{name}_ids"], skip_special_tokens=False)
+        scored = scored_of(ids)
+        if scored is not None:
+            out[f"{name}_scored"] = [bool(x) for x in scored]
+            out[f"{name}_marked"] = marked_text(tok, out[f"{name}_ids"], out[f"{name}_scored"])
     return out
+
+
+def marked_text(tok, ids: list[int], scored: list[bool]) -> str:
+    """The decoded completion with each run of unscored tokens between ⟦ and ⟧."""
+    parts, start = [], 0
+    for k in range(1, len(ids) + 1):
+        if k == len(ids) or scored[k] != scored[start]:
+            text = tok.decode(ids[start:k], skip_special_tokens=False)
+            parts.append(text if scored[start] else UNSCORED_OPEN + text + UNSCORED_CLOSE)
+            start = k
+    return "".join(parts)
 
 
 def format_text(store: Store, stats: dict, row: dict | None) -> str:
@@ -80,6 +102,12 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
         f"hash {m['tokenizer']['hash'][:12]})",
         f"examples   {stats['examples']} from {m['counts']['rows_read']} rows; {stats['tokens']} tokens",
     ]
+    if m.get("train_on") or stats["unscored_tokens"]:
+        lines.append(f"scoring    train_on={m.get('train_on') or '-'}; {m.get('num_spans', 0)} unscored spans: "
+                     f"{stats['completion_tokens'] - stats['unscored_tokens']} of {stats['completion_tokens']} "
+                     "completion tokens scored")
+    if m.get("unused_columns"):
+        lines.append("not used   input columns " + ", ".join(map(repr, m["unused_columns"])))
     c = m["counts"]
     for key in ("skipped", "dropped", "truncated"):
         if c.get(key):
@@ -110,8 +138,14 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
         lines.append(f"row {row['index']} (from {row['source']['file']} row {row['source']['row']})"
                      + (f", truncated: {', '.join(row['truncated'])}" if row["truncated"] else ""))
         for name in ("prompt", "chosen", "rejected", "completion"):
-            if name in row:
-                lines.append(f"--- {name} ({len(row[name + '_ids'])} tokens) ids={row[name + '_ids']}")
+            if name in row and name + "_scored" in row:
+                n, k = len(row[name + "_ids"]), sum(row[name + "_scored"])
+                lines.append(f"--- {name} ({n} tokens, {k} scored; unscored text between {UNSCORED_OPEN} and "
+                             f"{UNSCORED_CLOSE}) ids={row[name + '_ids']}")
+                lines.append(row[name + "_marked"])
+            elif name in row:
+                lines.append(f"--- {name} ({len(row[name + '_ids'])} tokens"
+                             + (", all scored" if name != "prompt" else "") + f") ids={row[name + '_ids']}")
                 lines.append(row[name])
         if "score" in row:
             lines.append(f"--- score: {row['score']:g} (prompt group {row['group']})")
