@@ -63,6 +63,7 @@ def chat_toks(toy_tokenizers, tmp_path_factory):
 
 
 def run(tmp_path, tok, rows, train_on=None, **kw):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     data = write_jsonl(tmp_path / "rows.jsonl", rows)
     out = tmp_path / f"store-{train_on}"
     prepare(PrepareOptions(inputs=[str(data)], tokenizer=str(tok), output=str(out), workers=1, train_on=train_on,
@@ -178,3 +179,37 @@ def test_inspect_shows_which_tokens_are_scored(tmp_path, chat_toks, capsys):
     (st.path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(StoreError, match="spans.bin: span 0 is empty or reversed"):
         Store(st.path, verify=True)
+
+
+def test_workers_and_chunks_give_the_same_spans(tmp_path, chat_toks):
+    rows = [{"prompt": PROMPT, "chosen": AGENT if i % 2 else PLAIN, "rejected": PLAIN if i % 2 else AGENT}
+            for i in range(7)]
+    one = run(tmp_path / "a", chat_toks["chatml"], rows, None)
+    data = write_jsonl(tmp_path / "rows.jsonl", rows)
+    prepare(PrepareOptions(inputs=[str(data)], tokenizer=str(chat_toks["chatml"]), output=str(tmp_path / "many"),
+                           workers=2, chunk_rows=2), log=lambda m: None)
+    many = Store(tmp_path / "many", verify=True)
+    assert one.meta["num_spans"] == 7 and np.array_equal(np.asarray(one.spans), np.asarray(many.spans))
+    assert np.array_equal(np.asarray(one.tokens), np.asarray(many.tokens))
+
+
+def test_ranked_and_implicit_chat_rows_are_masked(tmp_path, chat_toks):
+    tok = load_tokenizer(chat_toks["chatml"])
+    ranked = run(tmp_path / "r", chat_toks["chatml"], [{"prompt": PROMPT, "completions": [AGENT, PLAIN],
+                                                        "scores": [2.0, 1.0]}], None)
+    _, comps = ranked.ranked_group(0)
+    assert scored_text(tok, comps[0]) == own_text("chatml", AGENT[0]) + own_text("chatml", AGENT[3])
+    assert scored_of(comps[1]) is None
+    implicit = run(tmp_path / "i", chat_toks["chatml"], [{"chosen": PROMPT + AGENT, "rejected": PROMPT + PLAIN}],
+                   "last")
+    assert scored_text(tok, implicit.pair(0).chosen) == own_text("chatml", AGENT[3])
+
+
+def test_max_length_cuts_the_mask_with_the_tokens(tmp_path, chat_toks):
+    row = {"prompt": PROMPT, "chosen": AGENT, "rejected": PLAIN}
+    full = run(tmp_path / "f", chat_toks["chatml"], [row], None)
+    c = len(full.pair(0).chosen)
+    cut = run(tmp_path / "c", chat_toks["chatml"], [row], None, max_length=c - 5)  # the prompt cut to 1 token
+    chosen = cut.pair(0).chosen
+    assert cut.meta["counts"]["truncated"] == {"prompt": 1, "completion": 1} and len(chosen) == c - 6
+    assert scored_of(chosen).tolist() == scored_of(full.pair(0).chosen).tolist()[: len(chosen)]
