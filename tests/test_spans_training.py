@@ -288,3 +288,45 @@ def test_precompute_ref_records_the_scored_sums(stores):
         for side, (total, _, tail, _) in enumerate(_pair_defs(model, store, i)):
             assert float(table.logps[2 * i + side]) == pytest.approx(total, abs=1e-6)
             assert float(table.tails[2 * i + side]) == pytest.approx(tail, abs=1e-6)
+
+
+RANKED = [
+    {"prompt": "\n\nHuman: What is two plus two?\n\nAssistant:",
+     "completions": [{"text": " Four.", "score": 9}, {"text": " Five, I think.", "score": 2},
+                     {"text": " It is four, because two and two make four.", "score": 8.5}]},
+    {"prompt": "\n\nHuman: Hi there, how are you today?\n\nAssistant:",
+     "completions": [{"text": " Hello!", "score": 5}, {"text": " Go away.", "score": 1},
+                     {"text": " Hi! I am well, thank you.", "score": 7}]},
+]
+
+
+@pytest.mark.parametrize("layout", ["shared", "packed", "padded"])
+def test_ranked_groups_score_masked_completions_and_their_drawn_pair_tails(tmp_path, toy_tokenizers, layout):
+    """A ranked store with spans: each completion's sum and count over its scored tokens, and each drawn pair's
+    LD-DPO tails (the scored tokens of the longer past the shorter's scored count) per pair."""
+    from prefpack.objectives.groups import PromptGroupTask
+
+    tok = toy_tokenizers["llama"]
+    prepare(PrepareOptions(inputs=[str(write_jsonl(tmp_path / "ranked.jsonl", RANKED))], tokenizer=str(tok),
+                           output=str(tmp_path / "ranked"), workers=1), log=lambda m: None)
+    store = Store(store_with_spans(tmp_path / "ranked", tmp_path / "spans"))
+    cfg = load_config(None, [f"data.prefix_sharing={layout == 'shared'}", f"data.packing={layout != 'padded'}",
+                             "data.ranked_pairs=all_pairs", "loss.ld_alpha=0.5"])
+    task = make_task(PromptGroupTask, store, cfg)
+    batch = task.collate(Planned([[0, 1]] if layout != "padded" else [[0], [1]], 0, 0))
+    model = float64_llama(tok, 0)
+    with torch.no_grad():
+        out = sequence_logps(model, batch, chunk_size=5, pair_tails=True, wpo=True)
+    lps = []
+    for i in range(len(task.view)):
+        prompt, comps = task.view[i]
+        assert any(scored_of(c) is not None for c in comps)
+        lps += [_f64(model, prompt, c) for c in comps]
+    for s, (lp, lss) in enumerate(lps):
+        assert int(out.n_tokens[s]) == len(lp)
+        assert float(out.logp_sum[s]) == pytest.approx(lp.sum(), abs=1e-9)
+        assert float(out.wpo_mean[s]) == pytest.approx((lp - lss).mean(), abs=1e-9)
+    for p, (a, b) in enumerate(batch.tail_pairs.T.tolist()):
+        cut = min(len(lps[a][0]), len(lps[b][0]))
+        assert float(out.tail_sum[0, p]) == pytest.approx(lps[a][0][cut:].sum(), abs=1e-9)
+        assert float(out.tail_sum[1, p]) == pytest.approx(lps[b][0][cut:].sum(), abs=1e-9)
