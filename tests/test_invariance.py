@@ -115,7 +115,7 @@ RUN = ("optim.lr=1.0e-3", "optim.schedule=constant", "train.max_steps=3", "run.p
 
 
 @pytest.fixture(scope="module", params=["pairs", "pairs_shared", "kto", "kto_shared", "ranked_shared",
-                                        "grouped_shared", "spans_shared"])
+                                        "grouped_shared", "spans_shared", "kto_spans_shared"])
 def world(request, tmp_path_factory, toy_tokenizers, hh_train):
     """One objective's train and eval stores, a policy, a different reference (tiny Llamas) and its settings:
 
@@ -128,7 +128,8 @@ def world(request, tmp_path_factory, toy_tokenizers, hh_train):
     * grouped_shared: a pair store whose 8 train prompts (4 eval) have 3 or 1 pairs each, interleaved, read with
       `data.group_by_prompt=true` (each prompt and distinct completion once), 3 prompts a step;
     * spans_shared: pairs_shared's stores with unscored spans (``conftest.default_unscored``: a completion's first
-      token, or a few inside), loss `sigmoid` + `ipo` (its per-token log-ratios count scored tokens).
+      token, or a few inside), loss `sigmoid` + `ipo` (its per-token log-ratios count scored tokens);
+    * kto_spans_shared: kto_shared's stores with unscored spans (in the main and the KL sequences).
     """
     kind = request.param
     root = tmp_path_factory.mktemp(f"invariance-{kind}")
@@ -174,13 +175,15 @@ def world(request, tmp_path_factory, toy_tokenizers, hh_train):
             "ranks": ["train.micro_batch_tokens=256", "data.max_tokens_per_row=256"],
         }
     else:
-        data = _unpaired_rows_shared(hh_train) if kind == "kto_shared" else _unpaired_rows(hh_train)
+        data = _unpaired_rows(hh_train) if kind == "kto" else _unpaired_rows_shared(hh_train)
         stores = _prepare_splits(root, tok, data, "--format", "unpaired")
+        if kind == "kto_spans_shared":
+            stores = {name: store_with_spans(path, root / f"{name}_spans") for name, path in stores.items()}
         settings = {
             "size": len(data["train"]), "sidecar": "ref_logps_kto.safetensors",
             "precompute": ["--seed", "0"],
             "base": ["loss.terms=[{name: kto}]", "train.global_batch_pairs=5",
-                     f"data.prefix_sharing={'true' if kind == 'kto_shared' else 'false'}"],
+                     f"data.prefix_sharing={'false' if kind == 'kto' else 'true'}"],
             "keys": ("loss", "kl", "rewards/margins", "count/chosen", "count/rejected"),
             # the sidecar holds the KL log-probs of the fixed pairing of train.seed 0 (precompute-ref --seed 0)
             "precomputed": ["loss.kl_pairing=fixed"],

@@ -330,3 +330,28 @@ def test_ranked_groups_score_masked_completions_and_their_drawn_pair_tails(tmp_p
         cut = min(len(lps[a][0]), len(lps[b][0]))
         assert float(out.tail_sum[0, p]) == pytest.approx(lps[a][0][cut:].sum(), abs=1e-9)
         assert float(out.tail_sum[1, p]) == pytest.approx(lps[b][0][cut:].sum(), abs=1e-9)
+
+
+def test_a_step_logs_the_scored_positions(stores, tmp_path, one_thread):
+    """metrics.jsonl's ``scored``: the positions through the head, each completion's scored tokens (the spans left
+    out); ``tokens`` and ``positions`` still count every token laid out."""
+    from conftest import metrics_lines, tiny_llama
+
+    from prefpack.training import train
+
+    policy = tiny_llama(stores["tok"], tmp_path / "policy", 1)
+    rows = {}
+    for name in ("plain", "spans"):
+        cfg = load_config(None, [f"model.name_or_path={policy}", f"data.train={stores[name]}",
+                                 f"run.output_dir={tmp_path / name}",
+                                 "reference.mode=none", "loss.terms=[{name: simpo}]", "train.global_batch_pairs=6",
+                                 "train.max_steps=1", "run.plot=false", "run.tensorboard=false", "train.device=cpu"])
+        train(cfg, progress=False, log=lambda m: None)
+        rows[name] = metrics_lines(tmp_path / name)[0]
+    store = Store(stores["spans"])
+    unscored = int(np.diff(np.asarray(store.spans), axis=1).sum())
+    lengths = store.index[:, 1:4].astype(int)
+    assert rows["plain"]["scored"] == int(lengths[:, 1:].sum())
+    assert rows["spans"]["scored"] == rows["plain"]["scored"] - unscored > 0
+    assert rows["spans"]["tokens"] == rows["plain"]["tokens"] and rows["spans"]["positions"] == rows["plain"]["positions"]
+    assert rows["spans"]["loss"] != rows["plain"]["loss"]

@@ -115,6 +115,11 @@ class Batch:
         return int(self.input_ids.numel())
 
     @property
+    def scored_positions(self) -> int:
+        """Positions the head computes: each sequence's scored completion tokens (unscored ones have no target)."""
+        return int(self.completion_tokens.sum())
+
+    @property
     def filling(self) -> float:
         """Real positions / computed positions: 1.0 means no padding at all."""
         return self.positions / max(self.computed_tokens, 1)

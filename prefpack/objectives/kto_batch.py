@@ -123,6 +123,10 @@ class KTOBatch:
     def positions(self) -> int:
         return self.main.positions + (self.kl.positions if self.kl is not None else 0)
 
+    @property
+    def scored_positions(self) -> int:
+        return self.main.scored_positions + (self.kl.scored_positions if self.kl is not None else 0)
+
     def keys(self) -> list[str]:
         return [k for k in _TRL_KEYS if self.kl is not None or not k.startswith("KL_")]
 
