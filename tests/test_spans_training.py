@@ -239,6 +239,21 @@ def test_grouped_pair_losses_with_spans_equal_the_pairs_read_one_by_one(grouped,
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_precompute_ref_on_grouped_prompts_with_spans_equals_pair_by_pair(grouped):
+    """precompute-ref over a pair store's prompt groups fills each repeated completion's key from the one computed:
+    with spans, only from a completion with the same mask (sums and LD-DPO tails as pair by pair)."""
+    store = Store(grouped["spans"])
+    model = float64_llama(grouped["tok"], 3)
+    together = reference_table(model, store, chunk_size=5, group_by_prompt=True)
+    alone = reference_table(model, store, chunk_size=5, group_by_prompt=False)
+    np.testing.assert_allclose(together.logps, alone.logps, rtol=0, atol=1e-9)
+    np.testing.assert_allclose(together.tails, alone.tails, rtol=0, atol=1e-9)
+    for i in range(len(store)):
+        for side, (total, _, tail, _) in enumerate(_pair_defs(model, store, i)):
+            assert float(alone.logps[2 * i + side]) == pytest.approx(total, abs=1e-9)
+            assert float(alone.tails[2 * i + side]) == pytest.approx(tail, abs=1e-9)
+
+
 # ---------------------------------------------------------------- KTO, precompute-ref
 
 
