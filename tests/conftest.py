@@ -18,6 +18,7 @@ from pathlib import Path
 if os.environ.get("PREFPACK_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+import numpy as np
 import pytest
 import torch
 
@@ -165,10 +166,10 @@ def reference_table(model, store, *, kto: bool = False, seed: int = 0, micro_bat
     return record_reference(task, model)
 
 
-def group_and_pair_losses(tok_dir, group_store, pair_store, cfg, *, ld: bool):
+def group_and_pair_losses(tok_dir, group_store, pair_store, cfg, *, ld: bool, rows=None):
     """The per-pair losses of the same pairs read as prompt groups (``PromptGroupTask``: 3 groups in two packed
-    rows, or a padded row each) and pair by pair (``PairTask``: one row, or a padded row each), by one float64
-    policy against a float64 copy reference, with WPO means (and LD-DPO tails with ``ld``). Returns the policy and
+    rows, or a padded row each; ``rows`` to say otherwise) and pair by pair (``PairTask``: one row, or a padded row
+    each), by one float64 policy against a float64 copy reference, with WPO means (and LD-DPO tails with ``ld``). Returns the policy and
     both ``LossOutput``s."""
     from prefpack.model import SequenceLogps
     from prefpack.objectives.base import Planned
@@ -181,7 +182,7 @@ def group_and_pair_losses(tok_dir, group_store, pair_store, cfg, *, ld: bool):
     module = SequenceLogps(policy, chunk_size=7, wpo=True, pair_tails=ld)
     g_task, p_task = make_task(PromptGroupTask, group_store, cfg), make_task(PairTask, pair_store, cfg)
     n = len(pair_store)
-    g_rows = [[0, 1], [2]] if cfg.data.packing else [[0], [1], [2]]
+    g_rows = rows or ([[0, 1], [2]] if cfg.data.packing else [[0], [1], [2]])
     p_rows = [list(range(n))] if cfg.data.packing else [[i] for i in range(n)]
     g_out = g_task.loss(module, reference, g_task.collate(Planned(g_rows, 0, 0)), None)
     p_out = p_task.loss(module, reference, p_task.collate(Planned(p_rows, 0, 0)), None)
@@ -240,3 +241,57 @@ def seq_logp_f64(model, prompt, completion) -> float:
     logp = torch.log_softmax(logits[0, :-1], -1)
     targets = ids[0, 1:]
     return float(logp[torch.arange(len(targets)), targets][len(prompt) - 1 :].sum())
+
+
+# ---------------------------------------------------------------- unscored spans inside completions (issue 23)
+
+
+def default_unscored(row: int, side: int, n: int) -> list[tuple[int, int]]:
+    """Unscored ranges [start, end) inside a completion of ``n`` tokens (side 0 chosen / a KTO completion, 1 rejected):
+    the first token, or a few tokens inside, by row and side, always leaving its last token scored."""
+    if n < 3:
+        return []
+    if (row + side) % 2 == 0:
+        return [(0, 1)] + ([(n // 2, min(n // 2 + 2, n - 1))] if n >= 6 else [])
+    return [(1, min(3, n - 1))]
+
+
+def store_with_spans(src, dst, unscored=default_unscored):
+    """A copy of the prepared store ``src`` at ``dst`` with ``spans.bin`` written by hand (format version 2), as
+    tests/test_spans.py does: ``unscored(row, side, n)`` gives each completion's unscored ranges, relative to it.
+    Pair, unpaired and ranked stores. Returns ``dst``."""
+    import shutil
+
+    from prefpack.data.store import Store
+
+    shutil.copytree(src, dst)
+    store = Store(dst)
+    spans = []
+    for row in range(len(store)):
+        off, p, c = (int(x) for x in store.index[row, :3])
+        if store.kind == "pairs":
+            r = int(store.index[row, 3])
+            completions = [(off + p, c), (off + p + c, r)]
+        elif store.kind == "unpaired":
+            completions = [(off + p, c)]
+        else:  # ranked: the offset column is the completion's own
+            completions = [(off, c)]
+        for side, (start, n) in enumerate(completions):
+            spans.extend((start + a, start + b) for a, b in unscored(row, side, n) if b > a)
+    table = np.asarray(sorted(spans), dtype=np.int64).reshape(-1, 2)
+    table.tofile(Path(dst) / "spans.bin")
+    meta = json.loads((Path(dst) / "meta.json").read_text())
+    meta.update(format_version=2, num_spans=len(table))
+    (Path(dst) / "meta.json").write_text(json.dumps(meta))
+    return Path(dst)
+
+
+def scored_logps_f64(model, prompt, completion, scored=None) -> np.ndarray:
+    """The log-probs of a completion's scored tokens after its prompt (in token order), by one plain float64 forward
+    of the sequence alone: the definition masked sums, lengths, tails and means are checked against."""
+    ids = torch.tensor([[int(t) for t in prompt] + [int(t) for t in completion]])
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits.double()
+    logp = torch.log_softmax(logits[0, :-1], -1)
+    per_token = logp[torch.arange(ids.shape[1] - 1), ids[0, 1:]][len(prompt) - 1:].numpy()
+    return per_token if scored is None else per_token[np.asarray(scored, dtype=bool)]

@@ -1,7 +1,8 @@
 """Invariances of training, each one test run for every objective (the `world` fixture's params): DPO
 (`sigmoid`) on a pair store, KTO on an unpaired store (each also with prompts laid out once), DPO on a ranked
-store (prompt groups of several scored completions, each completion computed once), and DPO on a pair store whose
-pairs repeat prompts, grouped by prompt.
+store (prompt groups of several scored completions, each completion computed once), DPO on a pair store whose
+pairs repeat prompts, grouped by prompt, and DPO + IPO on a pair store with unscored spans inside its completions
+(issue 23: a store of format version 2 with spans.bin, written by hand as prepare would).
 
 * packed == padded (with and without data.pad_to_multiple_of),
 * one micro-batch per step == one example per micro-batch (1x8 == 8x1 accumulation),
@@ -30,6 +31,7 @@ from conftest import (
     prepare_hh_splits,
     quiet,
     run_prefpack,
+    store_with_spans,
     tiny_llama,
     write_jsonl,
 )
@@ -113,7 +115,7 @@ RUN = ("optim.lr=1.0e-3", "optim.schedule=constant", "train.max_steps=3", "run.p
 
 
 @pytest.fixture(scope="module", params=["pairs", "pairs_shared", "kto", "kto_shared", "ranked_shared",
-                                        "grouped_shared"])
+                                        "grouped_shared", "spans_shared", "kto_spans_shared"])
 def world(request, tmp_path_factory, toy_tokenizers, hh_train):
     """One objective's train and eval stores, a policy, a different reference (tiny Llamas) and its settings:
 
@@ -124,17 +126,25 @@ def world(request, tmp_path_factory, toy_tokenizers, hh_train):
     * ranked_shared: 8 train prompts (4 eval) with 3 or 4 scored completions, `data.ranked_pairs=all_pairs` (3 or 6
       pairs a prompt), 3 prompts a step, prompts laid out once;
     * grouped_shared: a pair store whose 8 train prompts (4 eval) have 3 or 1 pairs each, interleaved, read with
-      `data.group_by_prompt=true` (each prompt and distinct completion once), 3 prompts a step.
+      `data.group_by_prompt=true` (each prompt and distinct completion once), 3 prompts a step;
+    * spans_shared: pairs_shared's stores with unscored spans (``conftest.default_unscored``: a completion's first
+      token, or a few inside), loss `sigmoid` + `ipo` (its per-token log-ratios count scored tokens);
+    * kto_spans_shared: kto_shared's stores with unscored spans (in the main and the KL sequences).
     """
     kind = request.param
     root = tmp_path_factory.mktemp(f"invariance-{kind}")
     tok = toy_tokenizers["llama"]
-    if kind in ("pairs", "pairs_shared"):
+    if kind in ("pairs", "pairs_shared", "spans_shared"):
         stores = prepare_hh_splits(root, tok, hh_train, {"train": 24, "eval": 10})
+        terms = "[{name: sigmoid}]"
+        if kind == "spans_shared":
+            stores = {name: store_with_spans(path, root / f"{name}_spans") for name, path in stores.items()}
+            assert int(Store(stores["train"]).meta["num_spans"]) >= 24
+            terms = "[{name: sigmoid}, {name: ipo, weight: 0.1}]"
         settings = {
             "size": 24, "sidecar": "ref_logps.safetensors", "precompute": [],
-            "base": ["loss.terms=[{name: sigmoid}]", "train.global_batch_pairs=8",
-                     f"data.prefix_sharing={'true' if kind == 'pairs_shared' else 'false'}"],
+            "base": [f"loss.terms={terms}", "train.global_batch_pairs=8",
+                     f"data.prefix_sharing={'false' if kind == 'pairs' else 'true'}"],
             "keys": ("loss", "rewards/margins", "rewards/chosen"),
             "precomputed": [],  # what reference.mode=precomputed needs besides the sidecar
             # several pairs a micro-batch, the last step wraps into the second epoch
@@ -165,13 +175,15 @@ def world(request, tmp_path_factory, toy_tokenizers, hh_train):
             "ranks": ["train.micro_batch_tokens=256", "data.max_tokens_per_row=256"],
         }
     else:
-        data = _unpaired_rows_shared(hh_train) if kind == "kto_shared" else _unpaired_rows(hh_train)
+        data = _unpaired_rows(hh_train) if kind == "kto" else _unpaired_rows_shared(hh_train)
         stores = _prepare_splits(root, tok, data, "--format", "unpaired")
+        if kind == "kto_spans_shared":
+            stores = {name: store_with_spans(path, root / f"{name}_spans") for name, path in stores.items()}
         settings = {
             "size": len(data["train"]), "sidecar": "ref_logps_kto.safetensors",
             "precompute": ["--seed", "0"],
             "base": ["loss.terms=[{name: kto}]", "train.global_batch_pairs=5",
-                     f"data.prefix_sharing={'true' if kind == 'kto_shared' else 'false'}"],
+                     f"data.prefix_sharing={'false' if kind == 'kto' else 'true'}"],
             "keys": ("loss", "kl", "rewards/margins", "count/chosen", "count/rejected"),
             # the sidecar holds the KL log-probs of the fixed pairing of train.seed 0 (precompute-ref --seed 0)
             "precomputed": ["loss.kl_pairing=fixed"],

@@ -14,6 +14,13 @@ sequence per row, right-padded, with an attention mask.
 Sequence numbering inside a micro-batch follows the groups' order (not the rows'): group g's j-th completion is
 sequence ``offset(g) + j``. For pairs, the chosen sequence of the batch's p-th pair is ``2p`` and the rejected
 one ``2p + 1`` (pairs in row order), in both layouts.
+
+Unscored completion tokens (issue 23: tool results, role headers): a completion may carry ``scored``, one bool per
+token (``prefpack.data.spans.ScoredTokens``, read duck-typed since batching sits below data, and read before any
+conversion to a plain array drops it). The position predicting an unscored token gets no target in every layout, so
+it never reaches the head or the loss, and ``completion_tokens`` counts scored tokens only (what length-normalised
+losses, WPO means and LD-DPO's lengths and tails read). The token itself stays in the input: later tokens attend to
+it.
 """
 
 from __future__ import annotations
@@ -108,6 +115,11 @@ class Batch:
         return int(self.input_ids.numel())
 
     @property
+    def scored_positions(self) -> int:
+        """Positions the head computes: each sequence's scored completion tokens (unscored ones have no target)."""
+        return int(self.completion_tokens.sum())
+
+    @property
     def filling(self) -> float:
         """Real positions / computed positions: 1.0 means no padding at all."""
         return self.positions / max(self.computed_tokens, 1)
@@ -131,8 +143,20 @@ def _ids(x) -> np.ndarray:
     return a.astype(np.int64, copy=False)
 
 
-def sequence_arrays(prompt: np.ndarray, completion: np.ndarray):
-    """Tokens, positions and targets of ``prompt + completion``; targets only where they are completion."""
+def _scored(completion) -> np.ndarray | None:
+    """The completion's score mask (True = scored), or None when every token is scored."""
+    mask = getattr(completion, "scored", None)
+    if mask is None:
+        return None
+    mask = np.asarray(mask, dtype=bool)
+    if mask.shape != np.shape(completion):
+        raise ValueError(f"a score mask of shape {mask.shape} for a completion of shape {np.shape(completion)}")
+    return None if mask.all() else mask
+
+
+def sequence_arrays(prompt: np.ndarray, completion: np.ndarray, scored: np.ndarray | None = None):
+    """Tokens, positions and targets of ``prompt + completion``; targets only where they are completion tokens that
+    ``scored`` (one bool per completion token; None: all) marks."""
     tokens = np.concatenate([prompt, completion])
     n = tokens.shape[0]
     if n < 1:
@@ -142,6 +166,9 @@ def sequence_arrays(prompt: np.ndarray, completion: np.ndarray):
     # first completion token has no predecessor and cannot be scored.
     start = max(prompt.shape[0] - 1, 0)
     targets[start : n - 1] = tokens[start + 1 :]
+    if scored is not None:  # completion token k is predicted at position len(prompt) + k - 1
+        at = prompt.shape[0] - 1 + np.flatnonzero(~scored)
+        targets[at[at >= 0]] = IGNORE_INDEX
     return tokens, np.arange(n, dtype=np.int64), targets
 
 
@@ -161,7 +188,8 @@ def collate_groups(
     padded layout, one sequence per row in sequence order, with an attention mask. ``ids`` holds one id per group
     (``Batch.group_ids``). ``completion_mask=True`` also returns the [B, L] int64 mask that is 1 where the *input*
     token is a completion token (TRL's ``completion_mask``; ``loss_mask`` is the same shifted onto the position
-    that predicts it).
+    that predicts it). An unscored completion token is 0 there: TRL's losses read ``completion_mask`` as the tokens
+    that count, so it marks the scored ones, as ``loss_mask`` does.
 
     ``share_prompts`` (packed only; ``completion_mask`` not supported): a group's prompt is laid out once, then
     each completion with position ids continuing from the prompt's length (``prompt, c1, c2, ...``); attention
@@ -180,7 +208,8 @@ def collate_groups(
     built = []  # per group: its sequences (tokens, positions, targets, prompt length)
     for prompt, completions in groups:
         prompt = _ids(prompt)
-        built.append([(*sequence_arrays(prompt, _ids(c)), prompt.shape[0]) for c in completions])
+        built.append([(*sequence_arrays(prompt, _ids(c), m), prompt.shape[0], m)
+                      for c, m in ((c, _scored(c)) for c in completions)])
     offsets = np.cumsum([0] + [len(b) for b in built])
     packed = rows is not None
     if packed:
@@ -196,12 +225,12 @@ def collate_groups(
     for r, row in enumerate(layout):
         at = 0
         for g, j in row:
-            t, p, tgt, n_prompt = built[g][j]
+            t, p, tgt, n_prompt, m = built[g][j]
             s = slice(at, at + t.shape[0])
             input_ids[r, s], position_ids[r, s], target_ids[r, s] = t, p, tgt
             seq_index[r, s] = offsets[g] + j
             token_mask[r, s] = True
-            is_completion[r, at + n_prompt : at + t.shape[0]] = 1
+            is_completion[r, at + n_prompt : at + t.shape[0]] = 1 if m is None else m
             at += t.shape[0]
         if packed:
             # Row padding is a block of its own: positions restart at 0, so it never extends a sequence.
@@ -241,6 +270,7 @@ def _collate_shared(groups, rows: MicroBatch, *, ids: Sequence[int], pad_id: int
     """:func:`collate_groups` with each group's prompt laid out once (see there)."""
     if not rows or any(len(row) == 0 for row in rows):
         raise ValueError("a packed micro-batch needs at least one row and no empty row")
+    masks = [[_scored(c) for c in completions] for _, completions in groups]  # before _ids drops them
     parts = [(_ids(prompt), [_ids(c) for c in completions]) for prompt, completions in groups]
     offsets = np.cumsum([0] + [len(c) for _, c in parts])
     for g, (prompt, comps) in enumerate(parts):
@@ -264,19 +294,20 @@ def _collate_shared(groups, rows: MicroBatch, *, ids: Sequence[int], pad_id: int
             seq_index[r, at:at + n_prompt] = offsets[g]
             at += n_prompt
             shared += n_prompt * (len(comps) - 1)
-            for j, c in enumerate(comps):
+            for j, (c, m) in enumerate(zip(comps, masks[g])):
                 seq = int(offsets[g]) + j
                 n = c.shape[0]
                 s = slice(at, at + n)
                 input_ids[r, s], position_ids[r, s] = c, np.arange(n_prompt, n_prompt + n)
                 token_mask[r, s], seq_index[r, s] = True, seq
-                target_ids[r, at:at + n - 1] = c[1:]  # inside the completion: its next token
-                inner = r * length + np.arange(at, at + n - 1)
-                if n_prompt and n:  # the first token, from the shared last prompt position
+                keep = np.ones(n, dtype=bool) if m is None else m  # unscored tokens get no target
+                inner = np.arange(at, at + n - 1)[keep[1:]]  # inside the completion: its next token
+                target_ids[r, inner] = c[1:][keep[1:]]
+                if n_prompt and n and keep[0]:  # the first token, from the shared last prompt position
                     scored[seq].append((np.array([last_prompt]), c[:1]))
                     if j == 0:
                         target_ids[r, at - 1] = c[0]
-                scored[seq].append((inner, c[1:]))
+                scored[seq].append((r * length + inner, c[1:][keep[1:]]))
                 at += n
         position_ids[r, at:] = np.arange(length - at)  # row padding: a block of its own
     counts = [sum(x[0].shape[0] for x in parts_) for parts_ in scored]

@@ -8,6 +8,7 @@ import hashlib
 
 import numpy as np
 
+from prefpack.data.spans import scored_mask
 from prefpack.data.store import Store, StoreError
 
 __all__ = ["RANKED_PAIR_MODES", "PairGroups", "PromptGroups", "RankedGroups", "StorePairs", "UnpairedView",
@@ -194,7 +195,7 @@ class RankedGroups(PromptGroups):
 
 class PairGroups(PromptGroups):
     """A pair store read as prompt groups (``data.group_by_prompt``): the pairs whose prompts are the same tokens
-    form a group, each distinct completion (by tokens) once, so a prompt in five pairs is computed once and a
+    form a group, each distinct completion (by tokens and score mask) once, so a prompt in five pairs is computed once and a
     chosen reply shared by three of them once. A group takes at most as many positions (its prompt once, each
     completion once) as the store's longest pair laid out with its prompt twice: a prompt's pairs, in store order,
     start a new group where the next would pass that. So no group is longer than a pair of the store, and the
@@ -208,7 +209,7 @@ class PairGroups(PromptGroups):
         if store.kind != "pairs":
             raise StoreError(f"store {str(store.path)!r} holds {store.kind}, not pairs")
         self.store = store
-        index, tokens = store.index, store.tokens
+        index = store.index
         by_prompt: dict[int, list[int]] = {}
         for row, g in enumerate(_prompt_groups(store)):
             by_prompt.setdefault(int(g), []).append(row)
@@ -227,12 +228,12 @@ class PairGroups(PromptGroups):
 
         for rows in by_prompt.values():  # prompts in order of first appearance
             p = int(index[rows[0], 1])
-            at: dict[bytes, int] = {}  # a completion's tokens -> its index in the group
+            at: dict[tuple, int] = {}  # a completion's tokens and mask -> its index in the group
             keys, sizes, pairs, start, total = [], [], [], 0, p
             for k, row in enumerate(rows):
                 off, _, c, r = (int(x) for x in index[row, :4])
-                sides = [(tokens[off + p:off + p + c].tobytes(), 2 * row, c),
-                         (tokens[off + p + c:off + p + c + r].tobytes(), 2 * row + 1, r)]
+                sides = [(_completion_key(store, off + p, c), 2 * row, c),
+                         (_completion_key(store, off + p + c, r), 2 * row + 1, r)]
                 if pairs and total + sum({t: n for t, _, n in sides if t not in at}.values()) > cap:
                     add(p, keys, sizes, pairs, rows[start:k])
                     at, keys, sizes, pairs, start, total = {}, [], [], [], k, p
@@ -262,6 +263,14 @@ class PairGroups(PromptGroups):
         """Every pair's prompt twice and both completions, as the same pairs count read one by one (so tokens/s
         compares with and without grouping, and with TRL on the same store)."""
         return self._real[np.asarray(ids, dtype=np.int64)]
+
+
+def _completion_key(store: Store, offset: int, length: int) -> tuple[bytes, bytes | None]:
+    """What makes two completions the same computation: their tokens and which of them are scored (the same tokens
+    with another mask give other sums, so they are never merged)."""
+    mask = scored_mask(store.spans, offset, length)
+    return (np.asarray(store.tokens[offset:offset + length]).tobytes(),
+            None if mask is None else np.packbits(mask).tobytes())
 
 
 def group_pairs(scores: np.ndarray, mode: str) -> list[tuple[int, int]]:

@@ -141,6 +141,7 @@ class StepTotals:
     real_tokens: int = 0
     computed_tokens: int = 0
     positions: int = 0  # real positions computed: real_tokens less the prompt tokens laid out once for a group
+    scored: int = 0  # positions through the head: scored completion tokens (a store's unscored spans excluded)
 
     def add(self, out: LossOutput, batch: Any) -> None:
         self.examples += int(out.loss.shape[0])
@@ -151,10 +152,11 @@ class StepTotals:
         self.real_tokens += batch.real_tokens
         self.computed_tokens += batch.computed_tokens
         self.positions += batch.positions
+        self.scored += batch.scored_positions
 
     def as_vector(self, keys: list[str]) -> torch.Tensor:
         """Everything as one float64 vector (one all-reduce per step across ranks)."""
-        vals = [self.examples, self.loss, self.real_tokens, self.computed_tokens, self.positions]
+        vals = [self.examples, self.loss, self.real_tokens, self.computed_tokens, self.positions, self.scored]
         for k in keys:
             vals.extend([self.metrics.get(k, 0.0), self.counts.get(k, 0.0)])
         return torch.tensor(vals, dtype=torch.float64)
@@ -163,9 +165,9 @@ class StepTotals:
     def from_vector(cls, vec: torch.Tensor, keys: list[str]) -> StepTotals:
         v = vec.tolist()
         out = cls(examples=int(v[0]), loss=v[1], real_tokens=int(v[2]), computed_tokens=int(v[3]),
-                  positions=int(v[4]))
+                  positions=int(v[4]), scored=int(v[5]))
         for i, k in enumerate(keys):
-            out.metrics[k], out.counts[k] = v[5 + 2 * i], v[6 + 2 * i]
+            out.metrics[k], out.counts[k] = v[6 + 2 * i], v[7 + 2 * i]
         return out
 
     def means(self) -> dict[str, float]:

@@ -15,7 +15,8 @@ passes; a micro-batch whose groups are all single examples keeps the unshared la
 uses: ``input_ids``, ``attention_mask``, ``completion_mask`` for the policy branch, ``KL_input_ids``,
 ``KL_attention_mask``, ``KL_completion_mask`` for the KL branch, and ``label``. ``completion_mask`` is 1 where the
 *input* token is a completion token (TRL's meaning; ``Batch.loss_mask`` is the same thing shifted onto the position
-that predicts it).
+that predicts it); a completion token a store marks unscored (``prefpack.data.spans``) is 0, since the mask says
+which tokens count.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from prefpack.batching.collate import Batch
 from prefpack.batching.plan import balanced_rows
+from prefpack.data.spans import scored_of
 from prefpack.objectives.base import Planned
 
 __all__ = ["KTOBatch", "KTOPlanned", "kl_rows_of_groups", "shared_completion_mask"]
@@ -44,16 +46,19 @@ def kl_rows_of_groups(mb_groups: list[int], groups: list[np.ndarray], kl_cost: n
 
 
 def shared_completion_mask(parts, rows: list[list[int]], shape) -> torch.Tensor:
-    """TRL's ``completion_mask`` (1 where the input token is a completion token) of a prompt-shared layout:
-    each group's prompt, then its completions back to back (``collate_groups(share_prompts=True)``)."""
+    """TRL's ``completion_mask`` (1 where the input token is a scored completion token, as ``collate_groups`` marks
+    it) of a prompt-shared layout: each group's prompt, then its completions back to back
+    (``collate_groups(share_prompts=True)``)."""
     mask = torch.zeros(shape, dtype=torch.int64)
     for r, row in enumerate(rows):
         at = 0
         for g in row:
             prompt, completions = parts[g]
-            n = sum(len(c) for c in completions)
-            mask[r, at + len(prompt) : at + len(prompt) + n] = 1
-            at += len(prompt) + n
+            at += len(prompt)
+            for c in completions:
+                scored = scored_of(c)
+                mask[r, at : at + len(c)] = 1 if scored is None else torch.from_numpy(scored.astype(np.int64))
+                at += len(c)
     return mask
 
 
@@ -117,6 +122,10 @@ class KTOBatch:
     @property
     def positions(self) -> int:
         return self.main.positions + (self.kl.positions if self.kl is not None else 0)
+
+    @property
+    def scored_positions(self) -> int:
+        return self.main.scored_positions + (self.kl.scored_positions if self.kl is not None else 0)
 
     def keys(self) -> list[str]:
         return [k for k in _TRL_KEYS if self.kl is not None or not k.startswith("KL_")]

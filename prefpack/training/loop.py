@@ -182,7 +182,7 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
         last = totals.means()
         last.update({"lr": lr, "grad_norm": grad_norm, "epoch": epoch + (step % sched.steps_per_epoch + 1)
                      / sched.steps_per_epoch, "tokens/s": totals.real_tokens / dt, "pairs/s": units / dt,
-                     "tokens": totals.real_tokens, "positions": totals.positions})
+                     "tokens": totals.real_tokens, "positions": totals.positions, "scored": totals.scored})
         cadence.after_step(step + 1, last)  # metrics line, bar, eval, checkpoint, stop: whatever is due
     eval_after = cadence.finish()
     _free_training_state(optimizer, reference, parts)
