@@ -42,6 +42,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from prefpack.batching.collate import Batch
 from prefpack.model.attention import varlen
@@ -285,16 +286,9 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
     else:
         h = hidden[loss_mask]  # [N, H]: gathered before the head
         scored_targets, index = targets[loss_mask], seq_index[loss_mask]
-    logp = completion_logprobs(
-        h,
-        scored_targets,
-        spec.weight,
-        spec.bias,
-        chunk_size=chunk_size,
-        scale=spec.scale,
-        softcap=spec.softcap,
-        with_log_sum_sq=wpo,
-    )
+    with record_function("prefpack.head"):  # the head's forward, for profiles (benchmarks/bench_masked_spans.py)
+        logp = completion_logprobs(h, scored_targets, spec.weight, spec.bias, chunk_size=chunk_size, scale=spec.scale,
+                                   softcap=spec.softcap, with_log_sum_sq=wpo)
     if wpo:
         logp, log_sum_sq = logp
     logp_sum = segment_sum(logp, index, batch.num_sequences)
