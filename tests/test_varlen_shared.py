@@ -10,6 +10,7 @@ unshared layout run through transformers' sdpa (its own block mask, none of this
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,6 +105,37 @@ def test_shared_rows_on_varlen_equal_unshared_sdpa(kind, kernel):
     got = _outputs(make_model(kind, False, "varlen"), shared, pair_tails=True, wpo=True)
     assert kernel.calls and any(c["k"].shape[0] > c["cu"][-1] for c in kernel.calls)  # keys were gathered
     _assert_same(got, _outputs(make_model(kind, False, "sdpa"), plain, pair_tails=True, wpo=True))
+
+
+def _masked(pairs, seed):
+    """The pairs with some completion tokens unscored (issue 23's spans), a first and a last token among them."""
+    from prefpack.data.spans import ScoredTokens
+    from prefpack.data.store import Pair
+
+    rng = np.random.default_rng(seed)
+
+    def mask(c):
+        scored = rng.random(len(c)) > 0.35
+        scored[rng.integers(len(c))] = True  # at least one scored token
+        return ScoredTokens(c, scored)
+
+    return [Pair(p.prompt, mask(p.chosen), mask(p.rejected)) for p in pairs]
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "unshared"])
+def test_rows_with_unscored_spans_on_varlen_equal_sdpa(share, kernel):
+    """Unscored completion tokens on the varlen path (flattened rows, prompts once or not): per-sequence sums over
+    the scored tokens, their counts, LD-DPO tails, WPO means and gradients equal sdpa's unshared layout in float64.
+    On CPU the fake kernel stands in for CUDA's; the GPU run of this path is still to be done."""
+    pairs = _masked(random_pairs(7, seed=8), seed=1)
+    rows = [[0, 1, 2], [3], [4, 5, 6]]
+    batch = collate_packed(pairs, rows, pad_to_multiple_of=16, share_prompts=share)
+    plain = collate_packed(pairs, rows, pad_to_multiple_of=16)
+    scored = [int(np.asarray(c.scored).sum()) for p in pairs for c in (p.chosen, p.rejected)]
+    assert plain.completion_tokens.tolist() == scored and sum(scored) < sum(len(c) for p in pairs for c in p[1:])
+    got = _outputs(make_model("llama", False, "varlen"), batch, pair_tails=True, wpo=True)
+    assert kernel.calls
+    _assert_same(got, _outputs(make_model("llama", False, "sdpa"), plain, pair_tails=True, wpo=True))
 
 
 def test_a_four_completion_group_and_unflattened_rows_on_varlen(kernel):
