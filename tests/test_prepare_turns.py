@@ -28,7 +28,9 @@ LLAMA3 = (
     "{%- for c in m.tool_calls or [] %}{{- (c.function | tojson) }}{%- endfor %}{{- '<|eot_id|>' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
-QWEN = Path("/work/shared/tokenizers/qwen2.5")
+_REPO = Path(__file__).resolve().parent.parent
+QWEN = next((p for p in (_REPO / "shared" / "tokenizers" / "qwen2.5", _REPO.parent / "shared" / "tokenizers" / "qwen2.5")
+             if p.is_dir()), _REPO.parent / "shared" / "tokenizers" / "qwen2.5")  # beside the repository, if anywhere
 
 CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
 PROMPT = [{"role": "user", "content": "What is the weather in Paris?"}]
