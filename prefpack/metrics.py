@@ -50,8 +50,9 @@ def _metrics_path(path: str | os.PathLike) -> Path:
     return p / METRICS_FILE if p.is_dir() else p
 
 
-def _parse_lines(text: str, path: Path) -> list[dict]:
-    """Parse JSONL; a torn final line (crash mid-write) is dropped, a bad line elsewhere is an error."""
+def _parse_lines(text: str, path: Path, bad: list[int] | None = None) -> list[dict]:
+    """Parse JSONL; a torn final line (crash mid-write) is dropped, a bad line elsewhere is an error (or, when `bad`
+    is a list, skipped and its 1-based number appended there)."""
     lines = text.split("\n")
     records = []
     for i, line in enumerate(lines):
@@ -62,14 +63,18 @@ def _parse_lines(text: str, path: Path) -> list[dict]:
         except json.JSONDecodeError as exc:
             if i == len(lines) - 1:  # no newline after it: the write was interrupted
                 break
+            if bad is not None:
+                bad.append(i + 1)
+                continue
             raise ValueError(f"{path}:{i + 1}: not a JSON line ({exc.msg})") from None
     return records
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """All records of a ``metrics.jsonl`` file (or of the one in a run folder), in file order."""
+def read_metrics(path: str | os.PathLike, *, bad: list[int] | None = None) -> list[dict]:
+    """All records of a ``metrics.jsonl`` file (or of the one in a run folder), in file order; with `bad` (a list),
+    lines that are not JSON are skipped and their numbers appended there instead of raising."""
     p = _metrics_path(path)
-    return _parse_lines(p.read_text(encoding="utf-8"), p)
+    return _parse_lines(p.read_text(encoding="utf-8", errors="replace"), p, bad)
 
 
 class MetricsWriteError(PrefpackError, OSError):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from prefpack.errors import PrefpackError
@@ -29,6 +31,10 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
 class PlotError(PrefpackError, ValueError):
     """Nothing to plot, or matplotlib is missing; the message says what to do."""
 
@@ -44,13 +50,21 @@ def _series(records: list[dict], split: str, key: str) -> tuple[list[int], list[
     return steps, [by_step[s] for s in steps]
 
 
-def plot_run(run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None) -> Path:
-    """Draw the run's curves (train as lines, eval as markers) to ``out`` (default ``run_dir/curves.png``)."""
+def plot_run(run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None,
+             log: Callable[[str], None] | None = None) -> Path:
+    """Draw the run's curves (train as lines, eval as markers) to ``out`` (default ``run_dir/curves.png``).
+
+    A line of metrics.jsonl that is not JSON (a damaged file) is skipped, and ``log`` (stderr by default) names it."""
     run_dir = Path(run_dir)
     path = run_dir / METRICS_FILE
     if not path.is_file():
         raise PlotError(f"no {METRICS_FILE} in {run_dir}; is this a prefpack run folder?")
-    records = [r for r in read_metrics(path) if isinstance(r, dict) and "step" in r]
+    bad: list[int] = []
+    records = [r for r in read_metrics(path, bad=bad) if isinstance(r, dict) and "step" in r]
+    if bad:
+        shown = ", ".join(map(str, bad[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+        (log or _stderr)(f"warning: skipped {len(bad)} line(s) of {path} that are not JSON (line {shown}); "
+                         "the plot leaves those records out")
     if not records:
         raise PlotError(f"{path} has no records yet; nothing to plot")
 
