@@ -13,6 +13,7 @@ import gzip
 import hashlib
 import json
 import os
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,14 +151,41 @@ def _open_text(path: str):
     return gzip.open(path, "rb") if path.lower().endswith(".gz") else open(path, "rb")
 
 
+def _damaged(path: str, exc: Exception, line: int) -> SourceError:
+    """A compressed file that ends early (a partial download or copy) is a damaged file, not a bad row."""
+    where = f"after line {line} (the rows before it were read)" if line else "before its first line"
+    return SourceError(f"{path}: the compressed file is damaged or truncated {where}: {type(exc).__name__}: {exc}. "
+                       "Download or copy it again (`gzip -t` checks it); --skip-invalid does not skip a damaged file")
+
+
 def _iter_json(path: str) -> Iterator[RawRow]:
-    with _open_text(path) as fh:
-        head = fh.read(4096).lstrip()
+    try:
+        with _open_text(path) as fh:
+            head = fh.read(4096).lstrip()
+    except (EOFError, OSError, zlib.error) as exc:
+        if not path.lower().endswith(".gz"):
+            raise
+        raise _damaged(path, exc, _lines_before_damage(path)) from None
     if head.startswith(b"\xef\xbb\xbf"):
         head = head[3:].lstrip()
-    if head.startswith(b"["):
-        yield from _iter_json_array(path)
-        return
+    try:
+        yield from _iter_json_array(path) if head.startswith(b"[") else _json_lines(path)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        raise _damaged(path, exc, _lines_before_damage(path)) from None
+
+
+def _lines_before_damage(path: str) -> int:
+    n = 0
+    try:
+        with _open_text(path) as fh:
+            for _ in fh:
+                n += 1
+    except (EOFError, OSError, zlib.error):
+        pass
+    return n
+
+
+def _json_lines(path: str) -> Iterator[RawRow]:
     row_no = 0
     with _open_text(path) as fh:
         for line_no, line in enumerate(fh, start=1):
