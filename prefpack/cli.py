@@ -4,6 +4,7 @@ dispatches, and prints user errors without a traceback."""
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 
 from prefpack.errors import PrefpackError
@@ -14,6 +15,17 @@ EXIT_USER_ERROR = 2
 # What the CLI prints as a message (no traceback): prefpack's own user errors, and quickstart refusing to write
 # into a folder it did not make (a builtin FileExistsError).
 USER_ERRORS: tuple[type[BaseException], ...] = (PrefpackError, FileExistsError)
+
+
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _os_error_message(exc: OSError) -> str:
+    where = exc.filename if exc.filename is not None else "a file"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk is full writing {where} ({exc.strerror}); free space there, or write to another disk"
+    return (f"cannot write {where} ({exc.strerror}); choose an output (--output, run.output_dir=...) in a folder you "
+            "can write, or fix that folder's permissions")
 
 
 def _commands() -> dict:
@@ -63,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         return _commands()[args.command][1](args, ["prefpack", *argv])
     except USER_ERRORS as exc:
         print(f"prefpack {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except OSError as exc:  # a folder the user cannot write, a full disk: the path and the fix, not a traceback
+        if exc.errno not in _WRITE_ERRNOS:
+            raise
+        print(f"prefpack {args.command}: error: {_os_error_message(exc)}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print(f"prefpack {args.command}: interrupted", file=sys.stderr)

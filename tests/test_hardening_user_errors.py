@@ -3,12 +3,18 @@ and one huge row kept from raising prepare's memory."""
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
+import os
+from pathlib import Path
 
+import numpy as np
 import pytest
+from conftest import write_jsonl
 
 from prefpack.cli import main as cli_main
+from prefpack.data.prepare import PrepareOptions, prepare
 
 
 def test_plot_skips_a_broken_line_in_the_middle_and_names_it(tmp_path, capsys):
@@ -42,3 +48,97 @@ def test_truncated_gzip_input_is_named_with_the_line_reached(tmp_path, toy_token
     err = capsys.readouterr().err
     assert str(src) in err and "damaged or truncated after line" in err and "Traceback" not in err
     assert not out.exists()
+
+
+def _no_leftovers(parent: Path) -> list[str]:
+    return sorted(n for n in os.listdir(parent) if n.startswith(".store."))
+
+
+def test_prepare_onto_a_full_disk_says_so_and_leaves_no_partial_store(tmp_path, toy_tokenizers, capsys, monkeypatch):
+    from prefpack.data import store as store_mod
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.tmp / "tokens.bin"))
+
+    monkeypatch.setattr(store_mod.StoreWriter, "append", full)
+    src = write_jsonl(tmp_path / "in.jsonl", _pairs(20))
+    out = tmp_path / "store"
+    assert cli_main(_prepare(src, "--tokenizer", toy_tokenizers["neox"], "--output", out)) == 2
+    err = capsys.readouterr().err
+    assert "disk is full" in err and "tokens.bin" in err and "Traceback" not in err
+    assert not out.exists() and _no_leftovers(tmp_path) == []
+
+
+def test_prepare_into_an_unwritable_folder_names_it_and_the_fix(tmp_path, toy_tokenizers, capsys, monkeypatch):
+    parent = tmp_path / "locked"
+    parent.mkdir()
+    src = write_jsonl(tmp_path / "in.jsonl", _pairs(5))
+    if os.geteuid() == 0:  # root writes through chmod: stand in for the refusal
+        from prefpack.data import store as store_mod
+
+        def denied(path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+        monkeypatch.setattr(store_mod, "write_owner", denied)
+    else:
+        parent.chmod(0o555)
+    try:
+        assert cli_main(_prepare(src, "--tokenizer", toy_tokenizers["neox"], "--output", parent / "store")) == 2
+    finally:
+        parent.chmod(0o755)
+    err = capsys.readouterr().err
+    assert "cannot write" in err and str(parent) in err and "--output in a folder you can write" in err
+    assert os.listdir(parent) == []
+
+
+def test_precompute_ref_on_a_read_only_store_is_refused_by_name(tmp_path, toy_tokenizers, monkeypatch):
+    from safetensors import SafetensorError
+
+    from prefpack.data.store import Store
+    from prefpack.reference import (
+        KeyedLogps,
+        KeySpace,
+        SidecarWriteError,
+        check_sidecar_writable,
+        write_keyed_sidecar,
+    )
+
+    src = write_jsonl(tmp_path / "in.jsonl", _pairs(4))
+    prepare(PrepareOptions(inputs=[str(src)], tokenizer=str(toy_tokenizers["neox"]), output=str(tmp_path / "s"),
+                           workers=1), log=lambda m: None)
+    store = Store(tmp_path / "s")
+    space = KeySpace("pairs", 2 * len(store))
+
+    def refuse(*a, **k):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 30, kind: ReadOnlyFilesystem })")
+
+    monkeypatch.setattr("safetensors.numpy.save_file", refuse)
+    with pytest.raises(SidecarWriteError, match="cp -r") as info:
+        write_keyed_sidecar(store, space, KeyedLogps(np.zeros(space.size)), reference_hash="w", reference_name="r")
+    assert str(store.path) in str(info.value)
+    monkeypatch.setattr("os.access", lambda *a, **k: False)
+    with pytest.raises(SidecarWriteError, match="no write permission"):
+        check_sidecar_writable(store)
+
+
+def test_train_into_an_unwritable_folder_is_a_message(tmp_path, capsys, monkeypatch):
+    """Any permission or full-disk error that reaches the CLI is told by path, without a traceback."""
+    from prefpack import cli
+
+    def denied(args, argv):
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "locked" / "run"))
+
+    monkeypatch.setattr(cli, "_commands", lambda: {"plot": (lambda sub: None, denied)})
+    monkeypatch.setattr(cli, "build_parser", lambda: _plot_parser())
+    assert cli.main(["plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write" in err and str(tmp_path / "locked" / "run") in err and "run.output_dir" in err
+
+
+def _plot_parser():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("plot").add_argument("run_dir")
+    return parser

@@ -8,6 +8,7 @@ parallel part is ``chunks``; this module holds the options, the layout choice, t
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -117,7 +118,35 @@ class PrepareReport:
         return "\n".join(lines)
 
 
+class PrepareWriteError(PrefpackError, OSError):
+    """The store could not be written: a folder without write permission, or a full disk."""
+
+
 def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> PrepareReport:
+    """Write the store of `opts`; a permission or full-disk failure becomes a `PrepareWriteError` naming the path
+    and the fix, with no partial store left."""
+    try:
+        return _prepare(opts, log)
+    except OSError as exc:
+        if isinstance(exc, PrefpackError) or exc.errno not in WRITE_ERRNOS:
+            raise
+        raise PrepareWriteError(write_error_message(exc, opts.output)) from None
+
+
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def write_error_message(exc: OSError, output: str) -> str:
+    where = exc.filename or output
+    parent = os.path.dirname(os.path.abspath(output))
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"the disk is full (errno {exc.errno}: {exc.strerror}) while writing {where}; nothing was kept "
+                f"(the partial store was removed). Free space on that disk, or choose an --output on another one")
+    return (f"cannot write {where} ({exc.strerror}): prepare writes a temporary folder in {parent} and renames it "
+            f"to {output}. Choose an --output in a folder you can write, or fix that folder's permissions")
+
+
+def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     t0 = time.perf_counter()
     if opts.max_length is not None and opts.max_length < 2:
         raise PrepareError("--max-length must be at least 2 (one prompt token and one completion token)")

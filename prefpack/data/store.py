@@ -61,11 +61,15 @@ class StoreWriter:
         self.tmp = self.path.parent / f".{self.path.name}.tmp-{os.getpid()}"
         if self.tmp.exists():
             shutil.rmtree(self.tmp)
-        self.tmp.mkdir(parents=True)
-        write_owner(self.tmp)
-        self._tokens = open(self.tmp / "tokens.bin", "wb")
-        self._index = open(self.tmp / "index.bin", "wb")
-        self._spans = open(self.tmp / SPANS_FILE, "wb")
+        try:  # a folder that cannot be written, or a full disk: leave no temporary folder behind
+            self.tmp.mkdir(parents=True)
+            write_owner(self.tmp)
+            self._tokens = open(self.tmp / "tokens.bin", "wb")
+            self._index = open(self.tmp / "index.bin", "wb")
+            self._spans = open(self.tmp / SPANS_FILE, "wb")
+        except OSError:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
         self._tok_hash = hashlib.sha256()
         self._idx_hash = hashlib.sha256()
         self._span_hash = hashlib.sha256()

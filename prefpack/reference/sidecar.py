@@ -100,9 +100,33 @@ def write_keyed_sidecar(store: Store, space: KeySpace, table: KeyedLogps, *, ref
     tensors = {"logps": table.logps} if table.tails is None else {"logps": table.logps, "tails": table.tails}
     path = sidecar_path(store, space)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({k: np.ascontiguousarray(v, dtype=np.float64) for k, v in tensors.items()}, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    try:
+        save_file({k: np.ascontiguousarray(v, dtype=np.float64) for k, v in tensors.items()}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    except Exception as exc:  # safetensors' SafetensorError (an I/O error inside), PermissionError, a full disk
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise SidecarWriteError(_unwritable(store, path, f"{type(exc).__name__}: {exc}")) from None
     return path
+
+
+class SidecarWriteError(PrefpackError, OSError):
+    """A store folder where the sidecar cannot be written (read-only, no permission, a full disk)."""
+
+
+def _unwritable(store: Store, path: Path, why: str) -> str:
+    return (f"cannot write the reference sidecar {path} ({why}): precompute-ref writes it inside the store folder "
+            f"{store.path}, which is read-only, not yours to write, or on a full disk. Copy the store to a folder you "
+            f"can write (`cp -r {store.path} NEW_STORE`) and run precompute-ref with --data NEW_STORE, or make the "
+            "folder writable")
+
+
+def check_sidecar_writable(store: Store) -> None:
+    """Refuse at once, before any model is loaded, a store folder that the sidecar could not be written into."""
+    if not os.access(store.path, os.W_OK):
+        raise SidecarWriteError(_unwritable(store, Path(store.path) / "ref_logps*.safetensors", "no write permission"))
 
 
 def read_keyed_sidecar(store: Store, space: KeySpace, *, reference_hash: str | None,

@@ -14,7 +14,13 @@ from torch import nn
 from prefpack.batching.deal import deal_step
 from prefpack.distributed import SINGLE, Dist
 from prefpack.objectives import Objective, Term, make_objectives, open_store, settings_from_config
-from prefpack.reference import CopyReference, KeyedLogps, NoReference, write_keyed_sidecar
+from prefpack.reference import (
+    CopyReference,
+    KeyedLogps,
+    NoReference,
+    check_sidecar_writable,
+    write_keyed_sidecar,
+)
 
 __all__ = ["PrecomputeOptions", "precompute_reference", "record_reference", "scoring_objective"]
 
@@ -124,6 +130,8 @@ def precompute_reference(opts: PrecomputeOptions, *, ctx: Dist = SINGLE, log=pri
 
     kto = opts.kto or Store(opts.data).kind == "unpaired"
     store = open_store(opts.data, "reference", unpaired=kto, paired_as_kto=opts.kto)
+    if ctx.is_main:
+        check_sidecar_writable(store)  # at once, not after the whole store is scored
     resolve_tokenizer(opts.model, store.meta, store.tokenizer_path(), allow_mismatch=opts.allow_tokenizer_mismatch)
     device = ctx.device if opts.device == "auto" else pick_device(opts.device)
     model = load_scoring_model(opts.model, opts.dtype, device)
