@@ -142,3 +142,15 @@ def _plot_parser():
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("plot").add_argument("run_dir")
     return parser
+
+
+def test_a_pair_made_identical_by_max_length_is_counted_and_dropped(tmp_path, toy_tokenizers):
+    same = " The answer is four, because two and two make four"
+    rows = [{"prompt": "What is two plus two?", "chosen": same + " exactly.", "rejected": same + " I guess."},
+            {"prompt": "Name a colour.", "chosen": " Blue", "rejected": " Seven"}]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    report = prepare(PrepareOptions(inputs=[str(src)], tokenizer=str(toy_tokenizers["neox"]),
+                                    output=str(tmp_path / "s"), workers=1, max_length=12), log=lambda m: None)
+    assert report.examples == 1
+    assert report.dropped == {"identical_after_truncation": 1}
+    assert "identical_after_truncation=1" in report.summary()

@@ -205,6 +205,8 @@ class ExampleTokenizer:
             finished.append(c)
             scored.append(m)
         prompt, finished, truncated = self._truncate(prompt, finished)
+        if len(finished) == 2 and "completion" in truncated and finished[0] == finished[1]:
+            raise Dropped("identical_after_truncation")  # both cut to the same tokens: a pair with zero gradient
         scored = [m if m is None else m[: len(c)] for m, c in zip(scored, finished)]
         if any(m is not None and not any(m) for m in scored):
             raise InvalidRow("no_scored_tokens", None, "--max-length cut every scored token of a completion; "
