@@ -9,8 +9,10 @@ Version 1 hashed the backend's whole serialisation and is kept to check stores w
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,7 @@ def load_tokenizer(name_or_path: str | Path, *, trust_remote_code: bool = False)
     """Load a *fast* tokenizer from a local folder or a hub id, with a clear error when that fails."""
     from transformers import AutoTokenizer
 
+    check_tokenizer_source(str(name_or_path))
     try:
         tok = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises many types here (OSError, ValueError, HF errors)
@@ -43,6 +46,54 @@ def load_tokenizer(name_or_path: str | Path, *, trust_remote_code: bool = False)
             "Set eos_token in its tokenizer_config.json."
         )
     return tok
+
+
+def check_tokenizer_source(name: str) -> None:
+    """Answer at once for a tokenizer that is neither here nor reachable: transformers would retry a missing folder
+    as a hub id, for ~50 s when the hub cannot be reached (a typo such as ``quickstrat/init-model``, offline)."""
+    if os.path.exists(name):
+        return
+    parent = os.path.dirname(name.rstrip("/\\"))
+    looks_local = (os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or "\\" in name
+                   or bool(parent and os.path.isdir(parent)))
+    if looks_local:
+        raise TokenizerError(f"tokenizer folder {name!r} does not exist; give a folder holding tokenizer.json (or "
+                             "a hub id)")
+    if not _hub_cached(name) and not hub_reachable():
+        raise TokenizerError(f"tokenizer {name!r} is not a folder here, and the model hub cannot be reached to "
+                             "download it as a hub id (offline, or HF_HUB_OFFLINE is set): check the spelling, or "
+                             "give a local folder holding tokenizer.json")
+
+
+def _hub_cached(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return any(isinstance(try_to_load_from_cache(repo_id, f), str)
+                   for f in ("tokenizer.json", "tokenizer_config.json"))
+    except Exception:  # not a valid repo id, or an older huggingface_hub
+        return False
+
+
+@functools.cache
+def hub_reachable() -> bool:
+    """One TCP connection to the hub's endpoint, 3 s at most (HF_HUB_OFFLINE means unreachable)."""
+    import socket
+    from urllib.parse import urlparse
+
+    try:
+        from huggingface_hub import constants
+
+        if constants.HF_HUB_OFFLINE:
+            return False
+        url = urlparse(constants.ENDPOINT)
+    except Exception:
+        url = urlparse("https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=3).close()
+        return True
+    except OSError:
+        return False
 
 
 HASH_VERSION = 2  # recorded in meta.json as tokenizer.hash_version; absent in stores hashed with version 1

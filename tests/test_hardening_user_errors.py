@@ -154,3 +154,20 @@ def test_a_pair_made_identical_by_max_length_is_counted_and_dropped(tmp_path, to
     assert report.examples == 1
     assert report.dropped == {"identical_after_truncation": 1}
     assert "identical_after_truncation=1" in report.summary()
+
+
+def test_a_mistyped_tokenizer_offline_is_answered_at_once(tmp_path, capsys, monkeypatch):
+    import time
+
+    from prefpack import tokenizer
+
+    monkeypatch.setattr(tokenizer, "hub_reachable", lambda: False)
+    src = write_jsonl(tmp_path / "in.jsonl", _pairs(3))
+    t0 = time.perf_counter()
+    assert cli_main(_prepare(src, "--tokenizer", "quickstrat/init-model", "--output", tmp_path / "s")) == 2
+    assert time.perf_counter() - t0 < 5
+    err = capsys.readouterr().err
+    assert "'quickstrat/init-model'" in err and "cannot be reached" in err
+    (tmp_path / "models").mkdir()
+    assert cli_main(_prepare(src, "--tokenizer", tmp_path / "models" / "init-modle", "--output", tmp_path / "s")) == 2
+    assert "does not exist" in capsys.readouterr().err
