@@ -171,3 +171,32 @@ def test_a_mistyped_tokenizer_offline_is_answered_at_once(tmp_path, capsys, monk
     (tmp_path / "models").mkdir()
     assert cli_main(_prepare(src, "--tokenizer", tmp_path / "models" / "init-modle", "--output", tmp_path / "s")) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_batch_sizes_that_do_nothing_useful_are_warned_with_numbers(tmp_path, toy_tokenizers):
+    from conftest import make_task
+
+    from prefpack.config import load_config
+    from prefpack.data.store import Store
+    from prefpack.objectives import PairTask
+    from prefpack.objectives.select import make_objectives
+    from prefpack.reference import NoReference
+
+    src = write_jsonl(tmp_path / "in.jsonl", _pairs(20))
+    prepare(PrepareOptions(inputs=[str(src)], tokenizer=str(toy_tokenizers["neox"]), output=str(tmp_path / "s"),
+                           workers=1), log=lambda m: None)
+    store = Store(tmp_path / "s")
+    cfg = load_config(None, ["loss.terms=[{name: sigmoid}]", "train.global_batch_pairs=100000",
+                             "train.micro_batch_tokens=3", "reference.mode=none"])
+    task = make_task(PairTask, store, cfg)
+    lines: list[str] = []
+    make_objectives(task.settings, task.terms, store, None, NoReference(), kto=False, log=lines.append)
+    text = "\n".join(lines)
+    assert "train.global_batch_pairs=100000" in text and "gives 20 examples" in text
+    assert "train.micro_batch_tokens=3 is smaller than 20 of the 20 examples" in text
+    cfg = load_config(None, ["loss.terms=[{name: sigmoid}]", "train.global_batch_pairs=4",
+                             "train.micro_batch_tokens=4096"])
+    task = make_task(PairTask, store, cfg)
+    lines.clear()
+    make_objectives(task.settings, task.terms, store, None, NoReference(), kto=False, log=lines.append)
+    assert not [w for w in lines if w.startswith("warning")]

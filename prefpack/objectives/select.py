@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from prefpack.data.store import Store, StoreError
 from prefpack.losses import UNPAIRED_LOSS_NAMES
 from prefpack.objectives.base import Objective
@@ -69,6 +71,8 @@ def make_objectives(settings: RunSettings, terms: Sequence, train_store: Store, 
             note = o.run_note() if isinstance(o, PromptGroupTask) else None
             if note:
                 log(f"note: {note}")
+    for warning in batch_warnings(objectives[0]):
+        log(f"warning: {warning}")
     if isinstance(reference, PrecomputedReference):  # each store's sidecar, read by the objective's keys
         ld = not kto and settings.loss.ld_alpha is not None
         for o in objectives:
@@ -81,3 +85,23 @@ def make_objectives(settings: RunSettings, terms: Sequence, train_store: Store, 
                     "adapter) with LD-DPO on a ranked store")
             reference.load(o.store, space, need_tails=ld)
     return objectives[0], objectives[1] if eval_store is not None else None
+
+
+def batch_warnings(task: Objective) -> list[str]:
+    """What the batch sizes would do silently on this training store, with the numbers: a step larger than the
+    store (each step takes all of it), and a micro-batch budget smaller than examples (each such one is a
+    micro-batch of its own, over the budget)."""
+    out, n, s = [], len(task), task.settings
+    path = str(task.store.path)
+    if s.global_batch > n:
+        out.append(f"train.global_batch_pairs={s.global_batch} is larger than the training store {path!r}, which "
+                   f"gives {n} examples: every step takes the whole store ({n} per step, one step per epoch). "
+                   f"Lower train.global_batch_pairs to at most {n}")
+    cost = np.asarray(task.example_tokens(np.arange(n)))
+    over = int((cost > s.micro_batch_tokens).sum())
+    if over:
+        out.append(f"train.micro_batch_tokens={s.micro_batch_tokens} is smaller than {over} of the {n} examples of "
+                   f"{path!r} (they take {int(cost.min())} to {int(cost.max())} tokens): each of those is a "
+                   f"micro-batch of its own, over the budget. Raise it to at least {int(cost.max())}, or leave it "
+                   "auto")
+    return out
