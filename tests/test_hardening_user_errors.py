@@ -200,3 +200,50 @@ def test_batch_sizes_that_do_nothing_useful_are_warned_with_numbers(tmp_path, to
     lines.clear()
     make_objectives(task.settings, task.terms, store, None, NoReference(), kto=False, log=lines.append)
     assert not [w for w in lines if w.startswith("warning")]
+
+
+class _Spy:
+    """A tokenizer whose backend records the longest text it was asked to encode."""
+
+    def __init__(self, tok):
+        self._tok, self.longest = tok, 0
+        outer = self
+
+        class Backend:
+            def __getattr__(self, name):
+                real = getattr(tok.backend_tokenizer, name)
+                if not name.startswith("encode"):
+                    return real
+
+                def encode(texts, *a, **k):
+                    lengths = [len(texts)] if isinstance(texts, str) else [len(t) for t in texts]
+                    outer.longest = max([outer.longest, *lengths])
+                    return real(texts, *a, **k)
+                return encode
+
+        self.backend_tokenizer = Backend()
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def test_one_huge_row_is_cut_before_tokenising_and_keeps_the_same_tokens(toy_tokenizers, monkeypatch):
+    from prefpack.data import tokenize
+    from prefpack.data.formats import Example
+    from prefpack.tokenizer import load_tokenizer, special_tokens
+
+    tok = load_tokenizer(toy_tokenizers["neox"])
+    words = "the answer is four because two and two make four ".split()
+    huge = " ".join(words[i % len(words)] for i in range(100_000))  # about 500,000 characters
+    examples = [Example(prompt=huge, completions=(huge, " no."), chat=False, completion_fields=("chosen", "rejected")),
+                Example(prompt="Short?", completions=(" Yes" + huge, " No"), chat=False,
+                    completion_fields=("chosen", "rejected"))]
+    cfg = tokenize.TokenizeConfig(max_length=256)
+    spy = _Spy(tok)
+    got = tokenize.ExampleTokenizer(spy, special_tokens(tok), cfg)(examples)
+    assert spy.longest <= tokenize.CUT_CHARS_PER_TOKEN * 256 + 1024  # never the whole 500 kB text
+    monkeypatch.setattr(tokenize, "CUT_CHARS_PER_TOKEN", 10**9)  # the whole text tokenised, as before
+    want = tokenize.ExampleTokenizer(tok, special_tokens(tok), cfg)(examples)
+    for g, w in zip(got, want):
+        assert (g.prompt, g.completions, g.truncated) == (w.prompt, w.completions, w.truncated)
+        assert len(g.prompt) + max(map(len, g.completions)) <= 256

@@ -20,6 +20,9 @@ from prefpack.data.turns import Ranges, token_mask, unscored_chat_ranges
 from prefpack.tokenizer import SpecialTokens
 
 TRUNCATION_POLICIES = ("prompt-left", "drop")
+# With --max-length L, a text longer than this many characters per token of L (plus 1,024) is cut before it is
+# tokenised (see ExampleTokenizer._encode_bounded): a token rarely spans 16 characters, and the cut is checked.
+CUT_CHARS_PER_TOKEN = 16
 
 
 @dataclass(frozen=True)
@@ -167,7 +170,8 @@ class ExampleTokenizer:
         # The backend's batch encoder skips transformers' per-text dict building (half the time here); it keeps
         # no offsets, so the few texts with unscored ranges are encoded again with them.
         backend = self.tok.backend_tokenizer
-        ids = [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+        prompts = {r[0] for r in rendered if not isinstance(r, InvalidRow)}
+        ids = self._encode_bounded(texts, prompts, set(masked))
         keys = sorted(masked)
         masks = {k: token_mask(e.offsets, masked[k]) for k, e in
                  zip(keys, backend.encode_batch([texts[k] for k in keys], add_special_tokens=False))}
@@ -183,6 +187,31 @@ class ExampleTokenizer:
             except (InvalidRow, Dropped) as err:
                 out.append(err)
         return out
+
+    def _encode_bounded(self, texts: list[str], prompts: set[int], masked: set[int]) -> list[list[int]]:
+        """Token ids of every text; with --max-length, a text far longer than it is cut before tokenising (a
+        prompt keeps its end, a completion its start: what truncation keeps), so one huge row does not cost
+        gigabytes. The cut is checked: the kept tokens must be the same at two cut points (else the whole text is
+        tokenised), and enough tokens must remain that truncation still applies."""
+        backend, limit = self.tok.backend_tokenizer, self.cfg.max_length
+        chars = None if limit is None else CUT_CHARS_PER_TOKEN * limit + 1024
+        long = [k for k, t in enumerate(texts) if chars is not None and len(t) > chars and k not in masked]
+        if not long:
+            return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+
+        def cut(k: int, n: int) -> str:
+            return texts[k][-n:] if k in prompts else texts[k][:n]
+
+        bounded = list(texts)
+        for k in long:
+            bounded[k] = cut(k, chars)
+        ids = [e.ids for e in backend.encode_batch_fast(bounded, add_special_tokens=False)]
+        halves = backend.encode_batch_fast([cut(k, chars // 2) for k in long], add_special_tokens=False)
+        for k, half in zip(long, halves):
+            kept = (lambda x: x[-limit:]) if k in prompts else (lambda x: x[:limit])
+            if min(len(ids[k]), len(half.ids)) <= limit or kept(ids[k]) != kept(half.ids):
+                ids[k] = backend.encode(texts[k], add_special_tokens=False).ids  # the cut is not safe here
+        return ids
 
     def _finish(self, ex: Example, prompt: list[int], comps: list[list[int]],
                 masks: list[list[bool] | None]) -> TokenizedExample:
