@@ -53,9 +53,7 @@ def check_tokenizer_source(name: str) -> None:
     as a hub id, for ~50 s when the hub cannot be reached (a typo such as ``quickstrat/init-model``, offline)."""
     if os.path.exists(name):
         return
-    parent = os.path.dirname(name.rstrip("/\\"))
-    looks_local = (os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or "\\" in name
-                   or bool(parent and os.path.isdir(parent)))
+    looks_local = os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or "\\" in name
     if looks_local:
         raise TokenizerError(f"tokenizer folder {name!r} does not exist; give a folder holding tokenizer.json (or "
                              "a hub id)")
