@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 import gc
 import hashlib
 import os
@@ -18,6 +17,7 @@ from prefpack.errors import PrefpackError
 from prefpack.model.attention.kernels import kernel_named, pick_attention
 from prefpack.precision import Precision, set_compute_dtype
 from prefpack.tokenizer import TokenizerError, load_tokenizer, tokenizer_hash, tokenizer_matches
+from prefpack.tokenizer import hub_reachable as _hub_reachable  # one TCP try, cached (tests replace it here)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -136,27 +136,6 @@ def _hub_cached(repo_id: str) -> bool:
 
         return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
     except Exception:  # not a valid repo id, or an older huggingface_hub
-        return False
-
-
-@functools.cache
-def _hub_reachable() -> bool:
-    """One TCP connection to the hub's endpoint, 3 s at most (HF_HUB_OFFLINE means unreachable)."""
-    import socket
-    from urllib.parse import urlparse
-
-    try:
-        from huggingface_hub import constants
-
-        if constants.HF_HUB_OFFLINE:
-            return False
-        url = urlparse(constants.ENDPOINT)
-    except Exception:
-        url = urlparse("https://huggingface.co")
-    try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=3).close()
-        return True
-    except OSError:
         return False
 
 
