@@ -247,3 +247,4 @@ def test_one_huge_row_is_cut_before_tokenising_and_keeps_the_same_tokens(toy_tok
     for g, w in zip(got, want):
         assert (g.prompt, g.completions, g.truncated) == (w.prompt, w.completions, w.truncated)
         assert len(g.prompt) + max(map(len, g.completions)) <= 256
+    assert [g.cut for g in got] == [2, 1]

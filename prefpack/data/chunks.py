@@ -97,6 +97,8 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
         if ex.chat:
             chat["examples"] += 1
             chat["with_tools"] += bool(ex.tools if ex.tools is not None else tokenize.cfg.tools)
+        if res.cut:  # texts far over --max-length, cut before tokenising (counted apart; not an index flag)
+            truncated["cut_before_tokenising"] += res.cut
         flags = 0
         for what in res.truncated:
             truncated[what] += 1

@@ -42,6 +42,7 @@ class TokenizedExample:
     label: int | None
     truncated: tuple[str, ...] = ()  # "prompt" and/or "completion" when --max-length cut something
     scored: tuple[list[bool] | None, ...] = ()  # per completion: True per scored token, None when all are
+    cut: int = 0  # texts of it cut before tokenising (far longer than --max-length; the kept tokens unchanged)
 
 
 class Dropped(Exception):
@@ -171,7 +172,7 @@ class ExampleTokenizer:
         # no offsets, so the few texts with unscored ranges are encoded again with them.
         backend = self.tok.backend_tokenizer
         prompts = {r[0] for r in rendered if not isinstance(r, InvalidRow)}
-        ids = self._encode_bounded(texts, prompts, set(masked))
+        ids, cut = self._encode_bounded(texts, prompts, set(masked))
         keys = sorted(masked)
         masks = {k: token_mask(e.offsets, masked[k]) for k, e in
                  zip(keys, backend.encode_batch([texts[k] for k in keys], add_special_tokens=False))}
@@ -184,11 +185,12 @@ class ExampleTokenizer:
             try:
                 out.append(self._finish(ex, ids[start], ids[start + 1 : start + 1 + n],
                                         [masks.get(k) for k in range(start + 1, start + 1 + n)]))
+                out[-1].cut = len(cut & set(range(start, start + 1 + n)))
             except (InvalidRow, Dropped) as err:
                 out.append(err)
         return out
 
-    def _encode_bounded(self, texts: list[str], prompts: set[int], masked: set[int]) -> list[list[int]]:
+    def _encode_bounded(self, texts: list[str], prompts: set[int], masked: set[int]) -> tuple[list[list[int]], set]:
         """Token ids of every text; with --max-length, a text far longer than it is cut before tokenising (a
         prompt keeps its end, a completion its start: what truncation keeps), so one huge row does not cost
         gigabytes. The cut is checked: the kept tokens must be the same at two cut points (else the whole text is
@@ -197,7 +199,7 @@ class ExampleTokenizer:
         chars = None if limit is None else CUT_CHARS_PER_TOKEN * limit + 1024
         long = [k for k, t in enumerate(texts) if chars is not None and len(t) > chars and k not in masked]
         if not long:
-            return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+            return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)], set()
 
         def cut(k: int, n: int) -> str:
             return texts[k][-n:] if k in prompts else texts[k][:n]
@@ -207,11 +209,13 @@ class ExampleTokenizer:
             bounded[k] = cut(k, chars)
         ids = [e.ids for e in backend.encode_batch_fast(bounded, add_special_tokens=False)]
         halves = backend.encode_batch_fast([cut(k, chars // 2) for k in long], add_special_tokens=False)
+        done = set(long)
         for k, half in zip(long, halves):
             kept = (lambda x: x[-limit:]) if k in prompts else (lambda x: x[:limit])
             if min(len(ids[k]), len(half.ids)) <= limit or kept(ids[k]) != kept(half.ids):
                 ids[k] = backend.encode(texts[k], add_special_tokens=False).ids  # the cut is not safe here
-        return ids
+                done.discard(k)
+        return ids, done
 
     def _finish(self, ex: Example, prompt: list[int], comps: list[list[int]],
                 masks: list[list[bool] | None]) -> TokenizedExample:
