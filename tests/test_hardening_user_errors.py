@@ -91,7 +91,7 @@ def test_prepare_into_an_unwritable_folder_names_it_and_the_fix(tmp_path, toy_to
     assert os.listdir(parent) == []
 
 
-def test_precompute_ref_on_a_read_only_store_is_refused_by_name(tmp_path, toy_tokenizers, monkeypatch):
+def test_precompute_ref_on_a_read_only_store_is_refused_by_name(tmp_path, toy_tokenizers, monkeypatch, capsys):
     from safetensors import SafetensorError
 
     from prefpack.data.store import Store
@@ -119,6 +119,10 @@ def test_precompute_ref_on_a_read_only_store_is_refused_by_name(tmp_path, toy_to
     monkeypatch.setattr("os.access", lambda *a, **k: False)
     with pytest.raises(SidecarWriteError, match="no write permission"):
         check_sidecar_writable(store)
+    # the CLI refuses before any model is loaded (this model does not exist), by message
+    code = cli_main(["precompute-ref", "--model", str(tmp_path / "no-model"), "--data", str(store.path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot write the reference sidecar" in err and "Traceback" not in err
 
 
 def test_train_into_an_unwritable_folder_is_a_message(tmp_path, capsys, monkeypatch):

@@ -130,8 +130,7 @@ def precompute_reference(opts: PrecomputeOptions, *, ctx: Dist = SINGLE, log=pri
 
     kto = opts.kto or Store(opts.data).kind == "unpaired"
     store = open_store(opts.data, "reference", unpaired=kto, paired_as_kto=opts.kto)
-    if ctx.is_main:
-        check_sidecar_writable(store)  # at once, not after the whole store is scored
+    check_sidecar_writable(store)  # at once, not after the whole store is scored (every rank: none waits on rank 0)
     resolve_tokenizer(opts.model, store.meta, store.tokenizer_path(), allow_mismatch=opts.allow_tokenizer_mismatch)
     device = ctx.device if opts.device == "auto" else pick_device(opts.device)
     model = load_scoring_model(opts.model, opts.dtype, device)
