@@ -1,0 +1,44 @@
+"""The run folder on a shared cluster (issue 24): file modes under the user's umask, the run folder's lock, the
+user's own files kept, resume of the same run only, eval against a store's precomputed reference."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+from conftest import cfg_for, prepare_hh_splits, quiet, tiny_llama
+
+from prefpack.training import train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BASE = ("optim.lr=1.0e-3", "optim.schedule=constant", "train.global_batch_pairs=8", "train.max_steps=2",
+        "run.plot=false", "run.tensorboard=false", "run.save_every=1", "run.keep_checkpoints=3")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, toy_tokenizers, hh_train):
+    root = tmp_path_factory.mktemp("cluster")
+    tok = toy_tokenizers["llama"]
+    stores = prepare_hh_splits(root, tok, hh_train, {"train": 16, "eval": 6})
+    return {"root": root, **stores, "settings": BASE, "policy": tiny_llama(tok, root / "policy", 1)}
+
+
+def _modes(folder) -> dict[str, int]:
+    return {str(p.relative_to(folder)): stat.S_IMODE(p.stat().st_mode) for p in folder.rglob("*") if p.is_file()}
+
+
+# ---------------------------------------------------------------- file modes (item 10)
+
+
+def test_every_file_of_a_run_gets_the_users_umask(world, tmp_path):
+    old = os.umask(0o022)
+    try:
+        run = tmp_path / "run"
+        train(cfg_for(world, run), progress=False, log=quiet)
+    finally:
+        os.umask(old)
+    modes = _modes(run)
+    assert "final/model.safetensors" in modes and "checkpoints/step-00000001/model.safetensors" in modes
+    assert {k: v for k, v in modes.items() if v != 0o644} == {}
