@@ -42,3 +42,27 @@ def test_every_file_of_a_run_gets_the_users_umask(world, tmp_path):
     modes = _modes(run)
     assert "final/model.safetensors" in modes and "checkpoints/step-00000001/model.safetensors" in modes
     assert {k: v for k, v in modes.items() if v != 0o644} == {}
+
+
+# ---------------------------------------------------------------- eval with a store's sidecar (item 13)
+
+
+def test_eval_of_a_trained_model_reads_the_initial_models_sidecar(world, toy_tokenizers, tmp_path, capsys):
+    """`--ref`'s help says the sidecar is the default reference: a trained model is scored against it (the
+    sidecar was computed with the initial model, whose hash differs from the evaluated one's)."""
+    import json
+    import shutil
+
+    from prefpack.cli import main as cli_main
+
+    store = shutil.copytree(world["train"], tmp_path / "store")
+    assert cli_main(["precompute-ref", "--model", str(world["policy"]), "--data", str(store)]) == 0
+    trained = tiny_llama(toy_tokenizers["llama"], tmp_path / "trained", 7)  # other weights than the sidecar's
+    capsys.readouterr()
+    assert cli_main(["eval", "--model", str(trained), "--data", str(store), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["reference"] == "precomputed" and result["pairs"] == 16
+    # the initial model against its own sidecar: zero margin, so the sigmoid loss is log 2
+    assert cli_main(["eval", "--model", str(world["policy"]), "--data", str(store), "--json"]) == 0
+    same = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert abs(same["loss"] - 0.6931471805599453) < 1e-4 and abs(result["loss"] - same["loss"]) > 1e-6

@@ -118,8 +118,11 @@ class Setup:
     settings: RunSettings  # budgets, layout and loss parameters resolved for this device and kernel
 
 
-def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
-    """Load stores, tokenizer, policy and reference as the config says, with every check up front."""
+def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_reference: bool = True) -> Setup:
+    """Load stores, tokenizer, policy and reference as the config says, with every check up front.
+
+    ``check_sidecar_reference=False`` (``prefpack eval``): a precomputed reference is taken as the reference
+    whatever model it was computed with; training checks it was computed with its reference weights."""
     if not cfg.model.name_or_path:
         raise ModelError("model.name_or_path is required (a local model folder or a hub id)")
     if not cfg.data.train:
@@ -167,7 +170,8 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
         load=partial(load_causal_lm, ref_path, precision=precision, attn_implementation=attn, device=device,
                      trust_remote_code=cfg.model.trust_remote_code, packed=cfg.data.packing,
                      compile_layers=compile_layers),
-        weights_hash=partial(_reference_hash, cfg, policy, ref_path, precision, attn), lora=cfg.lora.enabled))
+        weights_hash=partial(_reference_hash, cfg, policy, ref_path, precision, attn) if check_sidecar_reference
+        else _no_hash, lora=cfg.lora.enabled))
     if cfg.lora.enabled:
         policy = _wrap_lora(policy, cfg)
         reference.bind_policy(policy)
@@ -256,6 +260,10 @@ def check_lengths(store: Store, what: str, model: nn.Module, row_budget: int | N
         if n:
             log(f"note: {n} of {len(store)} {unit} in the {what} store are longer than a row "
                 f"(data.max_tokens_per_row={row_budget}); each of them gets a row of its own")
+
+
+def _no_hash() -> None:
+    return None  # a precomputed reference read without checking which weights computed it
 
 
 def _reference_hash(cfg, policy: nn.Module, ref_path: str, precision: Precision, attn) -> str:
