@@ -66,3 +66,51 @@ def test_eval_of_a_trained_model_reads_the_initial_models_sidecar(world, toy_tok
     assert cli_main(["eval", "--model", str(world["policy"]), "--data", str(store), "--json"]) == 0
     same = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert abs(same["loss"] - 0.6931471805599453) < 1e-4 and abs(result["loss"] - same["loss"]) > 1e-6
+
+
+# ---------------------------------------------------------------- the run folder's lock (item 2)
+
+
+def test_a_second_train_on_a_locked_run_folder_is_refused_and_a_dead_holders_lock_taken_over(world, tmp_path,
+                                                                                               capsys):
+    import subprocess
+    import sys
+
+    from conftest import overrides
+
+    from prefpack.cli import main as cli_main
+    from prefpack.training.run_folder import LOCK_FILE
+
+    run = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from prefpack.training.run_folder import RunLock; "
+         f"RunLock({str(run)!r}); print('locked', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert cli_main(["train", *overrides(world, run), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert f"process {holder.pid} on " in err and "is in use" in err and "Traceback" not in err
+        assert not (run / "metrics.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (run / LOCK_FILE).exists()  # killed: its lock file stays, naming a process that is gone
+    assert cli_main(["train", *overrides(world, run), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert f"took over the lock of run folder {str(run)!r} from process {holder.pid}" in err
+    assert (run / "final").is_dir() and not (run / LOCK_FILE).exists()
+
+
+def test_a_lock_held_in_this_process_refuses_train(world, tmp_path):
+    from prefpack.training import RunFolderLocked
+    from prefpack.training.run_folder import RunLock
+
+    run = tmp_path / "run"
+    lock = RunLock(run)
+    try:
+        with pytest.raises(RunFolderLocked, match=f"process {os.getpid()} on .* is training there"):
+            train(cfg_for(world, run), progress=False, log=quiet)
+    finally:
+        lock.release()
+    train(cfg_for(world, run), progress=False, log=quiet)  # released: the folder is free again
