@@ -9,7 +9,7 @@ import stat
 import pytest
 from conftest import cfg_for, prepare_hh_splits, quiet, tiny_llama
 
-from prefpack.training import train
+from prefpack.training import TrainingInterrupted, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -114,3 +114,66 @@ def test_a_lock_held_in_this_process_refuses_train(world, tmp_path):
     finally:
         lock.release()
     train(cfg_for(world, run), progress=False, log=quiet)  # released: the folder is free again
+
+
+# ---------------------------------------------------------------- resume of the same run only (item 5)
+
+
+def _cut(world, run, *extra):
+    """A run stopped after step 1 of 2 (a checkpoint at step 1 unless run.save_every=0)."""
+    with pytest.raises(TrainingInterrupted):
+        train(cfg_for(world, run, *extra), stop_after_steps=1, progress=False, log=quiet)
+
+
+def test_a_store_swapped_at_the_same_path_is_refused_on_resume(world, tmp_path, capsys):
+    import shutil
+
+    from conftest import overrides
+
+    from prefpack.cli import main as cli_main
+    from prefpack.data.store import StoreError
+
+    store, run = shutil.copytree(world["train"], tmp_path / "store"), tmp_path / "run"
+    _cut(world, run, f"data.train={store}")
+    assert (run / "checkpoints" / "step-00000001" / "train_store.json").is_file()
+    shutil.rmtree(store)
+    shutil.copytree(world["eval"], store)  # other data at the same path
+    with pytest.raises(StoreError, match=f"training store {str(store)!r} holds other data than the run was"):
+        train(cfg_for(world, run, f"data.train={store}"), resume=True, progress=False, log=quiet)
+    args = ["train", *overrides(world, run, f"data.train={store}"), "--resume", "--no-progress"]
+    assert cli_main([*args, "--allow-config-change"]) == 2
+    err = capsys.readouterr().err
+    assert "content hash" in err and "--allow-config-change does not apply to the data" in err
+    shutil.rmtree(store)
+    shutil.copytree(world["train"], store)  # the run's data back: the resume goes on
+    train(cfg_for(world, run, f"data.train={store}"), resume=True, progress=False, log=quiet)
+    assert (run / "final").is_dir()
+
+
+def test_a_resume_without_the_runs_config_yaml_refuses_a_changed_config(world, tmp_path, capsys):
+    from conftest import overrides
+
+    from prefpack.cli import main as cli_main
+    from prefpack.config import ConfigError
+
+    run = tmp_path / "run"
+    _cut(world, run)
+    (run / "config.yaml").unlink()
+    with pytest.raises(ConfigError, match="config.yaml is missing and .* holds checkpoints"):
+        train(cfg_for(world, run, "optim.lr=2.0e-3"), resume=True, progress=False, log=quiet)
+    args = ["train", *overrides(world, run, "optim.lr=2.0e-3"), "--resume", "--no-progress"]
+    assert cli_main([*args, "--allow-config-change"]) == 0
+    assert "config.yaml was missing; written with this config" in capsys.readouterr().err
+    assert "lr: 0.002" in (run / "config.yaml").read_text()
+
+
+def test_resume_without_a_checkpoint_starts_over_and_drops_the_old_metrics_lines(world, tmp_path):
+    from conftest import metrics_lines
+
+    run = tmp_path / "run"
+    _cut(world, run, "run.save_every=0", "run.log_every=1")
+    assert [r["step"] for r in metrics_lines(run)] == [1]
+    logs = []
+    train(cfg_for(world, run, "run.save_every=0", "run.log_every=1"), resume=True, progress=False, log=logs.append)
+    assert [r["step"] for r in metrics_lines(run)] == [1, 2]
+    assert any("lines an earlier start wrote" in line for line in logs)

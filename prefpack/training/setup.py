@@ -80,22 +80,39 @@ def open_run_dir(cfg, ctx: Dist, *, resume: bool, log) -> Path:
                              "choose another run.output_dir")
     ctx.barrier()
     if resume:
-        from prefpack.training.resume_check import check_resume_config
+        from prefpack.training.resume_check import check_resume_config, check_resume_store
 
         check_resume_config(cfg, run_dir, log=log)  # a config that changes the result is refused
+        check_resume_store(cfg, run_dir)  # so is other data (at the same path or another)
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        if resume:
+            _start_over_without_checkpoint(run_dir, log)
     return run_dir
+
+
+def _start_over_without_checkpoint(run_dir: Path, log) -> None:
+    """`--resume` with no checkpoint starts from step 0: the lines an earlier start logged are dropped, so no step
+    is logged twice."""
+    from prefpack.training.checkpoint import latest_checkpoint
+
+    metrics = run_dir / "metrics.jsonl"
+    if latest_checkpoint(run_dir) is None and metrics.is_file() and metrics.stat().st_size:
+        lines = sum(1 for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip())
+        metrics.write_text("", encoding="utf-8")
+        log(f"no checkpoint to resume from: the run starts over, and the {lines} lines an earlier start wrote in "
+            f"{metrics} are dropped")
 
 
 def save_run_config(cfg, run_dir: Path, *, resume: bool) -> None:
     """`config.yaml` of the run folder (rank 0 only); a resume with the same config rewrites nothing."""
     from prefpack.config import save_config
-    from prefpack.training.resume_check import config_unchanged, config_write_errors
+    from prefpack.training.resume_check import config_unchanged, config_write_errors, write_store_identity
 
     if not (resume and config_unchanged(cfg, run_dir / "config.yaml")):  # a resume rewrites nothing
         with config_write_errors(run_dir / "config.yaml"):  # atomic; a failed write leaves the old file
             save_config(cfg, run_dir / "config.yaml")
+    write_store_identity(cfg, run_dir)  # what each checkpoint records as the run's data
 
 
 # ------------------------------------------------------------------------------------------------ set-up
