@@ -177,3 +177,34 @@ def test_resume_without_a_checkpoint_starts_over_and_drops_the_old_metrics_lines
     train(cfg_for(world, run, "run.save_every=0", "run.log_every=1"), resume=True, progress=False, log=logs.append)
     assert [r["step"] for r in metrics_lines(run)] == [1, 2]
     assert any("lines an earlier start wrote" in line for line in logs)
+
+
+# ---------------------------------------------------------------- the user's files in the run folder (item 4)
+
+
+def test_the_users_config_in_the_run_folder_is_refused_never_replaced(world, tmp_path, capsys):
+    from conftest import overrides
+
+    from prefpack.cli import main as cli_main
+
+    run = tmp_path / "exp"
+    run.mkdir()
+    mine = "# my experiment: keep these comments\noptim:\n  lr: 1.0e-3  # tuned by hand\n"
+    (run / "config.yaml").write_text(mine)
+    assert cli_main(["train", str(run / "config.yaml"), *overrides(world, run), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{run / 'config.yaml'} is not a config prefpack wrote" in err and "move your file out" in err
+    assert (run / "config.yaml").read_text() == mine and not (run / "metrics.jsonl").exists()
+    # moved next to the run folder, it trains; the run's config.yaml is prefpack's own, which a new start replaces
+    (run / "config.yaml").rename(tmp_path / "exp.yaml")
+    assert cli_main(["train", str(tmp_path / "exp.yaml"), *overrides(world, run), "--no-progress"]) == 0
+    assert (tmp_path / "exp.yaml").read_text() == mine
+
+
+def test_the_users_readme_in_final_is_kept_when_the_final_model_is_written_again(world, tmp_path):
+    run = tmp_path / "run"
+    train(cfg_for(world, run, "train.max_steps=1"), progress=False, log=quiet)
+    (run / "final" / "README.md").write_text("# my model card\n")
+    train(cfg_for(world, run, "train.max_steps=2", "optim.warmup_steps=0"), resume=True, progress=False, log=quiet)
+    assert (run / "final" / "README.md").read_text() == "# my model card\n"
+    assert (run / "final" / "model.safetensors").is_file()

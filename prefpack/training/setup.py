@@ -78,6 +78,7 @@ def open_run_dir(cfg, ctx: Dist, *, resume: bool, log) -> Path:
         if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
             raise ModelError(f"run folder {str(run_dir)!r} already holds a run; pass --resume to continue it or "
                              "choose another run.output_dir")
+        _refuse_user_config(run_dir / "config.yaml")
     ctx.barrier()
     if resume:
         from prefpack.training.resume_check import check_resume_config, check_resume_store
@@ -89,6 +90,25 @@ def open_run_dir(cfg, ctx: Dist, *, resume: bool, log) -> Path:
         if resume:
             _start_over_without_checkpoint(run_dir, log)
     return run_dir
+
+
+def _refuse_user_config(path: Path) -> None:
+    """A run writes its resolved config to RUN_DIR/config.yaml: a file there that prefpack did not write (the
+    user's own config, comments and all) is never replaced."""
+    from prefpack.config import ConfigError
+    from prefpack.config.io import CONFIG_HEADER
+
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            first = fh.readline().rstrip("\n")
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    if first != CONFIG_HEADER:
+        raise ConfigError(f"{path} is not a config prefpack wrote (your own config?), and a run writes its resolved "
+                          f"config there: move your file out of the run folder (e.g. next to it) and train with it "
+                          "from there, or choose another run.output_dir")
 
 
 def _start_over_without_checkpoint(run_dir: Path, log) -> None:
