@@ -208,3 +208,12 @@ def test_the_users_readme_in_final_is_kept_when_the_final_model_is_written_again
     train(cfg_for(world, run, "train.max_steps=2", "optim.warmup_steps=0"), resume=True, progress=False, log=quiet)
     assert (run / "final" / "README.md").read_text() == "# my model card\n"
     assert (run / "final" / "model.safetensors").is_file()
+
+
+def test_a_refused_config_leaves_no_run_folder_behind(world, tmp_path):
+    from prefpack.config import ConfigError
+
+    run = tmp_path / "new"
+    with pytest.raises(ConfigError):
+        train(cfg_for(world, run, "optim.lr=-1"), progress=False, log=quiet)
+    assert not run.exists()

@@ -42,6 +42,7 @@ class RunLock:
         import fcntl
 
         self.path = Path(run_dir) / LOCK_FILE
+        self.created = not Path(run_dir).exists()  # removed again if the run leaves it empty (a refused config)
         try:
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
@@ -92,6 +93,11 @@ class RunLock:
             except OSError:
                 pass
         os.close(fd)  # closing the descriptor releases the flock
+        if remove and self.created:
+            try:
+                self.path.parent.rmdir()  # only if empty
+            except OSError:
+                pass
 
 
 def train(cfg, **kwargs):
