@@ -197,7 +197,9 @@ def add_eval(sub) -> None:
 
     p = sub.add_parser("eval", help="loss and metrics of a model over every pair (or KTO example) of a store")
     p.add_argument("--model", required=True, help="policy model folder or hub id")
-    p.add_argument("--ref", default=None, help="reference model (default: the store's precomputed sidecar if any)")
+    p.add_argument("--ref", default=None, help="reference model, run beside the policy (default: the store's "
+                   "precomputed sidecar if any: its log-probs are the reference, whichever model --model is, e.g. "
+                   "the initial model's sidecar for a trained model; else no reference)")
     p.add_argument("--data", required=True, help="prepared store: pairs, ranked completions, or unpaired examples "
                    "(KTO)")
     p.add_argument("--config", default=None, metavar="RUN_DIR/config.yaml",
@@ -285,7 +287,7 @@ def run_eval(args, argv) -> int:
     cfg.validate()
     ctx = init_from_env(args.device)  # under torchrun every rank scores a share of the store
     try:
-        setup = build(cfg, log=_err, device=ctx.device)
+        setup = build(cfg, log=_err, device=ctx.device, check_sidecar_reference=False)  # the sidecar IS the ref
         result = evaluate(setup.policy, setup.reference, setup.train_task, ctx=ctx)
         ctx.barrier()  # no rank leaves while another is still in a collective
     finally:

@@ -32,6 +32,29 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: str | Path) -> None:
+    """Give `path` (a file, or every file and folder under a folder) the modes a plain `open` would have under the
+    user's umask: writers such as safetensors create their files 0600, which a teammate cannot read."""
+    mask = current_umask()
+    root = Path(path)
+    entries = [root] if not root.is_dir() else [root, *root.rglob("*")]
+    for entry in entries:
+        if entry.is_symlink():
+            continue
+        mode = (0o777 if entry.is_dir() else 0o666) & ~mask
+        try:
+            os.chmod(entry, mode)
+        except OSError:
+            pass  # not ours to change (another user's file): leave it
+
+
 def write_owner(tmp_dir: str | Path) -> None:
     """Record this host in a temporary folder, so another machine sharing the folder never removes it."""
     Path(tmp_dir, OWNER_FILE).write_text(socket.gethostname(), encoding="utf-8")

@@ -85,7 +85,8 @@ def test_every_file_of_a_checkpoint_has_a_checksum(cut):
     ckpt = cut / "checkpoints" / "step-00000003"
     listed = json.loads((ckpt / CHECKSUMS).read_text())["files"]
     on_disk = sorted(p.name for p in ckpt.iterdir() if p.name != CHECKSUMS)
-    assert sorted(listed) == on_disk == ["model.safetensors", "trainer_state.json", "training_state.pt"]
+    assert sorted(listed) == on_disk == ["model.safetensors", "train_store.json", "trainer_state.json",
+                                         "training_state.pt"]
     for name, entry in listed.items():
         data = (ckpt / name).read_bytes()
         assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}

@@ -413,9 +413,12 @@ def _flow(value: Any) -> str:
     return text
 
 
+CONFIG_HEADER = "# prefpack config (resolved: file + overrides + defaults)"  # the first line of a file prefpack wrote
+
+
 def dump_config(cfg: Config) -> str:
     """The resolved config as YAML text with each field's meaning as a trailing comment."""
-    lines = ["# prefpack config (resolved: file + overrides + defaults)"]
+    lines = [CONFIG_HEADER]
     for section_field in fields(Config):
         section = getattr(cfg, section_field.name)
         lines.append(f"{section_field.name}:")
@@ -425,7 +428,7 @@ def dump_config(cfg: Config) -> str:
             lines.append(f"{line}  # {help}" if help else line)
     text = "\n".join(lines) + "\n"
     if yaml.safe_load(text) != config_to_dict(cfg):  # never write something that reads back differently
-        text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True)
+        text = CONFIG_HEADER + "\n" + yaml.safe_dump(config_to_dict(cfg), sort_keys=False, allow_unicode=True)
     return text
 
 

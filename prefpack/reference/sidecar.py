@@ -24,6 +24,7 @@ import numpy as np
 
 from prefpack.data.store import Store
 from prefpack.errors import PrefpackError
+from prefpack.stale import apply_umask
 
 __all__ = ["KTO_SIDECAR_NAME", "RANKED_SIDECAR_NAME", "SIDECAR_FORMAT", "SIDECAR_NAME", "SIDECAR_NAMES", "KeySpace",
            "KeyedLogps", "ReferenceMismatch", "partners_tag", "read_keyed_sidecar", "sidecar_path", "store_hash",
@@ -102,6 +103,7 @@ def write_keyed_sidecar(store: Store, space: KeySpace, table: KeyedLogps, *, ref
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         save_file({k: np.ascontiguousarray(v, dtype=np.float64) for k, v in tensors.items()}, str(tmp), metadata=meta)
+        apply_umask(tmp)  # safetensors creates its files 0600
         os.replace(tmp, path)
     except Exception as exc:  # safetensors' SafetensorError (an I/O error inside), PermissionError, a full disk
         try:

@@ -30,6 +30,7 @@ from prefpack.config import Config, ConfigError, config_to_dict, load_config, sa
 
 CONFIG_FILE = "config.yaml"
 CHANGES_FILE = "config_changes.jsonl"
+STORE_FILE = "train_store.json"  # the training store's identity, in the run folder and in each checkpoint
 
 FREE_KEYS = frozenset({
     "run.log_every", "run.eval_every", "run.save_every", "run.keep_checkpoints", "run.tensorboard", "run.plot",
@@ -122,6 +123,12 @@ def check_resume_config(cfg: Config, run_dir: Path, *, log: Callable[[str], None
         raise ConfigError(f"cannot compare this config with the run's: {run_dir / CONFIG_FILE} is unreadable "
                           f"({unreadable}); pass --allow-config-change to replace it with this config")
     if old is None:
+        from prefpack.training.checkpoint import latest_checkpoint
+
+        if latest_checkpoint(run_dir) is not None:
+            raise ConfigError(f"cannot compare this config with the run's: {run_dir / CONFIG_FILE} is missing and "
+                              f"{run_dir} holds checkpoints; resume with the run's config and pass "
+                              "--allow-config-change to record this config as the run's")
         log(f"note: {run_dir / CONFIG_FILE} is missing, so this config cannot be compared with the run's")
         return []
     changes = config_changes(old, cfg)
@@ -144,6 +151,11 @@ def accept_config_changes(cfg: Config, *, step: int | None, log: Callable[[str],
     run_dir = Path(cfg.run.output_dir)
     old, unreadable = _saved(run_dir)
     if old is None and unreadable is None:
+        if step is not None:  # checkpoints without the run's config: this one becomes the run's, recorded
+            log(f"config change from step {step}: {run_dir / CONFIG_FILE} was missing; written with this config")
+            _append_line(run_dir / CHANGES_FILE, json.dumps({"time": round(time.time(), 3), "step": step,
+                                                             "changes": {}, "replaced_missing_config": True}))
+            write_config(cfg, run_dir / CONFIG_FILE)
         return []
     changes = [] if old is None else config_changes(old, cfg)
     if not changes and unreadable is None:
@@ -218,3 +230,65 @@ def write_config(cfg: Config, path: str | os.PathLike) -> Path:
     """save_config (atomic) with the clear error of config_write_errors."""
     with config_write_errors(path):
         return save_config(cfg, path)
+
+
+# ------------------------------------------------------------------------------------------------ the train store
+
+
+def store_identity(path: str | os.PathLike) -> dict[str, str] | None:
+    """The training store's identity: its path and content hash (`reference.sidecar.store_hash`: the sha256 of its
+    tokens and index in meta.json); None when it cannot be opened (build reports why)."""
+    from prefpack.data.store import Store, StoreError
+    from prefpack.reference.sidecar import store_hash
+
+    try:
+        return {"path": str(path), "store_hash": store_hash(Store(path))}
+    except (StoreError, OSError, ValueError):
+        return None
+
+
+def write_store_identity(cfg: Config, run_dir: Path) -> None:
+    """`RUN_DIR/train_store.json` (rank 0); each checkpoint copies it (`checkpoint.formats`)."""
+    from prefpack.training.checkpoint import CheckpointWriteError
+
+    identity = store_identity(cfg.data.train)
+    if identity is None:
+        return
+    path = Path(run_dir) / STORE_FILE
+    try:
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(identity, ensure_ascii=False) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise CheckpointWriteError(f"could not write {path}: {exc}") from exc
+
+
+def recorded_store(run_dir: Path) -> tuple[dict | None, Path | None]:
+    """The store identity the newest checkpoint recorded (else the run folder's), and the file it came from."""
+    from prefpack.training.checkpoint import latest_checkpoint
+
+    newest = latest_checkpoint(run_dir)
+    for path in ([newest / STORE_FILE] if newest is not None else []) + [Path(run_dir) / STORE_FILE]:
+        try:
+            return json.loads(path.read_text(encoding="utf-8")), path
+        except (OSError, ValueError):
+            continue
+    return None, None
+
+
+def check_resume_store(cfg: Config, run_dir: Path) -> None:
+    """Refuse a resume whose training store is not the run's (other content at the same path, or another store);
+    --allow-config-change does not change this: a run continues on the data it was trained on."""
+    from prefpack.data.store import StoreError
+
+    old, where = recorded_store(run_dir)
+    new = store_identity(cfg.data.train)
+    if old is None or new is None or old.get("store_hash") == new["store_hash"]:
+        return
+    same_path = _same_path(old.get("path"), new["path"]) or old.get("path") == new["path"]
+    what = ("holds other data than the run was trained on" if same_path
+            else f"is not the store the run was trained on ({old.get('path')!r})")
+    raise StoreError(f"cannot resume {run_dir}: the training store {new['path']!r} {what}: its content hash is "
+                     f"{new['store_hash'][:16]}..., the run's was {str(old.get('store_hash'))[:16]}... (recorded in "
+                     f"{where}). Resume with the run's store, or start a new run (another run.output_dir); "
+                     "--allow-config-change does not apply to the data")

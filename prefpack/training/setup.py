@@ -78,24 +78,61 @@ def open_run_dir(cfg, ctx: Dist, *, resume: bool, log) -> Path:
         if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
             raise ModelError(f"run folder {str(run_dir)!r} already holds a run; pass --resume to continue it or "
                              "choose another run.output_dir")
+        _refuse_user_config(run_dir / "config.yaml")
     ctx.barrier()
     if resume:
-        from prefpack.training.resume_check import check_resume_config
+        from prefpack.training.resume_check import check_resume_config, check_resume_store
 
         check_resume_config(cfg, run_dir, log=log)  # a config that changes the result is refused
+        check_resume_store(cfg, run_dir)  # so is other data (at the same path or another)
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        if resume:
+            _start_over_without_checkpoint(run_dir, log)
     return run_dir
+
+
+def _refuse_user_config(path: Path) -> None:
+    """A run writes its resolved config to RUN_DIR/config.yaml: a file there that prefpack did not write (the
+    user's own config, comments and all) is never replaced."""
+    from prefpack.config import ConfigError
+    from prefpack.config.io import CONFIG_HEADER
+
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            first = fh.readline().rstrip("\n")
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    if first != CONFIG_HEADER:
+        raise ConfigError(f"{path} is not a config prefpack wrote (your own config?), and a run writes its resolved "
+                          f"config there: move your file out of the run folder (e.g. next to it) and train with it "
+                          "from there, or choose another run.output_dir")
+
+
+def _start_over_without_checkpoint(run_dir: Path, log) -> None:
+    """`--resume` with no checkpoint starts from step 0: the lines an earlier start logged are dropped, so no step
+    is logged twice."""
+    from prefpack.training.checkpoint import latest_checkpoint
+
+    metrics = run_dir / "metrics.jsonl"
+    if latest_checkpoint(run_dir) is None and metrics.is_file() and metrics.stat().st_size:
+        lines = sum(1 for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip())
+        metrics.write_text("", encoding="utf-8")
+        log(f"no checkpoint to resume from: the run starts over, and the {lines} lines an earlier start wrote in "
+            f"{metrics} are dropped")
 
 
 def save_run_config(cfg, run_dir: Path, *, resume: bool) -> None:
     """`config.yaml` of the run folder (rank 0 only); a resume with the same config rewrites nothing."""
     from prefpack.config import save_config
-    from prefpack.training.resume_check import config_unchanged, config_write_errors
+    from prefpack.training.resume_check import config_unchanged, config_write_errors, write_store_identity
 
     if not (resume and config_unchanged(cfg, run_dir / "config.yaml")):  # a resume rewrites nothing
         with config_write_errors(run_dir / "config.yaml"):  # atomic; a failed write leaves the old file
             save_config(cfg, run_dir / "config.yaml")
+    write_store_identity(cfg, run_dir)  # what each checkpoint records as the run's data
 
 
 # ------------------------------------------------------------------------------------------------ set-up
@@ -118,8 +155,11 @@ class Setup:
     settings: RunSettings  # budgets, layout and loss parameters resolved for this device and kernel
 
 
-def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
-    """Load stores, tokenizer, policy and reference as the config says, with every check up front."""
+def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_reference: bool = True) -> Setup:
+    """Load stores, tokenizer, policy and reference as the config says, with every check up front.
+
+    ``check_sidecar_reference=False`` (``prefpack eval``): a precomputed reference is taken as the reference
+    whatever model it was computed with; training checks it was computed with its reference weights."""
     if not cfg.model.name_or_path:
         raise ModelError("model.name_or_path is required (a local model folder or a hub id)")
     if not cfg.data.train:
@@ -167,7 +207,8 @@ def build(cfg, *, log=print, device: torch.device | None = None) -> Setup:
         load=partial(load_causal_lm, ref_path, precision=precision, attn_implementation=attn, device=device,
                      trust_remote_code=cfg.model.trust_remote_code, packed=cfg.data.packing,
                      compile_layers=compile_layers),
-        weights_hash=partial(_reference_hash, cfg, policy, ref_path, precision, attn), lora=cfg.lora.enabled))
+        weights_hash=partial(_reference_hash, cfg, policy, ref_path, precision, attn) if check_sidecar_reference
+        else _no_hash, lora=cfg.lora.enabled))
     if cfg.lora.enabled:
         policy = _wrap_lora(policy, cfg)
         reference.bind_policy(policy)
@@ -256,6 +297,10 @@ def check_lengths(store: Store, what: str, model: nn.Module, row_budget: int | N
         if n:
             log(f"note: {n} of {len(store)} {unit} in the {what} store are longer than a row "
                 f"(data.max_tokens_per_row={row_budget}); each of them gets a row of its own")
+
+
+def _no_hash() -> None:
+    return None  # a precomputed reference read without checking which weights computed it
 
 
 def _reference_hash(cfg, policy: nn.Module, ref_path: str, precision: Precision, attn) -> str:

@@ -220,9 +220,12 @@ def _own(tmp: Path) -> None:
 
 
 def _disown(tmp: Path) -> None:
-    from prefpack.stale import OWNER_FILE
+    """The last touch of a temporary folder before its rename: the owner file removed, every file given the
+    user's umask (safetensors writes 0600)."""
+    from prefpack.stale import OWNER_FILE, apply_umask
 
     (tmp / OWNER_FILE).unlink(missing_ok=True)
+    apply_umask(tmp)
 
 
 def _remove(p: Path) -> None:

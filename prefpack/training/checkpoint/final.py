@@ -63,9 +63,24 @@ def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module
                 (tokenizer.load() if isinstance(tokenizer, TokenizerHandle) else tokenizer).save_pretrained(tmp)
             except (ModelError, TokenizerError) as exc:  # the trained weights matter more than the tokenizer copy
                 print(f"warning: {exc}", file=sys.stderr)
+            _keep_user_files(final, tmp)
             _disown(tmp)
             _discard(final)
             os.replace(tmp, final)
     finally:
         ctx.barrier()  # the other ranks wait here whether or not the write succeeded
     return final
+
+
+USER_FILES = ("*.md", "*.txt")  # a model card and notes: save_pretrained never writes them
+
+
+def _keep_user_files(final: Path, tmp: Path) -> None:
+    """The user's own files in a previous ``final/`` (``README.md``, a model card) carried into the new one."""
+    if not final.is_dir():
+        return
+    for pattern in USER_FILES:
+        for path in final.glob(pattern):
+            if path.is_file() and not (tmp / path.name).exists():
+                shutil.copy2(path, tmp / path.name)
+                print(f"kept {path} (not written by prefpack) in the new final model", file=sys.stderr)

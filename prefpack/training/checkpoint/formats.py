@@ -111,6 +111,9 @@ def _step_folders(run_dir: Path, step: int, pid: int) -> tuple[Path, Path, Path]
 def _publish(tmp: Path, final: Path, trainer_state: dict, pid: int | None = None) -> None:
     """The last writes of both formats: trainer_state.json, the checksums of every file, the rename into place."""
     (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+    store = final.parent.parent / "train_store.json"  # the run's data (resume_check.STORE_FILE), checksummed too
+    if store.is_file():
+        shutil.copyfile(store, tmp / store.name)
     _disown(tmp)
     write_checksums(tmp)
     _discard(final, pid)
