@@ -86,6 +86,18 @@ class Cadence:
             self.ctx.barrier()  # no rank tears the process group down while another is still in a collective
             raise TrainingInterrupted(f"stopped after step {done}")
 
+    def terminate(self, done: int, signum: int) -> None:
+        """A stop signal after step ``done``: a checkpoint of that step (unless the cadence just wrote one), then
+        stop with :class:`TrainingTerminated`."""
+        from prefpack.training.guards import TrainingTerminated
+
+        if not self._due(self.save_every, done):
+            self.save(done)
+        self._close_bar()
+        self.metrics.close()
+        self.ctx.barrier()
+        raise TrainingTerminated(done, signum)
+
     def finish(self) -> dict[str, float] | None:
         """After the last step: close the bar, evaluate (with eval data) and close the metrics. Returns that
         evaluation."""
