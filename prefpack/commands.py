@@ -120,7 +120,8 @@ def add_train(sub) -> None:
     p.add_argument("--allow-config-change", action="store_true",
                    help="with --resume: accept a config that differs from the run's config.yaml in keys that change "
                    "the result (each change is printed and recorded in RUN_DIR/config_changes.jsonl)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (on a terminal) or progress lines "
+                   "(off a terminal: one line per logged step)")
     # stops cleanly after N steps, as if interrupted (to test resuming); not for everyday use
     p.add_argument("--stop-after-steps", type=int, default=None, help=argparse.SUPPRESS)
 

@@ -129,3 +129,29 @@ def test_a_poisoned_batch_skips_its_step_and_equals_a_run_without_that_update(wo
 def test_json_lines_never_hold_bare_nan():
     line = json_line({"train": {"loss": float("nan"), "g": float("inf"), "ok": 1.5}, "eval": None})
     assert json.loads(line) == {"train": {"loss": None, "g": None, "ok": 1.5}, "eval": None}
+
+
+def test_progress_off_a_terminal_is_one_plain_line_per_logged_step(world, tmp_path, capsys):
+    train(load_config(None, overrides(world["root"], tmp_path / "r") + ["train.max_steps=4", "run.log_every=2"]),
+          progress=True, log=lambda m: None)
+    err = capsys.readouterr().err
+    frames = err.split("\r")  # transformers' own loading bars are not prefpack's: only the training bar is checked
+    assert not any(f.startswith("train:") and "%|" in f for f in frames)
+    lines = [line for line in err.splitlines() if line.startswith("train: step")]
+    assert [line.split(",")[0] for line in lines] == ["train: step 2/4", "train: step 4/4"]
+    assert "loss " in lines[0] and "acc " in lines[0] and "tokens/s " in lines[0] and "eta " in lines[0]
+
+
+def test_progress_on_a_terminal_keeps_the_bar_and_no_progress_is_silent(world, tmp_path, capsys, monkeypatch):
+    import prefpack.training.cadence as cadence
+
+    monkeypatch.setattr(cadence, "_is_terminal", lambda stream: True)
+    train(load_config(None, overrides(world["root"], tmp_path / "a") + ["train.max_steps=2"]), progress=True,
+          log=lambda m: None)
+    err = capsys.readouterr().err
+    assert any(f.startswith("train:") and "%|" in f for f in err.split("\r")) and "train: step" not in err
+    monkeypatch.undo()
+    train(load_config(None, overrides(world["root"], tmp_path / "b") + ["train.max_steps=2"]), progress=False,
+          log=lambda m: None)
+    err = capsys.readouterr().err
+    assert "train: step" not in err and not any(f.startswith("train:") for f in err.split("\r"))
