@@ -155,3 +155,21 @@ def test_progress_on_a_terminal_keeps_the_bar_and_no_progress_is_silent(world, t
           log=lambda m: None)
     err = capsys.readouterr().err
     assert "train: step" not in err and not any(f.startswith("train:") for f in err.split("\r"))
+
+
+def test_checkpoints_are_on_by_default_every_500_steps():
+    from prefpack.distributed import Dist
+    from prefpack.training.cadence import Cadence
+
+    cfg = load_config(None, [])
+    assert cfg.run.save_every == 500 and cfg.run.keep_checkpoints == 2
+
+    class Metrics:
+        def log(self, *a, **k):
+            pass
+
+    saved = []
+    cadence = Cadence(cfg.run, 1200, Metrics(), Dist(), evaluate=None, save=saved.append)
+    for done in range(1, 1201):
+        cadence.after_step(done, {"loss": 0.5})
+    assert saved == [500, 1000]  # the last step's state is the final model
