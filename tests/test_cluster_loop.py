@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shlex
 import signal
 import time
@@ -69,16 +70,25 @@ def test_sigterm_handler_is_restored_after_training(world, tmp_path):
     assert signal.getsignal(signal.SIGTERM) is before
 
 
-def test_a_huge_lr_stops_with_a_message_and_saves_no_final_model(world, tmp_path):
+@pytest.mark.parametrize("clip", ["null", "1.0"])
+def test_a_huge_lr_stops_with_a_message_and_saves_no_final_model(world, tmp_path, clip):
     run = tmp_path / "run"
     logs = []
     with pytest.raises(NonFiniteError, match=r"stopped at step \d+: 5 steps in a row.*optim.lr=1000.*rows"):
         train(load_config(None, overrides(world["root"], run) + ["optim.lr=1e3", "run.save_every=0",
-                                                                  "train.max_steps=20"]),
+                                                                  "train.max_steps=20", f"optim.max_grad_norm={clip}"]),
               progress=False, log=logs.append)
     assert not (run / "final").exists()
     assert any("non-finite" in m and "skipped" in m for m in logs)
     assert list_checkpoints(run) == []
+
+
+def test_the_cli_reports_a_diverged_run_without_a_traceback(world, tmp_path, capsys):
+    args = ["train", *overrides(world["root"], tmp_path / "run"), "optim.lr=1e3", "train.max_steps=20",
+            "--no-progress"]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "stopped at step" in err and re.search(r"warning: step \d+: non-finite", err)
 
 
 def _poisoned_run(world, run, monkeypatch, poison_step: int, skip_by_optimizer: bool) -> tuple[list[dict], list[str]]:

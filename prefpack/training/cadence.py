@@ -124,6 +124,11 @@ class Cadence:
         self.ctx.barrier()
         raise TrainingTerminated(done, signum)
 
+    def abort(self) -> None:
+        """The run stops on an error: close the bar and the metrics (flushed, so they show what led to it)."""
+        self._close_bar()
+        self.metrics.close()
+
     def finish(self) -> dict[str, float] | None:
         """After the last step: close the bar, evaluate (with eval data) and close the metrics. Returns that
         evaluation."""

@@ -33,7 +33,7 @@ from prefpack.training.checkpoint import (
     save_final,
 )
 from prefpack.training.evaluation import evaluate, reduce_totals
-from prefpack.training.guards import NonFiniteSteps, StopSignal, check_finite_weights
+from prefpack.training.guards import NonFiniteError, NonFiniteSteps, StopSignal, check_finite_weights
 from prefpack.training.setup import (
     build,
     check_trainable,
@@ -178,7 +178,11 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
                 lr = scheduler.get_last_lr()[0]
                 # a NaN/inf step is skipped, not written into the weights; the schedule still advances, so the lr and
                 # the data of step k stay functions of k (resume needs only the step)
-                update = nonfinite.check(step + 1, last["loss"], grad_norm, ids)
+                try:
+                    update = nonfinite.check(step + 1, last["loss"], grad_norm, ids)
+                except NonFiniteError:
+                    cadence.abort()  # the metrics so far stay readable; every rank raises at the same step
+                    raise
                 if update:
                     optimizer.step()
                 scheduler.step()
