@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -82,6 +83,24 @@ def run_inspect(args, argv: list[str]) -> int:
     return 0
 
 
+def json_line(obj) -> str:
+    """One line of strict JSON: a NaN or infinite number (a diverged loss) becomes null, since bare ``NaN`` is not
+    JSON and would break whatever parses the line."""
+    return json.dumps(_finite(obj), allow_nan=False)
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    if hasattr(obj, "item") and getattr(obj, "ndim", 1) == 0:  # numpy / torch scalars
+        return _finite(obj.item())
+    return obj
+
+
 def _err(msg: str) -> None:
     print(msg, file=sys.stderr)
 
@@ -101,7 +120,8 @@ def add_train(sub) -> None:
     p.add_argument("--allow-config-change", action="store_true",
                    help="with --resume: accept a config that differs from the run's config.yaml in keys that change "
                    "the result (each change is printed and recorded in RUN_DIR/config_changes.jsonl)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (on a terminal) or progress lines "
+                   "(off a terminal: one line per logged step)")
     # stops cleanly after N steps, as if interrupted (to test resuming); not for everyday use
     p.add_argument("--stop-after-steps", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -110,6 +130,7 @@ def run_train(args, argv) -> int:
     from prefpack.config import load_config
     from prefpack.distributed import shutdown
     from prefpack.training import TrainingInterrupted, train
+    from prefpack.training.guards import TrainingTerminated
 
     config, overrides = args.config, list(args.overrides)
     if "=" in config and not Path(config).exists():  # `prefpack train key=value ...` with no file
@@ -129,6 +150,10 @@ def run_train(args, argv) -> int:
         if _is_main_rank():
             _err(f"{stop}; continue with --resume")
         return 0
+    except TrainingTerminated as term:
+        if _is_main_rank():
+            _err(_interrupted_message(cfg, argv, f"terminated by signal {term.signum} after step {term.step}"))
+        return 128 + term.signum  # 143 for SIGTERM, as if the signal had killed it
     except KeyboardInterrupt:
         if _is_main_rank():
             _err(_interrupted_message(cfg, argv))
@@ -138,7 +163,7 @@ def run_train(args, argv) -> int:
     if _is_main_rank():
         summary = {"run_dir": str(result.run_dir), "steps": result.steps, "final_model": str(result.final_dir),
                    "train": result.last_train, "eval": result.eval_after}
-        print(json.dumps(summary))
+        print(json_line(summary))
     return 0
 
 
@@ -155,8 +180,8 @@ def _accept_config_changes(cfg) -> None:
     accept_config_changes(cfg, step=newest.step if newest is not None else None, log=_err)
 
 
-def _interrupted_message(cfg, argv: list[str]) -> str:
-    """Ctrl-C: the last checkpoint and the exact command that continues from it."""
+def _interrupted_message(cfg, argv: list[str], what: str = "interrupted") -> str:
+    """Ctrl-C or SIGTERM: the last checkpoint and the exact command that continues from it."""
     import shlex
 
     from prefpack.training.checkpoint import checkpoint_step, latest_checkpoint
@@ -177,7 +202,7 @@ def _interrupted_message(cfg, argv: list[str]) -> str:
                  "from step 0")
     else:
         where = f"the last checkpoint is step {checkpoint_step(last)} ({last})"
-    return f"prefpack train: interrupted; {where}; continue with:\n  {shlex.join(words)}"
+    return f"prefpack train: {what}; {where}; continue with:\n  {shlex.join(words)}"
 
 
 def _is_main_rank() -> bool:
@@ -303,7 +328,7 @@ def run_eval(args, argv) -> int:
             result["prompts"] = len(task)
     result["reference"] = setup.reference.mode
     if args.json:
-        print(json.dumps(result))
+        print(json_line(result))
     else:
         for k, v in result.items():
             print(f"{k:<22} {v:.6f}" if isinstance(v, float) else f"{k:<22} {v}")
@@ -349,7 +374,7 @@ def run_precompute(args, argv) -> int:
     finally:
         shutdown()
     if ctx.is_main:
-        print(json.dumps(summary))
+        print(json_line(summary))
     return 0
 
 

@@ -176,7 +176,8 @@ class RunConfig:
     output_dir: str = _f("runs/prefpack", "folder for checkpoints, metrics and the final model")
     log_every: int = _f(1, "log train metrics every N optimizer steps")
     eval_every: int = _f(0, "evaluate every N steps; 0 = only at the end")
-    save_every: int = _f(0, "checkpoint every N steps; 0 = only the final model")
+    save_every: int = _f(500, "checkpoint every N steps (500, TRL's default: a crashed or preempted run resumes, at "
+                         "little cost); 0 = only the final model")
     keep_checkpoints: int = _f(2, "how many most recent checkpoints to keep")
     report_to: Literal["tensorboard", "wandb", "none"] | list[Literal["tensorboard", "wandb", "none"]] = _f(
         ["tensorboard"], "where metrics go besides metrics.jsonl (always written): tensorboard (when installed), "

@@ -1,6 +1,9 @@
 """What the loop does between steps on a clock: evaluations (before, every ``run.eval_every``, after), metrics lines
 (every ``run.log_every``), checkpoints (every ``run.save_every``), the progress bar and ``stop_after_steps``.
 
+Progress goes to stderr: a tqdm bar on a terminal; off a terminal (a batch job's log file) one plain line per metrics
+line instead, since the bar's carriage-return frames make one endless line in a file.
+
 Kept apart from the loop so that ``train()`` reads as the step itself, and so that every "is step k due?" rule lives
 in one place: an evaluation or checkpoint that would fall on the last step is left to the end of the run (the final
 evaluation, the final model), and the last step always gets a metrics line.
@@ -9,12 +12,13 @@ evaluation, the final model), and the last step always gets a metrics line.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 from prefpack.distributed import Dist
 
-__all__ = ["Cadence", "TrainingInterrupted", "postfix"]
+__all__ = ["Cadence", "TrainingInterrupted", "log_line", "postfix"]
 
 
 class TrainingInterrupted(RuntimeError):
@@ -34,6 +38,19 @@ def postfix(last: dict[str, float]) -> dict[str, str]:
     return shown
 
 
+def log_line(done: int, n_steps: int, last: dict[str, float], eta_s: float | None) -> str:
+    """The plain progress line of a batch job's log: step, loss, reward accuracy (pairs), tokens/s, time left."""
+    parts = [f"step {done}/{n_steps}", f"loss {last['loss']:.4f}"]
+    if "rewards/accuracies" in last:
+        parts.append(f"acc {last['rewards/accuracies']:.2f}")
+    parts.append(f"tokens/s {last.get('tokens/s', 0.0):.0f}")
+    if eta_s is not None:
+        parts.append(f"eta {time.strftime('%H:%M:%S', time.gmtime(eta_s)) if eta_s < 86400 else f'{eta_s / 3600:.0f}h'}")
+    if last.get("skipped_steps"):
+        parts.append(f"skipped {int(last['skipped_steps'])}")
+    return "train: " + ", ".join(parts)
+
+
 class Cadence:
     """The run's clock for steps ``start + 1 .. n_steps``: :meth:`begin` before the first, :meth:`after_step` after
     each, :meth:`finish` after the last. ``evaluate`` (None without eval data) returns eval metrics; ``save(step)``
@@ -49,6 +66,8 @@ class Cadence:
         self.save = save
         self.stop_after_steps = stop_after_steps
         self.bar = None
+        self.lines = False  # plain progress lines (stderr is not a terminal)
+        self.clock: tuple[int, float] = (0, 0.0)  # (first step, its time), for the lines' time left
 
     def _due(self, every: int | None, done: int) -> bool:
         """Every ``every`` steps (0 or None: never), short of the last step, which the run's end covers."""
@@ -61,7 +80,10 @@ class Cadence:
         if self.evaluate is not None and start == 0:
             before = self.evaluate()
             self.metrics.log(0, before, split="eval")
-        if progress:
+        self.clock = (start, time.monotonic())
+        if progress and not _is_terminal(sys.stderr):
+            self.lines = True
+        elif progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=self.n_steps, initial=start, desc="train", unit="step", file=sys.stderr,
@@ -73,6 +95,10 @@ class Cadence:
         metrics line, the bar, an evaluation, a checkpoint, then a stop that ``stop_after_steps`` asks for."""
         if done % self.log_every == 0 or done == self.n_steps:
             self.metrics.log(done, last)
+            if self.lines:
+                first, t0 = self.clock
+                eta = (time.monotonic() - t0) / (done - first) * (self.n_steps - done) if done > first else None
+                print(log_line(done, self.n_steps, last, eta), file=sys.stderr, flush=True)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(postfix(last))
@@ -85,6 +111,23 @@ class Cadence:
             self.metrics.close()
             self.ctx.barrier()  # no rank tears the process group down while another is still in a collective
             raise TrainingInterrupted(f"stopped after step {done}")
+
+    def terminate(self, done: int, signum: int) -> None:
+        """A stop signal after step ``done``: a checkpoint of that step (unless the cadence just wrote one), then
+        stop with :class:`TrainingTerminated`."""
+        from prefpack.training.guards import TrainingTerminated
+
+        if not self._due(self.save_every, done):
+            self.save(done)
+        self._close_bar()
+        self.metrics.close()
+        self.ctx.barrier()
+        raise TrainingTerminated(done, signum)
+
+    def abort(self) -> None:
+        """The run stops on an error: close the bar and the metrics (flushed, so they show what led to it)."""
+        self._close_bar()
+        self.metrics.close()
 
     def finish(self) -> dict[str, float] | None:
         """After the last step: close the bar, evaluate (with eval data) and close the metrics. Returns that
@@ -100,3 +143,10 @@ class Cadence:
     def _close_bar(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a replaced or closed stream
+        return False

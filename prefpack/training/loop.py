@@ -33,6 +33,7 @@ from prefpack.training.checkpoint import (
     save_final,
 )
 from prefpack.training.evaluation import evaluate, reduce_totals
+from prefpack.training.guards import NonFiniteError, NonFiniteSteps, StopSignal, check_finite_weights
 from prefpack.training.setup import (
     build,
     check_trainable,
@@ -142,49 +143,64 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
     eval_before = cadence.begin(start, progress=progress)
     last: dict[str, float] = {}
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else float("inf")
-    for step in range(start, n_steps):
-        t0 = time.perf_counter()
-        with record_function("prefpack.plan_collate"):
-            epoch, ids = sched.pairs_for_step(step)
-            shares = deal_step(task, ids, seed=StepKey(cfg.train.seed, step), world=ctx.world,
-                               balance=cfg.distributed.balance)
-            share = shares[ctx.rank]
-            batches = [task.collate(p) for p in share.planned]
-        optimizer.zero_grad(set_to_none=True)
-        with record_function("prefpack.begin_step"):
-            step_state = task.begin_step(module, reference, batches, weights=share.weights, dist=ctx)
-        totals = StepTotals()
-        # Every rank plans the same step, so its example count is known everywhere without communication.
-        # Gradients are summed over ranks: DDP and FSDP2 average them, hence the factor world / n.
-        units = task.units(ids)  # the step's loss terms: its examples, or the pairs of its ranked prompts
-        scale = ctx.world / units
-        for i, (batch, weight) in enumerate(zip(batches, share.weights)):
-            with grad_sync(module, enabled=i == len(batches) - 1):
-                with record_function("prefpack.forward_loss"):
-                    out = task.loss(module, reference, batch, step_state)
-                with record_function("prefpack.backward"):
-                    (out.loss.sum() * (scale * weight)).backward()
-            if weight:
-                totals.add(out, batch)
-                task.after_micro_batch(out)
-        with record_function("prefpack.optimizer"):
-            grad_norm = clip_grad_norm(params, max_norm)
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-        if synced and (step + 1) % cfg.reference.sync_steps == 0:  # TRL: global_step % ref_model_sync_steps == 0
-            sync_reference(policy, reference.model, cfg.reference.mixup_alpha,
-                           wrappers=(module, reference.module) if strategy == "fsdp2" and ctx.enabled else ())
-        with record_function("prefpack.step_totals"):
-            totals = reduce_totals(totals, ctx)
-            task.end_step(totals)  # running statistics from the step's sums over every rank
-        dt = time.perf_counter() - t0
-        last = totals.means()
-        last.update({"lr": lr, "grad_norm": grad_norm, "epoch": epoch + (step % sched.steps_per_epoch + 1)
-                     / sched.steps_per_epoch, "tokens/s": totals.real_tokens / dt, "pairs/s": units / dt,
-                     "tokens": totals.real_tokens, "positions": totals.positions, "scored": totals.scored})
-        cadence.after_step(step + 1, last)  # metrics line, bar, eval, checkpoint, stop: whatever is due
+    nonfinite = NonFiniteSteps(cfg.optim.lr, log)
+    with StopSignal(ctx) as stop:  # SIGTERM is handled between steps for the loop only
+        for step in range(start, n_steps):
+            t0 = time.perf_counter()
+            with record_function("prefpack.plan_collate"):
+                epoch, ids = sched.pairs_for_step(step)
+                shares = deal_step(task, ids, seed=StepKey(cfg.train.seed, step), world=ctx.world,
+                                   balance=cfg.distributed.balance)
+                share = shares[ctx.rank]
+                batches = [task.collate(p) for p in share.planned]
+            optimizer.zero_grad(set_to_none=True)
+            with record_function("prefpack.begin_step"):
+                step_state = task.begin_step(module, reference, batches, weights=share.weights, dist=ctx)
+            totals = StepTotals()
+            # Every rank plans the same step, so its example count is known everywhere without communication.
+            # Gradients are summed over ranks: DDP and FSDP2 average them, hence the factor world / n.
+            units = task.units(ids)  # the step's loss terms: its examples, or the pairs of its ranked prompts
+            scale = ctx.world / units
+            for i, (batch, weight) in enumerate(zip(batches, share.weights)):
+                with grad_sync(module, enabled=i == len(batches) - 1):
+                    with record_function("prefpack.forward_loss"):
+                        out = task.loss(module, reference, batch, step_state)
+                    with record_function("prefpack.backward"):
+                        (out.loss.sum() * (scale * weight)).backward()
+                if weight:
+                    totals.add(out, batch)
+                    task.after_micro_batch(out)
+            with record_function("prefpack.step_totals"):
+                totals = reduce_totals(totals, ctx)
+            last = totals.means()
+            with record_function("prefpack.optimizer"):
+                grad_norm = clip_grad_norm(params, max_norm)
+                lr = scheduler.get_last_lr()[0]
+                # a NaN/inf step is skipped, not written into the weights; the schedule still advances, so the lr and
+                # the data of step k stay functions of k (resume needs only the step)
+                try:
+                    update = nonfinite.check(step + 1, last["loss"], grad_norm, ids)
+                except NonFiniteError:
+                    cadence.abort()  # the metrics so far stay readable; every rank raises at the same step
+                    raise
+                if update:
+                    optimizer.step()
+                scheduler.step()
+            if update:
+                task.end_step(totals)  # running statistics from the step's sums over every rank
+            if synced and (step + 1) % cfg.reference.sync_steps == 0:  # TRL: global_step % ref_model_sync_steps == 0
+                sync_reference(policy, reference.model, cfg.reference.mixup_alpha,
+                               wrappers=(module, reference.module) if strategy == "fsdp2" and ctx.enabled else ())
+            dt = time.perf_counter() - t0
+            last.update({"lr": lr, "grad_norm": grad_norm, "epoch": epoch + (step % sched.steps_per_epoch + 1)
+                         / sched.steps_per_epoch, "tokens/s": totals.real_tokens / dt, "pairs/s": units / dt,
+                         "tokens": totals.real_tokens, "positions": totals.positions, "scored": totals.scored,
+                         "skipped_steps": nonfinite.skipped})
+            cadence.after_step(step + 1, last)  # metrics line, bar, eval, checkpoint, stop: whatever is due
+            if stop.due() and step + 1 < n_steps:  # SIGTERM: checkpoint this step, then stop (every rank here)
+                cadence.terminate(step + 1, stop.signum)
     eval_after = cadence.finish()
+    check_finite_weights(params, ctx)  # never a NaN model saved as the result
     _free_training_state(optimizer, reference, parts)
     final_dir = save_final(run_dir, policy, setup.tokenizer, module=module, ctx=ctx, strategy=strategy,
                            dtype=final_dtype(cfg, setup.precision))
