@@ -127,12 +127,21 @@ def _train(world, tmp_path, name, *extra):
     return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_progress_bar_shows_the_positions_saved_only_when_sharing(world, tmp_path, capsys, one_thread):
+@pytest.mark.parametrize("terminal", [True, False], ids=["bar", "log-lines"])
+def test_progress_shows_the_positions_saved_only_when_sharing(world, tmp_path, capsys, one_thread, monkeypatch,
+                                                              terminal):
+    """On a terminal the bar's postfix says ``saved=9%``; off one (a batch job's log) each plain line says
+    ``saved 9%``."""
+    import prefpack.training.cadence as cadence
+
+    monkeypatch.setattr(cadence, "_is_terminal", lambda stream: terminal)
+    mark = "saved=" if terminal else "saved "
     rows = _train(world, tmp_path, "shared", "data.prefix_sharing=true")
-    bar = capsys.readouterr().err
+    out = capsys.readouterr().err
     saved = 1 - rows[-1]["positions"] / rows[-1]["tokens"]
     assert 0.05 < saved < 0.5  # max_length 48: the prompts are cut short
-    assert f"saved={saved:.0%}" in bar.replace("\r", "\n").strip().splitlines()[-1]
+    last = [x for x in out.replace("\r", "\n").splitlines() if "loss" in x][-1]  # the last step's progress
+    assert f"{mark}{saved:.0%}" in last
     _train(world, tmp_path, "plain", "data.prefix_sharing=false")
-    bar = capsys.readouterr().err
-    assert "fill=" in bar and "saved=" not in bar
+    out = capsys.readouterr().err
+    assert ("fill=" in out if terminal else "tokens/s" in out) and mark not in out

@@ -39,11 +39,16 @@ def postfix(last: dict[str, float]) -> dict[str, str]:
 
 
 def log_line(done: int, n_steps: int, last: dict[str, float], eta_s: float | None) -> str:
-    """The plain progress line of a batch job's log: step, loss, reward accuracy (pairs), tokens/s, time left."""
+    """The plain progress line of a batch job's log: step, loss, reward accuracy (pairs) or KL (KTO), tokens/s, the
+    positions saved by shared prompts, time left."""
     parts = [f"step {done}/{n_steps}", f"loss {last['loss']:.4f}"]
     if "rewards/accuracies" in last:
         parts.append(f"acc {last['rewards/accuracies']:.2f}")
+    if "kl" in last:
+        parts.append(f"kl {last['kl']:.3f}")
     parts.append(f"tokens/s {last.get('tokens/s', 0.0):.0f}")
+    if last["positions"] < last["tokens"]:  # as the bar: the share of positions prompts laid out once saved
+        parts.append(f"saved {1 - last['positions'] / last['tokens']:.0%}")
     if eta_s is not None:
         parts.append(f"eta {time.strftime('%H:%M:%S', time.gmtime(eta_s)) if eta_s < 86400 else f'{eta_s / 3600:.0f}h'}")
     if last.get("skipped_steps"):
