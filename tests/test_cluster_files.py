@@ -150,6 +150,24 @@ def test_a_store_swapped_at_the_same_path_is_refused_on_resume(world, tmp_path, 
     assert (run / "final").is_dir()
 
 
+def test_a_checkpoint_written_before_store_identities_still_resumes(world, tmp_path):
+    """A run folder and checkpoint from before `train_store.json` (so nothing records the store) resume as before,
+    and the checkpoint still verifies against its own checksums."""
+    from prefpack.training.checkpoint import verify_checkpoint
+    from prefpack.training.checkpoint.files import write_checksums
+
+    run = tmp_path / "run"
+    _cut(world, run)
+    ckpt = run / "checkpoints" / "step-00000001"
+    for path in (run / "train_store.json", ckpt / "train_store.json"):
+        path.unlink()
+    (ckpt / "checksums.json").unlink()
+    write_checksums(ckpt)  # the manifest an older prefpack wrote: no train_store.json in it
+    assert verify_checkpoint(ckpt).status == "ok"
+    train(cfg_for(world, run), resume=True, progress=False, log=quiet)
+    assert (run / "final").is_dir()
+
+
 def test_a_resume_without_the_runs_config_yaml_refuses_a_changed_config(world, tmp_path, capsys):
     from conftest import overrides
 
