@@ -72,3 +72,21 @@ def test_activation_estimate_grows_with_the_model(autocast):
     small = b.activation_bytes_per_token(_model(24, 1024).config, autocast=autocast, checkpointing=False)
     large = b.activation_bytes_per_token(_model(28, 1536).config, autocast=autocast, checkpointing=False)
     assert large > small > 0
+
+
+def test_memory_first_holds_the_micro_batch_and_head_chunk_to_trls_defaults(monkeypatch):
+    model = _model()
+    speed, _ = _cuda(monkeypatch, 74, model, checkpointing=True)
+    first, line = _cuda(monkeypatch, 74, model, checkpointing=True, memory_first=True)
+    assert "memory first, from 74.0 GiB free" in line
+    assert speed.micro_batch_tokens > 16384 and speed.chunk_size > 1024  # the estimate alone would fill memory
+    assert first == b.Budgets(16384, 8192, 1024)
+    tiny, _ = _cuda(monkeypatch, 0.5, model, memory_first=True)
+    assert tiny.micro_batch_tokens == b.MIN_MICRO_BATCH_TOKENS  # still never below the floor
+
+
+@pytest.mark.parametrize(("setting", "device", "memory", "on"), [
+    ("auto", "cuda", "first", True), ("auto", "cuda", "speed", False), ("auto", "cpu", "first", False),
+    (True, "cpu", "speed", True), (False, "cuda", "first", False)])
+def test_gradient_checkpointing_auto_is_on_only_on_cuda_when_memory_comes_first(setting, device, memory, on):
+    assert b.checkpointing_on(setting, torch.device(device), memory) is on

@@ -39,7 +39,7 @@ QWEN=${QWEN:-none}
 [ -f .gpu/qwen2.5/tokenizer.json ] && QWEN=.gpu/qwen2.5  # carried: cp -r ../shared/tokenizers/qwen2.5 .gpu/
 if [ "$what" = tests ] || [ "$what" = all ]; then
   PREFPACK_TEST_CUDA=1 timeout "${TESTS_TIMEOUT:-240}" "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-    tests/test_varlen.py tests/test_varlen_shared.py tests/test_precision.py tests/test_budgets.py tests/test_logprobs.py 2>&1 \
+    tests/test_gpu_paths.py tests/test_varlen.py tests/test_varlen_shared.py tests/test_precision.py tests/test_budgets.py tests/test_logprobs.py 2>&1 \
     | tee "$OUT/tests.log"
 fi
 if [ "$what" = compare ] || [ "$what" = all ]; then

@@ -62,7 +62,8 @@ class ModelConfig:
         "varlen (half-precision compute), else sdpa")
     trust_remote_code: bool = _f(False, "allow custom model code from the hub")
     allow_tokenizer_mismatch: bool = _f(False, "train even if the store was tokenised by another tokenizer")
-    gradient_checkpointing: bool = _f(False, "recompute activations in backward to save memory")
+    gradient_checkpointing: Switch = _f("auto", "recompute activations in backward to save memory; auto = on on CUDA "
+                                        "with train.memory=first (TRL's default too), off on CPU and with speed")
     compile: Switch = _f("auto", "torch.compile each decoder layer (fuses the elementwise work between matmuls; the "
                          "first step pays the compilation); auto = on in a single CUDA process, falling back to eager "
                          "where the compiler fails; off on CPU and under torchrun")
@@ -80,8 +81,8 @@ class DataConfig:
     paired_as_kto: bool = _f(False, "KTO on a pair store: chosen = desirable, rejected = undesirable")
     prefix_sharing: Switch = _f("auto", "lay out each prompt once per prompt group in its packed row (a pair, a "
                                 "ranked prompt's completions, KTO examples of one prompt; about 36% fewer positions "
-                                "on hh); auto = on with packing on the packed_sdpa kernel (CPU); true = also on "
-                                "CUDA's varlen (speed unmeasured), an error where no kernel reads prompt groups")
+                                "on hh); auto = on with packing on the kernels that read prompt groups "
+                                "(packed_sdpa on CPU, varlen on CUDA); true = an error where no kernel reads them")
     ranked_pairs: RankedPairs = _f("best_vs_rest", "pairs drawn from a ranked store (several scored completions per "
                                    "prompt): best_vs_rest = the best completion against each lower-scored one, "
                                    "all_pairs = every pair of completions whose scores differ; ties give no pair")
@@ -169,6 +170,10 @@ class TrainConfig:
     chunk_size: Budget = _f("auto", "tokens per chunk of the memory-bounded log-softmax; auto = 1024 on CPU, "
                             "sized from the device on CUDA")
     device: Device = _f("auto", "auto = cuda when available, else cpu")
+    memory: Literal["first", "speed"] = _f(
+        "first", "what CUDA's free memory is for: first = a peak under TRL's default run of the same model "
+        "(gradient checkpointing, 1,024-token head chunks, micro-batches of at most 16,384 tokens); speed = fill "
+        "free memory (no checkpointing unless asked, budgets as large as the estimate allows)")
 
 
 @dataclass

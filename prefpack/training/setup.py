@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from prefpack.budgets import resolve_budgets
+from prefpack.budgets import checkpointing_on, resolve_budgets
 from prefpack.data.store import Store, StoreError
 from prefpack.data.views import row_lengths
 from prefpack.distributed import Dist, wrap
@@ -212,7 +212,7 @@ def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_r
     if cfg.lora.enabled:
         policy = _wrap_lora(policy, cfg)
         reference.bind_policy(policy)
-    if cfg.model.gradient_checkpointing:
+    if checkpointing_on(cfg.model.gradient_checkpointing, device, cfg.train.memory):
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if precision.weights == torch.bfloat16 and cfg.optim.master_dtype == "bfloat16":
         log(pure_bfloat16_warning([p for p in policy.parameters() if p.requires_grad], cfg.optim.lr))
@@ -275,7 +275,10 @@ def _budgets(cfg, policy: nn.Module, device: torch.device, precision: Precision,
     """The micro-batch, row and chunk budgets: the config's numbers, ``auto`` ones sized for this device."""
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     budgets, line = resolve_budgets(cfg.train, cfg.data, policy, device, trainable_params=trainable,
-                                    autocast=precision.autocast, checkpointing=cfg.model.gradient_checkpointing,
+                                    autocast=precision.autocast,
+                                    checkpointing=checkpointing_on(cfg.model.gradient_checkpointing, device,
+                                                                   cfg.train.memory),
+                                    memory_first=cfg.train.memory == "first",
                                     flattened=uses_flash_attention(policy))
     log(f"{line}; precision: {precision.describe()}; attention: {attention_name(policy) or attn}")
     return budgets
