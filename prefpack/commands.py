@@ -14,6 +14,7 @@ from pathlib import Path
 
 def add_prepare(sub) -> None:
     from prefpack.data.formats import FIELD_HELP, LAYOUTS
+    from prefpack.data.truncation import DEFAULT_MIN_PROMPT_KEEP
 
     p = sub.add_parser("prepare", help="tokenise preference data into a binary store",
                        description="Read JSONL/JSON/Parquet/CSV files (or globs) or datasets folders, tokenise "
@@ -30,6 +31,11 @@ def add_prepare(sub) -> None:
     p.add_argument("--truncation", choices=("prompt-left", "drop"), default="prompt-left",
                    help="over-long examples: cut the prompt from the left, then completions from the right "
                    "(prompt-left, default), or drop them; every cut or drop is counted")
+    p.add_argument("--min-prompt-keep", type=float, default=DEFAULT_MIN_PROMPT_KEEP, metavar="SHARE",
+                   help="with --truncation prompt-left, the least share of its prompt's tokens a row must keep "
+                   f"(default {DEFAULT_MIN_PROMPT_KEEP:g}: the last half of a conversation still holds what the "
+                   "completions answer); a row that would keep less is refused, naming its file, row and field "
+                   "(counted and skipped with --skip-invalid). 0 allows any cut, 1 refuses every prompt cut")
     p.add_argument("--workers", type=int, default=0, help="tokeniser processes (default: all cores)")
     p.add_argument("--skip-invalid", action="store_true",
                    help="skip bad rows (counted by reason and written to skipped.jsonl) instead of stopping")
@@ -57,6 +63,7 @@ def run_prepare(args, argv: list[str]) -> int:
     opts = PrepareOptions(
         inputs=args.inputs, tokenizer=args.tokenizer, output=args.output, layout=args.format, fields=fields,
         split=args.split, max_length=args.max_length, truncation=args.truncation, workers=args.workers,
+        min_prompt_keep=args.min_prompt_keep,
         skip_invalid=args.skip_invalid, overwrite=args.overwrite, trust_remote_code=args.trust_remote_code,
         allow_duplicate_inputs=args.allow_duplicate_inputs,
         chat_template_kwargs=args.chat_template_kwargs, tools=args.tools, train_on=args.train_on,

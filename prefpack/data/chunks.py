@@ -23,6 +23,7 @@ from prefpack.data.sources import RawRow, Source, iter_rows
 from prefpack.data.spans import mask_to_spans
 from prefpack.data.store import FLAG_COMPLETION_TRUNCATED, FLAG_PROMPT_TRUNCATED
 from prefpack.data.tokenize import Dropped, ExampleTokenizer, TokenizeConfig, TokenizedExample
+from prefpack.data.truncation import BELOW_MINIMUM, TruncationStats, prompt_field
 from prefpack.tokenizer import load_tokenizer, special_tokens
 
 _WORKER: dict[str, Any] = {}
@@ -51,6 +52,7 @@ class ChunkResult:
     chat: Counter  # examples rendered by the chat template ("examples") and those with tools ("with_tools")
     spans: np.ndarray  # int64 [m, 2]: unscored completion tokens [start, end), positions in `tokens`
     unused: set  # input columns no row of the chunk was read from
+    cuts: TruncationStats  # prompts and completions --max-length cut, and by how many tokens
 
 
 def process_chunk(chunk: list[RawRow]) -> ChunkResult:
@@ -85,9 +87,11 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
             spans.append(mask_to_spans(scored, len(flat)))
         flat.extend(c)
 
+    cuts = TruncationStats()
     for raw, ex, res in zip(origin, examples, results):
         if isinstance(res, InvalidRow):
-            problems.append(_problem(raw, res.reason, res.field, res.message, raw.row))
+            where = prompt_field(layout, fields) if res.reason == BELOW_MINIMUM else res.field
+            problems.append(_problem(raw, res.reason, where, res.message, raw.row))
             continue
         if isinstance(res, Dropped):
             problems.append(_problem(raw, res.reason, None, "longer than --max-length", raw.row, kind="dropped"))
@@ -99,6 +103,10 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
             chat["with_tools"] += bool(ex.tools if ex.tools is not None else tokenize.cfg.tools)
         if res.cut:  # texts far over --max-length, cut before tokenising (counted apart; not an index flag)
             truncated["cut_before_tokenising"] += res.cut
+        if res.truncated:
+            cuts.prompts.add(res.before[0], len(res.prompt))
+            for before, c in zip(res.before[1:], res.completions):
+                cuts.completions.add(before, len(c))
         flags = 0
         for what in res.truncated:
             truncated[what] += 1
@@ -125,7 +133,7 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
     index = np.asarray(rows, dtype=np.int64).reshape(-1, width)
     problems.sort(key=lambda p: (p["file_index"], p["row"]))
     span_rows = np.concatenate(spans) if spans else np.zeros((0, 2), np.int64)
-    return ChunkResult(tokens, index, problems, truncated, empty, chat, span_rows, unused)
+    return ChunkResult(tokens, index, problems, truncated, empty, chat, span_rows, unused, cuts)
 
 
 def _score_bits(score: float) -> int:

@@ -10,6 +10,7 @@ import numpy as np
 
 from prefpack.data.spans import scored_of
 from prefpack.data.store import FLAG_COMPLETION_TRUNCATED, FLAG_PROMPT_TRUNCATED, Store, StoreError
+from prefpack.data.truncation import describe
 
 UNSCORED_OPEN, UNSCORED_CLOSE = "⟦", "⟧"
 
@@ -112,6 +113,10 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
     for key in ("skipped", "dropped", "truncated"):
         if c.get(key):
             lines.append(f"{key:<10} " + ", ".join(f"{k}={v}" for k, v in sorted(c[key].items())))
+    cut = describe(c.get("truncation") or {}, m.get("args", {}).get("max_length"),
+                   (c.get("truncated") or {}).get("cut_before_tokenising", 0))
+    if cut:  # stores from before the cut counts have none
+        lines.append(f"{'':<10} {cut}")
     kept = {k: c[k] for k in ("empty_completions", "chat_examples", "examples_with_tools") if c.get(k)}
     if (c.get("repeated_prompts") or {}).get("prompts"):  # pairs sharing a prompt with other pairs
         kept["repeated_prompts"] = c["repeated_prompts"]

@@ -33,7 +33,9 @@ from prefpack.data.formats import (
 )
 from prefpack.data.sources import Source, file_sha256, peek_first_row, resolve_inputs
 from prefpack.data.store import StoreWriter, check_output, recover_interrupted
+from prefpack.data.store_format import FLAG_PROMPT_TRUNCATED
 from prefpack.data.tokenize import TokenizeConfig
+from prefpack.data.truncation import DEFAULT_MIN_PROMPT_KEEP, TruncationStats, describe
 from prefpack.data.turns import TRAIN_ON
 from prefpack.errors import PrefpackError
 from prefpack.tokenizer import HASH_VERSION, load_tokenizer, special_tokens, tokenizer_hash, tokenizer_name
@@ -53,6 +55,8 @@ class PrepareOptions:
     split: str | None = None
     max_length: int | None = None
     truncation: str = "prompt-left"
+    # prompt-left: a row whose prompt would keep less than this share of its tokens is refused (truncation.py)
+    min_prompt_keep: float = DEFAULT_MIN_PROMPT_KEEP
     workers: int = 0  # 0: all cores
     skip_invalid: bool = False
     overwrite: bool = False
@@ -84,6 +88,8 @@ class PrepareReport:
     repeated_prompts: dict[str, int] = field(default_factory=dict)  # pair stores: {"prompts": n, "pairs": m}
     unused_columns: list[str] = field(default_factory=list)  # input columns prepare did not read
     spans: int = 0  # unscored token ranges stored (spans.bin)
+    cuts: dict = field(default_factory=dict)  # TruncationStats.to_json(): prompts and completions cut, tokens removed
+    max_length: int | None = None
 
     def summary(self) -> str:
         what = f"{self.examples} examples" if self.groups is None else \
@@ -97,13 +103,16 @@ class PrepareReport:
                          + f"; every skipped row is in {self.path / 'skipped.jsonl'}")
         if self.repeated_prompts.get("prompts"):
             r = self.repeated_prompts
-            lines.append(f"{r['pairs']} pairs share {r['prompts']} prompts with other pairs: train with "
+            lines.append(f"{r['pairs']} pairs share {r['prompts']} uncut prompts with other pairs: train with "
                          "data.group_by_prompt=true to compute each such prompt, and each completion repeated in its "
                          "pairs, once (a prompt's pairs then share a step); by default every pair computes its own")
         if self.dropped:
             lines.append("dropped (length policy): " + ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items())))
         if self.truncated:
             lines.append("truncated: " + ", ".join(f"{k}={v}" for k, v in sorted(self.truncated.items())))
+        cut = describe(self.cuts, self.max_length, self.truncated.get("cut_before_tokenising", 0))
+        if cut:
+            lines.append(cut)
         if self.empty_completions:
             lines.append("kept empty or whitespace-only completions (each is its whitespace then EOS, as TRL "
                          "trains them): " + ", ".join(f"{k}={v}" for k, v in sorted(self.empty_completions.items())))
@@ -150,6 +159,9 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     t0 = time.perf_counter()
     if opts.max_length is not None and opts.max_length < 2:
         raise PrepareError("--max-length must be at least 2 (one prompt token and one completion token)")
+    if not 0 <= opts.min_prompt_keep <= 1:
+        raise PrepareError(f"--min-prompt-keep is a share of the prompt's tokens, from 0 (any cut) to 1 (no prompt "
+                           f"cut), not {opts.min_prompt_keep:g}")
     sources = resolve_inputs(opts.inputs, allow_duplicates=opts.allow_duplicate_inputs)
     _check_inputs_outside(sources, opts.output)
     recover_interrupted(Path(opts.output), log=log)  # before the slow part: refuse a bad --output at once
@@ -165,13 +177,14 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     kind = {"unpaired": "unpaired", "ranked": "ranked"}.get(layout, "pairs")
     fields = resolve_fields(layout, field_names)
     workers = opts.workers or os.cpu_count() or 1
-    tcfg = TokenizeConfig(max_length=opts.max_length, truncation=opts.truncation,
+    tcfg = TokenizeConfig(max_length=opts.max_length, truncation=opts.truncation, min_prompt_keep=opts.min_prompt_keep,
                           chat_template_kwargs=template_kwargs, tools=tools, train_on=train_on)
     writer = StoreWriter(opts.output, kind=kind, vocab_size=specials.vocab_size, overwrite=opts.overwrite, log=log)
     skipped: Counter = Counter()
     empty: Counter = Counter()
     dropped: Counter = Counter()
     truncated: Counter = Counter()
+    cuts = TruncationStats()
     chat: Counter = Counter()
     rows_per_file: Counter = Counter()
     repeats = PromptRepeats()
@@ -197,6 +210,7 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
                                              "message": p["message"], "data": p["content"]},
                                             ensure_ascii=True, default=str) + "\n")
             truncated.update(res.truncated)
+            cuts.merge(res.cuts)
             empty.update(res.empty)
             chat.update(res.chat)
             unused |= res.unused
@@ -221,7 +235,7 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
             "tokenizer": {"name": tokenizer_name(tok, opts.tokenizer), "hash": tokenizer_hash(tok),
                           "hash_version": HASH_VERSION, "has_chat_template": bool(tok.chat_template), **specials.to_json()},
             "counts": {"rows_read": rows_read, "examples": writer.n_rows, "skipped": dict(skipped),
-                       "dropped": dict(dropped), "truncated": dict(truncated),
+                       "dropped": dict(dropped), "truncated": dict(truncated), "truncation": cuts.to_json(),
                        "empty_completions": dict(empty), "chat_examples": chat["examples"],
                        "examples_with_tools": chat["with_tools"],
                        **({"repeated_prompts": repeats.counts()} if kind == "pairs" else {})},
@@ -229,7 +243,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
                          "sha256": file_sha256(s.path)} for s in sources],
             "args": {"inputs": opts.inputs, "tokenizer": opts.tokenizer, "format": opts.layout,
                      "fields": opts.fields, "split": opts.split, "max_length": opts.max_length,
-                     "truncation": opts.truncation, "skip_invalid": opts.skip_invalid, "workers": workers,
+                     "truncation": opts.truncation, "min_prompt_keep": opts.min_prompt_keep,
+                     "skip_invalid": opts.skip_invalid, "workers": workers,
                      "allow_duplicate_inputs": opts.allow_duplicate_inputs,
                      "chat_template_kwargs": template_kwargs or None,
                      "tools": opts.tools, "train_on": opts.train_on,
@@ -258,18 +273,20 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     return PrepareReport(path, layout, reason, writer.n_rows, writer.n_tokens, rows_read, dict(skipped),
                          dict(dropped), dict(truncated), time.perf_counter() - t0, dict(empty), dict(chat),
                          writer.n_groups if kind == "ranked" else None, repeats.counts(), sorted(unused),
-                         writer.n_spans)
+                         writer.n_spans, cuts.to_json(), opts.max_length)
 
 
 class PromptRepeats:
     """Counts pairs whose prompt (as tokens) another pair also has: training computes such a prompt once per pair,
-    which a ranked layout would avoid. Keeps an 8-byte digest per distinct prompt."""
+    which a ranked layout would avoid. Keeps an 8-byte digest per distinct prompt. Prompts --max-length cut are left
+    out: cut to their last tokens, unrelated prompts look alike (hh's cut to ``<s>:``)."""
 
     def __init__(self):
         self.seen: Counter = Counter()
 
     def observe(self, tokens: np.ndarray, index: np.ndarray) -> None:
-        for offset, prompt_len in index[:, :2].tolist():
+        uncut = (index[:, 4] & FLAG_PROMPT_TRUNCATED) == 0  # the pair columns' flags
+        for offset, prompt_len in index[uncut, :2].tolist():
             self.seen[hashlib.blake2b(tokens[offset:offset + prompt_len].tobytes(), digest_size=8).digest()] += 1
 
     def counts(self) -> dict[str, int]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefpack.data.formats import Example, InvalidRow
+from prefpack.data.truncation import check_prompt_keep
 from prefpack.data.turns import Ranges, token_mask, unscored_chat_ranges
 from prefpack.tokenizer import SpecialTokens
 
@@ -30,6 +31,7 @@ class TokenizeConfig:
     max_length: int | None = None  # longest prompt + completion sequence, in tokens
     truncation: str = "prompt-left"  # "prompt-left": cut the prompt's start, then completions' ends; "drop"
     min_prompt_tokens: int = 1  # never cut a prompt below this (the first completion token needs context)
+    min_prompt_keep: float = 0.0  # prompt-left: refuse a cut keeping less of the prompt (prepare's default: 0.5)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template variables for every chat row
     tools: list[dict] | None = None  # tools for chat rows that give none of their own
     train_on: str = "assistant"  # chat replies: which messages are scored (turns.TRAIN_ON)
@@ -43,6 +45,7 @@ class TokenizedExample:
     truncated: tuple[str, ...] = ()  # "prompt" and/or "completion" when --max-length cut something
     scored: tuple[list[bool] | None, ...] = ()  # per completion: True per scored token, None when all are
     cut: int = 0  # texts of it cut before tokenising (far longer than --max-length; the kept tokens unchanged)
+    before: tuple[int, ...] = ()  # prompt then completion lengths before --max-length cut (estimated if `cut`)
 
 
 class Dropped(Exception):
@@ -184,22 +187,24 @@ class ExampleTokenizer:
             start, n = r
             try:
                 out.append(self._finish(ex, ids[start], ids[start + 1 : start + 1 + n],
-                                        [masks.get(k) for k in range(start + 1, start + 1 + n)]))
-                out[-1].cut = len(cut & set(range(start, start + 1 + n)))
+                                        [masks.get(k) for k in range(start + 1, start + 1 + n)],
+                                        [cut.get(k, 0) for k in range(start, start + 1 + n)]))
+                out[-1].cut = sum(k in cut for k in range(start, start + 1 + n))
             except (InvalidRow, Dropped) as err:
                 out.append(err)
         return out
 
-    def _encode_bounded(self, texts: list[str], prompts: set[int], masked: set[int]) -> tuple[list[list[int]], set]:
+    def _encode_bounded(self, texts: list[str], prompts: set[int], masked: set[int]) -> tuple[list[list[int]], dict]:
         """Token ids of every text; with --max-length, a text far longer than it is cut before tokenising (a
         prompt keeps its end, a completion its start: what truncation keeps), so one huge row does not cost
         gigabytes. The cut is checked: the kept tokens must be the same at two cut points (else the whole text is
-        tokenised), and enough tokens must remain that truncation still applies."""
+        tokenised), and enough tokens must remain that truncation still applies. Also returns, per text cut, the
+        tokens it left out (estimated from the characters per token of the part kept), for the cut counts."""
         backend, limit = self.tok.backend_tokenizer, self.cfg.max_length
         chars = None if limit is None else CUT_CHARS_PER_TOKEN * limit + 1024
         long = [k for k, t in enumerate(texts) if chars is not None and len(t) > chars and k not in masked]
         if not long:
-            return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)], set()
+            return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)], {}
 
         def cut(k: int, n: int) -> str:
             return texts[k][-n:] if k in prompts else texts[k][:n]
@@ -215,10 +220,10 @@ class ExampleTokenizer:
             if min(len(ids[k]), len(half.ids)) <= limit or kept(ids[k]) != kept(half.ids):
                 ids[k] = backend.encode(texts[k], add_special_tokens=False).ids  # the cut is not safe here
                 done.discard(k)
-        return ids, done
+        return ids, {k: round(len(ids[k]) * (len(texts[k]) / chars - 1)) for k in done}
 
-    def _finish(self, ex: Example, prompt: list[int], comps: list[list[int]],
-                masks: list[list[bool] | None]) -> TokenizedExample:
+    def _finish(self, ex: Example, prompt: list[int], comps: list[list[int]], masks: list[list[bool] | None],
+                unseen: list[int]) -> TokenizedExample:
         sp = self.specials
         prefix = list(sp.prefix_ids)
         if prefix and prompt[: len(prefix)] != prefix:
@@ -237,7 +242,8 @@ class ExampleTokenizer:
                 m = None if m is None else m + [True]
             finished.append(c)
             scored.append(m)
-        prompt, finished, truncated = self._truncate(prompt, finished)
+        before = (len(prompt) + unseen[0], *(len(c) + u for c, u in zip(finished, unseen[1:])))
+        prompt, finished, truncated = self._truncate(prompt, finished, before[0])
         if len(finished) == 2 and "completion" in truncated and finished[0] == finished[1]:
             raise Dropped("identical_after_truncation")  # both cut to the same tokens: a pair with zero gradient
         scored = [m if m is None else m[: len(c)] for m, c in zip(scored, finished)]
@@ -245,9 +251,11 @@ class ExampleTokenizer:
             raise InvalidRow("no_scored_tokens", None, "--max-length cut every scored token of a completion; "
                              "raise --max-length or use --truncation drop")
         return TokenizedExample(prompt=prompt, completions=tuple(finished), label=ex.label, truncated=truncated,
-                                scored=tuple(scored))
+                                scored=tuple(scored), before=before)
 
-    def _truncate(self, prompt: list[int], comps: list[list[int]]):
+    def _truncate(self, prompt: list[int], comps: list[list[int]], whole: int):
+        """Cut to --max-length: the prompt's start (keeping BOS), then completions' ends; `whole` is the prompt's
+        length before any cut (more than len(prompt) when its text was cut before tokenising)."""
         limit = self.cfg.max_length
         longest = max(len(c) for c in comps)
         if limit is None or len(prompt) + longest <= limit:
@@ -264,6 +272,8 @@ class ExampleTokenizer:
             tail = prompt[len(keep_head):]
             prompt = keep_head + tail[len(tail) - (room - len(keep_head)):]
             truncated.append("prompt")
+        if len(prompt) < whole:
+            check_prompt_keep(whole, len(prompt), longest, limit, self.cfg.min_prompt_keep)
         room = limit - len(prompt)
         if room <= 0:
             raise Dropped("too_long")
