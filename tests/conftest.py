@@ -190,7 +190,8 @@ def group_and_pair_losses(tok_dir, group_store, pair_store, cfg, *, ld: bool, ro
 
 
 def prepare_hh_splits(root, tok_dir, hh_rows, sizes: dict[str, int], max_length: int = 48) -> dict:
-    """Consecutive splits (``{"train": 24, "eval": 10}``) of usable hh pairs, each prepared into ``root / name``."""
+    """Consecutive splits (``{"train": 24, "eval": 10}``) of usable hh pairs, each prepared into ``root / name``; at
+    48 tokens most prompts are cut to almost nothing, which these training tests allow (``min_prompt_keep=0``)."""
     from prefpack.data.prepare import PrepareOptions, prepare
 
     rows = [r for r in hh_rows[:100] if r["chosen"].strip() and r["chosen"] != r["rejected"]]
@@ -199,7 +200,8 @@ def prepare_hh_splits(root, tok_dir, hh_rows, sizes: dict[str, int], max_length:
         part = rows[start:start + n]
         start += n
         prepare(PrepareOptions(inputs=[str(write_jsonl(root / f"{name}.jsonl", part))], tokenizer=str(tok_dir),
-                               output=str(root / name), max_length=max_length, workers=1), log=lambda m: None)
+                               output=str(root / name), max_length=max_length, min_prompt_keep=0, workers=1),
+                log=lambda m: None)
         out[name] = root / name
     return out
 

@@ -154,7 +154,8 @@ def test_a_pair_made_identical_by_max_length_is_counted_and_dropped(tmp_path, to
             {"prompt": "Name a colour.", "chosen": " Blue", "rejected": " Seven"}]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     report = prepare(PrepareOptions(inputs=[str(src)], tokenizer=str(toy_tokenizers["neox"]),
-                                    output=str(tmp_path / "s"), workers=1, max_length=12), log=lambda m: None)
+                                    output=str(tmp_path / "s"), workers=1, max_length=12, min_prompt_keep=0),
+                     log=lambda m: None)
     assert report.examples == 1
     assert report.dropped == {"identical_after_truncation": 1}
     assert "identical_after_truncation=1" in report.summary()

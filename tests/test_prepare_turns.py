@@ -211,7 +211,8 @@ def test_max_length_cuts_the_mask_with_the_tokens(tmp_path, chat_toks):
     row = {"prompt": PROMPT, "chosen": AGENT, "rejected": PLAIN}
     full = run(tmp_path / "f", chat_toks["chatml"], [row], None)
     c = len(full.pair(0).chosen)
-    cut = run(tmp_path / "c", chat_toks["chatml"], [row], None, max_length=c - 5)  # the prompt cut to 1 token
+    cut = run(tmp_path / "c", chat_toks["chatml"], [row], None, max_length=c - 5,
+              min_prompt_keep=0)  # the prompt cut to 1 token (allowed: the default minimum refuses it)
     chosen = cut.pair(0).chosen
     assert cut.meta["counts"]["truncated"] == {"prompt": 1, "completion": 1} and len(chosen) == c - 6
     assert scored_of(chosen).tolist() == scored_of(full.pair(0).chosen).tolist()[: len(chosen)]

@@ -103,7 +103,8 @@ class PrepareReport:
                          + f"; every skipped row is in {self.path / 'skipped.jsonl'}")
         if self.repeated_prompts.get("prompts"):
             r = self.repeated_prompts
-            lines.append(f"{r['pairs']} pairs share {r['prompts']} uncut prompts with other pairs: train with "
+            uncut = " (prompts --max-length cut are not counted)" if (self.cuts.get("prompts") or {}).get("cut") else ""
+            lines.append(f"{r['pairs']} pairs share {r['prompts']} prompts with other pairs{uncut}: train with "
                          "data.group_by_prompt=true to compute each such prompt, and each completion repeated in its "
                          "pairs, once (a prompt's pairs then share a step); by default every pair computes its own")
         if self.dropped:
