@@ -84,10 +84,10 @@ def describe(stats: dict, max_length: int | None, estimated: int = 0) -> str | N
         s = stats.get(name) or {}
         if s.get("cut"):
             kept = f"; the most cut kept {s['least_kept_share']:.0%}" if name == "prompts" else ""
-            parts.append(f"{s['cut']} {name} {where} ({s['tokens_removed']:,} tokens removed: mean "
+            parts.append(f"{name} cut {where}: {s['cut']:,} ({s['tokens_removed']:,} tokens removed: mean "
                          f"{s['mean_cut']:,.1f}, largest {s['largest_cut']:,}{kept})")
     if not parts:
         return None
-    limit = f" to --max-length {max_length}" if max_length else ""
+    limit = f" --max-length {max_length}" if max_length else " --max-length"
     note = f" (estimated for {estimated} texts cut before tokenising)" if estimated else ""
-    return f"cut{limit}: " + ", ".join(parts) + note
+    return f"cut to{limit}: " + "; ".join(parts) + note
