@@ -109,10 +109,8 @@ class PrepareReport:
                          "pairs, once (a prompt's pairs then share a step); by default every pair computes its own")
         if self.dropped:
             lines.append("dropped (length policy): " + ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items())))
-        if self.truncated:
-            lines.append("truncated: " + ", ".join(f"{k}={v}" for k, v in sorted(self.truncated.items())))
         cut = describe(self.cuts, self.max_length, self.truncated.get("cut_before_tokenising", 0))
-        if cut:
+        if cut:  # the examples cut (self.truncated, in meta.json) told apart by part and tokens
             lines.append(cut)
         if self.empty_completions:
             lines.append("kept empty or whitespace-only completions (each is its whitespace then EOS, as TRL "

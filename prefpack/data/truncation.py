@@ -83,7 +83,9 @@ def describe(stats: dict, max_length: int | None, estimated: int = 0) -> str | N
     for name, where in (("prompts", "from the left"), ("completions", "at the end")):
         s = stats.get(name) or {}
         if s.get("cut"):
-            kept = f"; the most cut kept {s['least_kept_share']:.0%}" if name == "prompts" else ""
+            share = s["least_kept_share"]
+            kept = f"; the most cut kept {'under 1%' if 0 < share < 0.005 else f'{share:.0%}'}" \
+                if name == "prompts" else ""
             parts.append(f"{name} cut {where}: {s['cut']:,} ({s['tokens_removed']:,} tokens removed: mean "
                          f"{s['mean_cut']:,.1f}, largest {s['largest_cut']:,}{kept})")
     if not parts:
