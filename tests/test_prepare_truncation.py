@@ -142,3 +142,15 @@ def test_hh_prompts_cut_to_almost_nothing_are_no_longer_silent(tmp_path, toy_tok
     assert {tuple(store.pair(i).prompt.tolist()) for i in range(3)} == {tuple(store.pair(0).prompt.tolist())}
     assert len(store.pair(0).prompt) == 2 and store.meta["args"]["min_prompt_keep"] == 0
     assert "cut to --max-length 48: prompts cut from the left: 3" in out and "group_by_prompt" not in out
+
+
+def test_a_prompt_cut_before_tokenising_counts_its_estimated_length(tmp_path, toy_tokenizers):
+    """A text far over --max-length is cut before it is tokenised; its removed tokens are estimated from the part kept
+    (here exactly: 5,000 characters of one 4-character token), and the summary says they are estimates."""
+    rows = [{"prompt": the(1250), "chosen": the(1), "rejected": the(2)}]
+    with pytest.raises(PrepareError, match="from 1251 to 5 tokens"):
+        run(rows, toy_tokenizers["llama"], tmp_path / "s", max_length=8)
+    r = run(rows, toy_tokenizers["llama"], tmp_path / "z", max_length=8, min_prompt_keep=0)
+    assert r.truncated == {"prompt": 1, "cut_before_tokenising": 1}
+    assert (r.cuts["prompts"]["cut"], r.cuts["prompts"]["tokens_removed"]) == (1, 1246)
+    assert "(estimated for 1 texts cut before tokenising)" in r.summary()
