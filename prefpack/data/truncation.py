@@ -23,9 +23,14 @@ def check_prompt_keep(before: int, after: int, longest: int, limit: int, min_kee
     if after >= before or after >= min_keep * before:
         return
     raise InvalidRow(BELOW_MINIMUM, None, f"--max-length {limit} would cut the prompt from {before} to {after} tokens "
-                     f"(keeping {after / before:.0%} of it; the longest completion has {longest} tokens), below "
+                     f"(keeping {percent(after / before)} of it; the longest completion has {longest} tokens), below "
                      f"--min-prompt-keep {min_keep:g}. Raise --max-length, lower --min-prompt-keep (0 allows any cut), "
                      "or pass --truncation drop to drop over-long rows")
+
+
+def percent(share: float) -> str:
+    """A share as a whole percentage, but never a cut that kept something shown as 0%."""
+    return "under 1%" if 0 < share < 0.005 else f"{share:.0%}"
 
 
 def prompt_field(layout: str, fields: Fields) -> str:
@@ -83,9 +88,7 @@ def describe(stats: dict, max_length: int | None, estimated: int = 0) -> str | N
     for name, where in (("prompts", "from the left"), ("completions", "at the end")):
         s = stats.get(name) or {}
         if s.get("cut"):
-            share = s["least_kept_share"]
-            kept = f"; the most cut kept {'under 1%' if 0 < share < 0.005 else f'{share:.0%}'}" \
-                if name == "prompts" else ""
+            kept = f"; the most cut kept {percent(s['least_kept_share'])}" if name == "prompts" else ""
             parts.append(f"{name} cut {where}: {s['cut']:,} ({s['tokens_removed']:,} tokens removed: mean "
                          f"{s['mean_cut']:,.1f}, largest {s['largest_cut']:,}{kept})")
     if not parts:
