@@ -1,4 +1,4 @@
-"""The TRL 1.16 `DPOConfig` fields a DPO user sets, with TRL's defaults: the list the README's "Coming from TRL"
+"""The TRL 1.16 `DPOConfig` fields a DPO user sets, with TRL's defaults: the list docs/coming-from-trl.md's
 table must cover row for row (tests/test_trl_mapping.py checks it without TRL installed).
 
 Which fields:
@@ -86,8 +86,8 @@ def collect() -> dict:
         "header": {
             "what": "TRL DPOConfig fields a DPO user sets, with TRL's dataclass defaults (repr strings, before "
                     "__post_init__): every field TrainingArguments lacks, the TrainingArguments fields TRL's config "
-                    "classes redeclare, and a fixed list of common TrainingArguments fields; README.md's 'Coming "
-                    "from TRL' table has one row per field (tests/test_trl_mapping.py)",
+                    "classes redeclare, and a fixed list of common TrainingArguments fields; docs/coming-from-trl.md's "
+                    "table has one row per field (tests/test_trl_mapping.py)",
             "command": "python benchmarks/trl_config_fields.py" + (
                 " " + shlex.join(sys.argv[1:]) if sys.argv[1:] else ""),
             "trl_version": trl.__version__,

@@ -399,7 +399,8 @@ def _budget(flag: str, value: str) -> int | str:
 
 
 def add_quickstart(sub) -> None:
-    p = sub.add_parser("quickstart", help="the whole pipeline on a small bundled task, no downloads (~2 min on CPU)")
+    p = sub.add_parser("quickstart", help="the whole pipeline on a small bundled task, no downloads (about a minute "
+                       "on 2 CPU cores)")
     p.add_argument("--output-dir", default="runs/quickstart")
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: one epoch)")
     p.add_argument("--seed", type=int, default=0)

@@ -1,4 +1,4 @@
-"""README.md's "Coming from TRL: DPOConfig key by key" table against TRL 1.16's DPOConfig and prefpack's own keys.
+"""docs/coming-from-trl.md's "Coming from TRL: DPOConfig key by key" table against TRL 1.16's DPOConfig and prefpack's own keys.
 
 The TRL side is tests/data/trl_dpo_config_fields.json (written by benchmarks/trl_config_fields.py with TRL
 installed), so this test needs neither TRL nor the network: every field there has exactly one row, every config
@@ -19,9 +19,9 @@ import pytest
 from prefpack.config import Config, load_config
 
 REPO = Path(__file__).resolve().parent.parent
-README = REPO / "README.md"
+PAGE = REPO / "docs" / "coming-from-trl.md"
 FIELDS = REPO / "tests" / "data" / "trl_dpo_config_fields.json"
-HEADING = "## Coming from TRL: DPOConfig key by key"
+HEADING = "# Coming from TRL: DPOConfig key by key"
 NONE = "—"
 
 _KEY = re.compile(r"^([a-z_]+(?:\.[a-z_]+)+)(?:\s*[:=]\s*(.+))?$")  # section.key, section.key: value / =value
@@ -49,7 +49,7 @@ def split_cells(line: str) -> list[str]:
 def section_lines(text: str) -> list[str]:
     lines = text.splitlines()
     starts = [i for i, line in enumerate(lines) if line.strip() == HEADING]
-    assert len(starts) == 1, f"README.md must have exactly one {HEADING!r} section, found {len(starts)}"
+    assert len(starts) == 1, f"{PAGE.name} must have exactly one {HEADING!r} heading, found {len(starts)}"
     out = []
     for line in lines[starts[0] + 1:]:
         if line.startswith("## "):
@@ -151,7 +151,7 @@ def trl_fields() -> dict:
 
 @pytest.fixture(scope="module")
 def rows() -> list[tuple[str, str, str]]:
-    return table_rows(README.read_text(encoding="utf-8"))
+    return table_rows(PAGE.read_text(encoding="utf-8"))
 
 
 def test_every_trl_field_has_exactly_one_row(trl_fields, rows):
@@ -159,7 +159,7 @@ def test_every_trl_field_has_exactly_one_row(trl_fields, rows):
     missing = sorted(set(trl_fields) - set(names))
     extra = sorted(set(names) - set(trl_fields))
     twice = sorted({n for n in names if names.count(n) > 1})
-    assert not missing, f"TRL DPOConfig fields with no row in README.md's table: {missing}"
+    assert not missing, f"TRL DPOConfig fields with no row in {PAGE.name}'s table: {missing}"
     assert not extra, f"rows for fields not in {FIELDS.name}: {extra}"
     assert not twice, f"fields with more than one row: {twice}"
 
@@ -174,7 +174,7 @@ def test_named_keys_and_flags_exist(rows):
         if ours != NONE and not checked:
             bad.append(f"{name}: the prefpack cell {ours!r} names no config key or `prefpack` flag (or use {NONE})")
         bad += [f"{name} (notes): {p}" for p in problems_in(notes, keys, options, sections)[0]]
-    assert not bad, "README.md's TRL table names what prefpack does not have:\n" + "\n".join(bad)
+    assert not bad, f"{PAGE.name}'s TRL table names what prefpack does not have:\n" + "\n".join(bad)
 
 
 def test_rows_that_map_to_nothing_say_why(rows):
@@ -194,7 +194,7 @@ def test_checker_catches_a_wrong_key_a_wrong_flag_and_a_missing_row(trl_fields, 
     assert problems_in("`--no-such-flag`", keys, options, sections)[0]
     assert problems_in("`loss.beta`, `prefpack train --resume`, `train.device: cpu`", keys, options,
                        sections) == ([], 3)
-    text = README.read_text(encoding="utf-8")
+    text = PAGE.read_text(encoding="utf-8")
     first = next(line for line in section_lines(text) if line.startswith("| `"))
     assert len(table_rows(text.replace(first + "\n", "", 1))) == len(rows) - 1
 

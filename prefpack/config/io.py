@@ -60,7 +60,7 @@ _ALIASES = {
     "eval_steps": "eval_every",
     "logging_steps": "log_every",
     "loss_type": "terms",
-    # TRL DPOConfig / TrainingArguments names (README: "Coming from TRL")
+    # TRL DPOConfig / TrainingArguments names (docs/coming-from-trl.md)
     "loss_weights": "terms",
     "sync_ref_model": "sync",
     "ref_model_mixup_alpha": "mixup_alpha",

@@ -59,7 +59,7 @@ RANKED_SCORE_LISTS = ("scores", "ratings", "rewards")
 RANKED_RANK_LIST = "ranks"
 
 # Where an assistant reply starts in a whole-conversation string; the implicit prompt ends right after the
-# last one that occurs in the two conversations' shared prefix. (name, marker), also listed in the README.
+# last one that occurs in the two conversations' shared prefix. (name, marker), also listed in docs/data.md.
 ASSISTANT_MARKER_FAMILIES = (
     ("Anthropic hh-rlhf", "\n\nAssistant:"),
     ("ChatML (Qwen, Yi, OpenHermes...)", "<|im_start|>assistant\n"),

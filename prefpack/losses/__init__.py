@@ -46,8 +46,10 @@ from prefpack.losses.registry import (
 from prefpack.losses.transforms import F_DIVERGENCES, f_divergence_scores, length_desensitised, wpo_weights
 from prefpack.losses.unpaired import (
     UNPAIRED_LOSS_NAMES,
+    UNPAIRED_LOSSES,
     UNPAIRED_LOSSES_WITH_KL,
     UnpairedLogps,
+    UnpairedLossSpec,
     apo_zero_unpaired_loss,
     class_balance_warning,
     kl_reference_point,
@@ -73,7 +75,9 @@ __all__ = [
     "LOSS_PARAMS",
     "PAIR_LOSSES",
     "REFERENCE_FREE_LOSSES",
+    "UNPAIRED_LOSSES",
     "UNPAIRED_LOSSES_WITH_KL",
+    "UnpairedLossSpec",
     "UNPAIRED_LOSS_NAMES",
     "LossOutput",
     "LossParam",

@@ -262,6 +262,7 @@ class PairLossSpec:
     ``logp`` (beta * policy), or None (an auxiliary term such as ``nll``). ``params``: the ``loss.*``
     parameters it reads (see ``LOSS_PARAMS``). ``batch_coupled``: the values of one call depend on every pair
     in it (a sort, a token mean over the call), so the loss depends on how pairs are split into micro-batches.
+    ``paper``, ``arxiv``: where the loss comes from (``python -m prefpack.docs`` lists them in docs/losses.md).
     ``f_divergence``: it is built on the chosen - rejected reward difference and reads the f-DPO scores
     (``PairInputs.chosen_score``) in place of the log-ratios, so ``loss.f_divergence_type`` applies to it (TRL 1.16's
     list: sigmoid, sigmoid_norm, hinge, ipo, exo_pair, robust, discopop). ``micro_batch_scalar``: TRL's value is
@@ -278,6 +279,8 @@ class PairLossSpec:
     batch_coupled: bool = False
     f_divergence: bool = False
     micro_batch_scalar: bool = False
+    paper: str = ""  # 'Authors year, "Title"' of the loss's source; "" = none (a plain NLL)
+    arxiv: str = ""  # its arXiv id, e.g. "2305.18290"
 
 
 PAIR_LOSSES: dict[str, PairLossSpec] = {}
@@ -293,62 +296,117 @@ def register_pair_loss(spec: PairLossSpec) -> PairLossSpec:
     return spec
 
 
+def _paper(paper: str, arxiv: str) -> dict[str, str]:
+    return {"paper": paper, "arxiv": arxiv}
+
+
+_PAPERS = {  # the sources the losses' docstrings cite, by short name
+    "DPO": _paper('Rafailov et al. 2023, "Direct Preference Optimization: Your Language Model is Secretly a '
+                  'Reward Model"', "2305.18290"),
+    "ROBUST": _paper('Chowdhury, Kini & Natarajan 2024, "Provably Robust DPO: Aligning Language Models with Noisy '
+                     'Feedback"', "2403.00409"),
+    "IPO": _paper('Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human Preferences"',
+                  "2310.12036"),
+    "SLIC": _paper('Zhao et al. 2023, "SLiC-HF: Sequence Likelihood Calibration with Human Feedback"', "2305.10425"),
+    "BCO": _paper('Jung et al. 2024, "Binary Classifier Optimization for Large Language Model Alignment"',
+                  "2404.04656"),
+    "APO": _paper("D'Oosterlinck et al. 2024, \"Anchored Preference Optimization and Contrastive Revisions: "
+                  "Addressing Underspecification in Alignment\"", "2408.06266"),
+    "SIMPO": _paper('Meng, Xia & Chen 2024, "SimPO: Simple Preference Optimization with a Reference-Free Reward"',
+                    "2405.14734"),
+    "ORPO": _paper('Hong, Lee & Thorne 2024, "ORPO: Monolithic Preference Optimization without Reference Model"',
+                   "2403.07691"),
+    "RPO": _paper('Pang et al. 2024, "Iterative Reasoning Preference Optimization" (RPO: nll beside sigmoid)',
+                  "2404.19733"),
+    "EXO": _paper('Ji et al. 2024, "Towards Efficient Exact Optimization of Language Model Alignment"',
+                  "2402.00856"),
+    "NCA": _paper('Chen et al. 2024, "Noise Contrastive Alignment of Language Models with Explicit Rewards"',
+                  "2402.05369"),
+    "SPPO": _paper('Wu et al. 2024, "Self-Play Preference Optimization for Language Model Alignment"',
+                   "2405.00675"),
+    "AOT": _paper('Melnyk et al. 2024, "Distributional Preference Alignment of LLMs via Optimal Transport"',
+                  "2406.05882"),
+    "DISCOPOP": _paper('Lu et al. 2024, "Discovering Preference Optimization Algorithms with and for Large Language '
+                       'Models"', "2406.08414"),
+    "TULU3": _paper('Lambert et al. 2024, "Tulu 3: Pushing Frontiers in Open Language Model Post-Training"',
+                    "2411.15124"),
+}
+
 for _spec in (
     PairLossSpec("sigmoid", lambda x: sigmoid_loss(x.chosen_score, x.rejected_score, x.beta, x.label_smoothing),
                  True, "logratio", ("beta", "label_smoothing"), summary="DPO; cDPO with label_smoothing",
+                 **_PAPERS["DPO"],
                  f_divergence=True),
     PairLossSpec("sigmoid_ref_free", lambda x: sigmoid_loss(x.policy_chosen, x.policy_rejected, x.beta,
                                                             x.label_smoothing),
-                 False, "logp", ("beta", "label_smoothing"), summary="DPO with the reference taken as 0"),
+                 False, "logp", ("beta", "label_smoothing"), summary="DPO with the reference taken as 0",
+                 **_PAPERS["DPO"]),
     PairLossSpec("robust", lambda x: robust_loss(x.chosen_score, x.rejected_score, x.beta, x.label_smoothing),
                  True, "logratio", ("beta", "label_smoothing"), summary="robust DPO (label-flip rate)",
+                 **_PAPERS["ROBUST"],
                  f_divergence=True),
     PairLossSpec("ipo", lambda x: ipo_loss(x.chosen_score, x.rejected_score, x.chosen_tokens,
                                            x.rejected_tokens, x.beta),
-                 True, "logratio", length_normalised=True, summary="IPO, per-token log-ratios", f_divergence=True),
+                 True, "logratio", length_normalised=True, summary="IPO, per-token log-ratios",
+                 **_PAPERS["IPO"], f_divergence=True),
     PairLossSpec("hinge", lambda x: hinge_loss(x.chosen_score, x.rejected_score, x.beta),
-                 True, "logratio", summary="SLiC hinge", f_divergence=True),
+                 True, "logratio", summary="SLiC hinge",
+                 **_PAPERS["SLIC"], f_divergence=True),
     PairLossSpec("bco_pair", lambda x: bco_pair_loss(x.chosen_logratio, x.rejected_logratio, x.beta),
-                 True, "logratio", summary="paired BCO without reward shift (TRL 1.16)"),
+                 True, "logratio", summary="paired BCO without reward shift (TRL 1.16)",
+                 **_PAPERS["BCO"]),
     PairLossSpec("bco_pair_running", lambda x: bco_pair_loss(x.chosen_logratio, x.rejected_logratio, x.beta,
                                                              x.bco_delta),
-                 True, "logratio", summary="paired BCO with a running-mean reward shift"),
+                 True, "logratio", summary="paired BCO with a running-mean reward shift",
+                 **_PAPERS["BCO"]),
     PairLossSpec("apo_zero", lambda x: apo_zero_loss(x.chosen_logratio, x.rejected_logratio, x.beta),
-                 True, "logratio", summary="APO-zero"),
+                 True, "logratio", summary="APO-zero",
+                 **_PAPERS["APO"]),
     PairLossSpec("apo_down", lambda x: apo_down_loss(x.chosen_logratio, x.rejected_logratio, x.beta),
-                 True, "logratio", summary="APO-down"),
+                 True, "logratio", summary="APO-down",
+                 **_PAPERS["APO"]),
     PairLossSpec("simpo", lambda x: simpo_loss(x.policy_chosen, x.policy_rejected, x.chosen_tokens,
                                                x.rejected_tokens, x.beta, x.simpo_gamma, x.label_smoothing),
                  False, "mean_logp", ("beta", "simpo_gamma", "label_smoothing"), length_normalised=True,
-                 summary="SimPO, reference-free"),
+                 summary="SimPO, reference-free",
+                 **_PAPERS["SIMPO"]),
     PairLossSpec("orpo", lambda x: orpo_loss(x.policy_chosen, x.policy_rejected, x.chosen_tokens,
                                              x.rejected_tokens, x.beta),
-                 False, "mean_logp", length_normalised=True, summary="ORPO (includes its NLL)"),
+                 False, "mean_logp", length_normalised=True, summary="ORPO (includes its NLL)",
+                 **_PAPERS["ORPO"]),
     PairLossSpec("nll", lambda x: nll_loss(x.policy_chosen_plain, x.chosen_tokens), False, None, (),
-                 length_normalised=True, summary="NLL of the chosen completion (RPO with sigmoid)"),
+                 length_normalised=True, summary="NLL of the chosen completion (RPO with sigmoid)",
+                 **_PAPERS["RPO"]),
     PairLossSpec("exo_pair", lambda x: exo_pair_loss(x.chosen_score, x.rejected_score, x.beta,
                                                      x.label_smoothing),
                  True, "logratio", ("beta", "label_smoothing"), summary="EXO, pairwise (label_smoothing > 0)",
+                 **_PAPERS["EXO"],
                  f_divergence=True),
     PairLossSpec("nca_pair", lambda x: nca_pair_loss(x.chosen_logratio, x.rejected_logratio, x.beta),
-                 True, "logratio", summary="NCA, pairwise"),
+                 True, "logratio", summary="NCA, pairwise",
+                 **_PAPERS["NCA"]),
     PairLossSpec("sppo_hard", lambda x: sppo_hard_loss(x.chosen_logratio, x.rejected_logratio, x.beta),
-                 True, "logratio", summary="SPPO with hard win probabilities"),
+                 True, "logratio", summary="SPPO with hard win probabilities",
+                 **_PAPERS["SPPO"]),
     PairLossSpec("aot", lambda x: aot_loss(x.policy_chosen, x.policy_rejected, x.ref_chosen, x.ref_rejected,
                                            x.beta, x.label_smoothing),
                  True, "logratio", ("beta", "label_smoothing"), batch_coupled=True,
-                 summary="AOT, paired (sorts within the micro-batch)"),
+                 summary="AOT, paired (sorts within the micro-batch)",
+                 **_PAPERS["AOT"]),
     PairLossSpec("aot_unpaired", lambda x: aot_unpaired_loss(x.chosen_logratio, x.rejected_logratio, x.beta,
                                                              x.label_smoothing),
                  True, "logratio", ("beta", "label_smoothing"), batch_coupled=True,
-                 summary="AOT, unpaired (sorts within the micro-batch)"),
+                 summary="AOT, unpaired (sorts within the micro-batch)",
+                 **_PAPERS["AOT"]),
     PairLossSpec("discopop", lambda x: discopop_loss(x.chosen_score, x.rejected_score, x.beta,
                                                      x.discopop_tau),
                  True, "logratio", ("beta", "discopop_tau"), summary="DiscoPOP (log-ratio modulated)",
+                 **_PAPERS["DISCOPOP"],
                  f_divergence=True),
     PairLossSpec("sigmoid_norm", lambda x: sigmoid_norm_loss(x.chosen_score, x.rejected_score,
                                                              x.chosen_tokens, x.rejected_tokens, x.beta),
                  True, "logratio", length_normalised=True, summary="DPO on per-token log-ratios",
+                 **_PAPERS["TULU3"],
                  f_divergence=True),
     PairLossSpec("sft", lambda x: sft_loss(x.policy_chosen_plain, x.chosen_tokens), False, None, (),
                  length_normalised=True, batch_coupled=True, micro_batch_scalar=True,

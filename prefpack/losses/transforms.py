@@ -4,12 +4,38 @@ LD-DPO's length-desensitised sums, WPO's pair weights. Pure functions."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["F_DIVERGENCES", "f_divergence_scores", "length_desensitised", "wpo_weights"]
+__all__ = ["F_DIVERGENCES", "LOSS_OPTIONS", "LossOption", "f_divergence_scores", "length_desensitised", "wpo_weights"]
+
+
+@dataclass(frozen=True)
+class LossOption:
+    """A config option that changes what the pair losses compute, with its source (docs/losses.md lists them)."""
+
+    key: str  # the config key that turns it on
+    name: str
+    what: str
+    paper: str  # 'Authors year, "Title"'
+    arxiv: str
+
+
+LOSS_OPTIONS: tuple[LossOption, ...] = (
+    LossOption("loss.f_divergence_type", "f-DPO", "each log-ratio log u replaced by f'(u) before the loss",
+               'Wang et al. 2023, "Beyond Reverse KL: Generalizing Direct Preference Optimization with Diverse '
+               'Divergence Constraints"', "2309.16240"),
+    LossOption("loss.ld_alpha", "LD-DPO", "tokens past the shorter completion weighted by alpha in every log-prob sum",
+               'Liu et al. 2024, "Length Desensitization in Direct Preference Optimization"', "2409.06411"),
+    LossOption("loss.use_weighting", "WPO", "each pair's loss weighted by how likely the policy finds the pair",
+               'Zhou et al. 2024, "WPO: Enhancing RLHF with Weighted Preference Optimization"', "2406.11827"),
+    # acts through the reference (prefpack.reference.sync), listed here with the other options a loss follows
+    LossOption("reference.sync", "TR-DPO", "the reference mixed towards the policy every reference.sync_steps steps",
+               'Gorbatovski et al. 2024, "Learn Your Reference Model for Real Good Alignment"', "2404.09656"),
+)
 
 
 F_DIVERGENCES: tuple[str, ...] = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")

@@ -27,7 +27,9 @@ from prefpack.losses.pairwise import LossOutput
 __all__ = [
     "KTO_RECOMMENDED_RATIO",
     "UNPAIRED_LOSSES_WITH_KL",
+    "UNPAIRED_LOSSES",
     "UNPAIRED_LOSS_NAMES",
+    "UnpairedLossSpec",
     "UnpairedLogps",
     "apo_zero_unpaired_loss",
     "class_balance_warning",
@@ -36,10 +38,34 @@ __all__ = [
     "unpaired_loss",
 ]
 
-UNPAIRED_LOSS_NAMES: tuple[str, ...] = ("kto", "apo_zero_unpaired")
+
+@dataclass(frozen=True)
+class UnpairedLossSpec:
+    """An unpaired loss as the docs list it: what it is, the ``loss.*`` parameters it reads, whether it reads the
+    KL reference point z0, and its source (``paper``: 'Authors year, "Title"'; ``arxiv``: the id)."""
+
+    name: str
+    summary: str
+    params: tuple[str, ...]
+    reads_kl: bool
+    paper: str
+    arxiv: str
+
+
+_APO = ("D'Oosterlinck et al. 2024, \"Anchored Preference Optimization and Contrastive Revisions: Addressing "
+        "Underspecification in Alignment\"")
+UNPAIRED_LOSSES: dict[str, UnpairedLossSpec] = {s.name: s for s in (
+    UnpairedLossSpec("kto", "KTO: each example against the KL reference point z0", ("beta", "desirable_weight",
+                     "undesirable_weight"), True, 'Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect '
+                     'Theoretic Optimization"', "2402.01306"),
+    UnpairedLossSpec("apo_zero_unpaired", "APO-zero per example, anchored at the reference (no z0)",
+                     ("beta", "desirable_weight", "undesirable_weight"), False, _APO, "2408.06266"),
+)}
+
+UNPAIRED_LOSS_NAMES: tuple[str, ...] = tuple(UNPAIRED_LOSSES)
 """Losses of unpaired (prompt, completion, label) examples; they need a reference model."""
 
-UNPAIRED_LOSSES_WITH_KL: frozenset[str] = frozenset({"kto"})
+UNPAIRED_LOSSES_WITH_KL: frozenset[str] = frozenset(n for n, s in UNPAIRED_LOSSES.items() if s.reads_kl)
 """Unpaired losses that read the KL reference point z0 (and so need the extra KL forward)."""
 
 KTO_RECOMMENDED_RATIO: tuple[float, float] = (1.0, 4.0 / 3.0)
