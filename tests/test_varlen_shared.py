@@ -256,8 +256,8 @@ def test_a_compiled_layer_traces_shared_rows_once(monkeypatch):
 
 
 def test_training_on_varlen_with_prefix_sharing_equals_training_without(tmp_path, toy_tokenizers, hh_train):
-    """`data.prefix_sharing=true` runs on varlen (auto stays off there): three DPO steps, same losses and tokens,
-    each prompt computed once."""
+    """`data.prefix_sharing=true` runs on varlen (and auto turns it on there, measured faster on an H100): three DPO
+    steps, same losses and tokens, each prompt computed once."""
     from conftest import prepare_hh_splits, tiny_llama
     from test_prefix_sharing import _train_metrics
 
@@ -268,10 +268,10 @@ def test_training_on_varlen_with_prefix_sharing_equals_training_without(tmp_path
         logged = []
         runs[setting] = _train_metrics(tmp_path, model, stores["train"], setting, "model.attn_implementation=varlen",
                                        f"data.prefix_sharing={setting}", log=logged.append)
-        assert any("laid out once" in m for m in logged) == (setting == "true"), setting
+        assert any("laid out once" in m for m in logged) == (setting != "false"), setting
     shared, plain = runs["true"], runs["false"]
     assert [r["loss"] for r in shared] == pytest.approx([r["loss"] for r in plain], abs=2e-5)
     assert [r["tokens"] for r in shared] == [r["tokens"] for r in plain]
     assert sum(r["positions"] for r in shared) < sum(r["positions"] for r in plain) == sum(r["tokens"] for r in plain)
-    assert [r["positions"] for r in runs["auto"]] == [r["positions"] for r in plain]
+    assert [r["positions"] for r in runs["auto"]] == [r["positions"] for r in shared]
     assert plain[-1]["loss"] != plain[0]["loss"]
