@@ -1,0 +1,77 @@
+"""Sequence parallelism (distributed.sequence_parallel): two gloo ranks, each holding half of every row, against
+one process computing the whole row in float64."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from sp_cases import ATTENTION_CASES, case_tensors, kernel_kwargs
+
+from prefpack.model.attention import packed_sdpa, varlen
+from prefpack.sequence_parallel import (
+    SeqPar,
+    SequenceParallelError,
+    check_heads,
+    kv_repeats,
+    layout_line,
+    make_layout,
+)
+
+HERE = Path(__file__).resolve().parent
+KERNELS = {"packed_sdpa": packed_sdpa.packed_sdpa_attention, "varlen": varlen.varlen_attention}
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(HERE / script), *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def attention_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sp-attention")
+    torchrun("sp_ranks.py", out)
+    return [torch.load(out / f"attention-{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION_CASES))
+def test_sharded_attention_equals_the_whole_row(attention_ranks, name):
+    """Values and q/k/v gradients of the two shards, put together, are those of the kernel on the unsharded row."""
+    case = ATTENTION_CASES[name]
+    q, k, v, pos, cot = case_tensors(case)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    extra = {"sliding_window": case["window"]} if case.get("window") else {}
+    out, _ = KERNELS[case["kernel"]](torch.nn.Module(), q, k, v, None, scaling=case.get("scale"), position_ids=pos,
+                                     **kernel_kwargs(case, pos), **extra)
+    (out * cot).sum().backward()
+    shards = [r[name] for r in attention_ranks]
+    torch.testing.assert_close(torch.cat([s["out"] for s in shards], dim=1), out.detach(), rtol=0, atol=1e-12)
+    for key, full in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        torch.testing.assert_close(torch.cat([s[key] for s in shards], dim=2), full, rtol=0, atol=1e-12)
+
+
+def test_group_sum_is_the_sum_on_every_rank_with_the_sums_gradient(attention_ranks):
+    total = torch.arange(3, dtype=torch.float64) * 3  # rank 0 holds arange(3), rank 1 twice that
+    for r in attention_ranks:
+        torch.testing.assert_close(r["group_sum"]["out"], total)
+        torch.testing.assert_close(r["group_sum"]["grad"], torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+
+
+def test_head_counts_are_checked_with_the_numbers():
+    assert kv_repeats(1, 2) == 2 and kv_repeats(2, 2) == 1 and kv_repeats(3, 2) == 2 and kv_repeats(2, 4) == 2
+    check_heads(4, 1, 2)
+    check_heads(6, 3, 2)
+    with pytest.raises(SequenceParallelError, match="must divide the model's 6 attention heads"):
+        check_heads(6, 2, 4)
+    with pytest.raises(SequenceParallelError, match="does not divide the 6 processes"):
+        make_layout(4, 6, 0)
+    line = layout_line(SeqPar(size=2, rank=0, group=None, data_world=2, data_rank=0), 4)
+    assert "4 processes = 2 data-parallel group(s) of 2 (ranks 0-1, 2-3)" in line
