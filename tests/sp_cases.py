@@ -37,3 +37,52 @@ def kernel_kwargs(case: dict, pos: torch.Tensor) -> dict:
     from prefpack.model.forward import _boundary_kwargs
 
     return _boundary_kwargs(pos.reshape(1, -1), torch.device("cpu"))
+
+
+# ------------------------------------------------------------------------------- the forward over token shards
+
+FORWARD_CASES = {  # kernel, flattened, prompt-shared rows
+    "packed_sdpa_rows": ("packed_sdpa", False, False),
+    "packed_sdpa_shared": ("packed_sdpa", False, True),
+    "varlen_flat_shared": ("varlen", True, True),
+}
+
+
+def tiny_model():
+    """A 2-layer float64 Llama with 4 query heads over 1 key/value head (fewer than the ranks), seeded."""
+    import transformers as tf
+
+    from prefpack.model.attention import packed_sdpa, varlen
+
+    packed_sdpa.register()
+    varlen.register()
+    cfg = tf.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128)
+    cfg._attn_implementation = "packed_sdpa"
+    torch.manual_seed(11)
+    return tf.LlamaForCausalLM(cfg).double().train()
+
+
+def forward_batch(shared: bool):
+    """Three pairs (lengths chosen so rows are odd) in two packed rows; prompt-shared when ``shared``."""
+    import numpy as np
+
+    from prefpack.batching.collate import collate_groups
+
+    g = np.random.default_rng(5)
+    lengths = [(5, 4, 7), (3, 6, 2), (4, 9, 5)]
+    groups = [(g.integers(1, 50, p), (g.integers(1, 50, c), g.integers(1, 50, r))) for p, c, r in lengths]
+    return collate_groups(groups, [[0, 1], [2]], ids=[0, 1, 2], share_prompts=shared)
+
+
+def forward_case(name: str, model):
+    """The case's kernel set on ``model``, its batch and its forward options."""
+    kernel, flatten, shared = FORWARD_CASES[name]
+    model.config._attn_implementation = kernel
+    return forward_batch(shared), {"flatten": flatten, "pair_tails": True, "wpo": True}
+
+
+def forward_loss(out) -> torch.Tensor:
+    """A scalar reading every differentiable output with distinct weights."""
+    w = torch.arange(1, out.logp_sum.numel() + 1, dtype=out.logp_sum.dtype)
+    return (out.logp_sum * w).sum() + (out.tail_sum * w.flip(0)).sum() * 0.5

@@ -8,12 +8,21 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from sp_cases import ATTENTION_CASES, case_tensors, kernel_kwargs
+from sp_cases import (
+    ATTENTION_CASES,
+    FORWARD_CASES,
+    case_tensors,
+    forward_case,
+    forward_loss,
+    kernel_kwargs,
+    tiny_model,
+)
 
 from prefpack.distributed import init_from_env
+from prefpack.model import sequence_logps
 from prefpack.model.attention import packed_sdpa, varlen
 from prefpack.model.attention.sequence_parallel import shardable, sharded_rows
-from prefpack.sequence_parallel import group_sum, make_layout
+from prefpack.sequence_parallel import group_sum, make_layout, use
 
 KERNELS = {"packed_sdpa": packed_sdpa.packed_sdpa_attention, "varlen": varlen.varlen_attention}
 
@@ -41,6 +50,15 @@ def main(out_dir: Path) -> None:
     total = group_sum(x, sp)
     (total * torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)).sum().backward()
     results["group_sum"] = {"out": total.detach(), "grad": x.grad}
+    model = tiny_model()
+    for name in FORWARD_CASES:
+        batch, options = forward_case(name, model)
+        model.zero_grad(set_to_none=True)
+        with use(sp):
+            out = sequence_logps(model, batch, chunk_size=4, **options)
+        forward_loss(out).backward()
+        results["forward/" + name] = {"logp_sum": out.logp_sum.detach(), "tail_sum": out.tail_sum.detach(),
+                         "wpo_mean": out.wpo_mean, "grads": {k: p.grad.clone() for k, p in model.named_parameters()}}
     torch.save(results, out_dir / f"attention-{ctx.rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -10,8 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from sp_cases import ATTENTION_CASES, case_tensors, kernel_kwargs
+from sp_cases import (
+    ATTENTION_CASES,
+    FORWARD_CASES,
+    case_tensors,
+    forward_case,
+    forward_loss,
+    kernel_kwargs,
+    tiny_model,
+)
 
+from prefpack.model import sequence_logps
 from prefpack.model.attention import packed_sdpa, varlen
 from prefpack.sequence_parallel import (
     SeqPar,
@@ -75,3 +84,19 @@ def test_head_counts_are_checked_with_the_numbers():
         make_layout(4, 6, 0)
     line = layout_line(SeqPar(size=2, rank=0, group=None, data_world=2, data_rank=0), 4)
     assert "4 processes = 2 data-parallel group(s) of 2 (ranks 0-1, 2-3)" in line
+
+
+@pytest.mark.parametrize("name", sorted(FORWARD_CASES))
+def test_sharded_forward_equals_one_process(attention_ranks, name):
+    """A float64 Llama (4 query heads over 1 key/value head) on two ranks' token shards: every rank returns the
+    whole row's log-prob sums, LD-DPO tails and WPO means; the ranks' parameter gradients add up to one process's."""
+    model = tiny_model()
+    batch, options = forward_case(name, model)
+    out = sequence_logps(model, batch, chunk_size=4, **options)
+    forward_loss(out).backward()
+    ranks = [r["forward/" + name] for r in attention_ranks]
+    for r in ranks:
+        for key in ("logp_sum", "tail_sum", "wpo_mean"):
+            torch.testing.assert_close(r[key], getattr(out, key).detach(), rtol=0, atol=1e-10)
+    for key, p in model.named_parameters():
+        torch.testing.assert_close(ranks[0]["grads"][key] + ranks[1]["grads"][key], p.grad, rtol=0, atol=1e-10)
