@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_prefpack
 from sp_cases import (
     ATTENTION_CASES,
     FORWARD_CASES,
@@ -19,9 +20,12 @@ from sp_cases import (
     kernel_kwargs,
     tiny_model,
 )
+from test_distributed import ATOL, _losses, _weights, world  # noqa: F401 - world: a module-scoped fixture
 
+from prefpack.config import ConfigError, load_config
 from prefpack.model import sequence_logps
 from prefpack.model.attention import packed_sdpa, varlen
+from prefpack.model.sharded import check_model
 from prefpack.sequence_parallel import (
     SeqPar,
     SequenceParallelError,
@@ -100,3 +104,56 @@ def test_sharded_forward_equals_one_process(attention_ranks, name):
             torch.testing.assert_close(r[key], getattr(out, key).detach(), rtol=0, atol=1e-10)
     for key, p in model.named_parameters():
         torch.testing.assert_close(ranks[0]["grads"][key] + ranks[1]["grads"][key], p.grad, rtol=0, atol=1e-10)
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_the_config_refuses_what_cannot_run_sharded():
+    cfg = load_config(None, ["distributed.sequence_parallel=2", "model.attn_implementation=sdpa",
+                             "data.packing=false"])
+    with pytest.raises(ConfigError) as err:
+        cfg.validate(training=False)
+    assert "the 'sdpa' kernel cannot; set model.attn_implementation to auto or packed_sdpa or varlen" in str(err.value)
+    assert "set data.packing=true" in str(err.value)
+    with pytest.raises(ConfigError, match="distributed.sequence_parallel must be >= 1, got 0"):
+        load_config(None, ["distributed.sequence_parallel=0"]).validate(training=False)
+    load_config(None, ["distributed.sequence_parallel=2"]).validate(training=False)
+
+
+def test_a_model_the_group_cannot_shard_is_refused_with_the_numbers():
+    model = tiny_model()
+    check_model(model, SeqPar(size=4, group=None))  # 4 heads over 4 ranks, the 1 key/value head repeated
+    with pytest.raises(SequenceParallelError, match="must divide the model's 4 attention heads"):
+        check_model(model, SeqPar(size=3, group=None))
+    model.config._attn_implementation = "eager"
+    with pytest.raises(SequenceParallelError, match="packed_sdpa or varlen kernel; this model's is eager"):
+        check_model(model, SeqPar(size=2, group=None))
+
+
+# ---------------------------------------------------------------- training
+
+
+@pytest.fixture(scope="module")
+def sp_runs(world):  # noqa: F811 - the imported fixture
+    """Three steps in one process, and on two ranks forming one sequence group (DDP)."""
+    runs = {k: world["root"] / f"sp-{k}" for k in ("one", "two")}
+    three = ("train.max_steps=3", "run.save_every=0")
+    run_prefpack(["train", str(world["conf"]), f"run.output_dir={runs['one']}", "--no-progress", *three])
+    proc = run_prefpack(["train", str(world["conf"]), f"run.output_dir={runs['two']}", "--no-progress", *three,
+                         "distributed.strategy=ddp", "distributed.sequence_parallel=2"], nproc=2)
+    return runs, proc
+
+
+def test_two_ranks_of_one_sequence_group_train_as_one_process(sp_runs):
+    """Every row split in two token shards over two ranks: the same losses, gradient norms and weights as one
+    process running the whole rows (float32 on CPU; the ranks add their shards' gradients in another order)."""
+    runs, proc = sp_runs
+    assert "sequence parallel: 2 processes = 1 data-parallel group(s) of 2 (ranks 0-1)" in proc.stdout + proc.stderr
+    one, two = _losses(runs["one"]), _losses(runs["two"])
+    assert len(one) == 3
+    for (s1, l1, g1), (s2, l2, g2) in zip(one, two, strict=True):
+        assert s1 == s2 and l1 == pytest.approx(l2, abs=1e-6) and g1 == pytest.approx(g2, rel=1e-5)
+    w1, w2 = _weights(runs["one"]), _weights(runs["two"])
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=ATOL, rtol=0)

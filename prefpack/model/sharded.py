@@ -109,3 +109,27 @@ def sharded_logps(body: nn.Module, spec: HeadSpec, kernel: Kernel, batch: Batch,
     if wpo:
         wpo_mean = wpo_means(group_sum(wpo_sums(logp, log_sum_sq, index, n), sp), batch.completion_tokens)
     return SequenceOutput(logp_sum, batch.completion_tokens, None, tail_sum, wpo_mean)
+
+
+def check_model(model: nn.Module, sp: SeqPar) -> None:
+    """Refuse, at start and with the numbers, a model the group cannot shard: its kernel does not run on token shards
+    (only the kernels registered ``shardable`` do), or its head counts do not split over the group."""
+    if not sp.enabled:
+        return
+    from prefpack.model.attention.kernels import KERNELS, kernel_of
+    from prefpack.sequence_parallel import SequenceParallelError, check_heads
+
+    kernel = kernel_of(model)
+    if not kernel.shards_sequences:
+        able = " or ".join(k.name for k in KERNELS if k.shards_sequences)
+        raise SequenceParallelError(f"distributed.sequence_parallel={sp.size} runs attention on token shards with the "
+                                    f"{able} kernel; this model's is {kernel.name or '?'}: set "
+                                    "model.attn_implementation to one of those")
+    config = getattr(model, "config", None)
+    get = getattr(config, "get_text_config", None)
+    config = get() if callable(get) else config
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    if not heads:
+        raise SequenceParallelError(f"cannot tell the attention head count of {type(model).__name__} "
+                                    "(config.num_attention_heads) to split over distributed.sequence_parallel")
+    check_heads(heads, int(getattr(config, "num_key_value_heads", None) or heads), sp.size)
