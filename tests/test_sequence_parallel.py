@@ -3,6 +3,7 @@ one process computing the whole row in float64."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -48,11 +49,34 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 300) -> sub
     return proc
 
 
+RUNS = {  # name: the overrides of a three-step run (the world's config), trained in one process and on two ranks
+    "pairs": ("distributed.strategy=ddp",),
+    "kto": ("distributed.strategy=ddp", "loss.terms=[{name: kto}]", "data.paired_as_kto=true"),
+    "fsdp2": ("distributed.strategy=fsdp2",),
+}
+
+
 @pytest.fixture(scope="module")
-def attention_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sp-attention")
-    torchrun("sp_ranks.py", out)
-    return [torch.load(out / f"attention-{r}.pt") for r in range(2)]
+def launch(world, tmp_path_factory):  # noqa: F811 - the imported fixture
+    """One torchrun launch of two gloo ranks (tests/sp_ranks.py): the attention and forward cases, then every run of
+    ``RUNS`` with distributed.sequence_parallel=2; and the runs in one process (one process started for all)."""
+    out = tmp_path_factory.mktemp("sp")
+
+    def train(name: str, *extra: str) -> list[str]:
+        return ["train", str(world["conf"]), f"run.output_dir={out / name}", "--no-progress", "train.max_steps=3",
+                "run.save_every=0", *extra]
+
+    commands = out / "commands.json"
+    commands.write_text(json.dumps([train(f"two-{n}", *o, "distributed.sequence_parallel=2") for n, o in RUNS.items()]))
+    proc = torchrun("sp_ranks.py", out, commands)
+    run_prefpack(*(train(f"one-{n}", *o[1:]) for n, o in RUNS.items() if n != "fsdp2"))
+    return {"out": out, "log": proc.stdout + proc.stderr,
+            "ranks": [torch.load(out / f"attention-{r}.pt") for r in range(2)]}
+
+
+@pytest.fixture(scope="module")
+def attention_ranks(launch):
+    return launch["ranks"]
 
 
 @pytest.mark.parametrize("name", sorted(ATTENTION_CASES))
@@ -134,26 +158,17 @@ def test_a_model_the_group_cannot_shard_is_refused_with_the_numbers():
 # ---------------------------------------------------------------- training
 
 
-@pytest.fixture(scope="module")
-def sp_runs(world):  # noqa: F811 - the imported fixture
-    """Three steps in one process, and on two ranks forming one sequence group (DDP)."""
-    runs = {k: world["root"] / f"sp-{k}" for k in ("one", "two")}
-    three = ("train.max_steps=3", "run.save_every=0")
-    run_prefpack(["train", str(world["conf"]), f"run.output_dir={runs['one']}", "--no-progress", *three])
-    proc = run_prefpack(["train", str(world["conf"]), f"run.output_dir={runs['two']}", "--no-progress", *three,
-                         "distributed.strategy=ddp", "distributed.sequence_parallel=2"], nproc=2)
-    return runs, proc
-
-
-def test_two_ranks_of_one_sequence_group_train_as_one_process(sp_runs):
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_two_ranks_of_one_sequence_group_train_as_one_process(launch, name):
     """Every row split in two token shards over two ranks: the same losses, gradient norms and weights as one
-    process running the whole rows (float32 on CPU; the ranks add their shards' gradients in another order)."""
-    runs, proc = sp_runs
-    assert "sequence parallel: 2 processes = 1 data-parallel group(s) of 2 (ranks 0-1)" in proc.stdout + proc.stderr
-    one, two = _losses(runs["one"]), _losses(runs["two"])
+    process running the whole rows (float32 on CPU; the ranks add their shards' gradients in another order). Pairs
+    (prompts laid out once) and KTO with DDP, pairs with FSDP2."""
+    assert "sequence parallel: 2 processes = 1 data-parallel group(s) of 2 (ranks 0-1)" in launch["log"]
+    one_dir, two_dir = launch["out"] / ("one-pairs" if name == "fsdp2" else f"one-{name}"), launch["out"] / f"two-{name}"
+    one, two = _losses(one_dir), _losses(two_dir)
     assert len(one) == 3
     for (s1, l1, g1), (s2, l2, g2) in zip(one, two, strict=True):
         assert s1 == s2 and l1 == pytest.approx(l2, abs=1e-6) and g1 == pytest.approx(g2, rel=1e-5)
-    w1, w2 = _weights(runs["one"]), _weights(runs["two"])
+    w1, w2 = _weights(one_dir), _weights(two_dir)
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=ATOL, rtol=0)
