@@ -41,10 +41,12 @@ def kernel_kwargs(case: dict, pos: torch.Tensor) -> dict:
 
 # ------------------------------------------------------------------------------- the forward over token shards
 
-FORWARD_CASES = {  # kernel, flattened, prompt-shared rows
-    "packed_sdpa_rows": ("packed_sdpa", False, False),
-    "packed_sdpa_shared": ("packed_sdpa", False, True),
-    "varlen_flat_shared": ("varlen", True, True),
+FORWARD_CASES = {  # kernel, flattened, prompt-shared rows, (prompt, chosen, rejected) lengths, rows of pairs
+    "packed_sdpa_rows": ("packed_sdpa", False, False, [(5, 4, 7), (3, 6, 2), (4, 9, 5)], [[0, 1], [2]]),
+    "packed_sdpa_shared": ("packed_sdpa", False, True, [(5, 4, 7), (3, 6, 2), (4, 9, 5)], [[0, 1], [2]]),
+    "varlen_flat_shared": ("varlen", True, True, [(5, 4, 7), (3, 6, 2), (4, 9, 5)], [[0, 1], [2]]),
+    # one pair whose prompt fills the first shard: rank 0 scores no position at all
+    "first_shard_unscored": ("packed_sdpa", False, True, [(20, 2, 3)], [[0]]),
 }
 
 
@@ -63,23 +65,23 @@ def tiny_model():
     return tf.LlamaForCausalLM(cfg).double().train()
 
 
-def forward_batch(shared: bool):
-    """Three pairs (lengths chosen so rows are odd) in two packed rows; prompt-shared when ``shared``."""
+def forward_batch(shared: bool, lengths, rows):
+    """Seeded pairs of these lengths packed in these rows (odd row lengths: padded for two ranks); prompt-shared
+    when ``shared``."""
     import numpy as np
 
     from prefpack.batching.collate import collate_groups
 
     g = np.random.default_rng(5)
-    lengths = [(5, 4, 7), (3, 6, 2), (4, 9, 5)]
     groups = [(g.integers(1, 50, p), (g.integers(1, 50, c), g.integers(1, 50, r))) for p, c, r in lengths]
-    return collate_groups(groups, [[0, 1], [2]], ids=[0, 1, 2], share_prompts=shared)
+    return collate_groups(groups, rows, ids=list(range(len(groups))), share_prompts=shared)
 
 
 def forward_case(name: str, model):
     """The case's kernel set on ``model``, its batch and its forward options."""
-    kernel, flatten, shared = FORWARD_CASES[name]
+    kernel, flatten, shared, lengths, rows = FORWARD_CASES[name]
     model.config._attn_implementation = kernel
-    return forward_batch(shared), {"flatten": flatten, "pair_tails": True, "wpo": True}
+    return forward_batch(shared, lengths, rows), {"flatten": flatten, "pair_tails": True, "wpo": True}
 
 
 def forward_loss(out) -> torch.Tensor:

@@ -63,8 +63,9 @@ def launch(world, tmp_path_factory):  # noqa: F811 - the imported fixture
     out = tmp_path_factory.mktemp("sp")
 
     def train(name: str, *extra: str) -> list[str]:
+        evaluated = [f"data.eval={world['store']}"] if name.endswith("-pairs") else []  # before and after training
         return ["train", str(world["conf"]), f"run.output_dir={out / name}", "--no-progress", "train.max_steps=3",
-                "run.save_every=0", *extra]
+                "run.save_every=0", *evaluated, *extra]
 
     commands = out / "commands.json"
     commands.write_text(json.dumps([train(f"two-{n}", *o, "distributed.sequence_parallel=2") for n, o in RUNS.items()]))
@@ -169,6 +170,13 @@ def test_two_ranks_of_one_sequence_group_train_as_one_process(launch, name):
     assert len(one) == 3
     for (s1, l1, g1), (s2, l2, g2) in zip(one, two, strict=True):
         assert s1 == s2 and l1 == pytest.approx(l2, abs=1e-6) and g1 == pytest.approx(g2, rel=1e-5)
+    if name == "pairs":  # evaluation before and after training, its micro-batches sharded too
+        evals = [[m for m in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if m["split"] == "eval"]
+                 for d in (one_dir, two_dir)]
+        assert len(evals[0]) == 2
+        for e1, e2 in zip(*evals, strict=True):
+            assert e1["loss"] == pytest.approx(e2["loss"], abs=1e-6)
+            assert e1["logps/chosen"] == pytest.approx(e2["logps/chosen"], rel=1e-6)
     w1, w2 = _weights(one_dir), _weights(two_dir)
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=ATOL, rtol=0)
