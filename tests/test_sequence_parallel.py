@@ -52,7 +52,7 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 300) -> sub
 RUNS = {  # name: the overrides of a three-step run (the world's config), trained in one process and on two ranks
     "pairs": ("distributed.strategy=ddp",),
     "kto": ("distributed.strategy=ddp", "loss.terms=[{name: kto}]", "data.paired_as_kto=true"),
-    "fsdp2": ("distributed.strategy=fsdp2",),
+    "fsdp2_ld_wpo": ("distributed.strategy=fsdp2", "loss.ld_alpha=0.5", "loss.use_weighting=true"),
 }
 
 
@@ -70,7 +70,7 @@ def launch(world, tmp_path_factory):  # noqa: F811 - the imported fixture
     commands = out / "commands.json"
     commands.write_text(json.dumps([train(f"two-{n}", *o, "distributed.sequence_parallel=2") for n, o in RUNS.items()]))
     proc = torchrun("sp_ranks.py", out, commands)
-    run_prefpack(*(train(f"one-{n}", *o[1:]) for n, o in RUNS.items() if n != "fsdp2"))
+    run_prefpack(*(train(f"one-{n}", *o[1:]) for n, o in RUNS.items()))
     return {"out": out, "log": proc.stdout + proc.stderr,
             "ranks": [torch.load(out / f"attention-{r}.pt") for r in range(2)]}
 
@@ -163,9 +163,9 @@ def test_a_model_the_group_cannot_shard_is_refused_with_the_numbers():
 def test_two_ranks_of_one_sequence_group_train_as_one_process(launch, name):
     """Every row split in two token shards over two ranks: the same losses, gradient norms and weights as one
     process running the whole rows (float32 on CPU; the ranks add their shards' gradients in another order). Pairs
-    (prompts laid out once) and KTO with DDP, pairs with FSDP2."""
+    (prompts laid out once) and KTO with DDP; pairs with LD-DPO's tails and WPO's weights with FSDP2."""
     assert "sequence parallel: 2 processes = 1 data-parallel group(s) of 2 (ranks 0-1)" in launch["log"]
-    one_dir, two_dir = launch["out"] / ("one-pairs" if name == "fsdp2" else f"one-{name}"), launch["out"] / f"two-{name}"
+    one_dir, two_dir = launch["out"] / f"one-{name}", launch["out"] / f"two-{name}"
     one, two = _losses(one_dir), _losses(two_dir)
     assert len(one) == 3
     for (s1, l1, g1), (s2, l2, g2) in zip(one, two, strict=True):
