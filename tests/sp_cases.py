@@ -47,6 +47,8 @@ FORWARD_CASES = {  # kernel, flattened, prompt-shared rows, (prompt, chosen, rej
     "varlen_flat_shared": ("varlen", True, True, [(5, 4, 7), (3, 6, 2), (4, 9, 5)], [[0, 1], [2]]),
     # one pair whose prompt fills the first shard: rank 0 scores no position at all
     "first_shard_unscored": ("packed_sdpa", False, True, [(20, 2, 3)], [[0]]),
+    # gradient checkpointing: backward replays each layer's forward, attention's exchanges included
+    "checkpointed": ("packed_sdpa", False, True, [(5, 4, 7), (3, 6, 2), (4, 9, 5)], [[0, 1], [2]]),
 }
 
 
@@ -81,6 +83,10 @@ def forward_case(name: str, model):
     """The case's kernel set on ``model``, its batch and its forward options."""
     kernel, flatten, shared, lengths, rows = FORWARD_CASES[name]
     model.config._attn_implementation = kernel
+    if name == "checkpointed":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
     return forward_batch(shared, lengths, rows), {"flatten": flatten, "pair_tails": True, "wpo": True}
 
 

@@ -25,7 +25,7 @@ from prefpack.cli import main as cli_main
 from prefpack.distributed import init_from_env
 from prefpack.model import sequence_logps
 from prefpack.model.attention import packed_sdpa, varlen
-from prefpack.model.attention.sequence_parallel import shardable, sharded_rows
+from prefpack.model.attention.sequence_parallel import SHARDS, TokenShards, shardable
 from prefpack.sequence_parallel import group_sum, make_layout, use
 
 KERNELS = {"packed_sdpa": packed_sdpa.packed_sdpa_attention, "varlen": varlen.varlen_attention}
@@ -42,10 +42,9 @@ def main(out_dir: Path) -> None:
         qs, ks, vs = (t[:, :, lo:hi].clone().requires_grad_(True) for t in (q, k, v))
         attention = shardable(KERNELS[case["kernel"]])
         row_kwargs = {"position_ids": pos, **kernel_kwargs(case, pos)}
-        with sharded_rows(sp, row_kwargs):
-            out, _ = attention(torch.nn.Module(), qs, ks, vs, None, scaling=case.get("scale"),
-                               position_ids=pos[:, lo:hi], **({"sliding_window": case["window"]}
-                                                              if case.get("window") else {}))
+        window = {"sliding_window": case["window"]} if case.get("window") else {}
+        out, _ = attention(torch.nn.Module(), qs, ks, vs, None, scaling=case.get("scale"), position_ids=pos[:, lo:hi],
+                           **window, **{SHARDS: TokenShards(sp, row_kwargs)})
         (out * cot[:, lo:hi]).sum().backward()
         results[name] = {"out": out.detach(), "dq": qs.grad, "dk": ks.grad, "dv": vs.grad}
     # the group sum: every rank sees the sum; each rank's gradient is the sum's gradient (no factor N)

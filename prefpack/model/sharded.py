@@ -19,7 +19,7 @@ from torch import nn
 
 from prefpack.batching.collate import Batch
 from prefpack.model.attention.kernels import Kernel
-from prefpack.model.attention.sequence_parallel import sharded_rows
+from prefpack.model.attention.sequence_parallel import SHARDS, TokenShards
 from prefpack.model.head import HeadSpec
 from prefpack.model.logprobs import completion_logprobs, segment_sum
 from prefpack.model.sums import (
@@ -88,9 +88,8 @@ def sharded_logps(body: nn.Module, spec: HeadSpec, kernel: Kernel, batch: Batch,
     row_kwargs = {"position_ids": rows.row_position_ids.to(device)}
     if flatten and kernel.boundary_kwargs:
         row_kwargs.update(boundary_kwargs(rows.row_position_ids, device))
-    with sharded_rows(sp, row_kwargs):
-        out = body(input_ids=rows.input_ids.to(device), position_ids=rows.position_ids.to(device),
-                   attention_mask=None, use_cache=False)
+    out = body(input_ids=rows.input_ids.to(device), position_ids=rows.position_ids.to(device), attention_mask=None,
+               use_cache=False, **{SHARDS: TokenShards(sp, row_kwargs)})
     hidden = hidden_of(out)
     h = hidden.reshape(-1, hidden.shape[-1])[rows.at.to(device)]
     index = rows.sequences.to(device)
