@@ -141,6 +141,8 @@ def test_the_config_refuses_what_cannot_run_sharded():
         cfg.validate(training=False)
     assert "the 'sdpa' kernel cannot; set model.attn_implementation to auto or packed_sdpa or varlen" in str(err.value)
     assert "set data.packing=true" in str(err.value)
+    with pytest.raises(ConfigError, match="does not run through torch.compile yet; set model.compile=off"):
+        load_config(None, ["distributed.sequence_parallel=2", "model.compile=true"]).validate(training=False)
     with pytest.raises(ConfigError, match="distributed.sequence_parallel must be >= 1, got 0"):
         load_config(None, ["distributed.sequence_parallel=0"]).validate(training=False)
     load_config(None, ["distributed.sequence_parallel=2"]).validate(training=False)

@@ -116,6 +116,8 @@ def problems(cfg: Config, *, training: bool) -> list[str]:
              f"{m.attn_implementation!r} kernel cannot; set model.attn_implementation to "
              + " or ".join(["auto", *(k.name for k in KERNELS if k.shards_sequences)]))
         need(d.packing, f"distributed.sequence_parallel={sp} splits packed rows; set data.packing=true")
+        need(m.compile is not True, f"distributed.sequence_parallel={sp} does not run through torch.compile yet; set "
+             "model.compile=off")
 
     at_least("lora.r", lora.r, 1)
     positive("lora.alpha", lora.alpha)
