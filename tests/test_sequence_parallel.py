@@ -153,6 +153,8 @@ def test_a_model_the_group_cannot_shard_is_refused_with_the_numbers():
     check_model(model, SeqPar(size=4, group=None))  # 4 heads over 4 ranks, the 1 key/value head repeated
     with pytest.raises(SequenceParallelError, match="must divide the model's 4 attention heads"):
         check_model(model, SeqPar(size=3, group=None))
+    with pytest.raises(SequenceParallelError, match="set loss.router_aux_loss_coef=0"):
+        check_model(model, SeqPar(size=2, group=None), router_aux=True)
     model.config._attn_implementation = "eager"
     with pytest.raises(SequenceParallelError, match="packed_sdpa or varlen kernel; this model's is eager"):
         check_model(model, SeqPar(size=2, group=None))

@@ -110,13 +110,18 @@ def sharded_logps(body: nn.Module, spec: HeadSpec, kernel: Kernel, batch: Batch,
     return SequenceOutput(logp_sum, batch.completion_tokens, None, tail_sum, wpo_mean)
 
 
-def check_model(model: nn.Module, sp: SeqPar) -> None:
+def check_model(model: nn.Module, sp: SeqPar, *, router_aux: bool = False) -> None:
     """Refuse, at start and with the numbers, a model the group cannot shard: its kernel does not run on token shards
-    (only the kernels registered ``shardable`` do), or its head counts do not split over the group."""
+    (only the kernels registered ``shardable`` do), its head counts do not split over the group, or the run adds the
+    MoE router loss (``router_aux``: not a per-sequence sum)."""
     if not sp.enabled:
         return
     from prefpack.model.attention.kernels import KERNELS, kernel_of
     from prefpack.sequence_parallel import SequenceParallelError, check_heads
+
+    if router_aux:
+        raise SequenceParallelError("the MoE router load-balancing loss is not computed over token shards "
+                                    "(distributed.sequence_parallel); set loss.router_aux_loss_coef=0")
 
     kernel = kernel_of(model)
     if not kernel.shards_sequences:

@@ -116,7 +116,8 @@ def _train(cfg, ctx: Dist, sp: SeqPar, *, resume: bool, stop_after_steps: int | 
     if main:
         save_run_config(cfg, run_dir, resume=resume)
     policy, reference = setup.policy, setup.reference
-    check_model(policy, sp)  # a kernel or head count the group cannot shard, refused before any step
+    # a kernel, head count or loss the group cannot shard, refused before any step
+    check_model(policy, sp, router_aux=bool(setup.train_task.forward_options().get("router_aux")))
     policy.train()
     strategy = cfg.distributed.strategy
     module = wrap_modules(setup, ctx)
