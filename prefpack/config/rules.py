@@ -11,7 +11,7 @@ import difflib
 import math
 from typing import TYPE_CHECKING
 
-from prefpack.model.attention.kernels import kernel_named
+from prefpack.model.attention.kernels import KERNELS, kernel_named
 
 if TYPE_CHECKING:
     from prefpack.config.schema import Config
@@ -106,6 +106,18 @@ def problems(cfg: Config, *, training: bool) -> list[str]:
         need(math.isfinite(ref.mixup_alpha) and 0.0 < ref.mixup_alpha <= 1.0,
              f"reference.mixup_alpha must be in (0, 1], got {ref.mixup_alpha}")
         at_least("reference.sync_steps", ref.sync_steps, 1)
+
+    sp = cfg.distributed.sequence_parallel
+    at_least("distributed.sequence_parallel", sp, 1)
+    if sp > 1:
+        kernel = kernel_named(m.attn_implementation)
+        need(m.attn_implementation == "auto" or kernel.shards_sequences,
+             f"distributed.sequence_parallel={sp} runs attention on token shards, which the "
+             f"{m.attn_implementation!r} kernel cannot; set model.attn_implementation to "
+             + " or ".join(["auto", *(k.name for k in KERNELS if k.shards_sequences)]))
+        need(d.packing, f"distributed.sequence_parallel={sp} splits packed rows; set data.packing=true")
+        need(m.compile is not True, f"distributed.sequence_parallel={sp} does not run through torch.compile yet; set "
+             "model.compile=off")
 
     at_least("lora.r", lora.r, 1)
     positive("lora.alpha", lora.alpha)

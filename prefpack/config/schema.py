@@ -202,6 +202,8 @@ Balance = Literal["tokens", "count"]
 class DistributedConfig:
     strategy: Strategy = _f("ddp", "under torchrun: ddp (model fits one device) or fsdp2 (shard it)")
     balance: Balance = _f("tokens", "ranks get micro-batches balanced by tokens, or equal pair counts packed per rank (count)")
+    sequence_parallel: int = _f(1, "ranks per sequence group: each micro-batch row is split into this many token shards "
+                                   "(attention by all-to-all over heads); the world is data-parallel groups of it")
 
 
 @dataclass

@@ -45,11 +45,16 @@ from torch import nn
 from torch.profiler import record_function
 
 from prefpack.batching.collate import Batch
-from prefpack.model.attention import varlen
 from prefpack.model.attention.kernels import KERNELS, kernel_of, reads_prompt_groups, uses_flash_attention
 from prefpack.model.head import body_and_head, head_spec
 from prefpack.model.logprobs import DEFAULT_CHUNK_SIZE, completion_logprobs, segment_sum
+from prefpack.model.sharded import sharded_logps
+from prefpack.model.sums import SequenceOutput, drawn_pair_tails, tail_mask, wpo_means, wpo_sums
+from prefpack.model.sums import boundary_kwargs as _boundary_kwargs
+from prefpack.model.sums import hidden_of as _hidden
+from prefpack.model.sums import tail_mask as _tail_mask  # noqa: F401 - read by tests
 from prefpack.precision import compute_context
+from prefpack.sequence_parallel import current as sequence_layout
 
 __all__ = [
     "PairSums",
@@ -75,38 +80,6 @@ class PairSums(NamedTuple):
     rejected: torch.Tensor  # [P]
     chosen_tokens: torch.Tensor  # [P]
     rejected_tokens: torch.Tensor  # [P]
-
-
-class SequenceOutput(NamedTuple):
-    """Per-sequence results of one forward over a micro-batch (sequence ``2p``/``2p + 1`` = pair p's chosen/rejected
-    in a pair batch). Optional fields are None unless requested."""
-
-    logp_sum: torch.Tensor  # [S] completion log-prob sums (with gradient under autograd)
-    n_tokens: torch.Tensor  # [S] completion token counts (host tensor)
-    aux_loss: torch.Tensor | None = None  # scalar MoE router load-balancing loss (``router_aux``)
-    tail_sum: torch.Tensor | None = None  # [S] sum over the tokens past the shorter completion of the pair (LD-DPO);
-    # [2, P] per drawn pair (chosen, rejected) when the batch gives ``tail_pairs`` (ranked stores)
-    wpo_mean: torch.Tensor | None = None  # [S] detached mean over tokens of log p - log sum_v p_v^2 (WPO)
-
-
-def _boundary_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
-    """transformers' flash keyword arguments for a flattened row, computed on the host (no device sync); with
-    prompt groups also the gathered keys' boundaries and index (tensors and ints: a compiled layer sees the same
-    kinds of inputs every step)."""
-    b = varlen.group_bounds(position_ids.cpu())
-    cu = b.cu_q.to(device, non_blocking=True)
-    kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": b.max_q, "max_length_k": b.max_q}
-    if b.key_index is not None:
-        kwargs.update({"cu_seq_lens_k": b.cu_k.to(device, non_blocking=True), "max_length_k": b.max_k,
-                       varlen.KEY_INDEX: b.key_index.to(device, non_blocking=True)})
-    return kwargs
-
-
-def _hidden(out) -> torch.Tensor:
-    h = getattr(out, "last_hidden_state", None)
-    if h is None:
-        h = out[0]
-    return h
 
 
 def _text_config(model: nn.Module):
@@ -170,7 +143,7 @@ def sequence_logps(
     also return the router load-balancing loss over the micro-batch's real tokens (``aux_loss``, a float32 scalar, as
     ``model(..., output_router_logits=True).aux_loss`` computes it). ``pair_tails`` (pair batches): also the sum over
     each completion's tokens past the length of the shorter completion of its pair (``tail_sum``; LD-DPO weights it).
-    ``wpo``: also WPO's per-sequence ``wpo_mean`` (see :func:`_wpo_means`).
+    ``wpo``: also WPO's per-sequence ``wpo_mean`` (see :func:`prefpack.model.sums.wpo_means`).
     """
     body, _ = body_and_head(model)
     spec = head_spec(model)
@@ -188,6 +161,13 @@ def sequence_logps(
     aux = router_aux_loss_func(model) if router_aux else None
     if aux is not None:
         extra = {**extra, "output_router_logits": True}
+    layout = sequence_layout()
+    if layout.enabled:  # this rank's token shard of every row (distributed.sequence_parallel)
+        if aux is not None:
+            raise ValueError("the MoE router loss is not computed over token shards (distributed.sequence_parallel)")
+        with compute_context(model, device):
+            return sharded_logps(body, spec, kernel, batch, layout, flatten=flatten, chunk_size=chunk_size,
+                                 pair_tails=pair_tails, wpo=wpo)
     batch = batch.to(device, non_blocking=True)
     with compute_context(model, device):
         return _sequence_logps(body, spec, batch, flatten, chunk_size, extra, aux, pair_tails, wpo)
@@ -202,54 +182,6 @@ def _aux_loss(out, aux, mask: torch.Tensor | None) -> torch.Tensor:
         raise ValueError("the model body returned no router_logits with output_router_logits=True")
     value = func(tuple(logits), n_experts, top_k, mask)
     return torch.as_tensor(value, dtype=torch.float32, device=logits[0].device).float()
-
-
-def _tail_mask(index: torch.Tensor, n_tokens: torch.Tensor) -> torch.Tensor:
-    """1 at the completion tokens past ``min(len chosen, len rejected)`` of their pair, else 0 (float).
-
-    ``index`` [N] gives each gathered token's sequence; a sequence's tokens are contiguous and in order in every
-    layout (packed, flattened, padded), so a token's place in its completion is its offset from the sequence's
-    first token. Pair p owns sequences 2p and 2p + 1. Computed on the device without a host sync.
-    """
-    n = n_tokens.to(index.device)
-    if n.numel() % 2:
-        raise ValueError(f"pair tails need a pair batch (chosen, rejected alternating), got {n.numel()} sequences")
-    shared = torch.minimum(n[0::2], n[1::2]).repeat_interleave(2)
-    index = index.long()
-    where = torch.arange(index.numel(), device=index.device)
-    first = torch.full((n.numel(),), index.numel(), dtype=torch.long, device=index.device)
-    first = first.scatter_reduce(0, index, where, "amin")
-    return ((where - first[index]) >= shared[index]).float()
-
-
-def _drawn_pair_tails(logp: torch.Tensor, index: torch.Tensor, n_tokens: torch.Tensor,
-                      pairs: torch.Tensor) -> torch.Tensor:
-    """[2, P]: for pair p = (a, b) = ``pairs[:, p]`` (sequence indices), the sums of ``logp`` over a's and over b's
-    completion tokens past ``min(len a, len b)``: LD-DPO's tails when one completion is in several pairs.
-
-    Each sequence's log-probs are laid out in a row of a [S, longest + 1] matrix (tokens contiguous and in order, as
-    in :func:`_tail_mask`) whose reversed cumulative sum gives every suffix sum; a pair reads its two at its cut.
-    """
-    n = n_tokens.to(index.device).long()
-    index = index.long()
-    where = torch.arange(index.numel(), device=index.device)
-    first = torch.full((n.numel(),), index.numel(), dtype=torch.long, device=index.device)
-    first = first.scatter_reduce(0, index, where, "amin")
-    width = int(n.max()) + 1 if n.numel() else 1
-    rows = logp.new_zeros(n.numel(), width).index_put((index, where - first[index]), logp)
-    suffix = rows.flip(1).cumsum(1).flip(1)  # suffix[s, k]: sum over sequence s's tokens from the k-th on
-    pairs = pairs.to(index.device).long()
-    cut = torch.minimum(n[pairs[0]], n[pairs[1]])
-    return torch.stack([suffix[pairs[0], cut], suffix[pairs[1], cut]])
-
-
-def _wpo_means(logp: torch.Tensor, log_sum_sq: torch.Tensor, index: torch.Tensor, n_tokens: torch.Tensor):
-    """WPO (Zhou et al. 2024, arXiv:2406.11827, Eq. 2, as TRL 1.16 computes it): per sequence, the mean over its
-    completion tokens of ``log p(token) - log sum_v p_v^2``, without gradient (a pair's weight is the exp of its
-    chosen + rejected means)."""
-    per_token = logp.detach() - log_sum_sq
-    sums = segment_sum(per_token, index, n_tokens.numel())
-    return sums / n_tokens.to(sums.device, sums.dtype).clamp(min=1.0)
 
 
 def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, extra: dict, aux=None,
@@ -294,12 +226,12 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
     logp_sum = segment_sum(logp, index, batch.num_sequences)
     tail_sum = wpo_mean = None
     if pair_tails and batch.tail_pairs is not None:
-        tail_sum = _drawn_pair_tails(logp, index, batch.completion_tokens, batch.tail_pairs)
+        tail_sum = drawn_pair_tails(logp, index, batch.completion_tokens, batch.tail_pairs)
     elif pair_tails:
-        tail_sum = segment_sum(logp * _tail_mask(index, batch.completion_tokens).to(logp.dtype), index,
+        tail_sum = segment_sum(logp * tail_mask(index, batch.completion_tokens).to(logp.dtype), index,
                                batch.num_sequences)
     if wpo:
-        wpo_mean = _wpo_means(logp, log_sum_sq, index, batch.completion_tokens)
+        wpo_mean = wpo_means(wpo_sums(logp, log_sum_sq, index, batch.num_sequences), batch.completion_tokens)
     return SequenceOutput(logp_sum, batch.completion_tokens, None if aux is None else _aux_loss(out, aux, mask),
                           tail_sum, wpo_mean)
 

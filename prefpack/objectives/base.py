@@ -143,7 +143,14 @@ class StepTotals:
     positions: int = 0  # real positions computed: real_tokens less the prompt tokens laid out once for a group
     scored: int = 0  # positions through the head: scored completion tokens (a store's unscored spans excluded)
 
-    def add(self, out: LossOutput, batch: Any) -> None:
+    def add(self, out: LossOutput, batch: Any, counted: bool = True) -> None:
+        """Add a micro-batch's sums; ``counted=False`` (another rank of a sequence group counts them) adds only its
+        metric names, so every rank's all-reduced vector has the same keys."""
+        if not counted:
+            for k in out.metrics:
+                self.metrics.setdefault(k, 0.0)
+                self.counts.setdefault(k, 0.0)
+            return
         self.examples += int(out.loss.shape[0])
         self.loss += float(out.loss.detach().double().sum())
         for k, v in out.metrics.items():

@@ -11,6 +11,7 @@ from prefpack.distributed import SINGLE, Dist
 from prefpack.model import SequenceLogps
 from prefpack.objectives import Objective, StepTotals
 from prefpack.reference import Reference
+from prefpack.sequence_parallel import current as current_layout
 
 
 @torch.no_grad()
@@ -25,14 +26,17 @@ def evaluate(policy: nn.Module, reference: Reference, task: Objective, *, module
         module = SequenceLogps(policy, chunk_size=task.settings.chunk_size, **task.forward_options())
     was_training = policy.training
     policy.eval()
-    share = deal_step(task, np.arange(len(task)), seed=None, world=ctx.world, balance=balance)[ctx.rank]
+    sp = current_layout()  # sequence groups (distributed.sequence_parallel): a group's ranks share the micro-batches
+    world, rank = (sp.data_world, sp.data_rank) if sp.enabled else (ctx.world, ctx.rank)
+    share = deal_step(task, np.arange(len(task)), seed=None, world=world, balance=balance)[rank]
     batches = [task.collate(p) for p in share.planned]
-    step_state = task.begin_step(module, reference, batches, weights=share.weights, dist=ctx)  # 0 = padding batch
+    counted = share.weights if sp.rank == 0 else [0.0] * len(share.weights)  # a group's sums counted once
+    step_state = task.begin_step(module, reference, batches, weights=counted, dist=ctx)  # 0 = padding batch
     totals = StepTotals()
     for batch, weight in zip(batches, share.weights):
         out = task.loss(module, reference, batch, step_state)
         if weight:
-            totals.add(out, batch)
+            totals.add(out, batch, counted=sp.rank == 0)
     policy.train(was_training)
     return reduce_totals(totals, ctx).means()
 

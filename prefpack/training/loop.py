@@ -22,8 +22,11 @@ from prefpack.batching.deal import deal_step
 from prefpack.batching.schedule import StepKey, StepSchedule
 from prefpack.distributed import Dist, clip_grad_norm, grad_sync, init_from_env
 from prefpack.model import ModelError, release_freed_memory
+from prefpack.model.sharded import check_model
 from prefpack.objectives import StepTotals
 from prefpack.reference import sync_reference
+from prefpack.sequence_parallel import SeqPar, layout_line, make_layout
+from prefpack.sequence_parallel import use as use_layout
 from prefpack.training.cadence import Cadence
 from prefpack.training.checkpoint import (
     Checkpointed,
@@ -93,10 +96,17 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
 
     Under torchrun every rank runs this; only rank 0 prints, logs, plots and writes the final model.
     """
-    from prefpack.metrics import MetricsLogger
-
     check_trainable(cfg)
     ctx = init_from_env(cfg.train.device)
+    sp = make_layout(cfg.distributed.sequence_parallel, ctx.world, ctx.rank, ctx.device.type)
+    with use_layout(sp):  # every forward of the run on this rank's token shards (one rank: unchanged)
+        return _train(cfg, ctx, sp, resume=resume, stop_after_steps=stop_after_steps, log=log, progress=progress)
+
+
+def _train(cfg, ctx: Dist, sp: SeqPar, *, resume: bool, stop_after_steps: int | None, log,
+           progress: bool) -> TrainResult:
+    from prefpack.metrics import MetricsLogger
+
     main = ctx.is_main
     if not main:
         log = _quiet  # noqa: F811 - other ranks stay silent
@@ -106,6 +116,8 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
     if main:
         save_run_config(cfg, run_dir, resume=resume)
     policy, reference = setup.policy, setup.reference
+    # a kernel, head count or loss the group cannot shard, refused before any step
+    check_model(policy, sp, router_aux=bool(setup.train_task.forward_options().get("router_aux")))
     policy.train()
     strategy = cfg.distributed.strategy
     module = wrap_modules(setup, ctx)
@@ -135,6 +147,8 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
 
     if ctx.enabled:
         log(f"{ctx.world} processes, strategy {strategy}, micro-batches dealt by {cfg.distributed.balance}")
+    if sp.enabled:
+        log(layout_line(sp, ctx.world))
     synced = cfg.reference.sync and copied  # TR-DPO: the reference moves, checkpoints keep it
     cadence = Cadence(cfg.run, n_steps, metrics, ctx, evaluate=run_eval if setup.eval_task is not None else None,
                       save=lambda done: save_checkpoint(run_dir, done, parts, task.state_dict(),
@@ -149,16 +163,20 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
             t0 = time.perf_counter()
             with record_function("prefpack.plan_collate"):
                 epoch, ids = sched.pairs_for_step(step)
-                shares = deal_step(task, ids, seed=StepKey(cfg.train.seed, step), world=ctx.world,
+                # a sequence group's ranks take the same share (each runs its token shards of it)
+                shares = deal_step(task, ids, seed=StepKey(cfg.train.seed, step), world=sp.data_world,
                                    balance=cfg.distributed.balance)
-                share = shares[ctx.rank]
+                share = shares[sp.data_rank]
                 batches = [task.collate(p) for p in share.planned]
+                counted = share.weights if sp.rank == 0 else [0.0] * len(share.weights)  # a group's sums once
             optimizer.zero_grad(set_to_none=True)
             with record_function("prefpack.begin_step"):
-                step_state = task.begin_step(module, reference, batches, weights=share.weights, dist=ctx)
+                step_state = task.begin_step(module, reference, batches, weights=counted, dist=ctx)
             totals = StepTotals()
             # Every rank plans the same step, so its example count is known everywhere without communication.
-            # Gradients are summed over ranks: DDP and FSDP2 average them, hence the factor world / n.
+            # Gradients are summed over ranks: DDP and FSDP2 average them, hence the factor world / n. With sequence
+            # groups each rank's gradients are its token shards' share of its group's (group_sum passes the
+            # gradient through), so the same factor holds.
             units = task.units(ids)  # the step's loss terms: its examples, or the pairs of its ranked prompts
             scale = ctx.world / units
             for i, (batch, weight) in enumerate(zip(batches, share.weights)):
@@ -168,7 +186,7 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
                     with record_function("prefpack.backward"):
                         (out.loss.sum() * (scale * weight)).backward()
                 if weight:
-                    totals.add(out, batch)
+                    totals.add(out, batch, counted=sp.rank == 0)  # a sequence group's sums once
                     task.after_micro_batch(out)
             with record_function("prefpack.step_totals"):
                 totals = reduce_totals(totals, ctx)

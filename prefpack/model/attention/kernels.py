@@ -40,6 +40,7 @@ class Kernel:
     prefix_sharing_auto: bool = False  # ``data.prefix_sharing=auto`` turns sharing on (a speed-up measured on it)
     fallback: str | None = None  # loaded instead when the model has no sdpa support
     cudnn_sdp_off: bool = False  # on CUDA, switch cuDNN's sdpa off at load (it plans anew for every packed shape)
+    shards_sequences: bool = False  # runs on token shards (distributed.sequence_parallel: its module is ``shardable``)
     refuses: tuple[tuple[str, str], ...] = ()  # (model config attribute, why) it cannot run when the value is set
 
     def available(self, device_type: str, compute_dtype: Any = None) -> bool:
@@ -97,13 +98,13 @@ _SOFTCAP = ("attn_logit_softcapping", "softcaps its attention logits, which the 
 # In order of preference for ``auto`` (the config lists its choices in this order too).
 KERNELS: tuple[Kernel, ...] = (
     Kernel("packed_sdpa", register=_ours("packed_sdpa"), auto=True, devices=("cpu",), reads_prompt_groups=True,
-           prefix_sharing_auto=True, fallback="eager"),
+           prefix_sharing_auto=True, fallback="eager", shards_sequences=True),
     Kernel("flash_attention_2", auto=True, devices=("cuda",), installed=_flash_attn_installed, needs_cuda=True,
            flattens_rows=True),
     # prompts laid out once on varlen: 1.14x tokens/s and 12% less peak at 0.7B on an H100 (2026-11-24)
     Kernel("varlen", register=_ours("varlen"), auto=True, devices=("cuda",), half_only=True,
            installed=_torch_varlen_installed, flattens_rows=True, reads_prompt_groups=True, boundary_kwargs=True,
-           prefix_sharing_auto=True, refuses=(_SOFTCAP,)),
+           prefix_sharing_auto=True, shards_sequences=True, refuses=(_SOFTCAP,)),
     Kernel("sdpa", auto=True, fallback="eager", cudnn_sdp_off=True),
     Kernel("eager"),
 )

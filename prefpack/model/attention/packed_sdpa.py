@@ -140,5 +140,7 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(NAME, packed_sdpa_attention)
+    from prefpack.model.attention.sequence_parallel import shardable
+
+    AttentionInterface.register(NAME, shardable(packed_sdpa_attention))
     AttentionMaskInterface.register(NAME, no_mask_when_packed)

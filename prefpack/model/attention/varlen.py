@@ -229,5 +229,7 @@ def register() -> None:
 
     if not _KERNEL:
         _KERNEL.append(torch_varlen_kernel())
-    AttentionInterface.register(NAME, varlen_attention)
+    from prefpack.model.attention.sequence_parallel import shardable
+
+    AttentionInterface.register(NAME, shardable(varlen_attention))
     AttentionMaskInterface.register(NAME, no_mask_when_packed)

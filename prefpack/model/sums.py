@@ -1,0 +1,105 @@
+"""What a forward computes around the model: the kernel's boundary keywords for a flattened row, the final hidden
+states, and the per-sequence values read from per-token log-probs besides their sums (LD-DPO's tails, WPO's means).
+Shared by the whole-row forward (``forward``) and the sharded one (``sharded``).
+
+A sequence's scored tokens are contiguous and in order in every layout (packed, flattened, padded, prompt-shared);
+a token's place in its completion is its offset from the sequence's first gathered token, plus ``offset`` (the
+sequence's scored tokens on earlier shards, sequence parallelism; None: none).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from prefpack.model.attention import varlen
+from prefpack.model.logprobs import segment_sum
+
+__all__ = ["SequenceOutput", "boundary_kwargs", "drawn_pair_tails", "hidden_of", "tail_mask", "wpo_means", "wpo_sums"]
+
+
+class SequenceOutput(NamedTuple):
+    """Per-sequence results of one forward over a micro-batch (sequence ``2p``/``2p + 1`` = pair p's chosen/rejected
+    in a pair batch). Optional fields are None unless requested."""
+
+    logp_sum: torch.Tensor  # [S] completion log-prob sums (with gradient under autograd)
+    n_tokens: torch.Tensor  # [S] completion token counts (host tensor)
+    aux_loss: torch.Tensor | None = None  # scalar MoE router load-balancing loss (``router_aux``)
+    tail_sum: torch.Tensor | None = None  # [S] sum over the tokens past the shorter completion of the pair (LD-DPO);
+    # [2, P] per drawn pair (chosen, rejected) when the batch gives ``tail_pairs`` (ranked stores)
+    wpo_mean: torch.Tensor | None = None  # [S] detached mean over tokens of log p - log sum_v p_v^2 (WPO)
+
+
+def boundary_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
+    """transformers' flash keyword arguments for a flattened row, computed on the host (no device sync); with
+    prompt groups also the gathered keys' boundaries and index (tensors and ints: a compiled layer sees the same
+    kinds of inputs every step)."""
+    b = varlen.group_bounds(position_ids.cpu())
+    cu = b.cu_q.to(device, non_blocking=True)
+    kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": b.max_q, "max_length_k": b.max_q}
+    if b.key_index is not None:
+        kwargs.update({"cu_seq_lens_k": b.cu_k.to(device, non_blocking=True), "max_length_k": b.max_k,
+                       varlen.KEY_INDEX: b.key_index.to(device, non_blocking=True)})
+    return kwargs
+
+
+def hidden_of(out) -> torch.Tensor:
+    """The final hidden states of a body's output."""
+    h = getattr(out, "last_hidden_state", None)
+    if h is None:
+        h = out[0]
+    return h
+
+
+def _places(index: torch.Tensor, num_sequences: int, offset: torch.Tensor | None) -> torch.Tensor:
+    """Each gathered token's place in its completion (0 for its first scored token)."""
+    where = torch.arange(index.numel(), device=index.device)
+    first = torch.full((num_sequences,), index.numel(), dtype=torch.long, device=index.device)
+    first = first.scatter_reduce(0, index, where, "amin")
+    place = where - first[index]
+    return place if offset is None else place + offset.to(index.device).long()[index]
+
+
+def tail_mask(index: torch.Tensor, n_tokens: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """1 at the completion tokens past ``min(len chosen, len rejected)`` of their pair, else 0 (float).
+
+    ``index`` [N] gives each gathered token's sequence. Pair p owns sequences 2p and 2p + 1. Computed on the device
+    without a host sync.
+    """
+    n = n_tokens.to(index.device)
+    if n.numel() % 2:
+        raise ValueError(f"pair tails need a pair batch (chosen, rejected alternating), got {n.numel()} sequences")
+    shared = torch.minimum(n[0::2], n[1::2]).repeat_interleave(2)
+    index = index.long()
+    return (_places(index, n.numel(), offset) >= shared[index]).float()
+
+
+def drawn_pair_tails(logp: torch.Tensor, index: torch.Tensor, n_tokens: torch.Tensor, pairs: torch.Tensor,
+                     offset: torch.Tensor | None = None) -> torch.Tensor:
+    """[2, P]: for pair p = (a, b) = ``pairs[:, p]`` (sequence indices), the sums of ``logp`` over a's and over b's
+    completion tokens past ``min(len a, len b)``: LD-DPO's tails when one completion is in several pairs.
+
+    Each sequence's log-probs are laid out in a row of a [S, longest + 1] matrix whose reversed cumulative sum gives
+    every suffix sum; a pair reads its two at its cut. Linear in ``logp``: shards' results add up.
+    """
+    n = n_tokens.to(index.device).long()
+    index = index.long()
+    width = int(n.max()) + 1 if n.numel() else 1
+    rows = logp.new_zeros(n.numel(), width).index_put((index, _places(index, n.numel(), offset)), logp)
+    suffix = rows.flip(1).cumsum(1).flip(1)  # suffix[s, k]: sum over sequence s's tokens from the k-th on
+    pairs = pairs.to(index.device).long()
+    cut = torch.minimum(n[pairs[0]], n[pairs[1]])
+    return torch.stack([suffix[pairs[0], cut], suffix[pairs[1], cut]])
+
+
+def wpo_sums(logp: torch.Tensor, log_sum_sq: torch.Tensor, index: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """Per sequence, the sum over its tokens of ``log p(token) - log sum_v p_v^2``, without gradient."""
+    return segment_sum(logp.detach() - log_sum_sq, index, num_sequences)
+
+
+def wpo_means(sums: torch.Tensor, n_tokens: torch.Tensor) -> torch.Tensor:
+    """WPO (Zhou et al. 2024, arXiv:2406.11827, Eq. 2, as TRL 1.16 computes it): per sequence, the mean over its
+    completion tokens of ``log p(token) - log sum_v p_v^2`` (:func:`wpo_sums`), without gradient (a pair's weight
+    is the exp of its chosen + rejected means)."""
+    return sums / n_tokens.to(sums.device, sums.dtype).clamp(min=1.0)

@@ -1,0 +1,186 @@
+"""Sequence parallelism (distributed.sequence_parallel): two gloo ranks, each holding half of every row, against
+one process computing the whole row in float64."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_prefpack
+from sp_cases import (
+    ATTENTION_CASES,
+    FORWARD_CASES,
+    case_tensors,
+    forward_case,
+    forward_loss,
+    kernel_kwargs,
+    tiny_model,
+)
+from test_distributed import ATOL, _losses, _weights, world  # noqa: F401 - world: a module-scoped fixture
+
+from prefpack.config import ConfigError, load_config
+from prefpack.model import sequence_logps
+from prefpack.model.attention import packed_sdpa, varlen
+from prefpack.model.sharded import check_model
+from prefpack.sequence_parallel import (
+    SeqPar,
+    SequenceParallelError,
+    check_heads,
+    kv_repeats,
+    layout_line,
+    make_layout,
+)
+
+HERE = Path(__file__).resolve().parent
+KERNELS = {"packed_sdpa": packed_sdpa.packed_sdpa_attention, "varlen": varlen.varlen_attention}
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(HERE / script), *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+RUNS = {  # name: the overrides of a three-step run (the world's config), trained in one process and on two ranks
+    "pairs": ("distributed.strategy=ddp",),
+    "kto": ("distributed.strategy=ddp", "loss.terms=[{name: kto}]", "data.paired_as_kto=true"),
+    "fsdp2_ld_wpo": ("distributed.strategy=fsdp2", "loss.ld_alpha=0.5", "loss.use_weighting=true"),
+}
+
+
+@pytest.fixture(scope="module")
+def launch(world, tmp_path_factory):  # noqa: F811 - the imported fixture
+    """One torchrun launch of two gloo ranks (tests/sp_ranks.py): the attention and forward cases, then every run of
+    ``RUNS`` with distributed.sequence_parallel=2; and the runs in one process (one process started for all)."""
+    out = tmp_path_factory.mktemp("sp")
+
+    def train(name: str, *extra: str) -> list[str]:
+        evaluated = [f"data.eval={world['store']}"] if name.endswith("-pairs") else []  # before and after training
+        return ["train", str(world["conf"]), f"run.output_dir={out / name}", "--no-progress", "train.max_steps=3",
+                "run.save_every=0", *evaluated, *extra]
+
+    commands = out / "commands.json"
+    commands.write_text(json.dumps([train(f"two-{n}", *o, "distributed.sequence_parallel=2") for n, o in RUNS.items()]))
+    proc = torchrun("sp_ranks.py", out, commands)
+    run_prefpack(*(train(f"one-{n}", *o[1:]) for n, o in RUNS.items()))
+    return {"out": out, "log": proc.stdout + proc.stderr,
+            "ranks": [torch.load(out / f"attention-{r}.pt") for r in range(2)]}
+
+
+@pytest.fixture(scope="module")
+def attention_ranks(launch):
+    return launch["ranks"]
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION_CASES))
+def test_sharded_attention_equals_the_whole_row(attention_ranks, name):
+    """Values and q/k/v gradients of the two shards, put together, are those of the kernel on the unsharded row."""
+    case = ATTENTION_CASES[name]
+    q, k, v, pos, cot = case_tensors(case)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    extra = {"sliding_window": case["window"]} if case.get("window") else {}
+    out, _ = KERNELS[case["kernel"]](torch.nn.Module(), q, k, v, None, scaling=case.get("scale"), position_ids=pos,
+                                     **kernel_kwargs(case, pos), **extra)
+    (out * cot).sum().backward()
+    shards = [r[name] for r in attention_ranks]
+    torch.testing.assert_close(torch.cat([s["out"] for s in shards], dim=1), out.detach(), rtol=0, atol=1e-12)
+    for key, full in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        torch.testing.assert_close(torch.cat([s[key] for s in shards], dim=2), full, rtol=0, atol=1e-12)
+
+
+def test_group_sum_is_the_sum_on_every_rank_with_the_sums_gradient(attention_ranks):
+    total = torch.arange(3, dtype=torch.float64) * 3  # rank 0 holds arange(3), rank 1 twice that
+    for r in attention_ranks:
+        torch.testing.assert_close(r["group_sum"]["out"], total)
+        torch.testing.assert_close(r["group_sum"]["grad"], torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+
+
+def test_head_counts_are_checked_with_the_numbers():
+    assert kv_repeats(1, 2) == 2 and kv_repeats(2, 2) == 1 and kv_repeats(3, 2) == 2 and kv_repeats(2, 4) == 2
+    check_heads(4, 1, 2)
+    check_heads(6, 3, 2)
+    with pytest.raises(SequenceParallelError, match="must divide the model's 6 attention heads"):
+        check_heads(6, 2, 4)
+    with pytest.raises(SequenceParallelError, match="does not divide the 6 processes"):
+        make_layout(4, 6, 0)
+    line = layout_line(SeqPar(size=2, rank=0, group=None, data_world=2, data_rank=0), 4)
+    assert "4 processes = 2 data-parallel group(s) of 2 (ranks 0-1, 2-3)" in line
+
+
+@pytest.mark.parametrize("name", sorted(FORWARD_CASES))
+def test_sharded_forward_equals_one_process(attention_ranks, name):
+    """A float64 Llama (4 query heads over 1 key/value head) on two ranks' token shards: every rank returns the
+    whole row's log-prob sums, LD-DPO tails and WPO means; the ranks' parameter gradients add up to one process's."""
+    model = tiny_model()
+    batch, options = forward_case(name, model)
+    out = sequence_logps(model, batch, chunk_size=4, **options)
+    forward_loss(out).backward()
+    ranks = [r["forward/" + name] for r in attention_ranks]
+    for r in ranks:
+        for key in ("logp_sum", "tail_sum", "wpo_mean"):
+            torch.testing.assert_close(r[key], getattr(out, key).detach(), rtol=0, atol=1e-10)
+    for key, p in model.named_parameters():
+        torch.testing.assert_close(ranks[0]["grads"][key] + ranks[1]["grads"][key], p.grad, rtol=0, atol=1e-10)
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_the_config_refuses_what_cannot_run_sharded():
+    cfg = load_config(None, ["distributed.sequence_parallel=2", "model.attn_implementation=sdpa",
+                             "data.packing=false"])
+    with pytest.raises(ConfigError) as err:
+        cfg.validate(training=False)
+    assert "the 'sdpa' kernel cannot; set model.attn_implementation to auto or packed_sdpa or varlen" in str(err.value)
+    assert "set data.packing=true" in str(err.value)
+    with pytest.raises(ConfigError, match="does not run through torch.compile yet; set model.compile=off"):
+        load_config(None, ["distributed.sequence_parallel=2", "model.compile=true"]).validate(training=False)
+    with pytest.raises(ConfigError, match="distributed.sequence_parallel must be >= 1, got 0"):
+        load_config(None, ["distributed.sequence_parallel=0"]).validate(training=False)
+    load_config(None, ["distributed.sequence_parallel=2"]).validate(training=False)
+
+
+def test_a_model_the_group_cannot_shard_is_refused_with_the_numbers():
+    model = tiny_model()
+    check_model(model, SeqPar(size=4, group=None))  # 4 heads over 4 ranks, the 1 key/value head repeated
+    with pytest.raises(SequenceParallelError, match="must divide the model's 4 attention heads"):
+        check_model(model, SeqPar(size=3, group=None))
+    with pytest.raises(SequenceParallelError, match="set loss.router_aux_loss_coef=0"):
+        check_model(model, SeqPar(size=2, group=None), router_aux=True)
+    model.config._attn_implementation = "eager"
+    with pytest.raises(SequenceParallelError, match="packed_sdpa or varlen kernel; this model's is eager"):
+        check_model(model, SeqPar(size=2, group=None))
+
+
+# ---------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_two_ranks_of_one_sequence_group_train_as_one_process(launch, name):
+    """Every row split in two token shards over two ranks: the same losses, gradient norms and weights as one
+    process running the whole rows (float32 on CPU; the ranks add their shards' gradients in another order). Pairs
+    (prompts laid out once) and KTO with DDP; pairs with LD-DPO's tails and WPO's weights with FSDP2."""
+    assert "sequence parallel: 2 processes = 1 data-parallel group(s) of 2 (ranks 0-1)" in launch["log"]
+    one_dir, two_dir = launch["out"] / f"one-{name}", launch["out"] / f"two-{name}"
+    one, two = _losses(one_dir), _losses(two_dir)
+    assert len(one) == 3
+    for (s1, l1, g1), (s2, l2, g2) in zip(one, two, strict=True):
+        assert s1 == s2 and l1 == pytest.approx(l2, abs=1e-6) and g1 == pytest.approx(g2, rel=1e-5)
+    if name == "pairs":  # evaluation before and after training, its micro-batches sharded too
+        evals = [[m for m in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if m["split"] == "eval"]
+                 for d in (one_dir, two_dir)]
+        assert len(evals[0]) == 2
+        for e1, e2 in zip(*evals, strict=True):
+            assert e1["loss"] == pytest.approx(e2["loss"], abs=1e-6)
+            assert e1["logps/chosen"] == pytest.approx(e2["logps/chosen"], rel=1e-6)
+    w1, w2 = _weights(one_dir), _weights(two_dir)
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=ATOL, rtol=0)
