@@ -18,7 +18,7 @@ lint: $(BIN)/.installed
 	$(BIN)/ruff check .
 
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2 --dist loadscope
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

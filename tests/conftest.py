@@ -22,6 +22,11 @@ import numpy as np
 import pytest
 import torch
 
+# `make test` runs the suite in two processes (pytest-xdist, one module's tests in one process): one torch thread
+# each, so that they share the cores instead of fighting over them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 from prefpack.config import load_config
 from prefpack.toy_tokenizer import build_toy_tokenizer
 
