@@ -18,7 +18,7 @@ from prefpack.model.attention import varlen as va
 from prefpack.model.attention.kernels import KERNELS, kernel_named, pick_attention
 
 ROOT = Path(__file__).resolve().parent.parent / "prefpack"
-NAMES = {k.name for k in KERNELS}
+NAMES = [k.name for k in KERNELS]  # a list: the same order in every process (pytest-xdist)
 
 
 def _strings(node: ast.AST) -> list[str]:
