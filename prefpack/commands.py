@@ -284,6 +284,11 @@ def eval_config(args):
     mode = "copy" if args.ref else ("precomputed" if (Path(args.data) / sidecar).exists() else "none")
     if args.micro_batch_tokens != "auto" and not str(args.micro_batch_tokens).isdigit():
         raise ConfigError(f"--micro-batch-tokens must be a positive integer or auto, got {args.micro_batch_tokens!r}")
+    from prefpack.model.load import check_model_source
+
+    check_model_source(args.model, "--model")  # one line at once, not hub retries
+    if args.ref:
+        check_model_source(args.ref, "--ref")
     cfg.model.name_or_path, cfg.data.train, cfg.data.eval = args.model, args.data, None
     cfg.model.dtype = args.dtype or (cfg.model.dtype if args.config else "auto")
     cfg.model.allow_tokenizer_mismatch = args.allow_tokenizer_mismatch

@@ -139,7 +139,8 @@ def run_quickstart(output_dir: str = "runs/quickstart", *, steps: int | None = N
 HH_SAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data" / "hh-rlhf-harmless-base" / "train_2k.jsonl.gz"
 SMALL_MODEL_DIR = "runs/quickstart-small"
 SMALL_POSITIONS = 2048  # above prepare's usual --max-length 1024 (TRL's max_length)
-SMALL_STEPS = 30  # language-model steps of 8 x 512 tokens: about a minute on 2 idle CPU cores
+SMALL_STEPS = 30  # language-model steps of SMALL_BATCH x SMALL_BLOCK tokens: about a minute on 2 idle CPU cores
+SMALL_BATCH, SMALL_BLOCK = 8, 512
 
 
 def _read_texts(path: Path) -> list[str]:
@@ -203,11 +204,14 @@ def build_small_model(output_dir: str = SMALL_MODEL_DIR, *, steps: int | None = 
     )
     model = LlamaForCausalLM(config)
 
+    batch_size, block = SMALL_BATCH, SMALL_BLOCK
     ids = [i for t in texts[::2] for i in tok(t)["input_ids"] + [tok.eos_token_id]]  # prompt + chosen
+    while len(ids) < 4 * batch_size * (block + 1):  # a small --data file is repeated
+        ids = ids * 2
     flat = torch.tensor(ids)
-    held_out = flat[-8 * 513:].view(8, 513)
-    flat = flat[: -8 * 513]
-    log(f"3/3 language-model training on {len(flat):,} tokens ({steps} steps of 8 x 512 tokens)")
+    held_out = flat[-batch_size * (block + 1):].view(batch_size, block + 1)
+    flat = flat[: -batch_size * (block + 1)]
+    log(f"3/3 language-model training on {len(flat):,} tokens ({steps} steps of {batch_size} x {block} tokens)")
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
@@ -222,8 +226,8 @@ def build_small_model(output_dir: str = SMALL_MODEL_DIR, *, steps: int | None = 
     before = held_out_loss()
     model.train()
     for step in range(1, steps + 1):
-        starts = torch.randint(0, len(flat) - 513, (8,), generator=gen)
-        batch = torch.stack([flat[s:s + 512] for s in starts.tolist()])
+        starts = torch.randint(0, len(flat) - block, (batch_size,), generator=gen)
+        batch = torch.stack([flat[s:s + block] for s in starts.tolist()])
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
