@@ -401,7 +401,7 @@ def add_quickstart(sub) -> None:
                        description="--model-size toy (default): the whole pipeline on generated reviews, in "
                        "runs/quickstart. --model-size small: only a starting model for your own data (README's "
                        "'Train your own'): a 4-layer Llama with 2,048 positions and its tokenizer, trained as a "
-                       "language model on the bundled hh sample for about a minute, in runs/quickstart-small/model.")
+                       "language model on the bundled hh sample (30 steps: 1-3 minutes on 2 CPU cores), in runs/quickstart-small/model.")
     p.add_argument("--model-size", choices=("toy", "small"), default="toy",
                    help="toy: the DPO demo (default); small: build a model for real data and stop")
     p.add_argument("--output-dir", default=None, help="default: runs/quickstart (toy), runs/quickstart-small (small)")
@@ -422,7 +422,9 @@ def run_quickstart(args, argv) -> int:
                           log=print)
         return 0
     if args.data is not None:
-        raise SystemExit("prefpack quickstart: error: --data goes with --model-size small")
+        from prefpack.errors import PrefpackError
+
+        raise PrefpackError("--data goes with --model-size small (the toy quickstart generates its own data)")
     go(args.output_dir or "runs/quickstart", steps=args.steps, seed=args.seed, log=print)
     return 0
 
