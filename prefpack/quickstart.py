@@ -139,7 +139,7 @@ def run_quickstart(output_dir: str = "runs/quickstart", *, steps: int | None = N
 HH_SAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data" / "hh-rlhf-harmless-base" / "train_2k.jsonl.gz"
 SMALL_MODEL_DIR = "runs/quickstart-small"
 SMALL_POSITIONS = 2048  # above prepare's usual --max-length 1024 (TRL's max_length)
-SMALL_STEPS = 30  # language-model steps of SMALL_BATCH x SMALL_BLOCK tokens (164 s on 2 shared CPU cores)
+SMALL_STEPS = 30  # language-model steps of SMALL_BATCH x SMALL_BLOCK tokens (74-164 s on 2 shared CPU cores)
 SMALL_BATCH, SMALL_BLOCK = 8, 512
 
 
