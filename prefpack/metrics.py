@@ -87,8 +87,8 @@ class MetricsSetupError(ConfigError):
 
 def report_targets(run: Any) -> set[str]:
     """The mirrors a ``RunConfig`` asks for, from ``report_to`` (a name or a list) and the older ``tensorboard``
-    switch: true adds ``"tensorboard"``, false removes it (and ``"auto"``), None leaves ``report_to`` alone. ``"none"``
-    adds nothing (``Config.validate`` refuses it next to other names); ``"auto"`` (the default) stays in the set:
+    switch: true adds ``"tensorboard"``, false removes it (and ``"auto"``), None leaves ``report_to`` alone.
+    ``"none"`` adds nothing (``Config.validate`` refuses it next to other names); ``"auto"`` (the default) stays in the set:
     TensorBoard when it is installed, without a word when it is not."""
     listed = [run.report_to] if isinstance(run.report_to, str) else list(run.report_to)
     targets = {name for name in listed if name != "none"}
@@ -130,10 +130,10 @@ class MetricsLogger:
     """Appends metrics to ``run_dir/metrics.jsonl`` and, when requested, to TensorBoard and W&B.
 
     ``enabled=False`` makes every method a no-op (use it on non-zero ranks so only one process writes).
-    If TensorBoard was requested by name (``tensorboard=True``) but cannot be imported, ``notice`` holds a one-line
-    message for the caller to print once (``tensorboard="auto"``, the default ``run.report_to``, uses it when
-    installed and says nothing when not); logging to the JSONL file goes on regardless. W&B was asked for by name, so a missing
-    ``wandb`` package, or a W&B run that cannot start, raises ``MetricsSetupError`` here, before any step.
+    If TensorBoard was requested by name (``tensorboard=True``) but cannot be imported, ``notice`` holds a
+    one-line message for the caller to print once (``tensorboard="auto"``, from the default ``run.report_to``,
+    uses it when installed and says nothing when not); logging to the JSONL file goes on regardless. W&B was
+    asked for by name, so a missing ``wandb`` package, or a W&B run that cannot start, raises ``MetricsSetupError`` here, before any step.
 
     W&B (``wandb=True``): ``wandb.init`` with ``project=wandb_project``, the run folder's name as run name,
     ``dir=run_dir`` (its files go to ``run_dir/wandb/``) and ``config=wandb_config``. The mode is W&B's own
@@ -165,7 +165,7 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
             except Exception as exc:  # ImportError, or a broken tensorboard/protobuf install
                 if tensorboard is True:  # asked for by name; "auto" stays quiet
-                        self._note(f"TensorBoard logging skipped ({type(exc).__name__}: {exc}); metrics go to "
+                    self._note(f"TensorBoard logging skipped ({type(exc).__name__}: {exc}); metrics go to "
                                f"{self.path} only (pip install tensorboard to enable it)")
             else:
                 self._writer_cls = SummaryWriter
