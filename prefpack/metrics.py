@@ -133,7 +133,8 @@ class MetricsLogger:
     If TensorBoard was requested by name (``tensorboard=True``) but cannot be imported, ``notice`` holds a
     one-line message for the caller to print once (``tensorboard="auto"``, from the default ``run.report_to``,
     uses it when installed and says nothing when not); logging to the JSONL file goes on regardless. W&B was
-    asked for by name, so a missing ``wandb`` package, or a W&B run that cannot start, raises ``MetricsSetupError`` here, before any step.
+    asked for by name, so a missing ``wandb`` package, or a W&B run that cannot start, raises
+    ``MetricsSetupError`` here, before any step.
 
     W&B (``wandb=True``): ``wandb.init`` with ``project=wandb_project``, the run folder's name as run name,
     ``dir=run_dir`` (its files go to ``run_dir/wandb/``) and ``config=wandb_config``. The mode is W&B's own
