@@ -42,12 +42,14 @@ def test_a_placeholder_model_path_is_one_line_at_once(offline, tmp_path, capsys,
     assert "model.name_or_path './models/mine': no such folder;" in _one_line_error(capsys)
 
     src = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Q?", "chosen": " yes", "rejected": " no"}])
-    assert cli_main(["prepare", str(src), "--tokenizer", "MODEL_DIR", "--output", str(tmp_path / "s")]) == 2
+    assert cli_main(["prepare", str(src), "--tokenizer", "MODEL_DIR", "--output", str(tmp_path / "s"),
+                     "--workers", "1"]) == 2
     err = _one_line_error(capsys)
     assert "tokenizer 'MODEL_DIR': no such folder here" in err and "quickstart --model-size small" in err
 
     store = tmp_path / "s2"
-    assert cli_main(["prepare", str(src), "--tokenizer", str(toy_tokenizers["llama"]), "--output", str(store)]) == 0
+    assert cli_main(["prepare", str(src), "--tokenizer", str(toy_tokenizers["llama"]), "--output", str(store),
+                     "--workers", "1"]) == 0
     capsys.readouterr()
     assert cli_main(["eval", "--model", "MODEL_DIR", "--data", str(store)]) == 2
     assert "--model 'MODEL_DIR': no such folder here" in _one_line_error(capsys)
