@@ -87,14 +87,17 @@ class MetricsSetupError(ConfigError):
 
 def report_targets(run: Any) -> set[str]:
     """The mirrors a ``RunConfig`` asks for, from ``report_to`` (a name or a list) and the older ``tensorboard``
-    switch: true adds ``"tensorboard"``, false removes it, None leaves ``report_to`` alone. ``"none"`` adds
-    nothing (``Config.validate`` refuses it next to other names)."""
+    switch: true adds ``"tensorboard"``, false removes it (and ``"auto"``), None leaves ``report_to`` alone.
+    ``"none"`` adds nothing (``Config.validate`` refuses it next to other names); ``"auto"`` (the default) stays in the set:
+    TensorBoard when it is installed, without a word when it is not."""
     listed = [run.report_to] if isinstance(run.report_to, str) else list(run.report_to)
     targets = {name for name in listed if name != "none"}
     if run.tensorboard is True:
         targets.add("tensorboard")
     elif run.tensorboard is False:
-        targets.discard("tensorboard")
+        targets -= {"tensorboard", "auto"}
+    if "tensorboard" in targets:  # asked for by name: "auto" adds nothing more
+        targets.discard("auto")
     return targets
 
 
@@ -127,9 +130,11 @@ class MetricsLogger:
     """Appends metrics to ``run_dir/metrics.jsonl`` and, when requested, to TensorBoard and W&B.
 
     ``enabled=False`` makes every method a no-op (use it on non-zero ranks so only one process writes).
-    If TensorBoard was requested but cannot be imported, ``notice`` holds a one-line message for the caller
-    to print once; logging to the JSONL file goes on regardless. W&B was asked for by name, so a missing
-    ``wandb`` package, or a W&B run that cannot start, raises ``MetricsSetupError`` here, before any step.
+    If TensorBoard was requested by name (``tensorboard=True``) but cannot be imported, ``notice`` holds a
+    one-line message for the caller to print once (``tensorboard="auto"``, from the default ``run.report_to``,
+    uses it when installed and says nothing when not); logging to the JSONL file goes on regardless. W&B was
+    asked for by name, so a missing ``wandb`` package, or a W&B run that cannot start, raises
+    ``MetricsSetupError`` here, before any step.
 
     W&B (``wandb=True``): ``wandb.init`` with ``project=wandb_project``, the run folder's name as run name,
     ``dir=run_dir`` (its files go to ``run_dir/wandb/``) and ``config=wandb_config``. The mode is W&B's own
@@ -137,7 +142,7 @@ class MetricsLogger:
     kept in ``run_dir/wandb_run_id``: a new one for a new run, the same one with ``resume=True``.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True, wandb: bool = False,
+    def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool | str = True, wandb: bool = False,
                  wandb_project: str = "prefpack", wandb_config: Mapping[str, Any] | None = None,
                  resume: bool = False, enabled: bool = True) -> None:
         self.run_dir = Path(run_dir)
@@ -160,8 +165,9 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except Exception as exc:  # ImportError, or a broken tensorboard/protobuf install
-                self._note(f"TensorBoard logging skipped ({type(exc).__name__}: {exc}); metrics go to "
-                           f"{self.path} only (pip install tensorboard to enable it)")
+                if tensorboard is True:  # asked for by name; "auto" stays quiet
+                    self._note(f"TensorBoard logging skipped ({type(exc).__name__}: {exc}); metrics go to "
+                               f"{self.path} only (pip install tensorboard to enable it)")
             else:
                 self._writer_cls = SummaryWriter
         if wandb:
@@ -175,7 +181,8 @@ class MetricsLogger:
         from prefpack.config import config_to_dict
 
         targets = report_targets(cfg.run)
-        return cls(cfg.run.output_dir if run_dir is None else run_dir, tensorboard="tensorboard" in targets,
+        tensorboard: bool | str = True if "tensorboard" in targets else "auto" if "auto" in targets else False
+        return cls(cfg.run.output_dir if run_dir is None else run_dir, tensorboard=tensorboard,
                    wandb="wandb" in targets, wandb_project=cfg.run.wandb_project,
                    wandb_config=config_to_dict(cfg) if "wandb" in targets else None, resume=resume,
                    enabled=enabled)

@@ -132,3 +132,117 @@ def run_quickstart(output_dir: str = "runs/quickstart", *, steps: int | None = N
     log(f"metrics: {result.run_dir / 'metrics.jsonl'}   curves: {result.run_dir / 'curves.png'}")
     log(f"trained model: {result.final_dir} (load with AutoModelForCausalLM.from_pretrained)")
     return {"before": before, "after": after, "run_dir": str(result.run_dir), "final_dir": str(result.final_dir)}
+
+
+# ------------------------------------------------------------------ --model-size small: a model for real data
+
+HH_SAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data" / "hh-rlhf-harmless-base" / "train_2k.jsonl.gz"
+SMALL_MODEL_DIR = "runs/quickstart-small"
+SMALL_POSITIONS = 2048  # above prepare's usual --max-length 1024 (TRL's max_length)
+SMALL_STEPS = 30  # language-model steps of SMALL_BATCH x SMALL_BLOCK tokens (74-164 s on 2 shared CPU cores)
+SMALL_BATCH, SMALL_BLOCK = 8, 512
+
+
+def _read_texts(path: Path) -> list[str]:
+    """Whole conversations from a pairs file (prompt + chosen, prompt + rejected) or a `text` column."""
+    import gzip
+
+    from prefpack.errors import PrefpackError
+
+    if not path.is_file():
+        raise PrefpackError(f"--data {str(path)!r} does not exist (the bundled hh sample is "
+                            "examples/data/hh-rlhf-harmless-base/train_2k.jsonl.gz in a clone of prefpack)")
+    opener = gzip.open if path.suffix == ".gz" else open
+    texts = []
+    with opener(path, "rt", encoding="utf-8") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "text" in row:
+                texts.append(row["text"])
+            else:
+                texts += [row.get("prompt", "") + row[k] for k in ("chosen", "rejected") if isinstance(row.get(k), str)]
+    if not texts:
+        raise PrefpackError(f"--data {str(path)!r} has no rows with text, or prompt and chosen/rejected")
+    return texts
+
+
+def build_small_model(output_dir: str = SMALL_MODEL_DIR, *, steps: int | None = None, seed: int = 0,
+                      data: str | None = None, log=print) -> dict:
+    """A small but real starting point for `prefpack train` on real data, with no downloads: a byte-level BPE
+    tokenizer (4,096 tokens, Llama-style) trained on the data, and a 4-layer Llama (hidden 128, 2,048 positions)
+    trained as a language model on its conversations for ``steps`` steps of 8 x 512 tokens. Written to
+    ``output_dir/model`` (model and tokenizer in one folder, as a hub checkpoint)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from prefpack.toy_tokenizer import build_toy_tokenizer
+
+    t_start = time.perf_counter()
+    steps = SMALL_STEPS if steps is None else steps
+    root = Path(output_dir)
+    if root.exists():
+        if not (root / MARKER).exists():
+            raise FileExistsError(f"{root} exists and was not made by quickstart; choose another --output-dir")
+        shutil.rmtree(root)
+    source = Path(data) if data else HH_SAMPLE
+    texts = _read_texts(source)
+    root.mkdir(parents=True)
+    (root / MARKER).write_text("made by prefpack quickstart --model-size small; safe to delete\n")
+
+    log(f"1/3 building a byte-level BPE tokenizer (4,096 tokens, Llama-style) from {len(texts)} conversations "
+        f"of {source.name}")
+    tok = build_toy_tokenizer(texts, style="llama", vocab_size=4096)
+
+    log(f"2/3 building a 4-layer Llama (hidden 128, {SMALL_POSITIONS} positions) with random weights")
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=SMALL_POSITIONS, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+
+    batch_size, block = SMALL_BATCH, SMALL_BLOCK
+    ids = [i for t in texts[::2] for i in tok(t)["input_ids"] + [tok.eos_token_id]]  # prompt + chosen
+    while len(ids) < 4 * batch_size * (block + 1):  # a small --data file is repeated
+        ids = ids * 2
+    flat = torch.tensor(ids)
+    held_out = flat[-batch_size * (block + 1):].view(batch_size, block + 1)
+    flat = flat[: -batch_size * (block + 1)]
+    log(f"3/3 language-model training on {len(flat):,} tokens ({steps} steps of {batch_size} x {block} tokens)")
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+
+    def held_out_loss() -> float:
+        model.eval()
+        with torch.no_grad():
+            out = model(input_ids=held_out[:, :-1], labels=held_out[:, :-1]).loss.item()
+        model.train()
+        return out
+
+    before = held_out_loss()
+    model.train()
+    for step in range(1, steps + 1):
+        starts = torch.randint(0, len(flat) - block, (batch_size,), generator=gen)
+        batch = torch.stack([flat[s:s + block] for s in starts.tolist()])
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 10 == 0 or step == steps:
+            log(f"    step {step}/{steps}: loss {loss.item():.3f}")
+    after = held_out_loss()
+    out = root / "model"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    log("")
+    log(f"held-out next-token loss {before:.3f} -> {after:.3f} ({time.perf_counter() - t_start:.0f}s in all)")
+    log(f"model and tokenizer: {out}  ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+        f"{SMALL_POSITIONS} positions)")
+    log(f"next: README's 'Train your own' with MODEL_DIR={out}")
+    return {"model_dir": str(out), "loss_before": before, "loss_after": after}

@@ -56,11 +56,15 @@ def check_tokenizer_source(name: str) -> None:
     looks_local = os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or "\\" in name
     if looks_local:
         raise TokenizerError(f"tokenizer folder {name!r} does not exist; give a folder holding tokenizer.json (or "
-                             "a hub id)")
+                             f"a hub id); {_LOCAL_HINT}")
     if not _hub_cached(name) and not hub_reachable():
-        raise TokenizerError(f"tokenizer {name!r} is not a folder here, and the model hub cannot be reached to "
+        raise TokenizerError(f"tokenizer {name!r}: no such folder here, and the model hub cannot be reached to "
                              "download it as a hub id (offline, or HF_HUB_OFFLINE is set): check the spelling, or "
-                             "give a local folder holding tokenizer.json")
+                             f"give a local folder holding tokenizer.json; {_LOCAL_HINT}")
+
+
+# A model folder holds its tokenizer; where a newcomer gets one with no downloads.
+_LOCAL_HINT = "prefpack quickstart --model-size small writes a model folder with one to runs/quickstart-small/model"
 
 
 def _hub_cached(repo_id: str) -> bool:

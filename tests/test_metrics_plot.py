@@ -110,6 +110,20 @@ def test_tensorboard_missing_gives_a_notice(tmp_path, monkeypatch):
     logger.log(1, {"loss": 1.0})
     assert read_metrics(tmp_path)[0]["loss"] == 1.0
     assert MetricsLogger(tmp_path / "b", tensorboard=False).notice is None
+    quiet = MetricsLogger(tmp_path / "c", tensorboard="auto")  # the default report_to: no notice, no writer
+    assert quiet.notice is None and not quiet.tensorboard_active
+
+
+def test_default_report_to_is_quiet_without_tensorboard(tmp_path, monkeypatch):
+    """A user who did not ask for TensorBoard hears nothing about it; one who asked by name hears why not."""
+    from prefpack.config import load_config
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    default = MetricsLogger.from_config(load_config(None, [f"run.output_dir={tmp_path / 'a'}"]))
+    assert default.notice is None and not default.tensorboard_active
+    named = MetricsLogger.from_config(load_config(None, [f"run.output_dir={tmp_path / 'b'}",
+                                                         "run.report_to=tensorboard"]))
+    assert named.notice and "pip install tensorboard" in named.notice
 
 
 def test_tensorboard_writer_calls(tmp_path, monkeypatch):

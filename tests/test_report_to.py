@@ -63,13 +63,15 @@ def of(calls, kind):
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [
-    ([], {"tensorboard"}),  # today's default: TensorBoard when installed
+    ([], {"auto"}),  # the default: TensorBoard when installed, not a word when not
+    (["run.report_to=[auto, wandb]"], {"auto", "wandb"}),
+    (["run.report_to=[auto, tensorboard]"], {"tensorboard"}),  # asked for by name
     (["run.report_to=wandb"], {"wandb"}),  # a bare name is a one-item list
     (["run.report_to=[wandb, tensorboard]"], {"wandb", "tensorboard"}),
     (["run.report_to=none"], set()),
     (["run.report_to=[none]"], set()),
     (["run.report_to=[]"], set()),
-    (["run.tensorboard=false"], set()),  # an old config's switch still turns TensorBoard off
+    (["run.tensorboard=false"], set()),  # an old config's switch still turns TensorBoard off (auto too)
     (["run.tensorboard=true"], {"tensorboard"}),
     (["run.report_to=[wandb]", "run.tensorboard=true"], {"wandb", "tensorboard"}),  # true adds it
     (["run.report_to=[wandb, tensorboard]", "run.tensorboard=false"], {"wandb"}),  # false removes it
@@ -96,7 +98,7 @@ def test_old_config_without_report_to_keeps_its_tensorboard_setting(tmp_path):
         path = tmp_path / f"old-{value}.yaml"
         path.write_text(f"run:\n  output_dir: {tmp_path / 'r'}\n  tensorboard: {value}\n  plot: false\n")
         cfg = load_config(path, [])
-        assert cfg.run.report_to == ["tensorboard"] and report_targets(cfg.run) == expected
+        assert cfg.run.report_to == ["auto"] and report_targets(cfg.run) == expected
 
 
 def test_report_to_round_trips_through_config_yaml(tmp_path):

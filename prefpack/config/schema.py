@@ -49,6 +49,7 @@ RankedPairs = Literal["best_vs_rest", "all_pairs"]
 FDivergence = Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"]  # losses.F_DIVERGENCES
 Schedule = Literal["cosine", "linear", "constant"]
 Device = Literal["auto", "cpu", "cuda"]
+ReportTo = Literal["tensorboard", "wandb", "none", "auto"]
 
 
 @dataclass
@@ -184,9 +185,9 @@ class RunConfig:
     save_every: int = _f(500, "checkpoint every N steps (500, TRL's default: a crashed or preempted run resumes, at "
                          "little cost); 0 = only the final model")
     keep_checkpoints: int = _f(2, "how many most recent checkpoints to keep")
-    report_to: Literal["tensorboard", "wandb", "none"] | list[Literal["tensorboard", "wandb", "none"]] = _f(
-        ["tensorboard"], "where metrics go besides metrics.jsonl (always written): tensorboard (when installed), "
-        "wandb (pip install 'prefpack[wandb]'), none")
+    report_to: ReportTo | list[ReportTo] = _f(
+        ["auto"], "where metrics go besides metrics.jsonl (always written): auto = tensorboard when installed, "
+        "silently; tensorboard (a notice when not installed); wandb (pip install 'prefpack[wandb]'); none")
     wandb_project: str = _f("prefpack", "W&B project when report_to has wandb (run name = the run folder's name)")
     tensorboard: bool | None = _f(None, "older switch: true adds tensorboard to report_to, false removes it, "
                                   "null = report_to decides")

@@ -116,18 +116,24 @@ def _config_value(model: nn.Module, name: str):
     return getattr(text, name, None)
 
 
+# Where a newcomer gets a local model with no downloads (prefpack.quickstart.SMALL_MODEL_DIR + "/model").
+LOCAL_MODEL_HINT = "prefpack quickstart --model-size small writes one to runs/quickstart-small/model"
+
+
 def check_model_source(name_or_path: str, what: str = "model") -> None:
-    """Name a missing model at once: transformers would retry a folder that does not exist as a hub id, for
-    half a minute or more when the hub cannot be reached, and then report a network error."""
+    """Name a missing model at once, in one line: transformers would retry a folder that does not exist as a hub
+    id, for half a minute or more when the hub cannot be reached, and then report a network error. ``what`` is
+    where the user gave it (``model.name_or_path``, ``--ref``)."""
     if os.path.isdir(name_or_path):
         return
     looks_local = (os.path.isabs(name_or_path) or name_or_path.startswith((".", "~")) or os.sep * 2 in name_or_path
                    or name_or_path.count("/") > 1 or "\\" in name_or_path)
     if looks_local:
-        raise ModelError(f"{what} folder {name_or_path!r} does not exist")
+        raise ModelError(f"{what} {name_or_path!r}: no such folder; give a local model folder ({LOCAL_MODEL_HINT})")
     if not _hub_cached(name_or_path) and not _hub_reachable():
-        raise ModelError(f"{what} {name_or_path!r} is not a folder here, and the model hub cannot be reached to "
-                         "download it as a hub id (offline, or HF_HUB_OFFLINE is set): give a local model folder")
+        raise ModelError(f"{what} {name_or_path!r}: no such folder here, and the model hub cannot be reached to "
+                         "download it as a hub id (offline, or HF_HUB_OFFLINE is set); give a local model folder "
+                         f"({LOCAL_MODEL_HINT})")
 
 
 def _hub_cached(repo_id: str) -> bool:

@@ -120,6 +120,7 @@ def precompute_reference(opts: PrecomputeOptions, *, ctx: Dist = SINGLE, log=pri
     """Score a store with a reference model and write its sidecar (rank 0); returns what ``precompute-ref`` prints."""
     from prefpack.data.store import Store
     from prefpack.model import (
+        check_model_source,
         check_vocab_fits,
         kernel_of,
         load_scoring_model,
@@ -131,6 +132,7 @@ def precompute_reference(opts: PrecomputeOptions, *, ctx: Dist = SINGLE, log=pri
     kto = opts.kto or Store(opts.data).kind == "unpaired"
     store = open_store(opts.data, "reference", unpaired=kto, paired_as_kto=opts.kto)
     check_sidecar_writable(store)  # at once, not after the whole store is scored (every rank: none waits on rank 0)
+    check_model_source(opts.model, "--model")
     resolve_tokenizer(opts.model, store.meta, store.tokenizer_path(), allow_mismatch=opts.allow_tokenizer_mismatch)
     device = ctx.device if opts.device == "auto" else pick_device(opts.device)
     model = load_scoring_model(opts.model, opts.dtype, device)

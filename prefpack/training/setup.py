@@ -164,12 +164,13 @@ def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_r
         raise ModelError("model.name_or_path is required (a local model folder or a hub id)")
     if not cfg.data.train:
         raise StoreError("data.train is required (a store written by prefpack prepare)")
+    check_model_source(cfg.model.name_or_path, "model.name_or_path")  # one line now, not hub retries later
     kto = uses_unpaired_loss(cfg)  # the KTO family: unpaired examples, prefpack.objectives.KTOTask
     opener = partial(open_store, unpaired=kto, paired_as_kto=cfg.data.paired_as_kto)
     train_store = opener(cfg.data.train, "train")
     eval_store = opener(cfg.data.eval, "eval") if cfg.data.eval else None
     if cfg.reference.model and REFERENCE_MODES[cfg.reference.mode].reads_weights:
-        check_model_source(cfg.reference.model, "reference model")
+        check_model_source(cfg.reference.model, "reference.model")
     device = device or pick_device(cfg.train.device)
     precision = resolve_precision(
         cfg.model.dtype, cfg.optim.master_dtype, device, lora=cfg.lora.enabled,
