@@ -19,6 +19,7 @@ import torch
 from torch.profiler import record_function
 
 from prefpack.batching.deal import deal_step
+from prefpack.batching.mixture import MixtureSchedule
 from prefpack.batching.schedule import StepKey, StepSchedule
 from prefpack.distributed import Dist, clip_grad_norm, grad_sync, init_from_env
 from prefpack.model import ModelError, release_freed_memory
@@ -34,6 +35,7 @@ from prefpack.training.checkpoint import (
 )
 from prefpack.training.evaluation import evaluate, reduce_totals
 from prefpack.training.guards import NonFiniteError, NonFiniteSteps, StopSignal, check_finite_weights
+from prefpack.training.mixture import make_schedule
 from prefpack.training.setup import (
     build,
     check_trainable,
@@ -47,7 +49,7 @@ from prefpack.training.setup import (
 # ------------------------------------------------------------------------------------------------ schedule
 
 
-def total_steps(cfg, sched: StepSchedule) -> int:
+def total_steps(cfg, sched: StepSchedule | MixtureSchedule) -> int:
     if cfg.train.max_steps is not None:
         return int(cfg.train.max_steps)
     return max(1, math.ceil(cfg.train.epochs * sched.steps_per_epoch))
@@ -112,8 +114,7 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg)
     task = setup.train_task
-    sched = StepSchedule(len(task), cfg.train.global_batch_pairs, cfg.train.seed, cfg.data.shuffle,
-                         task.schedule_groups())
+    sched = make_schedule(cfg, task)  # one store, or a mixture (data.train as a list)
     n_steps = total_steps(cfg, sched)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.optim.schedule, warmup_steps(cfg, n_steps), n_steps))
@@ -172,7 +173,7 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
                     task.after_micro_batch(out)
             with record_function("prefpack.step_totals"):
                 totals = reduce_totals(totals, ctx)
-            last = totals.means()
+            last = task.step_metrics(ids, totals.means())  # a mixture's NAME/pairs too
             with record_function("prefpack.optimizer"):
                 grad_norm = clip_grad_norm(params, max_norm)
                 lr = scheduler.get_last_lr()[0]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from prefpack.budgets import checkpointing_on, resolve_budgets
+from prefpack.config.mixture import is_mixture, train_sources
 from prefpack.data.store import Store, StoreError
 from prefpack.data.views import row_lengths
 from prefpack.distributed import Dist, wrap
@@ -49,6 +50,7 @@ from prefpack.objectives import (
 from prefpack.precision import DTYPES, Precision, pure_bfloat16_warning, resolve_precision
 from prefpack.reference import REFERENCE_MODES, Reference, ReferenceSetup
 from prefpack.tokenizer import tokenizer_matches
+from prefpack.training.mixture import describe_mixture
 
 # ------------------------------------------------------------------------------------------------ checks
 
@@ -166,7 +168,9 @@ def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_r
         raise StoreError("data.train is required (a store written by prefpack prepare)")
     kto = uses_unpaired_loss(cfg)  # the KTO family: unpaired examples, prefpack.objectives.KTOTask
     opener = partial(open_store, unpaired=kto, paired_as_kto=cfg.data.paired_as_kto)
-    train_store = opener(cfg.data.train, "train")
+    specs = train_sources(cfg.data.train)  # a mixture: several stores, each under its own name
+    train_stores = [(spec.name, opener(spec.path, "train")) for spec in specs]
+    train_store = train_stores[0][1]
     eval_store = opener(cfg.data.eval, "eval") if cfg.data.eval else None
     if cfg.reference.model and REFERENCE_MODES[cfg.reference.mode].reads_weights:
         check_model_source(cfg.reference.model, "reference model")
@@ -182,12 +186,18 @@ def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_r
     if (eval_store is not None and not cfg.model.allow_tokenizer_mismatch
             and not tokenizer_matches(tok, eval_store.meta["tokenizer"])):
         raise StoreError(f"eval store {cfg.data.eval!r} was prepared with another tokenizer than the train store")
+    for i, (_, store) in enumerate(train_stores[1:], 1):
+        if not cfg.model.allow_tokenizer_mismatch and not tokenizer_matches(tok, store.meta["tokenizer"]):
+            raise StoreError(f"data.train[{i}]: store {str(store.path)!r} was prepared with another tokenizer than "
+                             f"data.train[0] ({specs[0].path!r}); a mixture's stores share one tokenizer (prepare it "
+                             "again with the same --tokenizer)")
     compile_layers = wants_compile(cfg.model.compile, device, int(os.environ.get("WORLD_SIZE", "1")))
     torch.manual_seed(cfg.train.seed)
     policy = load_causal_lm(cfg.model.name_or_path, precision=precision, attn_implementation=attn, device=device,
                             trust_remote_code=cfg.model.trust_remote_code, packed=cfg.data.packing,
                             compile_layers=compile_layers)
-    check_vocab_fits(policy, train_store.meta, cfg.data.train)
+    for spec, (_, store) in zip(specs, train_stores):
+        check_vocab_fits(policy, store.meta, spec.path)
     if compile_layers:
         log("decoder layers compiled with torch.compile (model.compile"
             + (": auto; eager where the compiler fails)" if compile_layers == "auto" else ")"))
@@ -220,7 +230,7 @@ def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_r
     shares_prompts = _prefix_sharing(cfg.data, policy)
     if shares_prompts:
         log("each prompt laid out once per prompt group in packed rows (data.prefix_sharing)")
-    for what, store in (("train", train_store), ("eval", eval_store)):
+    for what, store in [("train", st) for _, st in train_stores] + [("eval", eval_store)]:
         if store is not None:
             check_lengths(store, what, policy, budgets.row_tokens if cfg.data.packing else None, log)
     # LD-DPO weights the reference's sums too
@@ -243,8 +253,11 @@ def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_r
     settings = settings_from_config(cfg, pad_id=pad_id, micro_batch_tokens=budgets.micro_batch_tokens,
                                     row_tokens=budgets.row_tokens, chunk_size=budgets.chunk_size,
                                     shares_prompts=shares_prompts, router_aux_loss_coef=coef)
-    train_task, eval_task = make_objectives(settings, config_terms(cfg), train_store, eval_store, reference, kto=kto,
-                                            group_by_prompt=cfg.data.group_by_prompt, log=log)
+    train_task, eval_task = make_objectives(settings, config_terms(cfg),
+                                            train_stores if is_mixture(cfg.data.train) else train_store, eval_store,
+                                            reference, kto=kto, group_by_prompt=cfg.data.group_by_prompt, log=log)
+    for line in describe_mixture(cfg, train_task):
+        log(line)
     return Setup(policy, reference, tokenizer, train_store, eval_store, device, dtype, pad_id, train_task, eval_task,
                  precision, cfg, settings)
 
