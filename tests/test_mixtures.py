@@ -4,6 +4,8 @@ and the per-source metrics summing back to the totals."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,10 @@ from test_invariance import _prepare_splits, _ranked_rows
 
 from prefpack.batching.mixture import MixtureSchedule, epoch_counts
 from prefpack.batching.schedule import StepSchedule
+from prefpack.cli import main as cli_main
 from prefpack.config import ConfigError, load_config
+from prefpack.metrics import read_metrics
+from prefpack.plot import eval_store_names
 from prefpack.training import TrainingInterrupted, train
 
 RUN = ("optim.lr=1.0e-3", "optim.schedule=constant", "train.max_steps=3", "run.plot=false", "run.tensorboard=false",
@@ -32,7 +37,7 @@ def mix(tmp_path_factory, toy_tokenizers, hh_train, one_thread):
     train_list = (f"[{{path: {pairs['hh']}, weight: 2}}, {{path: {ranked}, weight: 1}}, "
                   f"{{path: {pairs['few']}, pairs: 2}}]")
     return {"root": root, "policy": tiny_llama(tok, root / "policy", 1), "ref": tiny_llama(tok, root / "ref", 2),
-            "hh": pairs["hh"], "train": train_list}
+            "hh": pairs["hh"], "few": pairs["few"], "ranked": ranked, "train": train_list}
 
 
 def _args(w, run_dir, *extra) -> list[str]:
@@ -103,8 +108,9 @@ def test_mixture_config_errors_name_the_entry():
 @pytest.fixture(scope="module")
 def baseline(mix):
     run = mix["root"] / "baseline"
-    lines = []
-    train(_cfg(mix, run), progress=False, log=lines.append)
+    lines = []  # two stores evaluated before and after training, as eval/few/... and eval/ranked/...
+    train(_cfg(mix, run, f"data.eval={{few: {mix['few']}, ranked: {mix['ranked']}}}"), progress=False,
+          log=lines.append)
     mix["log"] = lines
     return run
 
@@ -160,3 +166,17 @@ def test_mixture_two_ranks_equal_one_rank(mix):
     train(_cfg(mix, one, *extra), progress=False, log=quiet)
     run_prefpack(["train", *_args(mix, two, *extra, "distributed.strategy=ddp"), "--no-progress"], nproc=2)
     _same(one, two, atol=1e-6)
+
+
+def test_each_eval_store_equals_prefpack_eval_on_it(mix, baseline, capsys):
+    before = metrics_lines(baseline, "eval")[0]
+    assert before["step"] == 0 and "loss" not in before
+    capsys.readouterr()
+    assert cli_main(["eval", "--model", str(mix["policy"]), "--ref", str(mix["ref"]), "--data", str(mix["few"]),
+                     "--data", str(mix["ranked"]), "--json"]) == 0
+    alone = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [r["data"] for r in alone] == [str(mix["few"]), str(mix["ranked"])]
+    for name, result in zip(("few", "ranked"), alone):
+        for key in ("loss", "rewards/accuracies", "rewards/margins", "logps/chosen"):
+            assert before[f"{name}/{key}"] == pytest.approx(result[key], abs=1e-6), (name, key)
+    assert eval_store_names(read_metrics(baseline / "metrics.jsonl")) == ["few", "ranked"]

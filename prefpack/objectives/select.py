@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -51,18 +52,20 @@ def open_store(path: str, what: str, *, unpaired: bool, paired_as_kto: bool = Fa
 
 
 def make_objectives(settings: RunSettings, terms: Sequence, train_store: Store | Sequence[tuple[str, Store]],
-                    eval_store: Store | None, reference: Reference, *, kto: bool, group_by_prompt: bool = False,
-                    log=print) -> tuple[Objective, Objective | None]:
+                    eval_store: Store | Sequence[Store] | None, reference: Reference, *, kto: bool,
+                    group_by_prompt: bool = False, log=print) -> tuple[Objective, Any]:
     """The train and eval objectives of a run (``kto``: the KTO family). ``train_store`` may be a mixture, a list of
-    ``(name, store)``: its objective is a :class:`MixtureObjective` over each store's own. A precomputed reference
-    loads each store's sidecar here, by the objective's key space (the KTO one tagged with its KL pairing)."""
+    ``(name, store)``: its objective is a :class:`MixtureObjective` over each store's own. ``eval_store`` may be a
+    list of stores: then the eval objectives are a list too. A precomputed reference loads each store's sidecar
+    here, by the objective's key space (the KTO one tagged with its KL pairing)."""
+    evals = list(eval_store) if isinstance(eval_store, list | tuple) else [eval_store] if eval_store else []
     mixture = not isinstance(train_store, Store)
     named = list(train_store) if mixture else [("", train_store)]
     if mixture and kto and len(named) > 1:
         raise StoreError(f"data.train: a mixture of stores ({', '.join(repr(str(s.path)) for _, s in named)}) trains "
                          "the DPO family (pair and ranked stores); KTO on several stores is not supported yet: "
                          "train on one store (prepare the rows together)")
-    stores = [s for _, s in named] + ([eval_store] if eval_store is not None else [])
+    stores = [s for _, s in named] + evals
     if kto:
         objectives = [KTOTask(s, settings, terms) for s in stores]
         warning = objectives[0].class_balance_warning()
@@ -95,7 +98,9 @@ def make_objectives(settings: RunSettings, terms: Sequence, train_store: Store |
             reference.load(o.store, space, need_tails=ld)
     train = objectives[:len(named)]
     task = MixtureObjective([n for n, _ in named], train) if mixture else train[0]
-    return task, objectives[len(named)] if eval_store is not None else None
+    if isinstance(eval_store, list | tuple):
+        return task, objectives[len(named):]
+    return task, objectives[len(named)] if evals else None
 
 
 def batch_warnings(task: Objective, *, whole_store_steps: bool = True) -> list[str]:

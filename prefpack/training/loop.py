@@ -131,13 +131,17 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
         task.load_state_dict(state)  # what the objective carries across steps (bco_pair_running's mean)
 
     def run_eval() -> dict[str, float]:
-        setup.eval_task.load_state_dict(task.state_dict())  # evaluation scores as training does
-        return evaluate(policy, reference, setup.eval_task, module=module, ctx=ctx, balance=cfg.distributed.balance)
+        out: dict[str, float] = {}
+        for name, eval_task in setup.eval_tasks.items():  # data.eval as a map: each store as NAME/... (eval/NAME/..)
+            eval_task.load_state_dict(task.state_dict())  # evaluation scores as training does
+            result = evaluate(policy, reference, eval_task, module=module, ctx=ctx, balance=cfg.distributed.balance)
+            out.update({f"{name}/{k}" if name else k: v for k, v in result.items()})
+        return out
 
     if ctx.enabled:
         log(f"{ctx.world} processes, strategy {strategy}, micro-batches dealt by {cfg.distributed.balance}")
     synced = cfg.reference.sync and copied  # TR-DPO: the reference moves, checkpoints keep it
-    cadence = Cadence(cfg.run, n_steps, metrics, ctx, evaluate=run_eval if setup.eval_task is not None else None,
+    cadence = Cadence(cfg.run, n_steps, metrics, ctx, evaluate=run_eval if setup.eval_tasks else None,
                       save=lambda done: save_checkpoint(run_dir, done, parts, task.state_dict(),
                                                         cfg.run.keep_checkpoints, ctx, with_reference=synced),
                       stop_after_steps=stop_after_steps)
