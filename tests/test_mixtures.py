@@ -128,7 +128,7 @@ def test_mixture_prints_and_counts_its_sources(mix, baseline):
                                                                             if not pairs[n])
         total = sum(pairs.values())
         assert total > 6  # ranked prompts give several pairs each
-        for key in ("loss", "rewards/margins", "rewards/accuracies"):
+        for key in ("loss", "rewards/margins", "rewards/accuracies", "entropy/chosen", "entropy/rejected"):
             got = sum(pairs[n] * m[f"{n}/{key}"] for n in NAMES if pairs[n])
             assert got == pytest.approx(total * m[key], rel=1e-6, abs=1e-9), key
 
