@@ -4,7 +4,10 @@ and the per-source metrics summing back to the totals."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -180,3 +183,24 @@ def test_each_eval_store_equals_prefpack_eval_on_it(mix, baseline, capsys):
         for key in ("loss", "rewards/accuracies", "rewards/margins", "logps/chosen"):
             assert before[f"{name}/{key}"] == pytest.approx(result[key], abs=1e-6), (name, key)
     assert eval_store_names(read_metrics(baseline / "metrics.jsonl")) == ["few", "ranked"]
+
+
+def test_mixture_with_precomputed_references(mix, baseline, tmp_path):
+    """Each store keeps its own sidecar: the baseline mixture (a copy reference) trains the same on copies of its
+    stores with their reference log-probs precomputed; a store without one is refused by name."""
+    stores = {}
+    for name in NAMES:
+        stores[name] = shutil.copytree(mix[name], tmp_path / name)
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert cli_main(["precompute-ref", "--model", str(mix["ref"]), "--data", str(stores[name])]) == 0
+    listed = (f"data.train=[{{path: {stores['hh']}, weight: 2}}, {{path: {stores['ranked']}, weight: 1}}, "
+              f"{{path: {stores['few']}, pairs: 2}}]")
+    train(_cfg(mix, tmp_path / "run", listed, "reference.mode=precomputed"), progress=False, log=quiet)
+    for x, y in zip(metrics_lines(baseline), metrics_lines(tmp_path / "run"), strict=True):
+        assert sorted(x) == sorted(y)
+        for k in ("loss", "rewards/margins", *(f"{n}/loss" for n in NAMES)):
+            if k in x:
+                assert x[k] == pytest.approx(y[k], abs=1e-6), (x["step"], k)
+    (stores["few"] / "ref_logps.safetensors").unlink()
+    with pytest.raises(Exception, match=f"precompute-ref --model REF --data {stores['few']}"):
+        train(_cfg(mix, tmp_path / "again", listed, "reference.mode=precomputed"), progress=False, log=quiet)
