@@ -14,7 +14,7 @@ from typing import Any
 __all__ = ["SourceSpec", "eval_sources", "mixture_problems", "train_sources"]
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
-_RESERVED = {"eval", "train", "loss", "rewards", "logps", "logits"}  # would read as a metric's own prefix
+_RESERVED = {"loss", "rewards", "logps", "entropy", "count"}  # would read as a metric's own prefix
 
 
 @dataclass(frozen=True)
@@ -92,5 +92,6 @@ def _name_problems(name: str, where: str) -> list[str]:
     if not _NAME.fullmatch(name):
         return [f"{where} {name!r} must be letters, digits, '_', '-' or '.' (it prefixes metric names: NAME/loss)"]
     if name in _RESERVED:
-        return [f"{where} {name!r} is reserved (it would read as a metric's own prefix); name it otherwise"]
+        return [f"{where} {name!r} is reserved (it would read as a metric's own prefix, as in {name}/...); give the "
+                "entry another `name:`"]
     return []
