@@ -10,7 +10,7 @@ from conftest import float64_llama, make_task, prepare_hh_splits
 
 from prefpack.config import load_config
 from prefpack.data.store import Store
-from prefpack.model import SequenceLogps
+from prefpack.model import SequenceLogps, SequenceOutput
 from prefpack.model.logprobs import completion_logprobs
 from prefpack.objectives import PairTask
 from prefpack.reference import NoReference
@@ -81,3 +81,41 @@ def test_pair_objective_logs_mean_completion_entropy(tmp_path, toy_tokenizers, h
                 got[side].extend(zip(order, out.metrics[f"entropy/{side}"].tolist()))
         for side in got:
             assert [v for _, v in sorted(got[side])] == pytest.approx(want[side], rel=1e-10, abs=1e-10), (chunk, side)
+
+
+class _ZeroReference(NoReference):
+    """A reference whose log-probs are all 0 (the entropy does not read them)."""
+
+    def sequence_logps(self, batch):
+        return SequenceOutput(torch.zeros(batch.num_sequences, dtype=torch.float64), batch.completion_tokens)
+
+
+def test_kto_logs_entropy_of_desirable_and_undesirable(tmp_path, toy_tokenizers, hh_train):
+    """KTO's examples: the mean entropy of the desirable ones as entropy/chosen, of the undesirable as rejected."""
+    from test_invariance import _prepare_splits, _unpaired_rows
+
+    from prefpack.objectives import KTOTask
+
+    rows = _unpaired_rows(hh_train)["eval"]
+    store = Store(_prepare_splits(tmp_path, toy_tokenizers["llama"], {"kto": rows}, "--format", "unpaired")["kto"])
+    assert len(store) == len(rows)
+    model = float64_llama(toy_tokenizers["llama"], 3)
+    task = make_task(KTOTask, store, load_config(None, ["loss.terms=[{name: kto}]"]))
+    want = {True: [], False: []}
+    for i in range(len(store)):
+        prompt, completion = task.view.prompt(i), task.view.completion(i)
+        ids = torch.tensor([[int(x) for x in prompt] + [int(x) for x in completion]])
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:-1]
+        want[bool(task.view.labels[i])].append(float(full_entropy(logits).mean()))
+    policy = SequenceLogps(model, chunk_size=3, **task.forward_options())
+    reference = _ZeroReference()
+    got = {"entropy/chosen": [], "entropy/rejected": []}
+    batches = [task.collate(p) for p in task.plan(torch.arange(len(store)).numpy(), seed=None)]
+    state = task.begin_step(policy, reference, batches)
+    for batch in batches:
+        out = task.loss(policy, reference, batch, state)
+        for k in got:
+            got[k].extend(out.metrics[k].tolist())
+    assert sorted(got["entropy/chosen"]) == pytest.approx(sorted(want[True]), rel=1e-10)
+    assert sorted(got["entropy/rejected"]) == pytest.approx(sorted(want[False]), rel=1e-10)
