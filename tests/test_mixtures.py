@@ -19,9 +19,11 @@ from prefpack.batching.mixture import MixtureSchedule, epoch_counts
 from prefpack.batching.schedule import StepSchedule
 from prefpack.cli import main as cli_main
 from prefpack.config import ConfigError, load_config
+from prefpack.config.schema import TrainSource
 from prefpack.metrics import read_metrics
 from prefpack.plot import eval_store_names
 from prefpack.training import TrainingInterrupted, train
+from prefpack.training.resume_check import store_identity
 
 RUN = ("optim.lr=1.0e-3", "optim.schedule=constant", "train.max_steps=3", "run.plot=false", "run.tensorboard=false",
        "train.micro_batch_tokens=4096", "data.max_tokens_per_row=1024", "train.global_batch_pairs=6",
@@ -91,6 +93,10 @@ def test_mixture_shares_follow_weights_and_counts():
     assert not np.array_equal(MixtureSchedule(sizes, counts, 32, seed=6).epoch_order(1), sched.epoch_order(1))
     one, plain = MixtureSchedule([37], [37], 8, seed=3), StepSchedule(37, 8, 3)
     assert all(np.array_equal(one.pairs_for_step(s)[1], plain.pairs_for_step(s)[1]) for s in range(12))
+    # data.shuffle=false: each store in order, spread evenly over the epoch (here 1:2:1)
+    ordered = MixtureSchedule([4, 8, 4], [4, 8, 4], 4, seed=0, shuffle=False)
+    assert ordered.source_of(ordered.epoch_order(0)).tolist() == [1, 0, 2, 1] * 4
+    assert ordered.epoch_order(0)[ordered.source_of(ordered.epoch_order(0)) == 1].tolist() == list(range(4, 12))
 
 
 def test_mixture_config_errors_name_the_entry():
@@ -151,6 +157,11 @@ def test_one_entry_list_trains_like_the_store(mix, tmp_path):
         assert y["hh/pairs"] == 6 and y["hh/loss"] == pytest.approx(y["loss"], rel=1e-12)
     wa, wb = final_weights(plain), final_weights(listed)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # a run's data: a one-entry list is its store (a resume may switch between the two), a mixture its own
+    assert store_identity([TrainSource(str(mix["hh"]))]) == store_identity(str(mix["hh"]))
+    two = [TrainSource(str(mix["hh"])), TrainSource(str(mix["few"]))]
+    assert store_identity(two)["store_hash"] not in (store_identity(str(mix["hh"]))["store_hash"],
+                                                     store_identity(two[::-1])["store_hash"])
 
 
 def test_mixture_resume_equals_uninterrupted(mix, tmp_path):
