@@ -161,7 +161,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 return _convert(value, arg, path)
             except ConfigError:
                 if _container_of(value) is not None and _container_of(value) == get_origin(arg) and \
-                        any(is_dataclass(a) or get_origin(a) for a in get_args(arg)):
+                        (get_origin(arg) is dict or any(is_dataclass(a) for a in get_args(arg))):
                     raise  # a list of sections (data.train's entries) or a mapping: its own, precise error
                 continue
         raise _type_error(path, tp, value)
