@@ -39,4 +39,11 @@ def describe_mixture(cfg, task: Objective) -> list[str]:
         how = f"pairs={spec.pairs}" if spec.pairs is not None else f"weight={spec.weight:g}"
         lines.append(f"  {spec.name}: {n} {unit} per epoch ({100 * n / total:.1f}%, {how}) of {len(t)} in "
                      f"{spec.path}")
+        if n == 0:
+            lines.append(f"warning: data.train source {spec.name!r} gets no example per epoch (its weight is too small "
+                         "for the stores' total size): raise its weight or give it `pairs:`")
+    if cfg.train.global_batch_pairs > sched.num_pairs:
+        lines.append(f"warning: train.global_batch_pairs={cfg.train.global_batch_pairs} is larger than the mixture's "
+                     f"{sched.num_pairs} examples per epoch: every step takes a whole epoch. Lower it to at most "
+                     f"{sched.num_pairs}")
     return lines
