@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import final_weights, metrics_lines, prepare_hh_splits, quiet, run_prefpack, tiny_llama
-from test_invariance import _prepare_splits, _ranked_rows
+from test_invariance import _prepare_splits, _ranked_rows, _unpaired_rows
 
 from prefpack.batching.mixture import MixtureSchedule, epoch_counts
 from prefpack.batching.schedule import StepSchedule
@@ -54,12 +54,13 @@ def _cfg(w, run_dir, *extra):
     return load_config(None, _args(w, run_dir, *extra))
 
 
-def _same(a, b, *, exact=False, atol=1e-5, keys=("loss", "rewards/margins", *(f"{n}/loss" for n in NAMES))):
+def _same(a, b, *, exact=False, atol=1e-5, keys=("loss", "rewards/margins", *(f"{n}/loss" for n in NAMES)),
+          names=NAMES):
     la, lb = metrics_lines(a), metrics_lines(b)
     assert [m["step"] for m in la] == [m["step"] for m in lb]
     for x, y in zip(la, lb):
         assert sorted(x) == sorted(y)  # a source not drawn in a step has only NAME/pairs (0), in both runs
-        for k in (*keys, *(f"{n}/pairs" for n in NAMES)):
+        for k in (*keys, *(f"{n}/pairs" for n in names)):
             if k in x:
                 assert (x[k] == y[k]) if exact else x[k] == pytest.approx(y[k], abs=atol), (x["step"], k)
     wa, wb = final_weights(a), final_weights(b)
@@ -174,12 +175,43 @@ def test_mixture_resume_equals_uninterrupted(mix, tmp_path):
     _same(full, broken, exact=True)
 
 
-def test_mixture_two_ranks_equal_one_rank(mix):
-    one, two = mix["root"] / "one-rank", mix["root"] / "two-ranks"
+@pytest.fixture(scope="module")
+def kto_mix(mix, toy_tokenizers, hh_train):
+    """Two unpaired stores (19 and 7 examples) as a KTO mixture: the first by weight, 3 of the second per epoch."""
+    data = _unpaired_rows(hh_train)
+    stores = _prepare_splits(mix["root"], toy_tokenizers["llama"], {"ua": data["train"], "ub": data["eval"]},
+                             "--format", "unpaired")
+    listed = f"[{{path: {stores['ua']}, weight: 1}}, {{path: {stores['ub']}, pairs: 3}}]"
+    return {**mix, "train": listed}
+
+
+KTO = ("loss.terms=[{name: kto}]", "train.global_batch_pairs=5")
+
+
+def test_kto_mixture_accumulation_1x8_equals_8x1(kto_mix):
+    """A KTO mixture: z0 (the KL reference point) and the class counts are the whole step's, over its sources."""
+    root = kto_mix["root"]
+    train(_cfg(kto_mix, root / "kto-one", *KTO), progress=False, log=quiet)
+    train(_cfg(kto_mix, root / "kto-many", *KTO, "train.micro_batch_tokens=16", "data.max_tokens_per_row=16"),
+          progress=False, log=quiet)
+    lines = _same(root / "kto-one", root / "kto-many", keys=("loss", "kl", "ua/loss", "ub/loss"), names=("ua", "ub"))
+    assert any(m["kl"] > 0 for m in lines)
+    assert [m["ua/pairs"] + m["ub/pairs"] for m in lines] == [5, 5, 5]
+
+
+def test_mixture_two_ranks_equal_one_rank(mix, kto_mix):
+    """Pair and ranked stores, and a KTO mixture, on two ranks (one torchrun launch) == one process."""
     extra = ("train.max_steps=2", "optim.eps=1.0e-3", "train.micro_batch_tokens=256", "data.max_tokens_per_row=256")
-    train(_cfg(mix, one, *extra), progress=False, log=quiet)
-    run_prefpack(["train", *_args(mix, two, *extra, "distributed.strategy=ddp"), "--no-progress"], nproc=2)
-    _same(one, two, atol=1e-6)
+    kto = (*KTO, "train.global_batch_pairs=3", "train.micro_batch_tokens=64", "data.max_tokens_per_row=64")
+    root = mix["root"]
+    train(_cfg(mix, root / "one-rank", *extra), progress=False, log=quiet)
+    train(_cfg(kto_mix, root / "kto-one-rank", *extra, *kto), progress=False, log=quiet)
+    run_prefpack(["train", *_args(mix, root / "two-ranks", *extra, "distributed.strategy=ddp"), "--no-progress"],
+                 ["train", *_args(kto_mix, root / "kto-two-ranks", *extra, *kto, "distributed.strategy=ddp"),
+                  "--no-progress"], nproc=2)
+    _same(root / "one-rank", root / "two-ranks", atol=1e-6)
+    _same(root / "kto-one-rank", root / "kto-two-ranks", atol=1e-5, keys=("loss", "kl", "ua/loss", "ub/loss"),
+          names=("ua", "ub"))
 
 
 def test_each_eval_store_equals_prefpack_eval_on_it(mix, baseline, capsys):

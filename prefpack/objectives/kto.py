@@ -348,6 +348,14 @@ class KTOTask(Objective):
         forward still runs, their values are not added. ``dist``: the run's ranks; every rank must call this with
         its own (possibly empty) share of the step, since the sums are all-reduced over them.
         """
+        acc = self.step_sums(policy, reference, batches, weights)
+        dist.all_reduce_sum(acc)
+        return self.step_state(acc)
+
+    def step_sums(self, policy: nn.Module, reference: Reference, batches: list[KTOBatch],
+                  weights: Sequence[float] | None = None) -> torch.Tensor:
+        """This rank's sums of :meth:`begin_step` (float64: kl_sum, kl_count, n_desirable, n_undesirable), before the
+        all-reduce; a mixture of KTO stores adds its sources' sums, so z0 is the whole step's."""
         weights = [1.0] * len(batches) if weights is None else [float(w) for w in weights]
         if len(weights) != len(batches):
             raise ValueError(f"{len(weights)} weights for {len(batches)} micro-batches")
@@ -364,7 +372,10 @@ class KTOTask(Objective):
                 ref = self._reference_logps(reference, b, kl=True, device=pol.device, dtype=pol.dtype)
                 acc[0] += w * (pol.double() - ref.double()).sum().to(device)
                 acc[1] += w * pol.shape[0]
-        dist.all_reduce_sum(acc)
+        return acc
+
+    def step_state(self, acc: torch.Tensor) -> KTOStep:
+        """The step's state from its sums over every rank (:meth:`step_sums`, all-reduced)."""
         kl_sum, kl_count, n_d, n_u = (float(x) for x in acc.cpu())
         step = KTOStep(class_counts=(int(round(n_d)), int(round(n_u))))
         if self.needs_kl:

@@ -126,13 +126,24 @@ class MixtureObjective(Objective):
 
     def begin_step(self, policy, reference, batches, weights=None, dist=None) -> MixtureState:
         weights = weights if weights is not None else [1.0] * len(batches)
+        if all(hasattr(t, "step_sums") for t in self.tasks):  # KTO: z0 and class counts over the whole step
+            acc = sum(t.step_sums(policy, reference, *self._mine(i, batches, weights))
+                      for i, t in enumerate(self.tasks))
+            if dist is not None:
+                dist.all_reduce_sum(acc)
+            return MixtureState(states=[t.step_state(acc) for t in self.tasks])
         states = []
         for i, t in enumerate(self.tasks):  # every source, in order, on every rank (collectives stay in step)
-            mine = [k for k, b in enumerate(batches) if b.mix_source == i]
+            mine, mine_weights = self._mine(i, batches, weights)
             kwargs = {} if dist is None else {"dist": dist}
-            states.append(t.begin_step(policy, reference, [batches[k] for k in mine],
-                                       weights=[weights[k] for k in mine], **kwargs))
+            states.append(t.begin_step(policy, reference, mine, weights=mine_weights, **kwargs))
         return MixtureState(states=states)
+
+    @staticmethod
+    def _mine(i: int, batches: list, weights: list) -> tuple[list, list]:
+        """Source ``i``'s micro-batches of a step and their weights."""
+        mine = [k for k, b in enumerate(batches) if b.mix_source == i]
+        return [batches[k] for k in mine], [weights[k] for k in mine]
 
     def loss(self, policy, reference, batch, step: MixtureState) -> LossOutput:
         i = self._last = batch.mix_source

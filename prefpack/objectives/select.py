@@ -61,10 +61,6 @@ def make_objectives(settings: RunSettings, terms: Sequence, train_store: Store |
     evals = list(eval_store) if isinstance(eval_store, list | tuple) else [eval_store] if eval_store else []
     mixture = not isinstance(train_store, Store)
     named = list(train_store) if mixture else [("", train_store)]
-    if mixture and kto and len(named) > 1:
-        raise StoreError(f"data.train: a mixture of stores ({', '.join(repr(str(s.path)) for _, s in named)}) trains "
-                         "the DPO family (pair and ranked stores); KTO on several stores is not supported yet: "
-                         "train on one store (prepare the rows together)")
     stores = [s for _, s in named] + evals
     if kto:
         objectives = [KTOTask(s, settings, terms) for s in stores]
