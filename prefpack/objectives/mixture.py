@@ -4,7 +4,7 @@ this one routes global ids (source ``i`` owns ``offset_i .. offset_i + len_i``) 
 A micro-batch holds one source's examples (each store keeps its layout, its sidecar and its sequence keys); the
 step's loss is still the sum over every example divided by the step's units, so packing, accumulation and ranks do
 not change it. Running state (bco_pair_running's mean) is the run's: every source is updated with the whole step's
-sums, as one store would be.
+sums, as one store would be; so is KTO's step state (z0 and class counts), from every source's sums at once.
 """
 
 from __future__ import annotations
