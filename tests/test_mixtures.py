@@ -247,3 +247,11 @@ def test_mixture_with_precomputed_references(mix, baseline, tmp_path):
     (stores["few"] / "ref_logps.safetensors").unlink()
     with pytest.raises(Exception, match=f"precompute-ref --model REF --data {stores['few']}"):
         train(_cfg(mix, tmp_path / "again", listed, "reference.mode=precomputed"), progress=False, log=quiet)
+
+
+def test_mixture_stores_share_a_tokenizer(mix, toy_tokenizers, hh_train, tmp_path):
+    other = prepare_hh_splits(tmp_path, toy_tokenizers["neox"], hh_train, {"neox": 4})["neox"]
+    listed = f"data.train=[{{path: {mix['hh']}}}, {{path: {other}}}]"
+    with pytest.raises(Exception, match=r"data.train\[1\]: store .*neox.* was prepared with another tokenizer than "
+                                        r"data.train\[0\]"):
+        train(_cfg(mix, tmp_path / "run", listed), progress=False, log=quiet)
