@@ -232,8 +232,8 @@ def add_eval(sub) -> None:
     p.add_argument("--ref", default=None, help="reference model, run beside the policy (default: the store's "
                    "precomputed sidecar if any: its log-probs are the reference, whichever model --model is, e.g. "
                    "the initial model's sidecar for a trained model; else no reference)")
-    p.add_argument("--data", required=True, help="prepared store: pairs, ranked completions, or unpaired examples "
-                   "(KTO)")
+    p.add_argument("--data", required=True, action="append", help="prepared store: pairs, ranked completions, or "
+                   "unpaired examples (KTO); give --data several times to score several stores, each in turn")
     p.add_argument("--config", default=None, metavar="RUN_DIR/config.yaml",
                    help="score as that run trained: its loss terms, weights and parameters, precision, packing and "
                    "KTO settings (flags given here override them)")
@@ -313,24 +313,46 @@ def eval_config(args):
 
 
 def run_eval(args, argv) -> int:
-    import numpy as np
+    """Each ``--data`` store scored in turn (the model loaded once per store), exactly as it alone would be."""
+    import copy
 
     from prefpack.distributed import init_from_env, shutdown
+
+    ctx = init_from_env(args.device)  # under torchrun every rank scores a share of each store
+    results = []
+    try:
+        for path in args.data:
+            one = copy.copy(args)
+            one.data = path
+            results.append(_eval_store(one, ctx))
+    finally:
+        shutdown()
+    if not ctx.is_main:
+        return 0
+    for path, result in zip(args.data, results):
+        if len(args.data) > 1:
+            result = {"data": path, **result}
+        if args.json:
+            print(json_line(result))
+        else:
+            for k, v in result.items():
+                print(f"{k:<22} {v:.6f}" if isinstance(v, float) else f"{k:<22} {v}")
+    return 0
+
+
+def _eval_store(args, ctx) -> dict:
+    """``prefpack eval`` on one store (``args.data``): its metrics, counts and reference mode."""
+    import numpy as np
+
     from prefpack.losses import UNPAIRED_LOSS_NAMES
     from prefpack.training import build, evaluate
 
     cfg = eval_config(args)
     kto = any(t.name in UNPAIRED_LOSS_NAMES for t in cfg.loss.terms)
     cfg.validate()
-    ctx = init_from_env(args.device)  # under torchrun every rank scores a share of the store
-    try:
-        setup = build(cfg, log=_err, device=ctx.device, check_sidecar_reference=False)  # the sidecar IS the ref
-        result = evaluate(setup.policy, setup.reference, setup.train_task, ctx=ctx)
-        ctx.barrier()  # no rank leaves while another is still in a collective
-    finally:
-        shutdown()
-    if not ctx.is_main:
-        return 0
+    setup = build(cfg, log=_err, device=ctx.device, check_sidecar_reference=False)  # the sidecar IS the ref
+    result = evaluate(setup.policy, setup.reference, setup.train_task, ctx=ctx)
+    ctx.barrier()  # no rank leaves while another is still in a collective
     task = setup.train_task
     if kto:
         result["examples"] = len(task)
@@ -339,12 +361,7 @@ def run_eval(args, argv) -> int:
         if task.kind == "groups":
             result["prompts"] = len(task)
     result["reference"] = setup.reference.mode
-    if args.json:
-        print(json_line(result))
-    else:
-        for k, v in result.items():
-            print(f"{k:<22} {v:.6f}" if isinstance(v, float) else f"{k:<22} {v}")
-    return 0
+    return result
 
 
 # ---------------------------------------------------------------- precompute-ref

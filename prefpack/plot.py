@@ -50,6 +50,17 @@ def _series(records: list[dict], split: str, key: str) -> tuple[list[int], list[
     return steps, [by_step[s] for s in steps]
 
 
+def eval_store_names(records: list[dict]) -> list[str]:
+    """The stores of a ``data.eval`` map, from the eval lines' ``NAME/loss`` keys, in order of appearance."""
+    names: dict[str, None] = {}
+    for r in records:
+        if r.get("split") == "eval":
+            for k in r:
+                if k.endswith("/loss") and k.count("/") == 1:
+                    names.setdefault(k[: -len("/loss")], None)
+    return list(names)
+
+
 def plot_run(run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None,
              log: Callable[[str], None] | None = None) -> Path:
     """Draw the run's curves (train as lines, eval as markers) to ``out`` (default ``run_dir/curves.png``).
@@ -69,13 +80,16 @@ def plot_run(run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None
         raise PlotError(f"{path} has no records yet; nothing to plot")
 
     panels = []
+    stores = eval_store_names(records)
     for title, keys in PANELS:
         lines = []
         for key in keys:
-            for split in ("train", "eval"):
-                steps, values = _series(records, split, key)
+            # (metric key, split, label suffix): train, eval, then each store of a data.eval map (eval/NAME/...)
+            for full, split, label in [(key, "train", "train"), (key, "eval", "eval"),
+                                       *((f"{n}/{key}", "eval", f"eval {n}") for n in stores)]:
+                steps, values = _series(records, split, full)
                 if steps:
-                    lines.append((key, split, steps, values))
+                    lines.append((key, split, label, steps, values))
         if lines:
             panels.append((title, lines))
     if not panels:
@@ -96,10 +110,10 @@ def plot_run(run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax, (title, lines) in zip(axes, panels):
         colors = {}
-        for key, split, steps, values in lines:
-            color = colors.setdefault(key, f"C{len(colors)}")
+        for key, split, where, steps, values in lines:
+            color = colors.setdefault((key, where if where.startswith("eval ") else ""), f"C{len(colors)}")
             name = key.rsplit("/", 1)[-1] if len({k for k, *_ in lines}) > 1 else ""
-            label = f"{name} ({split})" if name else split
+            label = f"{name} ({where})" if name else where
             if split == "train":
                 ax.plot(steps, values, "-", color=color, linewidth=1.2, label=label)
             else:

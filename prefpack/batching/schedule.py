@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["StepKey", "StepSchedule"]
+__all__ = ["StepKey", "StepSchedule", "group_order"]
 
 
 class StepKey(NamedTuple):
@@ -21,6 +21,17 @@ class StepKey(NamedTuple):
 
     seed: int
     step: int
+
+
+def group_order(rng: np.random.Generator, n: int, groups: np.ndarray | None) -> np.ndarray:
+    """A seeded permutation of ``n`` examples that moves whole groups (``groups``: each example's group id), so
+    a group's examples stay next to each other; without groups, the plain permutation."""
+    if groups is None:
+        return rng.permutation(n)
+    groups = np.asarray(groups, dtype=np.int64)
+    rank = np.empty(int(groups.max()) + 1, dtype=np.int64)
+    rank[rng.permutation(rank.shape[0])] = np.arange(rank.shape[0])
+    return np.argsort(rank[groups], kind="stable")
 
 
 @dataclass
@@ -43,13 +54,7 @@ class StepSchedule:
     def epoch_order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
             return np.arange(self.num_pairs)
-        rng = np.random.default_rng([self.seed, epoch])
-        if self.groups is None:
-            return rng.permutation(self.num_pairs)
-        groups = np.asarray(self.groups, dtype=np.int64)
-        rank = np.empty(int(groups.max()) + 1, dtype=np.int64)
-        rank[rng.permutation(rank.shape[0])] = np.arange(rank.shape[0])
-        return np.argsort(rank[groups], kind="stable")
+        return group_order(np.random.default_rng([self.seed, epoch]), self.num_pairs, self.groups)
 
     def pairs_for_step(self, step: int) -> tuple[int, np.ndarray]:
         epoch, k = divmod(step, self.steps_per_epoch)

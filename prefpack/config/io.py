@@ -126,6 +126,9 @@ def _describe(tp: Any, plural: bool = False) -> str:
         return ("lists" if plural else "a list") + " of " + _describe(args[0], plural=True)
     if origin is tuple:
         return ("lists" if plural else "a list") + f" of {len(args)} " + _describe(args[0], plural=True)
+    if origin is dict:
+        return ("mappings" if plural else "a mapping") + " of " + _describe(args[0], plural=True) + " to " + \
+            _describe(args[1], plural=True)
     if _is_union(tp):
         return " or ".join(_describe(a, plural) for a in args)
     return getattr(tp, "__name__", str(tp))
@@ -157,6 +160,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
             try:
                 return _convert(value, arg, path)
             except ConfigError:
+                if _container_of(value) is not None and _container_of(value) == get_origin(arg) and \
+                        (get_origin(arg) is dict or any(is_dataclass(a) for a in get_args(arg))):
+                    raise  # a list of sections (data.train's entries) or a mapping: its own, precise error
                 continue
         raise _type_error(path, tp, value)
     if origin is Literal:
@@ -189,6 +195,10 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, list | tuple):
             raise _type_error(path, tp, value)
         return [_convert(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict) or not value:
+            raise _type_error(path, tp, value)
+        return {_convert(k, args[0], f"{path} key"): _convert(v, args[1], f"{path}.{k}") for k, v in value.items()}
     if origin is tuple:
         if not isinstance(value, list | tuple) or len(value) != len(args):
             raise _type_error(path, tp, value)
@@ -199,6 +209,11 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _container_of(value: Any) -> Any:
+    """``list`` or ``dict`` for a value of that shape (the origin of the annotation that takes it), else None."""
+    return list if isinstance(value, list) else dict if isinstance(value, dict) else None
 
 
 def _hints(cls: type) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import difflib
 import math
 from typing import TYPE_CHECKING
 
+from prefpack.config.mixture import mixture_problems
 from prefpack.model.attention.kernels import KERNELS, kernel_named
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ def problems(cfg: Config, *, training: bool) -> list[str]:
          "optim.master_dtype bfloat16 with model.dtype float32 would compute in float32 on bfloat16 weights; "
          "set model.dtype=bfloat16 (pure bfloat16) or leave optim.master_dtype at auto")
 
+    errs.extend(mixture_problems(d.train, d.eval))
     if d.max_tokens_per_row != "auto":
         at_least("data.max_tokens_per_row", d.max_tokens_per_row, 2)
     if d.pad_to_multiple_of is not None:

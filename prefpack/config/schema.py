@@ -71,9 +71,22 @@ class ModelConfig:
 
 
 @dataclass
+class TrainSource:
+    """One store of a training mixture (``data.train`` as a list; docs/mixtures.md)."""
+
+    path: str = field(metadata={"help": "prepared store folder"})
+    weight: float | None = _f(None, "sampling proportion over the run (shares the stores' total size); "
+                              "null with no pairs = 1")
+    pairs: int | None = _f(None, "a fixed number of examples of this store per epoch, instead of a weight")
+    name: str | None = _f(None, "the source's name in the metrics (NAME/loss, ...); null = the store folder's name")
+
+
+@dataclass
 class DataConfig:
-    train: str | None = _f(None, "prepared store folder to train on (required for train)")
-    eval: str | None = _f(None, "prepared held-out store folder; null = no evaluation")
+    train: str | list[TrainSource] | None = _f(None, "prepared store folder to train on (required for train), or a "
+                                               "mixture: a list of {path, weight} / {path, pairs} entries")
+    eval: str | dict[str, str] | None = _f(None, "prepared held-out store folder, or a map {name: folder} of several "
+                                           "(each logged as eval/NAME/...); null = no evaluation")
     packing: bool = _f(True, "pack several pairs into each row; false = one padded pair per row")
     max_tokens_per_row: Budget = _f("auto", "row length budget in tokens when packing; auto = 2048 on CPU, "
                                     "sized from the device on CUDA")

@@ -134,6 +134,7 @@ def sequence_logps(
     router_aux: bool = False,
     pair_tails: bool = False,
     wpo: bool = False,
+    entropy: bool = False,
 ) -> SequenceOutput:
     """Completion log-prob sum and completion token count per sequence, and what the options ask for.
 
@@ -143,7 +144,9 @@ def sequence_logps(
     also return the router load-balancing loss over the micro-batch's real tokens (``aux_loss``, a float32 scalar, as
     ``model(..., output_router_logits=True).aux_loss`` computes it). ``pair_tails`` (pair batches): also the sum over
     each completion's tokens past the length of the shorter completion of its pair (``tail_sum``; LD-DPO weights it).
-    ``wpo``: also WPO's per-sequence ``wpo_mean`` (see :func:`prefpack.model.sums.wpo_means`).
+    ``wpo``: also WPO's per-sequence ``wpo_mean`` (see :func:`prefpack.model.sums.wpo_means`). ``entropy``: also each
+    sequence's mean token entropy over its scored tokens (``entropy_mean``, from the head's own logits, without
+    gradient).
     """
     body, _ = body_and_head(model)
     spec = head_spec(model)
@@ -170,7 +173,7 @@ def sequence_logps(
                                  pair_tails=pair_tails, wpo=wpo)
     batch = batch.to(device, non_blocking=True)
     with compute_context(model, device):
-        return _sequence_logps(body, spec, batch, flatten, chunk_size, extra, aux, pair_tails, wpo)
+        return _sequence_logps(body, spec, batch, flatten, chunk_size, extra, aux, pair_tails, wpo, entropy)
 
 
 def _aux_loss(out, aux, mask: torch.Tensor | None) -> torch.Tensor:
@@ -185,7 +188,7 @@ def _aux_loss(out, aux, mask: torch.Tensor | None) -> torch.Tensor:
 
 
 def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, extra: dict, aux=None,
-                    pair_tails: bool = False, wpo: bool = False) -> SequenceOutput:
+                    pair_tails: bool = False, wpo: bool = False, entropy: bool = False) -> SequenceOutput:
     mask = None
     shared = batch.score_positions is not None
     if batch.packed:
@@ -220,9 +223,11 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
         scored_targets, index = targets[loss_mask], seq_index[loss_mask]
     with record_function("prefpack.head"):  # the head's forward, for profiles (benchmarks/bench_masked_spans.py)
         logp = completion_logprobs(h, scored_targets, spec.weight, spec.bias, chunk_size=chunk_size, scale=spec.scale,
-                                   softcap=spec.softcap, with_log_sum_sq=wpo)
-    if wpo:
-        logp, log_sum_sq = logp
+                                   softcap=spec.softcap, with_log_sum_sq=wpo, with_entropy=entropy)
+    if wpo or entropy:
+        logp, *extras = logp
+        log_sum_sq = extras[0] if wpo else None
+        token_entropy = extras[-1] if entropy else None
     logp_sum = segment_sum(logp, index, batch.num_sequences)
     tail_sum = wpo_mean = None
     if pair_tails and batch.tail_pairs is not None:
@@ -232,8 +237,12 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
                                batch.num_sequences)
     if wpo:
         wpo_mean = wpo_means(wpo_sums(logp, log_sum_sq, index, batch.num_sequences), batch.completion_tokens)
+    entropy_mean = None
+    if entropy:
+        sums = segment_sum(token_entropy, index, batch.num_sequences)
+        entropy_mean = sums / batch.completion_tokens.to(sums.device, sums.dtype).clamp(min=1.0)
     return SequenceOutput(logp_sum, batch.completion_tokens, None if aux is None else _aux_loss(out, aux, mask),
-                          tail_sum, wpo_mean)
+                          tail_sum, wpo_mean, entropy_mean)
 
 
 def split_pairs(logp_sum: torch.Tensor, n_tokens: torch.Tensor) -> PairSums:
@@ -256,12 +265,12 @@ class SequenceLogps(nn.Module):
     ``forward``; DDP's gradient hooks and FSDP2's root pre-forward run only through a wrapped ``forward``,
     so wrap this module, not the bare causal LM.
 
-    ``router_aux``, ``pair_tails``, ``wpo``: the optional outputs of :func:`sequence_logps`. The aux loss goes out
+    ``router_aux``, ``pair_tails``, ``wpo``, ``entropy``: the optional outputs of :func:`sequence_logps`. The aux loss goes out
     through ``forward`` (not stashed on the module) so DDP / FSDP2 see its graph.
     """
 
     def __init__(self, model: nn.Module, chunk_size: int = DEFAULT_CHUNK_SIZE, flatten: bool | None = None,
-                 router_aux: bool = False, pair_tails: bool = False, wpo: bool = False):
+                 router_aux: bool = False, pair_tails: bool = False, wpo: bool = False, entropy: bool = False):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
@@ -269,10 +278,12 @@ class SequenceLogps(nn.Module):
         self.router_aux = router_aux
         self.pair_tails = pair_tails
         self.wpo = wpo
+        self.entropy = entropy
 
     def forward(self, batch: Batch) -> SequenceOutput:
         return sequence_logps(self.model, batch, chunk_size=self.chunk_size, flatten=self.flatten,
-                              router_aux=self.router_aux, pair_tails=self.pair_tails, wpo=self.wpo)
+                              router_aux=self.router_aux, pair_tails=self.pair_tails, wpo=self.wpo,
+                              entropy=self.entropy)
 
 
 @torch.no_grad()

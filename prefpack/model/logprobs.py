@@ -88,13 +88,14 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, targets, chunk_size, scale, softcap, with_log_sum_sq, keep_last):
+    def forward(ctx, h, weight, bias, targets, chunk_size, scale, softcap, with_log_sum_sq, with_entropy, keep_last):
         mm_dtype = _matmul_dtype(h, weight)
         out_dtype = _out_dtype(mm_dtype)
         n = h.shape[0]
         logp = torch.empty(n, dtype=out_dtype, device=h.device)
         lse = torch.empty(n, dtype=out_dtype, device=h.device)
         log_sum_sq = torch.empty(n if with_log_sum_sq else 0, dtype=out_dtype, device=h.device)
+        entropy = torch.empty(n if with_entropy else 0, dtype=out_dtype, device=h.device)
         # The last chunk's logits stay alive for backward (which starts with them, then frees them): one chunk of
         # memory between forward and backward, one matmul fewer in backward. Backward then runs the very same ops
         # on the very same logits as for a recomputed chunk, so gradients do not depend on which chunk was kept.
@@ -114,12 +115,17 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
                 for r in range(0, e - s, step):
                     block = z[r:r + step]
                     scaled = (block - m[r:r + step]).exp_() if keep else block.sub_(m).exp_()  # exp(z - m)
-                    log_total = scaled.sum(dim=1).log_()
+                    total = scaled.sum(dim=1)
+                    log_total = total.log()
                     lse[s + r:s + r + step] = log_total + m[r:r + step].squeeze(1)
                     if with_log_sum_sq:
                         # log sum_v p_v^2 = 2 log ||exp(z - m)|| - 2 log sum exp(z - m); no temporary for the norm
                         log_sum_sq[s + r:s + r + step] = 2.0 * (
                             torch.linalg.vector_norm(scaled, dim=1).log_() - log_total)
+                    if with_entropy:
+                        # -sum_v p_v log p_v with p = e / T, e = exp(z - m): log T - sum_v e_v log e_v / T, the
+                        # e log e computed in place (the last use of e), so no temporary
+                        entropy[s + r:s + r + step] = log_total - scaled.xlogy_(scaled).sum(dim=1) / total
                     del scaled
                 logp[s:e] = target_z - lse[s:e]
                 if keep:
@@ -127,11 +133,11 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
                 del z
         ctx.save_for_backward(h, weight, bias, targets, lse)
         ctx.chunk_size, ctx.scale, ctx.softcap, ctx.mm_dtype = chunk_size, scale, softcap, mm_dtype
-        ctx.mark_non_differentiable(log_sum_sq)
-        return logp, log_sum_sq
+        ctx.mark_non_differentiable(log_sum_sq, entropy)
+        return logp, log_sum_sq, entropy
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_log_sum_sq):
+    def backward(ctx, grad_out, _grad_log_sum_sq, _grad_entropy):
         h, weight, bias, targets, lse = ctx.saved_tensors
         chunk_size, scale, softcap, mm_dtype = ctx.chunk_size, ctx.scale, ctx.softcap, ctx.mm_dtype
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -186,7 +192,7 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
             grad_w = grad_w.to(weight.dtype)
         if need_b:
             grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def completion_logprobs(
@@ -200,7 +206,8 @@ def completion_logprobs(
     softcap: float | None = None,
     max_chunk_elements: int | None = None,
     with_log_sum_sq: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Per-position ``log p(target)`` from gathered hidden states.
 
     ``hidden`` [N, H] must already be gathered at the positions whose next token is a completion token
@@ -216,6 +223,8 @@ def completion_logprobs(
 
     ``with_log_sum_sq`` also returns, without gradient, ``log sum_v p_v^2`` per position (WPO's weight needs it,
     Zhou et al. 2024 Eq. 2; TRL's ``log_sum_sq_probs``), computed from the same chunk of logits.
+    ``with_entropy`` also returns, without gradient, the entropy ``-sum_v p_v log p_v`` of each position's
+    distribution, from the same logits (no extra pass over the head). Extras come after ``logp`` in that order.
     """
     if hidden.ndim != 2 or targets.ndim != 1 or hidden.shape[0] != targets.shape[0]:
         raise ValueError(
@@ -231,7 +240,7 @@ def completion_logprobs(
         raise ValueError(f"max_chunk_elements must be >= 1, got {max_chunk_elements}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive, got {softcap}")
-    logp, log_sum_sq = _ChunkedTokenLogprob.apply(
+    logp, log_sum_sq, entropy = _ChunkedTokenLogprob.apply(
         hidden,
         weight,
         bias,
@@ -240,9 +249,11 @@ def completion_logprobs(
         float(scale),
         None if softcap is None else float(softcap),
         bool(with_log_sum_sq),
+        bool(with_entropy),
         torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad),
     )
-    return (logp, log_sum_sq) if with_log_sum_sq else logp
+    extras = [x for x, on in ((log_sum_sq, with_log_sum_sq), (entropy, with_entropy)) if on]
+    return (logp, *extras) if extras else logp
 
 
 def segment_sum(values: torch.Tensor, index: torch.Tensor, num_segments: int) -> torch.Tensor:

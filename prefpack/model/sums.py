@@ -29,6 +29,7 @@ class SequenceOutput(NamedTuple):
     tail_sum: torch.Tensor | None = None  # [S] sum over the tokens past the shorter completion of the pair (LD-DPO);
     # [2, P] per drawn pair (chosen, rejected) when the batch gives ``tail_pairs`` (ranked stores)
     wpo_mean: torch.Tensor | None = None  # [S] detached mean over tokens of log p - log sum_v p_v^2 (WPO)
+    entropy_mean: torch.Tensor | None = None  # [S] detached mean over scored tokens of the policy's entropy
 
 
 def boundary_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:

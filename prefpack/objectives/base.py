@@ -84,6 +84,11 @@ class Objective:
         example, except ranked prompt groups, which give one per pair they yield."""
         return len(ids)
 
+    def step_metrics(self, ids: np.ndarray, means: dict[str, float]) -> dict[str, float]:
+        """A step's metrics line from its all-reduced means and its ids (a mixture adds ``NAME/pairs`` and drops
+        the metrics of the sources the step did not draw; default: ``means`` as they are)."""
+        return means
+
     def plan_step(self, ids: np.ndarray, *, seed: Any) -> None:
         """Called once per step with the whole step's ``ids`` before they are dealt to ranks, so what depends on
         the whole step does not depend on the dealing (default: nothing)."""

@@ -129,7 +129,7 @@ class PromptGroupTask(PairTask):
         return chosen, rejected, np.concatenate(rows)
 
     def pair_sums(self, policy: nn.Module, reference: Reference, batch) -> tuple[PairLogps, torch.Tensor | None,
-                                                                                 torch.Tensor | None]:
+                                                                                 torch.Tensor | None, Any]:
         """Every completion's sums once, then each pair's chosen and rejected gathered from them."""
         out = as_sequence_output(policy(batch))
         logp, n_tokens, tail, wpo_mean = out.logp_sum, out.n_tokens, out.tail_sum, out.wpo_mean
@@ -158,4 +158,5 @@ class PromptGroupTask(PairTask):
         weights = None
         if lo.use_weighting:
             weights = wpo_weights(wpo_mean[c_idx], wpo_mean[r_idx]).to(device, dtype)
-        return logps, weights, out.aux_loss
+        ent = out.entropy_mean
+        return logps, weights, out.aux_loss, None if ent is None else (ent[c_idx], ent[r_idx])

@@ -118,8 +118,9 @@ class KTOTask(Objective):
                              "completion of another example; add examples or use loss apo_zero_unpaired")
 
     def forward_options(self) -> dict:
-        """KTO reads only the per-sequence sums (no MoE aux loss, LD-DPO or WPO: those are pair options)."""
-        return {}
+        """KTO reads the per-sequence sums (no MoE aux loss, LD-DPO or WPO: those are pair options), and logs the
+        policy's mean token entropy."""
+        return {"entropy": True}
 
     def __len__(self) -> int:
         return len(self.view)
@@ -319,11 +320,12 @@ class KTOTask(Objective):
         return main, kl, shared_completion_mask(main_parts, group_rows, main.input_ids.shape), kl_cmask
 
     @staticmethod
-    def _policy_logps(policy: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``policy`` maps a batch to per-sequence sums (``prefpack.model.forward.SequenceLogps``, maybe wrapped)."""
+    def _policy_logps(policy: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``policy`` maps a batch to per-sequence sums (``prefpack.model.forward.SequenceLogps``, maybe wrapped), their
+        token counts and mean token entropies (None unless the forward gives them)."""
         n = int(batch.completion_tokens.shape[0])
         out = as_sequence_output(policy(batch))
-        return out.logp_sum[:n], out.n_tokens[:n]
+        return out.logp_sum[:n], out.n_tokens[:n], None if out.entropy_mean is None else out.entropy_mean[:n]
 
     @torch.no_grad()
     def _reference_logps(self, reference: Reference, batch: KTOBatch, *, kl: bool, device, dtype) -> torch.Tensor:
@@ -346,6 +348,14 @@ class KTOTask(Objective):
         forward still runs, their values are not added. ``dist``: the run's ranks; every rank must call this with
         its own (possibly empty) share of the step, since the sums are all-reduced over them.
         """
+        acc = self.step_sums(policy, reference, batches, weights)
+        dist.all_reduce_sum(acc)
+        return self.step_state(acc)
+
+    def step_sums(self, policy: nn.Module, reference: Reference, batches: list[KTOBatch],
+                  weights: Sequence[float] | None = None) -> torch.Tensor:
+        """This rank's sums of :meth:`begin_step` (float64: kl_sum, kl_count, n_desirable, n_undesirable), before the
+        all-reduce; a mixture of KTO stores adds its sources' sums, so z0 is the whole step's."""
         weights = [1.0] * len(batches) if weights is None else [float(w) for w in weights]
         if len(weights) != len(batches):
             raise ValueError(f"{len(weights)} weights for {len(batches)} micro-batches")
@@ -358,11 +368,14 @@ class KTOTask(Objective):
                 acc[3] += w * (b.num_examples - n_d)
                 if not self.needs_kl:
                     continue
-                pol, _ = self._policy_logps(policy, b.kl)
+                pol, _, _ = self._policy_logps(policy, b.kl)
                 ref = self._reference_logps(reference, b, kl=True, device=pol.device, dtype=pol.dtype)
                 acc[0] += w * (pol.double() - ref.double()).sum().to(device)
                 acc[1] += w * pol.shape[0]
-        dist.all_reduce_sum(acc)
+        return acc
+
+    def step_state(self, acc: torch.Tensor) -> KTOStep:
+        """The step's state from its sums over every rank (:meth:`step_sums`, all-reduced)."""
         kl_sum, kl_count, n_d, n_u = (float(x) for x in acc.cpu())
         step = KTOStep(class_counts=(int(round(n_d)), int(round(n_u))))
         if self.needs_kl:
@@ -372,9 +385,14 @@ class KTOTask(Objective):
     def loss(self, policy: nn.Module, reference: Reference, batch: KTOBatch, step: StepState) -> LossOutput:
         if not isinstance(step, KTOStep) or (self.needs_kl and step.kl is None):
             raise RuntimeError("KTOTask.begin_step must run over the step's micro-batches before loss()")
-        pol, tokens = self._policy_logps(policy, batch.main)
+        pol, tokens, entropy = self._policy_logps(policy, batch.main)
         ref = self._reference_logps(reference, batch, kl=False, device=pol.device, dtype=pol.dtype)
-        logps = UnpairedLogps(policy=pol, reference=ref, label=batch.label.to(pol.device),
-                              tokens=tokens.to(pol.device))
-        return unpaired_loss(logps, self.loss_name, **self.settings.loss.keywords("unpaired"),
-                             kl=float(step.kl or 0.0), weight=self.term_weight, class_counts=step.class_counts)
+        label = batch.label.to(pol.device)
+        logps = UnpairedLogps(policy=pol, reference=ref, label=label, tokens=tokens.to(pol.device))
+        out = unpaired_loss(logps, self.loss_name, **self.settings.loss.keywords("unpaired"),
+                            kl=float(step.kl or 0.0), weight=self.term_weight, class_counts=step.class_counts)
+        if entropy is not None:  # the policy's mean token entropy: desirable examples as chosen, undesirable rejected
+            desirable = label.bool()
+            out.metrics["entropy/chosen"] = entropy[desirable].to(pol.dtype)
+            out.metrics["entropy/rejected"] = entropy[~desirable].to(pol.dtype)
+        return out

@@ -46,7 +46,7 @@ class PairTask(Objective):
         loss, LD-DPO's tail sums, WPO's means. The reference forward needs only ``pair_tails``."""
         lo = self.settings.loss
         return {"router_aux": bool(self.router_aux_loss_coef), "pair_tails": lo.ld_alpha is not None,
-                "wpo": bool(lo.use_weighting)}
+                "wpo": bool(lo.use_weighting), "entropy": True}
 
     def __len__(self) -> int:
         return len(self.store)
@@ -100,9 +100,10 @@ class PairTask(Objective):
         return batch
 
     def pair_sums(self, policy: nn.Module, reference: Reference, batch) -> tuple[PairLogps, torch.Tensor | None,
-                                                                                 torch.Tensor | None]:
-        """The batch's pairs as :class:`PairLogps` (policy and reference sums), their WPO weights (or None) and the
-        MoE aux loss (or None): sequence ``2p`` is pair p's chosen, ``2p + 1`` its rejected."""
+                                                                                 torch.Tensor | None, Any]:
+        """The batch's pairs as :class:`PairLogps` (policy and reference sums), their WPO weights (or None), the
+        MoE aux loss (or None) and the policy's mean token entropies (chosen, rejected) or None: sequence ``2p`` is
+        pair p's chosen, ``2p + 1`` its rejected."""
         lo = self.settings.loss
         out = as_sequence_output(policy(batch))  # `policy`: SequenceLogps, maybe wrapped
         pol = split_pairs(out.logp_sum, out.n_tokens)
@@ -131,15 +132,18 @@ class PairTask(Objective):
         weights = None
         if lo.use_weighting:
             weights = wpo_weights(wpo_mean[0::2], wpo_mean[1::2]).to(device, dtype)
-        return logps, weights, out.aux_loss
+        ent = out.entropy_mean
+        return logps, weights, out.aux_loss, None if ent is None else (ent[0::2], ent[1::2])
 
     def loss(self, policy: nn.Module, reference: Reference, batch, step: StepState) -> LossOutput:
-        logps, weights, aux = self.pair_sums(policy, reference, batch)
+        logps, weights, aux, entropy = self.pair_sums(policy, reference, batch)
         pol_chosen, pol_rejected = logps.policy_chosen, logps.policy_rejected
         out = preference_loss(logps, self.terms, **self.settings.loss.keywords("pair"),
                               bco_delta=self.running.get("bco_delta", 0.0), pair_weights=weights)
         # Whether the policy itself ranks chosen above rejected (meaningful even when the reference equals it).
         out.metrics["logps/accuracies"] = (pol_chosen.detach() > pol_rejected.detach()).to(pol_chosen.dtype)
+        if entropy is not None:  # the policy's mean token entropy over each completion's scored tokens
+            out.metrics["entropy/chosen"], out.metrics["entropy/rejected"] = (e.to(pol_chosen.dtype) for e in entropy)
         if aux is not None and self.router_aux_loss_coef:
             # MoE router load-balancing loss (TRL: loss + coef * aux_loss, per forward). Losses here are per pair and
             # the loop divides the step's sum by its pair count, so coef * aux is added to EVERY pair of this

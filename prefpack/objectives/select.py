@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -11,6 +12,7 @@ from prefpack.losses import UNPAIRED_LOSS_NAMES
 from prefpack.objectives.base import Objective
 from prefpack.objectives.groups import PromptGroupTask
 from prefpack.objectives.kto import KTOTask
+from prefpack.objectives.mixture import MixtureObjective
 from prefpack.objectives.pairs import PairTask
 from prefpack.objectives.settings import RunSettings
 from prefpack.reference import PrecomputedReference, Reference, ReferenceMismatch
@@ -49,12 +51,17 @@ def open_store(path: str, what: str, *, unpaired: bool, paired_as_kto: bool = Fa
     return store
 
 
-def make_objectives(settings: RunSettings, terms: Sequence, train_store: Store, eval_store: Store | None,
-                    reference: Reference, *, kto: bool, group_by_prompt: bool = False,
-                    log=print) -> tuple[Objective, Objective | None]:
-    """The train and eval objectives of a run (``kto``: the KTO family). A precomputed reference loads each store's
-    sidecar here, by the objective's key space (the KTO one tagged with its KL pairing)."""
-    stores = [s for s in (train_store, eval_store) if s is not None]
+def make_objectives(settings: RunSettings, terms: Sequence, train_store: Store | Sequence[tuple[str, Store]],
+                    eval_store: Store | Sequence[Store] | None, reference: Reference, *, kto: bool,
+                    group_by_prompt: bool = False, log=print) -> tuple[Objective, Any]:
+    """The train and eval objectives of a run (``kto``: the KTO family). ``train_store`` may be a mixture, a list of
+    ``(name, store)``: its objective is a :class:`MixtureObjective` over each store's own. ``eval_store`` may be a
+    list of stores: then the eval objectives are a list too. A precomputed reference loads each store's sidecar
+    here, by the objective's key space (the KTO one tagged with its KL pairing)."""
+    evals = list(eval_store) if isinstance(eval_store, list | tuple) else [eval_store] if eval_store else []
+    mixture = not isinstance(train_store, Store)
+    named = list(train_store) if mixture else [("", train_store)]
+    stores = [s for _, s in named] + evals
     if kto:
         objectives = [KTOTask(s, settings, terms) for s in stores]
         warning = objectives[0].class_balance_warning()
@@ -71,8 +78,9 @@ def make_objectives(settings: RunSettings, terms: Sequence, train_store: Store, 
             note = o.run_note() if isinstance(o, PromptGroupTask) else None
             if note:
                 log(f"note: {note}")
-    for warning in batch_warnings(objectives[0]):
-        log(f"warning: {warning}")
+    for o in objectives[:len(named)]:
+        for warning in batch_warnings(o, whole_store_steps=not mixture):
+            log(f"warning: {warning}")
     if isinstance(reference, PrecomputedReference):  # each store's sidecar, read by the objective's keys
         ld = not kto and settings.loss.ld_alpha is not None
         for o in objectives:
@@ -84,16 +92,20 @@ def make_objectives(settings: RunSettings, terms: Sequence, train_store: Store, 
                     "hold (it has one sum per completion, whatever pairs it is in): use reference.mode=copy (or "
                     "adapter) with LD-DPO on a ranked store")
             reference.load(o.store, space, need_tails=ld)
-    return objectives[0], objectives[1] if eval_store is not None else None
+    train = objectives[:len(named)]
+    task = MixtureObjective([n for n, _ in named], train) if mixture else train[0]
+    if isinstance(eval_store, list | tuple):
+        return task, objectives[len(named):]
+    return task, objectives[len(named)] if evals else None
 
 
-def batch_warnings(task: Objective) -> list[str]:
+def batch_warnings(task: Objective, *, whole_store_steps: bool = True) -> list[str]:
     """What the batch sizes would do silently on this training store, with the numbers: a step larger than the
     store (each step takes all of it), and a micro-batch budget smaller than examples (each such one is a
     micro-batch of its own, over the budget)."""
     out, n, s = [], len(task), task.settings
     path = str(task.store.path)
-    if s.global_batch > n:
+    if whole_store_steps and s.global_batch > n:
         out.append(f"train.global_batch_pairs={s.global_batch} is larger than the training store {path!r}, which "
                    f"gives {n} examples: every step takes the whole store ({n} per step, one step per epoch). "
                    f"Lower train.global_batch_pairs to at most {n}")

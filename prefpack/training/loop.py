@@ -19,6 +19,7 @@ import torch
 from torch.profiler import record_function
 
 from prefpack.batching.deal import deal_step
+from prefpack.batching.mixture import MixtureSchedule
 from prefpack.batching.schedule import StepKey, StepSchedule
 from prefpack.distributed import Dist, clip_grad_norm, grad_sync, init_from_env
 from prefpack.model import ModelError, release_freed_memory
@@ -37,6 +38,7 @@ from prefpack.training.checkpoint import (
 )
 from prefpack.training.evaluation import evaluate, reduce_totals
 from prefpack.training.guards import NonFiniteError, NonFiniteSteps, StopSignal, check_finite_weights
+from prefpack.training.mixture import make_schedule
 from prefpack.training.setup import (
     build,
     check_trainable,
@@ -50,7 +52,7 @@ from prefpack.training.setup import (
 # ------------------------------------------------------------------------------------------------ schedule
 
 
-def total_steps(cfg, sched: StepSchedule) -> int:
+def total_steps(cfg, sched: StepSchedule | MixtureSchedule) -> int:
     if cfg.train.max_steps is not None:
         return int(cfg.train.max_steps)
     return max(1, math.ceil(cfg.train.epochs * sched.steps_per_epoch))
@@ -124,8 +126,7 @@ def _train(cfg, ctx: Dist, sp: SeqPar, *, resume: bool, stop_after_steps: int | 
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg)
     task = setup.train_task
-    sched = StepSchedule(len(task), cfg.train.global_batch_pairs, cfg.train.seed, cfg.data.shuffle,
-                         task.schedule_groups())
+    sched = make_schedule(cfg, task)  # one store, or a mixture (data.train as a list)
     n_steps = total_steps(cfg, sched)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.optim.schedule, warmup_steps(cfg, n_steps), n_steps))
@@ -142,15 +143,19 @@ def _train(cfg, ctx: Dist, sp: SeqPar, *, resume: bool, stop_after_steps: int | 
         task.load_state_dict(state)  # what the objective carries across steps (bco_pair_running's mean)
 
     def run_eval() -> dict[str, float]:
-        setup.eval_task.load_state_dict(task.state_dict())  # evaluation scores as training does
-        return evaluate(policy, reference, setup.eval_task, module=module, ctx=ctx, balance=cfg.distributed.balance)
+        out: dict[str, float] = {}
+        for name, eval_task in setup.eval_tasks.items():  # data.eval as a map: each store as NAME/... (eval/NAME/..)
+            eval_task.load_state_dict(task.state_dict())  # evaluation scores as training does
+            result = evaluate(policy, reference, eval_task, module=module, ctx=ctx, balance=cfg.distributed.balance)
+            out.update({f"{name}/{k}" if name else k: v for k, v in result.items()})
+        return out
 
     if ctx.enabled:
         log(f"{ctx.world} processes, strategy {strategy}, micro-batches dealt by {cfg.distributed.balance}")
     if sp.enabled:
         log(layout_line(sp, ctx.world))
     synced = cfg.reference.sync and copied  # TR-DPO: the reference moves, checkpoints keep it
-    cadence = Cadence(cfg.run, n_steps, metrics, ctx, evaluate=run_eval if setup.eval_task is not None else None,
+    cadence = Cadence(cfg.run, n_steps, metrics, ctx, evaluate=run_eval if setup.eval_tasks else None,
                       save=lambda done: save_checkpoint(run_dir, done, parts, task.state_dict(),
                                                         cfg.run.keep_checkpoints, ctx, with_reference=synced),
                       stop_after_steps=stop_after_steps)
@@ -190,7 +195,7 @@ def _train(cfg, ctx: Dist, sp: SeqPar, *, resume: bool, stop_after_steps: int | 
                     task.after_micro_batch(out)
             with record_function("prefpack.step_totals"):
                 totals = reduce_totals(totals, ctx)
-            last = totals.means()
+            last = task.step_metrics(ids, totals.means())  # a mixture's NAME/pairs too
             with record_function("prefpack.optimizer"):
                 grad_norm = clip_grad_norm(params, max_norm)
                 lr = scheduler.get_last_lr()[0]

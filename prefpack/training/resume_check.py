@@ -17,6 +17,7 @@ Every other key (including ones added later) counts as changing the result.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -235,16 +236,24 @@ def write_config(cfg: Config, path: str | os.PathLike) -> Path:
 # ------------------------------------------------------------------------------------------------ the train store
 
 
-def store_identity(path: str | os.PathLike) -> dict[str, str] | None:
+def store_identity(path: Any) -> dict[str, str] | None:
     """The training store's identity: its path and content hash (`reference.sidecar.store_hash`: the sha256 of its
-    tokens and index in meta.json); None when it cannot be opened (build reports why)."""
+    tokens and index in meta.json); None when it cannot be opened (build reports why). A mixture (``data.train``
+    as a list) is identified by its sources' names, paths and hashes; a one-entry list by its store alone."""
+    from prefpack.config.mixture import train_sources
     from prefpack.data.store import Store, StoreError
     from prefpack.reference.sidecar import store_hash
 
+    specs = train_sources(path)
     try:
-        return {"path": str(path), "store_hash": store_hash(Store(path))}
+        hashes = [store_hash(Store(s.path)) for s in specs]
     except (StoreError, OSError, ValueError):
         return None
+    if len(specs) == 1:
+        return {"path": str(specs[0].path), "store_hash": hashes[0]}
+    joined = "\n".join(f"{s.name}={h}" for s, h in zip(specs, hashes))
+    return {"path": ", ".join(f"{s.name}={s.path}" for s in specs),
+            "store_hash": hashlib.sha256(joined.encode()).hexdigest()}
 
 
 def write_store_identity(cfg: Config, run_dir: Path) -> None:

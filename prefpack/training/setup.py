@@ -4,7 +4,7 @@ models, reference, budgets, tasks), the modules wrapped for the ranks, and the o
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from prefpack.budgets import checkpointing_on, resolve_budgets
+from prefpack.config.mixture import eval_sources, is_mixture, train_sources
 from prefpack.data.store import Store, StoreError
 from prefpack.data.views import row_lengths
 from prefpack.distributed import Dist, wrap
@@ -49,6 +50,7 @@ from prefpack.objectives import (
 from prefpack.precision import DTYPES, Precision, pure_bfloat16_warning, resolve_precision
 from prefpack.reference import REFERENCE_MODES, Reference, ReferenceSetup
 from prefpack.tokenizer import tokenizer_matches
+from prefpack.training.mixture import describe_mixture
 
 # ------------------------------------------------------------------------------------------------ checks
 
@@ -153,6 +155,8 @@ class Setup:
     precision: Precision
     cfg: Any  # the run's config as loaded (never changed; what build resolved is in ``settings``)
     settings: RunSettings  # budgets, layout and loss parameters resolved for this device and kernel
+    # every eval store's objective by name (data.eval as a map; "" for a single store); eval_task is the first
+    eval_tasks: dict[str, Objective] = field(default_factory=dict)
 
 
 def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_reference: bool = True) -> Setup:
@@ -167,8 +171,11 @@ def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_r
     check_model_source(cfg.model.name_or_path, "model.name_or_path")  # one line now, not hub retries later
     kto = uses_unpaired_loss(cfg)  # the KTO family: unpaired examples, prefpack.objectives.KTOTask
     opener = partial(open_store, unpaired=kto, paired_as_kto=cfg.data.paired_as_kto)
-    train_store = opener(cfg.data.train, "train")
-    eval_store = opener(cfg.data.eval, "eval") if cfg.data.eval else None
+    specs = train_sources(cfg.data.train)  # a mixture: several stores, each under its own name
+    train_stores = [(spec.name, opener(spec.path, "train")) for spec in specs]
+    train_store = train_stores[0][1]
+    eval_stores = {name: opener(path, "eval") for name, path in eval_sources(cfg.data.eval).items()}
+    eval_store = next(iter(eval_stores.values()), None)
     if cfg.reference.model and REFERENCE_MODES[cfg.reference.mode].reads_weights:
         check_model_source(cfg.reference.model, "reference.model")
     device = device or pick_device(cfg.train.device)
@@ -180,15 +187,22 @@ def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_r
     tok = resolve_tokenizer(cfg.model.name_or_path, train_store.meta, train_store.tokenizer_path(),
                             tokenizer=cfg.model.tokenizer, allow_mismatch=cfg.model.allow_tokenizer_mismatch,
                             trust_remote_code=cfg.model.trust_remote_code)
-    if (eval_store is not None and not cfg.model.allow_tokenizer_mismatch
-            and not tokenizer_matches(tok, eval_store.meta["tokenizer"])):
-        raise StoreError(f"eval store {cfg.data.eval!r} was prepared with another tokenizer than the train store")
+    for name, store in eval_stores.items():
+        if not cfg.model.allow_tokenizer_mismatch and not tokenizer_matches(tok, store.meta["tokenizer"]):
+            raise StoreError(f"data.eval{'.' + name if name else ''}: eval store {str(store.path)!r} was prepared "
+                             "with another tokenizer than the train store")
+    for i, (_, store) in enumerate(train_stores[1:], 1):
+        if not cfg.model.allow_tokenizer_mismatch and not tokenizer_matches(tok, store.meta["tokenizer"]):
+            raise StoreError(f"data.train[{i}]: store {str(store.path)!r} was prepared with another tokenizer than "
+                             f"data.train[0] ({specs[0].path!r}); a mixture's stores share one tokenizer (prepare it "
+                             "again with the same --tokenizer)")
     compile_layers = wants_compile(cfg.model.compile, device, int(os.environ.get("WORLD_SIZE", "1")))
     torch.manual_seed(cfg.train.seed)
     policy = load_causal_lm(cfg.model.name_or_path, precision=precision, attn_implementation=attn, device=device,
                             trust_remote_code=cfg.model.trust_remote_code, packed=cfg.data.packing,
                             compile_layers=compile_layers)
-    check_vocab_fits(policy, train_store.meta, cfg.data.train)
+    for spec, (_, store) in zip(specs, train_stores):
+        check_vocab_fits(policy, store.meta, spec.path)
     if compile_layers:
         log("decoder layers compiled with torch.compile (model.compile"
             + (": auto; eager where the compiler fails)" if compile_layers == "auto" else ")"))
@@ -221,7 +235,7 @@ def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_r
     shares_prompts = _prefix_sharing(cfg.data, policy)
     if shares_prompts:
         log("each prompt laid out once per prompt group in packed rows (data.prefix_sharing)")
-    for what, store in (("train", train_store), ("eval", eval_store)):
+    for what, store in [("train", st) for _, st in train_stores] + [("eval", st) for st in eval_stores.values()]:
         if store is not None:
             check_lengths(store, what, policy, budgets.row_tokens if cfg.data.packing else None, log)
     # LD-DPO weights the reference's sums too
@@ -244,10 +258,15 @@ def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_r
     settings = settings_from_config(cfg, pad_id=pad_id, micro_batch_tokens=budgets.micro_batch_tokens,
                                     row_tokens=budgets.row_tokens, chunk_size=budgets.chunk_size,
                                     shares_prompts=shares_prompts, router_aux_loss_coef=coef)
-    train_task, eval_task = make_objectives(settings, config_terms(cfg), train_store, eval_store, reference, kto=kto,
+    train_task, eval_list = make_objectives(settings, config_terms(cfg),
+                                            train_stores if is_mixture(cfg.data.train) else train_store,
+                                            list(eval_stores.values()), reference, kto=kto,
                                             group_by_prompt=cfg.data.group_by_prompt, log=log)
-    return Setup(policy, reference, tokenizer, train_store, eval_store, device, dtype, pad_id, train_task, eval_task,
-                 precision, cfg, settings)
+    eval_tasks = dict(zip(eval_stores, eval_list))
+    for line in describe_mixture(cfg, train_task):
+        log(line)
+    return Setup(policy, reference, tokenizer, train_store, eval_store, device, dtype, pad_id, train_task,
+                 eval_list[0] if eval_list else None, precision, cfg, settings, eval_tasks)
 
 
 def _prefix_sharing(data_cfg, policy: nn.Module) -> bool:
