@@ -181,6 +181,8 @@ def test_two_ranks_of_one_sequence_group_train_as_one_process(launch, name):
         for e1, e2 in zip(*evals, strict=True):
             assert e1["loss"] == pytest.approx(e2["loss"], abs=1e-6)
             assert e1["logps/chosen"] == pytest.approx(e2["logps/chosen"], rel=1e-6)
+            for side in ("chosen", "rejected"):  # the head's entropy, summed over the shards as the log-probs are
+                assert e1[f"entropy/{side}"] == pytest.approx(e2[f"entropy/{side}"], rel=1e-6)
     w1, w2 = _weights(one_dir), _weights(two_dir)
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=ATOL, rtol=0)

@@ -170,7 +170,7 @@ def sequence_logps(
             raise ValueError("the MoE router loss is not computed over token shards (distributed.sequence_parallel)")
         with compute_context(model, device):
             return sharded_logps(body, spec, kernel, batch, layout, flatten=flatten, chunk_size=chunk_size,
-                                 pair_tails=pair_tails, wpo=wpo)
+                                 pair_tails=pair_tails, wpo=wpo, entropy=entropy)
     batch = batch.to(device, non_blocking=True)
     with compute_context(model, device):
         return _sequence_logps(body, spec, batch, flatten, chunk_size, extra, aux, pair_tails, wpo, entropy)

@@ -77,7 +77,8 @@ def shard_rows(batch: Batch, sp: SeqPar, flatten: bool) -> ShardedRows:
 
 
 def sharded_logps(body: nn.Module, spec: HeadSpec, kernel: Kernel, batch: Batch, sp: SeqPar, *, flatten: bool,
-                  chunk_size: int, pair_tails: bool = False, wpo: bool = False) -> SequenceOutput:
+                  chunk_size: int, pair_tails: bool = False, wpo: bool = False,
+                  entropy: bool = False) -> SequenceOutput:
     """``forward.sequence_logps`` on this rank's token shard, its sums over the group (under the compute context)."""
     if not batch.packed:
         raise ValueError("sequence parallelism runs packed micro-batches (data.packing)")
@@ -94,9 +95,11 @@ def sharded_logps(body: nn.Module, spec: HeadSpec, kernel: Kernel, batch: Batch,
     h = hidden.reshape(-1, hidden.shape[-1])[rows.at.to(device)]
     index = rows.sequences.to(device)
     logp = completion_logprobs(h, rows.targets.to(device), spec.weight, spec.bias, chunk_size=chunk_size,
-                               scale=spec.scale, softcap=spec.softcap, with_log_sum_sq=wpo)
-    if wpo:
-        logp, log_sum_sq = logp
+                               scale=spec.scale, softcap=spec.softcap, with_log_sum_sq=wpo, with_entropy=entropy)
+    if wpo or entropy:
+        logp, *extras = logp
+        log_sum_sq = extras[0] if wpo else None
+        token_entropy = extras[-1] if entropy else None
     n, offset = batch.num_sequences, rows.offset.to(device)
     logp_sum = group_sum(segment_sum(logp, index, n), sp)
     tail_sum = wpo_mean = None
@@ -107,7 +110,11 @@ def sharded_logps(body: nn.Module, spec: HeadSpec, kernel: Kernel, batch: Batch,
         tail_sum = group_sum(segment_sum(logp * tail, index, n), sp)
     if wpo:
         wpo_mean = wpo_means(group_sum(wpo_sums(logp, log_sum_sq, index, n), sp), batch.completion_tokens)
-    return SequenceOutput(logp_sum, batch.completion_tokens, None, tail_sum, wpo_mean)
+    entropy_mean = None
+    if entropy:  # the group's sums over its shards, as the log-probs'
+        sums = group_sum(segment_sum(token_entropy, index, n), sp)
+        entropy_mean = sums / batch.completion_tokens.to(sums.device, sums.dtype).clamp(min=1.0)
+    return SequenceOutput(logp_sum, batch.completion_tokens, None, tail_sum, wpo_mean, entropy_mean)
 
 
 def check_model(model: nn.Module, sp: SeqPar, *, router_aux: bool = False) -> None:
