@@ -90,3 +90,30 @@ def test_memory_first_holds_the_micro_batch_and_head_chunk_to_trls_defaults(monk
     (True, "cpu", "speed", True), (False, "cuda", "first", False)])
 def test_gradient_checkpointing_auto_is_on_only_on_cuda_when_memory_comes_first(setting, device, memory, on):
     assert b.checkpointing_on(setting, torch.device(device), memory) is on
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_checkpointing_changes_no_loss_and_warns_nothing(tmp_path, toy_tokenizers, hh_train, lora):
+    """model.gradient_checkpointing=true (what memory first turns on on CUDA) recomputes the same activations: the
+    same losses as without it, and no deprecation warning from transformers on the way."""
+    import warnings
+
+    from conftest import metrics_lines, prepare_hh_splits, quiet, tiny_llama
+
+    from prefpack.config import load_config
+    from prefpack.training import train
+
+    stores = prepare_hh_splits(tmp_path, toy_tokenizers["llama"], hh_train, {"train": 8})
+    model = tiny_llama(toy_tokenizers["llama"], tmp_path / "model", seed=0)
+    extra = ["lora.enabled=true", "lora.r=4", "reference.mode=adapter"] if lora else []
+    runs = {}
+    for ckpt in ("false", "true"):
+        out = tmp_path / ckpt
+        cfg = load_config(None, [f"model.name_or_path={model}", f"data.train={stores['train']}", "train.max_steps=2",
+                                 "train.global_batch_pairs=4", "optim.lr=1e-2", f"model.gradient_checkpointing={ckpt}",
+                                 f"run.output_dir={out}", "run.plot=false", "run.report_to=none", *extra])
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*gradient_checkpointing_enable.*deprecated", category=FutureWarning)
+            train(cfg, progress=False, log=quiet)
+        runs[ckpt] = [m["loss"] for m in metrics_lines(out)]
+    assert runs["true"] == pytest.approx(runs["false"], abs=1e-6) and runs["true"][1] != runs["true"][0]

@@ -228,7 +228,7 @@ def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_r
         policy = _wrap_lora(policy, cfg)
         reference.bind_policy(policy)
     if checkpointing_on(cfg.model.gradient_checkpointing, device, cfg.train.memory):
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_checkpointing(policy)
     if precision.weights == torch.bfloat16 and cfg.optim.master_dtype == "bfloat16":
         log(pure_bfloat16_warning([p for p in policy.parameters() if p.requires_grad], cfg.optim.lr))
     budgets = _budgets(cfg, policy, device, precision, attn, log)
@@ -267,6 +267,15 @@ def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_r
         log(line)
     return Setup(policy, reference, tokenizer, train_store, eval_store, device, dtype, pad_id, train_task,
                  eval_list[0] if eval_list else None, precision, cfg, settings, eval_tasks)
+
+
+def _enable_checkpointing(policy: nn.Module) -> None:
+    """Non-reentrant activation checkpointing, under the name transformers 5.23 prefers (the old one warns)."""
+    enable = getattr(policy, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _prefix_sharing(data_cfg, policy: nn.Module) -> bool:
