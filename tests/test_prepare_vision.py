@@ -90,7 +90,7 @@ def test_trl_layout_round_trip(tmp_path, processor_dir):
             trl_row([], text="no image here")]
     src = tmp_path / "in.parquet"
     pq.write_table(__import__("pyarrow").Table.from_pylist(rows), src)
-    report = run(tmp_path, [src], processor_dir)
+    report = run(tmp_path, [src], processor_dir, chunk_rows=1)  # a block per row: offsets carried across blocks
     assert report.layout == "messages" and report.images == 3 and "images: 3 stored" in report.summary()
     store = Store(tmp_path / "store", verify=True)
     m = store.meta
@@ -204,3 +204,17 @@ def test_training_on_an_image_store_is_refused(tmp_path, processor_dir):
     (path / "images.bin").write_bytes((path / "images.bin").read_bytes()[:-1])
     with pytest.raises(StoreError, match="images.bin has"):
         Store(path)
+
+
+def test_train_setup_refuses_an_image_store(tmp_path, processor_dir):
+    """`prefpack train` / `eval` open their stores in ``training.setup.build`` before loading any model."""
+    from prefpack.config import load_config
+    from prefpack.training.setup import build
+
+    (tmp_path / "i.png").write_bytes(png(32, 32, 8))
+    src = write_jsonl(tmp_path / "r.jsonl", [{"image": "i.png", "question": "q?", "chosen": "a cat", "rejected": "a dog"}])
+    path = run(tmp_path, [src], processor_dir).path
+    cfg = load_config(None, [f"model.name_or_path={processor_dir}", f"data.train={path}",
+                             f"run.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(StoreError, match="train store .* holds 1 images .*images are prepared, but training"):
+        build(cfg, log=lambda _m: None)
