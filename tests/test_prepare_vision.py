@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -106,6 +107,15 @@ def test_trl_layout_round_trip(tmp_path, processor_dir):
     # the same rows prepared again give the same processor hash; another processor setting another one
     assert run(tmp_path, [src], processor_dir, "again").path and \
         Store(tmp_path / "again").meta["processor"]["hash"] == m["processor"]["hash"]
+    other = tmp_path / "other_processor"
+    shutil.copytree(processor_dir, other)
+    config = json.loads((other / "preprocessor_config.json").read_text())
+    config["size"]["shortest_edge"] = 56 * 56 * 4  # a larger least image: more tokens for small images
+    (other / "preprocessor_config.json").write_text(json.dumps(config))
+    run(tmp_path, [src], other, "other")
+    changed = Store(tmp_path / "other")
+    assert changed.meta["processor"]["hash"] != m["processor"]["hash"]
+    assert changed.images_of(1)[0]["tokens"] > store.images_of(1)[0]["tokens"]
 
 
 def test_rlaif_v_layout(tmp_path, processor_dir):
