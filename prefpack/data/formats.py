@@ -258,6 +258,9 @@ def _extract_vision(row: dict, layout: str, f: Fields) -> Example:
         if row.get(key) not in (None, [], ""):
             raise InvalidRow("vision_not_supported", key, f"field {key!r}: video and preprocessed pixels are not "
                              "supported; give encoded images")
+    if row.get(f.spans) is not None:
+        raise InvalidRow("spans_on_chat", f.spans, f"field {f.spans!r} gives character spans, but vision rows are "
+                         "chat rows: their replies are masked by prepare --train-on")
     if layout == "rlaif-v":
         image = require(row, RLAIFV_IMAGE)
         question = get_str(row, RLAIFV_QUESTION)
