@@ -20,8 +20,12 @@ def add_prepare(sub) -> None:
                        description="Read JSONL/JSON/Parquet/CSV files (or globs) or datasets folders, tokenise "
                        "prompt and completions apart, and write a binary store to --output.")
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="files, globs or datasets.save_to_disk folders")
-    p.add_argument("--tokenizer", required=True, help="tokenizer folder or hub id")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the --processor folder)")
     p.add_argument("--output", "-o", required=True, help="store folder to create")
+    p.add_argument("--processor", default=None, metavar="DIR",
+                   help="a processor folder (image processor + tokenizer, Qwen2-VL family): read vision rows (TRL's "
+                   "images column, RLAIF-V's image/question) and store their images, each placeholder expanded to the "
+                   "processor's token count; training on them is not supported yet (docs/images.md)")
     p.add_argument("--format", choices=LAYOUTS, default=None, help="input layout (default: detect from the first row)")
     for name, what in FIELD_HELP.items():
         p.add_argument(f"--{name}-field", default=None, help=f"name of the {what} field")
@@ -67,7 +71,7 @@ def run_prepare(args, argv: list[str]) -> int:
         skip_invalid=args.skip_invalid, overwrite=args.overwrite, trust_remote_code=args.trust_remote_code,
         allow_duplicate_inputs=args.allow_duplicate_inputs,
         chat_template_kwargs=args.chat_template_kwargs, tools=args.tools, train_on=args.train_on,
-        argv=argv,
+        processor=args.processor, argv=argv,
     )
     report = prepare(opts, log=lambda m: print(m, file=sys.stderr))
     print(report.summary())

@@ -58,3 +58,24 @@ def build_toy_tokenizer(texts: Iterable[str], *, style: str = "llama", vocab_siz
     if style == "chatml":
         fast.chat_template = CHATML_TEMPLATE
     return fast
+
+
+# Qwen2-VL's image tokens, and a ChatML template that writes an image part as Qwen2-VL's does (one placeholder
+# between the vision markers; prepare --processor expands it to the image's token count).
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+VISION_CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def add_vision_tokens(tok):
+    """Give a toy ChatML tokenizer Qwen2-VL's image tokens (as special tokens) and a template that writes image
+    parts; returns it."""
+    tok.add_tokens(list(VISION_TOKENS), special_tokens=True)
+    tok.chat_template = VISION_CHATML_TEMPLATE
+    return tok

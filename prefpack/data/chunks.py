@@ -53,6 +53,9 @@ class ChunkResult:
     spans: np.ndarray  # int64 [m, 2]: unscored completion tokens [start, end), positions in `tokens`
     unused: set  # input columns no row of the chunk was read from
     cuts: TruncationStats  # prompts and completions --max-length cut, and by how many tokens
+    # vision rows: per image (its index row in this chunk, encoded bytes, width, height, where its image tokens
+    # start in `tokens`, how many)
+    images: list[tuple[int, bytes, int, int, int, int]]
 
 
 def process_chunk(chunk: list[RawRow]) -> ChunkResult:
@@ -62,13 +65,18 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
     problems: list[dict] = []
     examples, origin = [], []
     used, unused = used_fields(layout, fields), set()
+    vision = tokenize.cfg.vision is not None
     for raw in chunk:
         if raw.row is None:
             problems.append(_problem(raw, raw.error or "unreadable", None, raw.message or "", raw.raw))
             continue
         unused.update(k for k in raw.row if k not in used)
         try:
-            examples.append(extract(raw.row, layout, fields))
+            ex = extract(raw.row, layout, fields, vision=vision)
+            if ex.images:
+                src = os.path.abspath(raw.loc.file)  # relative image paths: from the file's folder (or the folder)
+                ex.image_dir = src if os.path.isdir(src) else os.path.dirname(src)
+            examples.append(ex)
             origin.append(raw)
         except InvalidRow as err:
             problems.append(_problem(raw, err.reason, err.field, err.message, raw.row))
@@ -81,6 +89,7 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
     chat: Counter = Counter()
     groups = 0  # ranked rows written by this chunk (the store writer numbers them globally)
     spans: list[np.ndarray] = []
+    images: list[tuple[int, bytes, int, int, int, int]] = []
 
     def add_completion(c: list[int], scored: list[bool] | None) -> None:
         if scored is not None:
@@ -124,6 +133,7 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
         if res.label is not None:
             lens.append(res.label)
         rows.append([offset, *lens, flags, raw.loc_file_index, raw.loc.row])
+        images.extend((len(rows) - 1, data, w, h, offset + start, n) for data, w, h, start, n in res.images)
         flat.extend(res.prompt)
         for c, scored in zip(res.completions, res.scored):
             add_completion(c, scored)
@@ -133,7 +143,7 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
     index = np.asarray(rows, dtype=np.int64).reshape(-1, width)
     problems.sort(key=lambda p: (p["file_index"], p["row"]))
     span_rows = np.concatenate(spans) if spans else np.zeros((0, 2), np.int64)
-    return ChunkResult(tokens, index, problems, truncated, empty, chat, span_rows, unused, cuts)
+    return ChunkResult(tokens, index, problems, truncated, empty, chat, span_rows, unused, cuts, images)
 
 
 def _score_bits(score: float) -> int:

@@ -33,6 +33,8 @@ from prefpack.data.row_checks import (
     TOOLS_FIELD,
     VISION_MESSAGE,
     InvalidRow,
+    content_text,
+    count_image_parts,
     get_label,
     get_messages,
     get_str,
@@ -43,7 +45,14 @@ from prefpack.data.row_checks import (
 )
 from prefpack.data.text_spans import PAIR_KEYS, read_text_spans
 
-LAYOUTS = ("pairs", "text-pairs", "messages", "implicit", "unpaired", "ranked")
+LAYOUTS = ("pairs", "text-pairs", "messages", "implicit", "unpaired", "ranked", "rlaif-v")
+
+# Vision-language rows (read only with prepare --processor, docs/images.md). TRL's layout: the `messages` layout whose
+# prompt holds {"type": "image"} parts, with the images, in order, in an `images` column. RLAIF-V's
+# (openbmb/RLAIF-V-Dataset): one `image`, a `question` string and chosen / rejected strings.
+IMAGES_FIELD = "images"
+RLAIFV_IMAGE, RLAIFV_QUESTION = "image", "question"
+VISION_LAYOUTS = ("messages", "rlaif-v")
 
 # A ranked row's completion: its text under one of these keys, and a score (higher is better) or a rank (1 is best).
 # "answer"/"rank" are Nectar's (berkeley-nest/Nectar: answers = [{answer, model, rank}]), "response"/"overall_score"
@@ -79,6 +88,10 @@ VISION_FIELDS = ("images", "image", "videos", "video", "image_url", "image_path"
 def used_fields(layout: str, f: Fields) -> frozenset[str]:
     """The columns a row of `layout` is read from; prepare reports the others once, by name."""
     chat = {TOOLS_FIELD, KWARGS_FIELD, f.spans}
+    if layout == "rlaif-v":
+        return frozenset({RLAIFV_IMAGE, RLAIFV_QUESTION, f.chosen, f.rejected})
+    if layout == "messages":
+        return frozenset({f.prompt, f.chosen, f.rejected, IMAGES_FIELD, *chat})
     if layout == "implicit":
         return frozenset({f.chosen, f.rejected, *chat})
     if layout == "unpaired":
@@ -128,6 +141,9 @@ def detect_layout(row: dict, overrides: dict[str, str | None]) -> tuple[str, str
     has = lambda name: name in keys  # noqa: E731
     prompt_names = [overrides.get("prompt")] if overrides.get("prompt") else ["prompt", "text"]
     if has(f.chosen) and has(f.rejected):
+        if has(RLAIFV_IMAGE) and has(RLAIFV_QUESTION) and not any(has(p) for p in prompt_names):
+            return "rlaif-v", (f"fields {RLAIFV_IMAGE!r}, {RLAIFV_QUESTION!r}, {f.chosen!r}, {f.rejected!r} "
+                               "(RLAIF-V: one image per row)")
         for pname in prompt_names:
             if has(pname):
                 if isinstance(row[pname], list):
@@ -180,6 +196,9 @@ class Example:
     # text rows with `loss_masking_spans`: per completion, the character ranges that are not scored (None: none)
     unscored: tuple[list[tuple[int, int]] | None, ...] | None = None
     unscored_fields: tuple[str, ...] = ()  # where they came from, named when they leave nothing scored
+    images: tuple[Any, ...] = ()  # vision rows: the prompt's images in order, as given (path, bytes, dict)
+    images_field: str | None = None  # where they came from
+    image_dir: str | None = None  # the input file's folder, where relative image paths are read from
 
     def empty_fields(self) -> tuple[str, ...]:
         """Completions that are empty or only whitespace: kept (they become their whitespace and EOS, as in
@@ -190,14 +209,21 @@ class Example:
 def _is_empty(value: Any) -> bool:
     if isinstance(value, str):
         return not value.strip()
-    return not any((m.get("content") or "").strip() or m.get("tool_calls") for m in value)
+    return not any(content_text(m.get("content")).strip() or m.get("tool_calls") for m in value)
 
 
-def extract(row: dict, layout: str, f: Fields) -> Example:
-    """Check one row's fields and types and return its example, or raise InvalidRow."""
+def extract(row: dict, layout: str, f: Fields, *, vision: bool = False) -> Example:
+    """Check one row's fields and types and return its example, or raise InvalidRow. With `vision` (prepare
+    --processor) TRL's and RLAIF-V's image rows are read; without it any image or video column is refused."""
+    if vision and layout in VISION_LAYOUTS:
+        return _extract_vision(row, layout, f)
     for key, value in row.items():
         if str(key).lower() in VISION_FIELDS and value not in (None, [], ""):
-            raise InvalidRow("vision_not_supported", key, f"field {key!r} holds images or video: {VISION_MESSAGE}")
+            why = (f"with --processor, images are read for the {' and '.join(VISION_LAYOUTS)} layouts only, not "
+                   f"{layout!r}") if vision else VISION_MESSAGE
+            raise InvalidRow("vision_not_supported", key, f"field {key!r} holds images or video: {why}")
+    if layout == "rlaif-v":
+        raise InvalidRow("vision_not_supported", RLAIFV_IMAGE, f"the rlaif-v layout holds images: {VISION_MESSAGE}")
     ex = _extract(row, layout, f)
     spans = row.get(f.spans)
     if spans is not None:
@@ -222,6 +248,51 @@ def extract(row: dict, layout: str, f: Fields) -> Example:
         return ex
     ex.tools = tools
     ex.template_kwargs = kwargs
+    return ex
+
+
+def _extract_vision(row: dict, layout: str, f: Fields) -> Example:
+    """A vision row (TRL's messages with an images column, or RLAIF-V's): a chat example with its images; the
+    number of {"type": "image"} parts must equal the number of images."""
+    for key in ("videos", "video", "pixel_values"):
+        if row.get(key) not in (None, [], ""):
+            raise InvalidRow("vision_not_supported", key, f"field {key!r}: video and preprocessed pixels are not "
+                             "supported; give encoded images")
+    if row.get(f.spans) is not None:
+        raise InvalidRow("spans_on_chat", f.spans, f"field {f.spans!r} gives character spans, but vision rows are "
+                         "chat rows: their replies are masked by prepare --train-on")
+    if layout == "rlaif-v":
+        image = require(row, RLAIFV_IMAGE)
+        question = get_str(row, RLAIFV_QUESTION)
+        chosen, rejected = get_str(row, f.chosen), get_str(row, f.rejected)
+        _check_distinct(chosen, rejected, f)
+        prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        replies = tuple([{"role": "assistant", "content": c}] for c in (chosen, rejected))
+        return Example(prompt, replies, chat=True, completion_fields=(f.chosen, f.rejected), images=(image,),
+                       images_field=RLAIFV_IMAGE)
+    if row.get(RLAIFV_IMAGE) not in (None, [], ""):
+        raise InvalidRow("vision_not_supported", RLAIFV_IMAGE, f"field {RLAIFV_IMAGE!r}: message rows take their "
+                         f"images from an {IMAGES_FIELD!r} list (TRL's layout)")
+    prompt = get_messages(row, f.prompt, allow_empty=True, parts="image")
+    chosen = get_messages(row, f.chosen, as_reply=True, parts="text")
+    rejected = get_messages(row, f.rejected, as_reply=True, parts="text")
+    _check_distinct(chosen, rejected, f)
+    images = row.get(IMAGES_FIELD)
+    if images is None:
+        images = []
+    if not isinstance(images, list | tuple):
+        raise InvalidRow("wrong_type", IMAGES_FIELD, f"field {IMAGES_FIELD!r} must be a list of images, got "
+                         f"{json_type(images)}")
+    parts = count_image_parts(prompt)
+    if parts != len(images):
+        raise InvalidRow("image_count_mismatch", IMAGES_FIELD, f"field {IMAGES_FIELD!r} holds {len(images)} "
+                         f"image(s) but the prompt {f.prompt!r} has {parts} {{'type': 'image'}} part(s); they must "
+                         "match one to one, in order")
+    ex = Example(prompt, (chosen, rejected), chat=True, completion_fields=(f.chosen, f.rejected),
+                 images=tuple(images), images_field=IMAGES_FIELD)
+    ex.tools = parse_tools(row.get(TOOLS_FIELD), TOOLS_FIELD)
+    kwargs = parse_template_kwargs(row.get(KWARGS_FIELD), KWARGS_FIELD)
+    ex.template_kwargs = {k: v for k, v in kwargs.items() if v is not None}
     return ex
 
 

@@ -1,5 +1,6 @@
 """`prefpack inspect`: a store's meta, length statistics, and one example decoded (unscored completion tokens shown
-between ⟦ and ⟧, with counts of scored and total tokens)."""
+between ⟦ and ⟧, with counts of scored and total tokens; an image's run of image tokens shown as ``<|image_pad|> x N``
+with the image's size)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def length_stats(store: Store) -> dict[str, Any]:
     comp = ("chosen_len", "rejected_len") if store.kind == "pairs" else ("completion_len",)
     stats["completion_tokens"] = int(sum(int(store.column(c).sum()) for c in comp)) if len(store) else 0
     stats["unscored_tokens"] = int((store.spans[:, 1] - store.spans[:, 0]).sum()) if len(store.spans) else 0
+    if store.num_images:
+        stats["images"] = store.num_images
+        stats["image_tokens"] = int(np.asarray(store.image_index[:, 6]).sum())
     for part in parts:
         col = store.column(f"{part}_len")
         stats[part] = _summary(col)
@@ -73,14 +77,46 @@ def decode_row(store: Store, i: int, tok) -> dict[str, Any]:
         ex = store.unpaired(i)
         parts = {"prompt": ex.prompt, "completion": ex.completion}
         out["label"] = bool(ex.label)
+    image = _image_token(store)
+    if image is not None:
+        out["images"] = [{k: v for k, v in info.items() if k != "data"} for info in store.images_of(i)]
     for name, ids in parts.items():
         out[f"{name}_ids"] = [int(t) for t in ids]
-        out[name] = tok.decode(out[f"{name}_ids"], skip_special_tokens=False)
+        out[name] = tok.decode(out[f"{name}_ids"], skip_special_tokens=False) if image is None else \
+            abbreviated_text(tok, out[f"{name}_ids"], *image)
         scored = scored_of(ids)
         if scored is not None:
             out[f"{name}_scored"] = [bool(x) for x in scored]
             out[f"{name}_marked"] = marked_text(tok, out[f"{name}_ids"], out[f"{name}_scored"])
     return out
+
+
+def _image_token(store: Store) -> tuple[int, str] | None:
+    """The image token's id and text of a store with images."""
+    proc = store.meta.get("processor") or {}
+    return (int(proc["image_token_id"]), str(proc["image_token"])) if store.num_images and proc else None
+
+
+def _runs(ids: list[int], tid: int) -> list[tuple[bool, int, int]]:
+    """(is an image run, start, end) over ids."""
+    out, start = [], 0
+    for k in range(1, len(ids) + 1):
+        if k == len(ids) or (ids[k] == tid) != (ids[start] == tid):
+            out.append((ids[start] == tid, start, k))
+            start = k
+    return out
+
+
+def abbreviated_text(tok, ids: list[int], tid: int, token: str) -> str:
+    """The decoded text with each run of image tokens written as ``<|image_pad|> x N``."""
+    return "".join(f"{token} x {b - a}" if image else tok.decode(ids[a:b], skip_special_tokens=False)
+                   for image, a, b in _runs(ids, tid))
+
+
+def abbreviated_ids(ids: list[int], tid: int) -> str:
+    """The ids as a list, each run of image tokens written as ``ID x N``."""
+    return "[" + ", ".join(f"{tid} x {b - a}" if image else ", ".join(map(str, ids[a:b]))
+                           for image, a, b in _runs(ids, tid)) + "]"
 
 
 def marked_text(tok, ids: list[int], scored: list[bool]) -> str:
@@ -107,6 +143,10 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
         lines.append(f"scoring    train_on={m.get('train_on') or '-'}; {m.get('num_spans', 0)} unscored spans: "
                      f"{stats['completion_tokens'] - stats['unscored_tokens']} of {stats['completion_tokens']} "
                      "completion tokens scored")
+    if stats.get("images"):
+        proc = m.get("processor") or {}
+        lines.append(f"images     {stats['images']} ({stats['image_tokens']} image tokens), processor "
+                     f"{proc.get('class')} (hash {str(proc.get('hash'))[:12]}); not trainable yet (docs/images.md)")
     if m.get("unused_columns"):
         lines.append("not used   input columns " + ", ".join(map(repr, m["unused_columns"])))
     c = m["counts"]
@@ -149,9 +189,15 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
                              f"{UNSCORED_CLOSE}) ids={row[name + '_ids']}")
                 lines.append(row[name + "_marked"])
             elif name in row:
+                ids = row[name + "_ids"] if "images" not in row else \
+                    abbreviated_ids(row[name + "_ids"], int(m["processor"]["image_token_id"]))
                 lines.append(f"--- {name} ({len(row[name + '_ids'])} tokens"
-                             + (", all scored" if name != "prompt" else "") + f") ids={row[name + '_ids']}")
+                             + (", all scored" if name != "prompt" else "") + f") ids={ids}")
                 lines.append(row[name])
+                if name == "prompt":
+                    for k, im in enumerate(row.get("images", [])):
+                        lines.append(f"--- image {k}: {im['width']}x{im['height']} pixels, {im['bytes']} bytes, "
+                                     f"{im['tokens']} image tokens from position {im['position']} in tokens.bin")
         if "score" in row:
             lines.append(f"--- score: {row['score']:g} (prompt group {row['group']})")
         if "label" in row:

@@ -31,9 +31,10 @@ from prefpack.data.formats import (
     ranked_fields,
     resolve_fields,
 )
+from prefpack.data.images import ProcessorError, load_vision, processor_identity
 from prefpack.data.sources import Source, file_sha256, peek_first_row, resolve_inputs
 from prefpack.data.store import StoreWriter, check_output, recover_interrupted
-from prefpack.data.store_format import FLAG_PROMPT_TRUNCATED
+from prefpack.data.store_format import FLAG_PROMPT_TRUNCATED, PROCESSOR_DIR
 from prefpack.data.tokenize import TokenizeConfig
 from prefpack.data.truncation import DEFAULT_MIN_PROMPT_KEEP, TruncationStats, describe
 from prefpack.data.turns import TRAIN_ON
@@ -67,6 +68,8 @@ class PrepareOptions:
     chat_template_kwargs: dict | str | None = None
     tools: str | list | None = None  # JSON file (or list) of tools for chat rows that have no `tools` of their own
     train_on: str | None = None  # chat replies: "assistant" (default), "last" or "all" (turns.TRAIN_ON)
+    # a processor folder (image processor + tokenizer): vision rows are read, their images stored (docs/images.md)
+    processor: str | None = None
     argv: list[str] = field(default_factory=list)
 
 
@@ -90,6 +93,7 @@ class PrepareReport:
     spans: int = 0  # unscored token ranges stored (spans.bin)
     cuts: dict = field(default_factory=dict)  # TruncationStats.to_json(): prompts and completions cut, tokens removed
     max_length: int | None = None
+    images: int = 0  # images stored (images.bin)
 
     def summary(self) -> str:
         what = f"{self.examples} examples" if self.groups is None else \
@@ -117,6 +121,9 @@ class PrepareReport:
                          "trains them): " + ", ".join(f"{k}={v}" for k, v in sorted(self.empty_completions.items())))
         if self.unused_columns:
             lines.append(f"not used (input columns): {', '.join(map(repr, self.unused_columns))}")
+        if self.images:
+            lines.append(f"images: {self.images} stored with their placeholders expanded to the processor's token "
+                         "counts (images.bin); training on an image store is not supported yet (docs/images.md)")
         if self.spans:
             lines.append(f"unscored spans: {self.spans} token ranges inside completions get no loss (spans.bin; "
                          "`prefpack inspect --row N` shows them)")
@@ -165,8 +172,18 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     _check_inputs_outside(sources, opts.output)
     recover_interrupted(Path(opts.output), log=log)  # before the slow part: refuse a bad --output at once
     check_output(Path(opts.output), overwrite=opts.overwrite)
+    if not opts.tokenizer:
+        if not opts.processor:
+            raise PrepareError("give --tokenizer (or --processor, a processor folder that holds the tokenizer)")
+        opts.tokenizer = opts.processor
     tok = load_tokenizer(opts.tokenizer, trust_remote_code=opts.trust_remote_code)
     specials = special_tokens(tok)
+    vision = None
+    if opts.processor:
+        try:
+            vision = load_vision(opts.processor, tok)
+        except ProcessorError as err:
+            raise PrepareError(str(err)) from None
     layout, reason, field_names = _choose_layout(opts, sources)
     log(f"layout: {layout} ({reason})")
     template_kwargs, tools, tools_sha = _template_options(opts, layout)
@@ -177,7 +194,7 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     fields = resolve_fields(layout, field_names)
     workers = opts.workers or os.cpu_count() or 1
     tcfg = TokenizeConfig(max_length=opts.max_length, truncation=opts.truncation, min_prompt_keep=opts.min_prompt_keep,
-                          chat_template_kwargs=template_kwargs, tools=tools, train_on=train_on)
+                          chat_template_kwargs=template_kwargs, tools=tools, train_on=train_on, vision=vision)
     writer = StoreWriter(opts.output, kind=kind, vocab_size=specials.vocab_size, overwrite=opts.overwrite, log=log)
     skipped: Counter = Counter()
     empty: Counter = Counter()
@@ -207,13 +224,15 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
                     skipped_fh = open(writer.tmp / "skipped.jsonl", "w", encoding="utf-8")
                 skipped_fh.write(json.dumps({**p["loc"], "reason": p["reason"], "field": p["field"],
                                              "message": p["message"], "data": p["content"]},
-                                            ensure_ascii=True, default=str) + "\n")
+                                            ensure_ascii=True, default=_jsonable) + "\n")
             truncated.update(res.truncated)
             cuts.merge(res.cuts)
             empty.update(res.empty)
             chat.update(res.chat)
             unused |= res.unused
-            if len(res.spans):
+            if res.images:
+                writer.append(res.tokens, res.index, res.spans, res.images)
+            elif len(res.spans):
                 writer.append(res.tokens, res.index, res.spans)
             else:  # the call of a store without spans, as before
                 writer.append(res.tokens, res.index)
@@ -223,6 +242,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
             skipped_fh.close()
             skipped_fh = None
         tok.save_pretrained(writer.tmp / "tokenizer")
+        if vision is not None:
+            vision.processor.save_pretrained(writer.tmp / PROCESSOR_DIR)
         rows_read = sum(rows_per_file.values())
         meta = {
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -251,6 +272,9 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
             "argv": opts.argv,
             "unused_columns": sorted(unused),
         }
+        if vision is not None:
+            meta["processor"] = processor_identity(vision, opts.processor, meta["tokenizer"]["hash"])
+            meta["args"]["processor"] = opts.processor
         if writer.n_rows == 0:
             raise PrepareError(f"no examples left to write from {rows_read} rows (skipped: {dict(skipped)}, "
                                f"dropped: {dict(dropped)}); nothing was written")
@@ -272,7 +296,14 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     return PrepareReport(path, layout, reason, writer.n_rows, writer.n_tokens, rows_read, dict(skipped),
                          dict(dropped), dict(truncated), time.perf_counter() - t0, dict(empty), dict(chat),
                          writer.n_groups if kind == "ranked" else None, repeats.counts(), sorted(unused),
-                         writer.n_spans, cuts.to_json(), opts.max_length)
+                         writer.n_spans, cuts.to_json(), opts.max_length, writer.n_images)
+
+
+def _jsonable(value):
+    """skipped.jsonl's fallback: an image's bytes as their length (not their repr), anything else as text."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return f"<{len(value)} bytes>"
+    return str(value)
 
 
 class PromptRepeats:

@@ -24,8 +24,9 @@ class InvalidRow(PrefpackError, ValueError):
         self.message = message
 
 
-VISION_MESSAGE = ("vision-language data is not supported yet: prefpack trains text-only models and would drop the "
-                  "images; remove the column (or the image parts) only if training on the text alone is intended")
+VISION_MESSAGE = ("vision-language data is not supported yet without `prepare --processor DIR` (a Qwen2-VL-style "
+                  "processor folder, docs/images.md): prefpack would drop the images; remove the column (or the image "
+                  "parts) only if training on the text alone is intended")
 
 # Per-row columns read for chat rows (TRL's names).
 TOOLS_FIELD = "tools"
@@ -115,7 +116,7 @@ def get_str(row: dict, name: str) -> str:
     return value
 
 
-def _check_message(msg: Any, name: str, i: int) -> dict:
+def _check_message(msg: Any, name: str, i: int, parts: str = "") -> dict:
     """Check one message; it is passed to the chat template unchanged (extra keys such as `tool_call_id`,
     `name` or `reasoning_content` included)."""
     if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
@@ -131,6 +132,9 @@ def _check_message(msg: Any, name: str, i: int) -> dict:
             raise InvalidRow("wrong_type", name, f"field {name!r}: message {i} has 'tool_calls' but role "
                              f"{msg['role']!r}; only assistant messages call tools")
     content = msg.get("content")
+    if parts and isinstance(content, list):  # --processor: content parts, text and (in prompts) images
+        _check_parts(content, name, i, images=parts == "image")
+        return msg
     if isinstance(content, list) and any(_is_media(part) for part in content):
         raise InvalidRow("vision_not_supported", name, f"field {name!r}: message {i} has an image or video content "
                          f"part: {VISION_MESSAGE}")
@@ -143,6 +147,38 @@ def _check_message(msg: Any, name: str, i: int) -> dict:
     return msg
 
 
+def _check_parts(content: list, name: str, i: int, *, images: bool) -> None:
+    """Content parts of a vision row's message: ``{"type": "text", "text": ...}`` and, in a prompt,
+    ``{"type": "image"}`` (the row's images, in order); nothing else."""
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            _check_text(part["text"], name)
+        elif kind == "image" and images:
+            continue
+        elif kind == "image" or _is_media(part):
+            where = "a reply" if not images else "a prompt"
+            raise InvalidRow("vision_not_supported", name, f"field {name!r}: message {i} has a {kind or 'media'!r} "
+                             f"content part, which {where} cannot hold yet (only {{'type': 'image'}} parts in the "
+                             "prompt, whose images come from the images column)")
+        else:
+            raise InvalidRow("wrong_type", name, f"field {name!r}: message {i}'s content parts must be "
+                             "{'type': 'text', 'text': ...} or {'type': 'image'}")
+
+
+def count_image_parts(messages: list[dict]) -> int:
+    """How many ``{"type": "image"}`` parts the messages hold."""
+    return sum(isinstance(m.get("content"), list) and sum(isinstance(p, dict) and p.get("type") == "image"
+                                                          for p in m["content"]) for m in messages)
+
+
+def content_text(content: Any) -> str:
+    """A message's text: its content string, or its text parts joined."""
+    if isinstance(content, list):
+        return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    return content or ""
+
+
 def _is_media(part: Any) -> bool:
     """A multimodal content part (OpenAI's image_url / input_image, TRL's and HF's {"type": "image"}, video, audio)."""
     if not isinstance(part, dict):
@@ -151,7 +187,9 @@ def _is_media(part: Any) -> bool:
     return any(w in kind for w in ("image", "video", "audio")) or bool({"image", "image_url", "video"} & set(part))
 
 
-def get_messages(row: dict, name: str, *, allow_empty: bool = False, as_reply: bool = False) -> list[dict]:
+def get_messages(row: dict, name: str, *, allow_empty: bool = False, as_reply: bool = False,
+                 parts: str = "") -> list[dict]:
+    """A message list; `parts` ("text", or "image" for a prompt) accepts content-part lists (prepare --processor)."""
     value = require(row, name)
     if as_reply and isinstance(value, dict):
         value = [value]
@@ -160,7 +198,7 @@ def get_messages(row: dict, name: str, *, allow_empty: bool = False, as_reply: b
                          "give the reply as [{'role': 'assistant', 'content': ...}]")
     if not isinstance(value, list):
         raise InvalidRow("wrong_type", name, f"field {name!r} must be a list of messages, got {type(value).__name__}")
-    msgs = [_check_message(m, name, i) for i, m in enumerate(value)]
+    msgs = [_check_message(m, name, i, parts) for i, m in enumerate(value)]
     if as_reply:
         if not msgs:
             raise InvalidRow("empty_completion", name, f"field {name!r} holds no reply message")

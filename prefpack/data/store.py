@@ -25,6 +25,10 @@ from prefpack.data.store_format import (
     FLAG_PROMPT_TRUNCATED,
     FORMAT_NAME,
     FORMAT_VERSION,
+    IMAGE_COLUMNS,
+    IMAGE_FORMAT_VERSION,
+    IMAGE_INDEX_FILE,
+    IMAGES_FILE,
     READABLE_VERSIONS,
     STORE_KINDS,
     StoreError,
@@ -78,12 +82,21 @@ class StoreWriter:
         self.n_tokens = 0
         self.n_rows = 0
         self.n_groups = 0  # ranked stores: prompts written so far
+        self.n_images = 0
+        self.n_image_bytes = 0
+        self._images = self._image_index = None  # opened with the first image
+        self._img_hash = hashlib.sha256()
+        self._img_idx_hash = hashlib.sha256()
         self._closed = False
 
-    def append(self, tokens: np.ndarray, index_rows: np.ndarray, spans: np.ndarray | None = None) -> None:
+    def append(self, tokens: np.ndarray, index_rows: np.ndarray, spans: np.ndarray | None = None,
+               images: list | None = None) -> None:
         """Append a block: `tokens` for several examples and their index rows with offsets relative to it, and the
         block's unscored completion tokens as ``[start, end)`` rows relative to it too (sorted, apart; the store
-        keeps them as absolute positions in tokens.bin, see ``prefpack.data.spans``)."""
+        keeps them as absolute positions in tokens.bin, see ``prefpack.data.spans``); and its images, each
+        ``(row in the block, encoded bytes, width, height, token position in the block, tokens)``."""
+        if images:
+            self._append_images(images)
         if spans is not None and len(spans):
             self._append_spans(np.asarray(spans, dtype=np.int64).reshape(-1, 2), int(tokens.size))
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
@@ -103,6 +116,21 @@ class StoreWriter:
         self.n_tokens += int(tokens.size)
         self.n_rows += int(rows.shape[0])
 
+    def _append_images(self, images: list) -> None:
+        if self._images is None:
+            self._images = open(self.tmp / IMAGES_FILE, "wb")
+            self._image_index = open(self.tmp / IMAGE_INDEX_FILE, "wb")
+        rows = []
+        for row, data, width, height, position, n in images:
+            rows.append([self.n_rows + row, self.n_image_bytes, len(data), width, height, self.n_tokens + position, n])
+            self._images.write(data)
+            self._img_hash.update(data)
+            self.n_image_bytes += len(data)
+        b = np.asarray(rows, dtype=np.int64).tobytes()
+        self._image_index.write(b)
+        self._img_idx_hash.update(b)
+        self.n_images += len(rows)
+
     def _append_spans(self, spans: np.ndarray, block: int) -> None:
         s = spans + self.n_tokens
         if (spans[:, 0] >= spans[:, 1]).any() or spans.min() < 0 or spans.max() > block or \
@@ -120,7 +148,7 @@ class StoreWriter:
         full = dict(meta)
         full.update({
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": IMAGE_FORMAT_VERSION if self.n_images else FORMAT_VERSION,
             "kind": self.kind,
             "dtype": self.dtype.name,
             "index_columns": list(self.columns),
@@ -132,8 +160,12 @@ class StoreWriter:
                 "index.bin": {"bytes": self.n_rows * len(self.columns) * 8, "sha256": self._idx_hash.hexdigest()},
                 **({SPANS_FILE: {"bytes": self.n_spans * 16, "sha256": self._span_hash.hexdigest()}}
                    if self.n_spans else {}),
+                **({IMAGES_FILE: {"bytes": self.n_image_bytes, "sha256": self._img_hash.hexdigest()},
+                    IMAGE_INDEX_FILE: {"bytes": self.n_images * len(IMAGE_COLUMNS) * 8,
+                                       "sha256": self._img_idx_hash.hexdigest()}} if self.n_images else {}),
             },
             "num_spans": self.n_spans,
+            **({"num_images": self.n_images, "image_columns": list(IMAGE_COLUMNS)} if self.n_images else {}),
         })
         if not self.n_spans:  # every completion token scored: no spans.bin, as in a version-1 store
             (self.tmp / SPANS_FILE).unlink()
@@ -175,6 +207,9 @@ class StoreWriter:
             self._tokens.close()
             self._index.close()
             self._spans.close()
+            if self._images is not None:
+                self._images.close()
+                self._image_index.close()
             self._closed = True
 
 
@@ -238,9 +273,45 @@ class Store:
         if spans:
             self._check_size(SPANS_FILE, spans * 16)
             self.spans = np.memmap(self.path / SPANS_FILE, dtype=np.int64, mode="r").reshape(spans, 2)
+        self.num_images = int(m.get("num_images", 0) or 0)  # version 3 (prepare --processor); none before
+        self.image_index = np.zeros((0, len(IMAGE_COLUMNS)), np.int64)
+        if self.num_images:
+            self._open_images()
         self._check_index()
         if verify:
             self.verify()
+
+    def _open_images(self) -> None:
+        if tuple(self.meta.get("image_columns") or ()) != IMAGE_COLUMNS:
+            raise StoreError(f"{self.path}: image columns {self.meta.get('image_columns')} are not {IMAGE_COLUMNS}")
+        self._check_size(IMAGE_INDEX_FILE, self.num_images * len(IMAGE_COLUMNS) * 8)
+        self.image_index = np.memmap(self.path / IMAGE_INDEX_FILE, dtype=np.int64, mode="r").reshape(
+            self.num_images, len(IMAGE_COLUMNS))
+        idx = np.asarray(self.image_index)
+        ex, off, size = idx[:, 0], idx[:, 1], idx[:, 2]
+        ends = np.concatenate([[0], np.cumsum(size)])
+        self._check_size(IMAGES_FILE, int(ends[-1]))
+        tok = idx[:, 5] + idx[:, 6]
+        if (size <= 0).any() or not np.array_equal(off, ends[:-1]) or (np.diff(ex) < 0).any() or ex.min() < 0 or \
+                ex.max() >= self.num_examples or (idx[:, 6] <= 0).any() or tok.max() > self.num_tokens:
+            raise StoreError(f"{self.path}: {IMAGE_INDEX_FILE} is inconsistent with images.bin or index.bin: the "
+                             "store is corrupt; prepare it again")
+
+    def images_of(self, i: int) -> list[dict]:
+        """Example ``i``'s images, in prompt order: each its encoded ``data`` (bytes, as read by prepare) and the
+        ``IMAGE_COLUMNS`` numbers."""
+        if not self.num_images:
+            return []
+        col = self.image_index[:, 0]
+        a, b = int(np.searchsorted(col, i, side="left")), int(np.searchsorted(col, i, side="right"))
+        out = []
+        with open(self.path / IMAGES_FILE, "rb") as fh:
+            for row in np.asarray(self.image_index[a:b]).tolist():
+                info = dict(zip(IMAGE_COLUMNS, row))
+                fh.seek(info["offset"])
+                info["data"] = fh.read(info["bytes"])
+                out.append(info)
+        return out
 
     def _check_size(self, name: str, expected: int) -> None:
         p = self.path / name

@@ -13,6 +13,10 @@ A store is one folder:
 - `spans.bin` (version 2, only when some completion token is not scored): int64 rows ``[start, end)`` of absolute
   positions in tokens.bin that get no loss, sorted, apart, each inside one completion; `num_spans` in meta.json
   counts them (``prefpack.data.spans``).
+- `images.bin`, `image_index.bin` (version 3, only with images: `prepare --processor`): every image's encoded bytes
+  (as read: PNG, JPEG...; no pixels) back to back, and int64 rows of ``IMAGE_COLUMNS``, one per image in store
+  order (an example's images consecutive, in prompt order); `num_images` and `processor` (settings and hash) in
+  meta.json; `processor/` a copy of the image processor's settings. A store without images is written as version 2.
 - `tokenizer/`: a copy of the tokenizer, so the store can be decoded and trained on by itself.
 - `skipped.jsonl` (only with --skip-invalid): every skipped row with its location and reason.
 
@@ -26,8 +30,15 @@ import numpy as np
 from prefpack.errors import PrefpackError
 
 FORMAT_NAME = "prefpack-store"
-FORMAT_VERSION = 2  # what prepare writes (version 1: no spans.bin; every completion token scored)
-READABLE_VERSIONS = (1, 2)  # 2: may hold spans.bin, the completion tokens that are not scored (prefpack.data.spans)
+FORMAT_VERSION = 2  # what prepare writes for text (version 1: no spans.bin; every completion token scored)
+IMAGE_FORMAT_VERSION = 3  # what prepare writes when the store holds images (images.bin, image_index.bin)
+READABLE_VERSIONS = (1, 2, 3)  # 2: may hold spans.bin, the completion tokens that are not scored (prefpack.data.spans)
+IMAGES_FILE = "images.bin"
+IMAGE_INDEX_FILE = "image_index.bin"
+PROCESSOR_DIR = "processor"
+# example: the store row the image belongs to; offset, bytes: where its encoded bytes sit in images.bin; width,
+# height: its size in pixels as stored; position: where its run of image tokens starts in tokens.bin; tokens: how many
+IMAGE_COLUMNS = ("example", "offset", "bytes", "width", "height", "position", "tokens")
 PAIR_COLUMNS = ("offset", "prompt_len", "chosen_len", "rejected_len", "flags", "source_file", "source_row")
 UNPAIRED_COLUMNS = ("offset", "prompt_len", "completion_len", "label", "flags", "source_file", "source_row")
 RANKED_COLUMNS = ("offset", "prompt_len", "completion_len", "score", "group", "flags", "source_file", "source_row")
@@ -41,7 +52,8 @@ class StoreError(PrefpackError, ValueError):
 
 
 # What prefpack itself writes in a store folder (besides the sidecars of precompute-ref).
-STORE_ENTRIES = {"meta.json", "tokens.bin", "index.bin", "spans.bin", "skipped.jsonl", "tokenizer"}
+STORE_ENTRIES = {"meta.json", "tokens.bin", "index.bin", "spans.bin", "skipped.jsonl", "tokenizer", IMAGES_FILE,
+                 IMAGE_INDEX_FILE, PROCESSOR_DIR}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

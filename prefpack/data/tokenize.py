@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefpack.data.formats import Example, InvalidRow
+from prefpack.data.images import image_bytes, image_size
 from prefpack.data.truncation import check_prompt_keep
 from prefpack.data.turns import Ranges, token_mask, unscored_chat_ranges
 from prefpack.tokenizer import SpecialTokens
@@ -35,6 +36,7 @@ class TokenizeConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template variables for every chat row
     tools: list[dict] | None = None  # tools for chat rows that give none of their own
     train_on: str = "assistant"  # chat replies: which messages are scored (turns.TRAIN_ON)
+    vision: Any = None  # prepare --processor: an ``images.Vision`` (image rows' placeholders expanded exactly)
 
 
 @dataclass
@@ -46,6 +48,8 @@ class TokenizedExample:
     scored: tuple[list[bool] | None, ...] = ()  # per completion: True per scored token, None when all are
     cut: int = 0  # texts of it cut before tokenising (far longer than --max-length; the kept tokens unchanged)
     before: tuple[int, ...] = ()  # prompt then completion lengths before --max-length cut (estimated if `cut`)
+    # vision rows: per image (encoded bytes, width, height, where its image tokens start in the prompt, how many)
+    images: tuple[tuple[bytes, int, int, int, int], ...] = ()
 
 
 class Dropped(Exception):
@@ -155,7 +159,8 @@ class ExampleTokenizer:
         texts: list[str] = []
         rendered: list[tuple[int, int] | InvalidRow] = []  # (start in texts, number of completions)
         masked: dict[int, Ranges] = {}  # text number -> its unscored character ranges
-        for ex in examples:
+        images: dict[int, list] = {}  # example number -> its images (bytes, width, height, tokens)
+        for e, ex in enumerate(examples):
             try:
                 if ex.chat:
                     self._check_tool_support(ex)
@@ -164,6 +169,8 @@ class ExampleTokenizer:
                 else:
                     prompt, comps = ex.prompt, list(ex.completions)
                     unscored = list(ex.unscored or [None] * len(comps))
+                if ex.images:
+                    prompt, images[e] = self._expand_images(ex, prompt, comps)
             except InvalidRow as err:
                 rendered.append(err)
                 continue
@@ -180,19 +187,57 @@ class ExampleTokenizer:
         masks = {k: token_mask(e.offsets, masked[k]) for k, e in
                  zip(keys, backend.encode_batch([texts[k] for k in keys], add_special_tokens=False))}
         out: list[TokenizedExample | InvalidRow | Dropped] = []
-        for ex, r in zip(examples, rendered):
+        for e, (ex, r) in enumerate(zip(examples, rendered)):
             if isinstance(r, InvalidRow):
                 out.append(r)
                 continue
             start, n = r
             try:
-                out.append(self._finish(ex, ids[start], ids[start + 1 : start + 1 + n],
-                                        [masks.get(k) for k in range(start + 1, start + 1 + n)],
-                                        [cut.get(k, 0) for k in range(start, start + 1 + n)]))
+                done = self._finish(ex, ids[start], ids[start + 1 : start + 1 + n],
+                                    [masks.get(k) for k in range(start + 1, start + 1 + n)],
+                                    [cut.get(k, 0) for k in range(start, start + 1 + n)])
+                if e in images:
+                    done.images = self._place_images(ex, done, images[e])
+                out.append(done)
                 out[-1].cut = sum(k in cut for k in range(start, start + 1 + n))
             except (InvalidRow, Dropped) as err:
                 out.append(err)
         return out
+
+    def _expand_images(self, ex: Example, prompt: str, comps: list[str]) -> tuple[str, list]:
+        """Read and decode the example's images, and write each one's placeholder in the rendered prompt as the
+        exact number of image tokens the processor gives it; returns the prompt and (bytes, width, height, tokens)
+        per image."""
+        token, name = self.cfg.vision.image_token, ex.images_field
+        pieces = prompt.split(token)
+        if len(pieces) - 1 != len(ex.images) or any(token in c for c in comps):
+            raise InvalidRow("image_count_mismatch", name, f"field {name!r} holds {len(ex.images)} image(s) but the "
+                             f"chat template wrote {len(pieces) - 1} {token!r} placeholder(s) in the prompt"
+                             + (" and some in a reply" if any(token in c for c in comps) else "")
+                             + "; the tokenizer's template must write one per {'type': 'image'} part, and the text "
+                             f"must not hold {token!r} itself")
+        infos = []
+        for k, value in enumerate(ex.images):
+            data = image_bytes(value, name, k, ex.image_dir)
+            width, height = image_size(data, name, k)
+            infos.append((data, width, height, self.cfg.vision.placeholder_tokens(width, height)))
+        expanded = pieces[0] + "".join(token * info[3] + rest for info, rest in zip(infos, pieces[1:]))
+        return expanded, infos
+
+    def _place_images(self, ex: Example, res: TokenizedExample, infos: list) -> tuple:
+        """Where each image's run of image tokens starts in the tokenised prompt; refuses a prompt --max-length cut
+        (it would cut an image's tokens) and a run that did not tokenise to exactly its count."""
+        if "prompt" in res.truncated:
+            raise InvalidRow("image_prompt_cut", ex.images_field, "--max-length would cut this prompt, which holds "
+                             f"{len(infos)} image(s) ({sum(i[3] for i in infos)} image tokens); raise --max-length or "
+                             "use --truncation drop")
+        tid, p = self.cfg.vision.image_token_id, res.prompt
+        starts = [i for i, t in enumerate(p) if t == tid and (i == 0 or p[i - 1] != tid)]
+        runs = [next((j for j in range(s, len(p)) if p[j] != tid), len(p)) - s for s in starts]
+        if runs != [i[3] for i in infos] or any(tid in c for c in res.completions):
+            raise InvalidRow("image_tokens_mismatch", ex.images_field, f"the image tokens tokenised as runs of {runs}, "
+                             f"not {[i[3] for i in infos]}: the tokenizer splits {self.cfg.vision.image_token!r}")
+        return tuple((data, w, h, s, n) for (data, w, h, n), s in zip(infos, starts))
 
     def _encode_bounded(self, texts: list[str], prompts: set[int], masked: set[int]) -> tuple[list[list[int]], dict]:
         """Token ids of every text; with --max-length, a text far longer than it is cut before tokenising (a

@@ -1,0 +1,230 @@
+"""prepare --processor: TRL's and RLAIF-V's vision preference rows stored with their encoded images and each image
+placeholder expanded to the processor's own token count; bad image rows named or skipped; inspect; old stores still
+open; training on an image store refused (docs/images.md)."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+PIL_Image = pytest.importorskip("PIL.Image")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from conftest import write_jsonl  # noqa: E402
+
+from prefpack.data.inspect import inspect_store  # noqa: E402
+from prefpack.data.prepare import PrepareError, PrepareOptions, prepare  # noqa: E402
+from prefpack.data.store import Store, StoreError  # noqa: E402
+from prefpack.objectives import open_store  # noqa: E402
+from prefpack.toy_tokenizer import add_vision_tokens, build_toy_tokenizer  # noqa: E402
+
+
+def _processor():
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil()
+
+
+@pytest.fixture(scope="module")
+def processor_dir(tmp_path_factory):
+    """A processor folder: a toy ChatML tokenizer with Qwen2-VL's image tokens, and Qwen2-VL's image processor."""
+    path = tmp_path_factory.mktemp("processor")
+    texts = ["what is in the picture? a cat on a mat, a dog in the fog"] * 20
+    add_vision_tokens(build_toy_tokenizer(texts, style="chatml", vocab_size=300)).save_pretrained(path)
+    _processor().save_pretrained(path)
+    return path
+
+
+def png(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    PIL_Image.fromarray(pixels).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def processor_count(data: bytes) -> int:
+    """The image processor's own token count for an image: grid_t * grid_h * grid_w / merge_size**2."""
+    proc = _processor()
+    grid = proc(images=[PIL_Image.open(io.BytesIO(data))])["image_grid_thw"][0]
+    return int(np.prod(grid)) // proc.merge_size ** 2
+
+
+def trl_row(images: list, parts: int | None = None, text: str = "what is in the picture?") -> dict:
+    n = len(images) if parts is None else parts
+    content = [{"type": "image"}] * n + [{"type": "text", "text": text}]
+    return {"images": images, "prompt": [{"role": "user", "content": content}],
+            "chosen": [{"role": "assistant", "content": [{"type": "text", "text": "a cat on a mat"}]}],
+            "rejected": [{"role": "assistant", "content": [{"type": "text", "text": "a dog"}]}]}
+
+
+def run(tmp_path, inputs, processor_dir, name="store", **kw):
+    opts = PrepareOptions(inputs=[str(p) for p in inputs], tokenizer=None, processor=str(processor_dir),
+                          output=str(tmp_path / name), workers=1, **kw)
+    return prepare(opts, log=lambda _m: None)
+
+
+def check_images(store: Store, row: int, expected: list[bytes]) -> None:
+    """Stored bytes equal the input's; each run of image tokens has the processor's count, at its position."""
+    images = store.images_of(row)
+    assert [im["data"] for im in images] == expected
+    tid = store.meta["processor"]["image_token_id"]
+    prompt_start = int(store.index[row, 0])
+    prompt = np.asarray(store.tokens[prompt_start:prompt_start + int(store.index[row, 1])])
+    assert int((prompt == tid).sum()) == sum(im["tokens"] for im in images)
+    for im, data in zip(images, expected):
+        assert im["tokens"] == processor_count(data)
+        assert (im["width"], im["height"]) == PIL_Image.open(io.BytesIO(data)).size
+        run_ = np.asarray(store.tokens[im["position"]:im["position"] + im["tokens"]])
+        assert (run_ == tid).all() and store.tokens[im["position"] - 1] != tid
+        assert store.tokens[im["position"] + im["tokens"]] != tid
+
+
+def test_trl_layout_round_trip(tmp_path, processor_dir):
+    a, b, c = png(64, 48, 0), png(100, 200, 1, "JPEG"), png(30, 30, 2)
+    (tmp_path / "b.jpg").write_bytes(b)
+    rows = [trl_row([{"bytes": a, "path": None}, {"bytes": None, "path": "b.jpg"}]),
+            trl_row([{"bytes": c, "path": "ignored.png"}], text="and this one?"),
+            trl_row([], text="no image here")]
+    src = tmp_path / "in.parquet"
+    pq.write_table(__import__("pyarrow").Table.from_pylist(rows), src)
+    report = run(tmp_path, [src], processor_dir, chunk_rows=1)  # a block per row: offsets carried across blocks
+    assert report.layout == "messages" and report.images == 3 and "images: 3 stored" in report.summary()
+    store = Store(tmp_path / "store", verify=True)
+    m = store.meta
+    assert m["format_version"] == 3 and m["num_images"] == 3 and set(m["files"]) >= {"images.bin", "image_index.bin"}
+    assert m["processor"]["class"].startswith("Qwen2VLImageProcessor") and len(m["processor"]["hash"]) == 64
+    assert m["processor"]["settings"]["merge_size"] == 2 and (store.path / "processor").is_dir()
+    check_images(store, 0, [a, b])
+    check_images(store, 1, [c])
+    assert store.images_of(2) == []
+    text = inspect_store(str(store.path), row=0)
+    assert f"<|image_pad|> x {processor_count(a)}" in text and f"<|image_pad|> x {processor_count(b)}" in text
+    assert "image 0: 64x48 pixels" in text and "image 1: 100x200 pixels" in text and "images     3 (" in text
+    # the same rows prepared again give the same processor hash; another processor setting another one
+    assert run(tmp_path, [src], processor_dir, "again").path and \
+        Store(tmp_path / "again").meta["processor"]["hash"] == m["processor"]["hash"]
+    other = tmp_path / "other_processor"
+    shutil.copytree(processor_dir, other)
+    config = json.loads((other / "preprocessor_config.json").read_text())
+    config["size"]["shortest_edge"] = 56 * 56 * 4  # a larger least image: more tokens for small images
+    (other / "preprocessor_config.json").write_text(json.dumps(config))
+    run(tmp_path, [src], other, "other")
+    changed = Store(tmp_path / "other")
+    assert changed.meta["processor"]["hash"] != m["processor"]["hash"]
+    assert changed.images_of(1)[0]["tokens"] > store.images_of(1)[0]["tokens"]
+
+
+def test_rlaif_v_layout(tmp_path, processor_dir):
+    imgs = [png(56, 56, 3), png(80, 40, 4)]
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "0.png").write_bytes(imgs[0])
+    (tmp_path / "imgs" / "1.png").write_bytes(imgs[1])
+    rows = [{"ds_name": "x", "image": "imgs/0.png", "question": "what is it?", "chosen": "a cat", "rejected": "a dog",
+             "image_path": "imgs/0.png"},
+            {"ds_name": "x", "image": {"bytes": None, "path": "imgs/1.png"}, "question": "and it?", "chosen": "a mat",
+             "rejected": "a fog", "image_path": "imgs/1.png"}]
+    report = run(tmp_path, [write_jsonl(tmp_path / "rlaif.jsonl", rows)], processor_dir)
+    assert report.layout == "rlaif-v" and report.images == 2 and report.unused_columns == ["ds_name", "image_path"]
+    store = Store(tmp_path / "store")
+    check_images(store, 0, imgs[:1])
+    check_images(store, 1, imgs[1:])
+    assert "what is it?" in inspect_store(str(store.path), row=0)
+    # without --processor the same rows are refused, not trained text-only
+    with pytest.raises(PrepareError, match="vision-language data is not supported yet without `prepare --processor"):
+        prepare(PrepareOptions(inputs=[str(tmp_path / "rlaif.jsonl")], tokenizer=str(processor_dir),
+                               output=str(tmp_path / "text"), workers=1), log=lambda _m: None)
+
+
+def test_bad_image_rows_named_or_skipped(tmp_path, processor_dir):
+    good = png(40, 40, 5)
+    rows = [{"image": "missing.png", "question": "q?", "chosen": "a cat", "rejected": "a dog"},
+            {"image": {"bytes": None, "path": "bad.png"}, "question": "q?", "chosen": "a cat", "rejected": "a dog"},
+            {"image": "good.png", "question": "q?", "chosen": "a cat", "rejected": "a dog"}]
+    (tmp_path / "bad.png").write_bytes(good[:60])  # a truncated PNG
+    (tmp_path / "good.png").write_bytes(good)
+    src = write_jsonl(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(PrepareError, match=r"rows.jsonl line 1, field 'image': field 'image': image 0: cannot read "
+                       r"the file .*missing.png.* \[missing_image\]"):
+        run(tmp_path, [src], processor_dir)
+    write_jsonl(src, rows[1:])
+    with pytest.raises(PrepareError, match=r"rows.jsonl line 1, field 'image'.*cannot be decoded.*\[undecodable_image\]"):
+        run(tmp_path, [src], processor_dir)
+    trl = tmp_path / "trl.parquet"
+    pq.write_table(__import__("pyarrow").Table.from_pylist([trl_row([{"bytes": good, "path": None}], parts=2),
+                                                             trl_row([{"bytes": b"not an image", "path": None}]),
+                                                             trl_row([{"bytes": good, "path": None}])]), trl)
+    with pytest.raises(PrepareError, match=r"trl.parquet row 0, field 'images'.*holds 1 image\(s\) but the prompt "
+                       r"'prompt' has 2.*\[image_count_mismatch\]"):
+        run(tmp_path, [trl], processor_dir)
+    report = run(tmp_path, [trl], processor_dir, skip_invalid=True)
+    assert report.skipped == {"image_count_mismatch": 1, "undecodable_image": 1} and report.examples == 1
+    skipped = [json.loads(line) for line in (report.path / "skipped.jsonl").read_text().splitlines()]
+    assert [(s["row"], s["field"], s["reason"]) for s in skipped] == [
+        (0, "images", "image_count_mismatch"), (1, "images", "undecodable_image")]
+    assert "<12 bytes>" in json.dumps(skipped[1]["data"])  # image bytes are not dumped into skipped.jsonl
+    check_images(Store(report.path, verify=True), 0, [good])
+    write_jsonl(src, rows)
+    report = run(tmp_path, [src], processor_dir, "rlaif", skip_invalid=True)
+    assert report.skipped == {"missing_image": 1, "undecodable_image": 1} and report.examples == 1
+    check_images(Store(report.path, verify=True), 0, [good])
+
+
+def test_max_length_never_cuts_an_image(tmp_path, processor_dir):
+    img = png(200, 200, 6)
+    src = write_jsonl(tmp_path / "r.jsonl", [{"image": "i.png", "question": "q?", "chosen": "a cat", "rejected": "a dog"}])
+    (tmp_path / "i.png").write_bytes(img)
+    with pytest.raises(PrepareError, match=r"--max-length would cut this prompt, which holds 1 image.*\[image_prompt_cut\]"):
+        run(tmp_path, [src], processor_dir, max_length=processor_count(img), min_prompt_keep=0)
+    with pytest.raises(PrepareError, match=r"no examples left.*dropped: \{'too_long': 1\}"):
+        run(tmp_path, [src], processor_dir, max_length=processor_count(img), truncation="drop", name="d")
+    report = run(tmp_path, [src], processor_dir, max_length=processor_count(img) + 40, name="fits")
+    assert report.examples == 1 and not report.truncated
+
+
+def test_text_stores_unchanged_and_old_stores_open(tmp_path, processor_dir):
+    src = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "what is it?", "chosen": "a cat", "rejected": "a dog"}])
+    report = prepare(PrepareOptions(inputs=[str(src)], tokenizer=str(processor_dir), output=str(tmp_path / "s"),
+                                    workers=1), log=lambda _m: None)
+    meta_path = report.path / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["format_version"] == 2 and "num_images" not in meta and not (report.path / "images.bin").exists()
+    assert Store(report.path).num_images == 0
+    meta["format_version"] = 1  # a store from before spans.bin
+    meta_path.write_text(json.dumps(meta))
+    store = Store(report.path, verify=True)
+    assert store.num_images == 0 and store.images_of(0) == [] and len(open_store(str(report.path), "train",
+                                                                                 unpaired=False)) == 1
+
+
+def test_training_on_an_image_store_is_refused(tmp_path, processor_dir):
+    (tmp_path / "i.png").write_bytes(png(32, 32, 7))
+    src = write_jsonl(tmp_path / "r.jsonl", [{"image": "i.png", "question": "q?", "chosen": "a cat", "rejected": "a dog"}])
+    path = run(tmp_path, [src], processor_dir).path
+    for what in ("train", "eval", "reference"):
+        with pytest.raises(StoreError, match=f"{what} store .* holds 1 images .*images are prepared, but training, "
+                           "evaluation and precompute-ref on them are not supported yet"):
+            open_store(str(path), what, unpaired=False)
+    # a damaged image index is caught when the store opens
+    meta = json.loads((path / "meta.json").read_text())
+    meta["files"]["images.bin"]["bytes"] += 1
+    (path / "images.bin").write_bytes((path / "images.bin").read_bytes()[:-1])
+    with pytest.raises(StoreError, match="images.bin has"):
+        Store(path)
+
+
+def test_train_setup_refuses_an_image_store(tmp_path, processor_dir):
+    """`prefpack train` / `eval` open their stores in ``training.setup.build`` before loading any model."""
+    from prefpack.config import load_config
+    from prefpack.training.setup import build
+
+    (tmp_path / "i.png").write_bytes(png(32, 32, 8))
+    src = write_jsonl(tmp_path / "r.jsonl", [{"image": "i.png", "question": "q?", "chosen": "a cat", "rejected": "a dog"}])
+    path = run(tmp_path, [src], processor_dir).path
+    cfg = load_config(None, [f"model.name_or_path={processor_dir}", f"data.train={path}",
+                             f"run.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(StoreError, match="train store .* holds 1 images .*images are prepared, but training"):
+        build(cfg, log=lambda _m: None)
