@@ -496,9 +496,10 @@ class MetricsLogger:
             self._fh.close()
             self._fh = None
 
-    def close(self) -> None:
-        """Close the file, the TensorBoard writer, the W&B run and the MLflow run (marked FINISHED); logging again
-        reopens the file in append mode and resumes the same W&B and MLflow runs."""
+    def close(self, status: str = "FINISHED") -> None:
+        """Close the file, the TensorBoard writer, the W&B run and the MLflow run (marked ``status``: ``FINISHED``,
+        ``KILLED`` for a stop, ``FAILED`` for an error); logging again reopens the file in append mode and resumes
+        the same W&B and MLflow runs."""
         self._close_file()
         if self._writer is not None:
             self._writer.close()
@@ -508,10 +509,10 @@ class MetricsLogger:
             run.finish()
         if self._mlflow is not None and self._mlflow_live:
             self._mlflow_live = False
-            self._mlflow[0].set_terminated(self.mlflow_run_id, "FINISHED")
+            self._mlflow[0].set_terminated(self.mlflow_run_id, status)
 
     def __enter__(self) -> MetricsLogger:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close("FINISHED" if exc_type is None else "FAILED")

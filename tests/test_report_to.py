@@ -570,9 +570,10 @@ def test_train_and_resume_report_to_mlflow(world, tmp_path, mlflow_env):
     with pytest.raises(TrainingInterrupted):
         train(load_config(None, args), stop_after_steps=3, progress=False, log=lambda m: None)
     run_id = (run_dir / MLFLOW_ID_FILE).read_text().strip()
+    client = MlflowClient(tracking_uri=local_store(run_dir))
+    assert client.get_run(run_id).info.status == "KILLED"  # stopped after step 3
     train(load_config(None, args), resume=True, progress=False, log=lambda m: None)
     assert (run_dir / MLFLOW_ID_FILE).read_text().strip() == run_id
-    client = MlflowClient(tracking_uri=local_store(run_dir))
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.params["train.max_steps"] == "4"
     assert len(client.search_runs([run.info.experiment_id])) == 1
