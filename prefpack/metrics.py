@@ -135,10 +135,15 @@ def _import_wandb(project: str):
 
 
 def _import_mlflow():
-    """MLflow's client and entities (``mlflow-skinny`` has them), or ``MetricsSetupError`` naming the extra."""
+    """MLflow's client and entities (``mlflow-skinny`` has them), or ``MetricsSetupError`` naming the extra; without
+    ``MLFLOW_TRACKING_URI`` the local SQLite store needs SQLAlchemy and Alembic too (in the extra as well)."""
     try:
         from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
+
+        if not os.environ.get("MLFLOW_TRACKING_URI", "").strip():
+            import alembic  # noqa: F401
+            import sqlalchemy  # noqa: F401
     except Exception as exc:  # ImportError, or a broken install
         raise MetricsSetupError(
             f"run.report_to has 'mlflow' but the mlflow package cannot be imported ({type(exc).__name__}: "

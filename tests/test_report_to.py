@@ -439,8 +439,8 @@ def test_real_wandb_offline_writes_under_the_run_folder(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------ MLflow
 
 
-def hide_mlflow(monkeypatch):
-    for name in ("mlflow", "mlflow.entities", "mlflow.tracking"):
+def hide_mlflow(monkeypatch, names=("mlflow", "mlflow.entities", "mlflow.tracking")):
+    for name in names:
         monkeypatch.setitem(sys.modules, name, None)  # makes `import mlflow...` fail, installed or not
 
 
@@ -458,6 +458,15 @@ def test_mlflow_not_installed_is_a_config_error(tmp_path, monkeypatch):
     logger.log(1, {"loss": 1.0})
     logger.close()
     assert not (tmp_path / "rank1").exists()
+
+
+def test_mlflow_without_its_local_database_is_a_config_error(tmp_path, mlflow_env, monkeypatch):
+    """mlflow-skinny alone cannot write RUN_DIR/mlruns (an SQLite store): the extra brings SQLAlchemy and Alembic."""
+    hide_mlflow(monkeypatch, ["sqlalchemy"])
+    with pytest.raises(MetricsSetupError, match=r"sqlalchemy.*pip install 'prefpack\[mlflow\]'"):
+        check_report_to(run_cfg(tmp_path / "r", "run.report_to=mlflow").run)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # a server needs neither: no check
+    check_report_to(run_cfg(tmp_path / "r", "run.report_to=mlflow").run)
 
 
 def test_cli_train_without_mlflow_stops_before_training(world, tmp_path, monkeypatch, capsys):
