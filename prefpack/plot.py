@@ -15,7 +15,7 @@ from pathlib import Path
 from prefpack.errors import PrefpackError
 from prefpack.metrics import METRICS_FILE, read_metrics
 
-__all__ = ["PANELS", "PlotError", "plot_run"]
+__all__ = ["PANELS", "PlotError", "eval_store_names", "panels", "plot_run", "train_source_names"]
 
 # (panel title, metric keys drawn in it); a panel appears only when one of its keys has a value.
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -61,9 +61,46 @@ def eval_store_names(records: list[dict]) -> list[str]:
     return list(names)
 
 
+def train_source_names(records: list[dict]) -> list[str]:
+    """The sources of a mixture (``data.train`` as a list), from the train lines' ``NAME/pairs`` keys (every step
+    names every source), in order of appearance."""
+    names: dict[str, None] = {}
+    for r in records:
+        if r.get("split", "train") == "train":
+            for k in r:
+                if k.endswith("/pairs") and k.count("/") == 1:
+                    names.setdefault(k[: -len("/pairs")], None)
+    return list(names)
+
+
+def panels(records: list[dict]) -> list[tuple[str, list[tuple[str, str, str, list[int], list[float]]]]]:
+    """The panels ``plot_run`` draws: ``(title, lines)``, each line ``(metric key, split, label, steps, values)``.
+
+    In a panel: the run's train curve, its eval markers, then each source of a mixture as its own train curve
+    (``NAME/loss`` ..., labelled ``train NAME``) and each store of a ``data.eval`` map as its own markers
+    (``eval NAME``); a panel appears only when one of its lines has a value."""
+    stores = eval_store_names(records)
+    sources = train_source_names(records)
+    out = []
+    for title, keys in PANELS:
+        lines = []
+        for key in keys:
+            # (metric key in the record, split, label)
+            for full, split, label in [(key, "train", "train"), (key, "eval", "eval"),
+                                       *((f"{n}/{key}", "train", f"train {n}") for n in sources),
+                                       *((f"{n}/{key}", "eval", f"eval {n}") for n in stores)]:
+                steps, values = _series(records, split, full)
+                if steps:
+                    lines.append((key, split, label, steps, values))
+        if lines:
+            out.append((title, lines))
+    return out
+
+
 def plot_run(run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None,
              log: Callable[[str], None] | None = None) -> Path:
-    """Draw the run's curves (train as lines, eval as markers) to ``out`` (default ``run_dir/curves.png``).
+    """Draw the run's curves (train as lines, eval as markers; a mixture's sources and a ``data.eval`` map's stores
+    each as their own, see ``panels``) to ``out`` (default ``run_dir/curves.png``).
 
     A line of metrics.jsonl that is not JSON (a damaged file) is skipped, and ``log`` (stderr by default) names it."""
     run_dir = Path(run_dir)
@@ -79,20 +116,8 @@ def plot_run(run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None
     if not records:
         raise PlotError(f"{path} has no records yet; nothing to plot")
 
-    panels = []
-    stores = eval_store_names(records)
-    for title, keys in PANELS:
-        lines = []
-        for key in keys:
-            # (metric key, split, label suffix): train, eval, then each store of a data.eval map (eval/NAME/...)
-            for full, split, label in [(key, "train", "train"), (key, "eval", "eval"),
-                                       *((f"{n}/{key}", "eval", f"eval {n}") for n in stores)]:
-                steps, values = _series(records, split, full)
-                if steps:
-                    lines.append((key, split, label, steps, values))
-        if lines:
-            panels.append((title, lines))
-    if not panels:
+    drawn = panels(records)
+    if not drawn:
         known = ", ".join(k for _, keys in PANELS for k in keys)
         raise PlotError(f"{path} has none of the plotted metrics ({known})")
 
@@ -103,15 +128,16 @@ def plot_run(run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None
     except ImportError:
         raise PlotError("matplotlib is not installed; pip install prefpack[plot]") from None
 
-    ncols = min(len(panels), 2 if len(panels) <= 4 else 3)
-    nrows = math.ceil(len(panels) / ncols)
+    ncols = min(len(drawn), 2 if len(drawn) <= 4 else 3)
+    nrows = math.ceil(len(drawn) / ncols)
     fig = Figure(figsize=(5.0 * ncols, 3.2 * nrows), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    for ax, (title, lines) in zip(axes, panels):
+    for ax, (title, lines) in zip(axes, drawn):
         colors = {}
         for key, split, where, steps, values in lines:
-            color = colors.setdefault((key, where if where.startswith("eval ") else ""), f"C{len(colors)}")
+            # one color per (metric, source): a source's train curve and its eval store's markers share it
+            color = colors.setdefault((key, where.partition(" ")[2]), f"C{len(colors)}")
             name = key.rsplit("/", 1)[-1] if len({k for k, *_ in lines}) > 1 else ""
             label = f"{name} ({where})" if name else where
             if split == "train":
@@ -126,7 +152,7 @@ def plot_run(run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None
         ax.grid(True, alpha=0.3)
         if len(lines) > 1:
             ax.legend(fontsize=7)
-    for ax in axes[len(panels):]:
+    for ax in axes[len(drawn):]:
         ax.set_visible(False)
     fig.suptitle(run_dir.resolve().name, fontsize=11)
 

@@ -227,3 +227,44 @@ def test_a_full_disk_names_the_metrics_file(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "open", real_open)
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
     assert not list(tmp_path.glob(".metrics.jsonl.tmp-*"))
+
+
+def test_plot_draws_each_source_of_a_mixture(tmp_path):
+    """A mixture's train lines carry NAME/pairs and NAME/loss, ...: each source is its own train curve, beside the
+    run's total, and a data.eval map's stores their own markers (a source and its eval store share a color)."""
+    from prefpack.plot import panels, train_source_names
+
+    lines = [
+        {"step": 0, "split": "eval", "loss": 0.69, "code/loss": 0.7, "code/rewards/accuracies": 0.5},
+        {"step": 1, "split": "train", "loss": 0.68, "rewards/accuracies": 0.5, "lr": 1e-3, "code/pairs": 3.0,
+         "code/loss": 0.67, "code/rewards/accuracies": 0.66, "chat/pairs": 1.0, "chat/loss": 0.7,
+         "chat/rewards/accuracies": 0.0},
+        {"step": 2, "split": "train", "loss": 0.6, "rewards/accuracies": 0.75, "lr": 1e-3, "code/pairs": 4.0,
+         "code/loss": 0.6, "code/rewards/accuracies": 0.75, "chat/pairs": 0.0},  # chat not drawn this step
+        {"step": 3, "split": "train", "loss": 0.5, "rewards/accuracies": 1.0, "lr": 1e-3, "code/pairs": 2.0,
+         "code/loss": None, "code/rewards/accuracies": 1.0, "chat/pairs": 2.0, "chat/loss": 0.5,
+         "chat/rewards/accuracies": 1.0},
+        {"step": 3, "split": "eval", "loss": 0.55, "code/loss": 0.5, "code/rewards/accuracies": 0.75},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    records = read_metrics(tmp_path)
+    assert train_source_names(records) == ["code", "chat"]
+    drawn = {title: [(split, label, steps, values) for _, split, label, steps, values in ls]
+             for title, ls in panels(records)}
+    assert drawn["loss"] == [
+        ("train", "train", [1, 2, 3], [0.68, 0.6, 0.5]),
+        ("eval", "eval", [0, 3], [0.69, 0.55]),
+        ("train", "train code", [1, 2], [0.67, 0.6]),  # the null at step 3 left out
+        ("train", "train chat", [1, 3], [0.7, 0.5]),  # no point where the source gave no pair
+        ("eval", "eval code", [0, 3], [0.7, 0.5]),
+    ]
+    assert drawn["reward accuracy"] == [
+        ("train", "train", [1, 2, 3], [0.5, 0.75, 1.0]),
+        ("train", "train code", [1, 2, 3], [0.66, 0.75, 1.0]),
+        ("train", "train chat", [1, 3], [0.0, 1.0]),
+        ("eval", "eval code", [0, 3], [0.5, 0.75]),
+    ]
+    assert [label for _, label, *_ in drawn["learning rate"]] == ["train"]  # NAME/pairs itself is no curve
+    assert set(drawn) == {"loss", "reward accuracy", "learning rate"}
+    pytest.importorskip("matplotlib")
+    assert plot_run(tmp_path).read_bytes().startswith(PNG_SIGNATURE)

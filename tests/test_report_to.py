@@ -1,4 +1,5 @@
-"""run.report_to: TensorBoard and W&B mirrors of metrics.jsonl (W&B faked, or real and offline when installed)."""
+"""run.report_to: TensorBoard, W&B and MLflow mirrors of metrics.jsonl (W&B faked, or real and offline when installed;
+MLflow real, in a local file store, when installed)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from conftest import prepare_hh_splits, tiny_llama
 from prefpack.cli import main as cli_main
 from prefpack.config import Config, ConfigError, config_to_dict, load_config
 from prefpack.metrics import (
+    MLFLOW_ID_FILE,
     WANDB_ID_FILE,
     MetricsLogger,
     MetricsSetupError,
@@ -21,6 +23,7 @@ from prefpack.metrics import (
 )
 
 INSTALL_HINT = "pip install 'prefpack[wandb]'"
+MLFLOW_HINT = "pip install 'prefpack[mlflow]'"
 
 
 class FakeRun:
@@ -75,6 +78,8 @@ def of(calls, kind):
     (["run.tensorboard=true"], {"tensorboard"}),
     (["run.report_to=[wandb]", "run.tensorboard=true"], {"wandb", "tensorboard"}),  # true adds it
     (["run.report_to=[wandb, tensorboard]", "run.tensorboard=false"], {"wandb"}),  # false removes it
+    (["run.report_to=mlflow"], {"mlflow"}),
+    (["run.report_to=[auto, wandb, mlflow]"], {"auto", "wandb", "mlflow"}),
 ])
 def test_report_targets(tmp_path, overrides, expected):
     cfg = run_cfg(tmp_path, *overrides)
@@ -83,12 +88,13 @@ def test_report_targets(tmp_path, overrides, expected):
 
 
 def test_report_to_config_errors(tmp_path):
-    with pytest.raises(ConfigError, match=r"run\.report_to: expected one of 'tensorboard', 'wandb', 'none'"):
+    with pytest.raises(ConfigError, match=r"run\.report_to: expected one of 'tensorboard', 'wandb', 'mlflow', 'none'"):
         run_cfg(tmp_path, "run.report_to=wandbb")
     with pytest.raises(ConfigError, match=r"run\.report_to: expected"):
-        run_cfg(tmp_path, "run.report_to=[tensorboard, mlflow]")
-    for bad in (["run.report_to=[none, wandb]"], ["run.report_to=none", "run.tensorboard=true"]):
-        with pytest.raises(ConfigError, match="'none' turns TensorBoard and W&B off, so it must be alone"):
+        run_cfg(tmp_path, "run.report_to=[tensorboard, comet]")
+    for bad in (["run.report_to=[none, wandb]"], ["run.report_to=none", "run.tensorboard=true"],
+                ["run.report_to=[mlflow, none]"]):
+        with pytest.raises(ConfigError, match="'none' turns TensorBoard, W&B and MLflow off, so it must be alone"):
             run_cfg(tmp_path, *bad).validate(training=False)
 
 
@@ -428,3 +434,163 @@ def test_real_wandb_offline_writes_under_the_run_folder(tmp_path, monkeypatch):
     run, _, history = offline_history(newest, run_id)
     assert run.run_id == run_id
     assert history == [{"step": 3, "train/loss": 0.3}, {"step": 4, "train/loss": 0.2}]
+
+
+# ------------------------------------------------------------------------------------ MLflow
+
+
+def hide_mlflow(monkeypatch, names=("mlflow", "mlflow.entities", "mlflow.tracking")):
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, None)  # makes `import mlflow...` fail, installed or not
+
+
+def test_mlflow_not_installed_is_a_config_error(tmp_path, monkeypatch):
+    hide_mlflow(monkeypatch)
+    with pytest.raises(MetricsSetupError) as info:
+        MetricsLogger.from_config(run_cfg(tmp_path / "r", "run.report_to=[tensorboard, mlflow]"))
+    assert isinstance(info.value, ConfigError)
+    assert MLFLOW_HINT in str(info.value) and "run.report_to" in str(info.value)
+    assert not (tmp_path / "r" / MLFLOW_ID_FILE).exists() and not (tmp_path / "r" / "metrics.jsonl").exists()
+    with pytest.raises(MetricsSetupError, match=r"pip install 'prefpack\[mlflow\]'"):  # the early check says the same
+        check_report_to(run_cfg(tmp_path / "r", "run.report_to=mlflow").run)
+    # a rank that does not log never imports it
+    logger = MetricsLogger.from_config(run_cfg(tmp_path / "rank1", "run.report_to=mlflow"), enabled=False)
+    logger.log(1, {"loss": 1.0})
+    logger.close()
+    assert not (tmp_path / "rank1").exists()
+
+
+def test_mlflow_without_its_local_database_is_a_config_error(tmp_path, mlflow_env, monkeypatch):
+    """mlflow-skinny alone cannot write RUN_DIR/mlruns (an SQLite store): the extra brings SQLAlchemy and Alembic."""
+    hide_mlflow(monkeypatch, ["sqlalchemy"])
+    with pytest.raises(MetricsSetupError, match=r"sqlalchemy.*pip install 'prefpack\[mlflow\]'"):
+        check_report_to(run_cfg(tmp_path / "r", "run.report_to=mlflow").run)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # a server needs neither: no check
+    check_report_to(run_cfg(tmp_path / "r", "run.report_to=mlflow").run)
+
+
+def test_cli_train_without_mlflow_stops_before_training(world, tmp_path, monkeypatch, capsys):
+    hide_mlflow(monkeypatch)
+    run_dir = tmp_path / "run"
+    assert cli_main(["train", *train_args(world, run_dir), "run.report_to=[auto, mlflow]", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert MLFLOW_HINT in err and "Traceback" not in err
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+
+
+@pytest.fixture
+def mlflow_env(monkeypatch):
+    """The real mlflow (skipped when not installed), with no tracking settings from the environment."""
+    pytest.importorskip("mlflow")
+    for key in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def local_store(run_dir):
+    return f"sqlite:///{(run_dir / 'mlruns' / 'mlflow.db').resolve()}"
+
+
+def mlflow_history(client, run_id):
+    """{key: [(step, value), ...]} of an MLflow run, read back with MLflow's own client."""
+    run = client.get_run(run_id)
+    return {key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key)) for key in run.data.metrics}
+
+
+def test_mlflow_logs_to_a_local_folder_and_resume_continues_the_run(tmp_path, mlflow_env, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    run_dir = tmp_path / "ml-run"
+    cfg = run_cfg(run_dir, "run.report_to=[mlflow]", "loss.beta=0.25")
+    logger = MetricsLogger.from_config(cfg)
+    assert logger.mlflow_active and logger.notice is None
+    run_id = (run_dir / MLFLOW_ID_FILE).read_text().strip()
+    assert run_id == logger.mlflow_run_id and logger.mlflow_tracking_uri == local_store(run_dir)
+    logger.log(0, {"loss": 0.69}, split="eval")
+    for step in (1, 2, 3):
+        logger.log(step, {"loss": 1.0 / step, "lr": 1e-3, "grad_norm": math.nan if step == 2 else 0.5})
+    logger.log(3, {"loss": 0.7, "code/rewards/accuracies": 0.75}, split="eval")
+    logger.log(4, {"grad_norm": math.inf})  # nothing finite: nothing sent
+    logger.close()
+
+    client = MlflowClient(tracking_uri=local_store(run_dir))
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "ml-run"
+    assert client.get_experiment(run.info.experiment_id).name == "prefpack"
+    assert run.data.params["loss.beta"] == "0.25" and run.data.params["run.report_to"] == '["mlflow"]'
+    assert run.data.params["run.output_dir"] == str(run_dir)
+    [artifact] = client.list_artifacts(run_id)
+    assert artifact.path == "config.yaml"
+    assert load_config(run_dir / "mlruns" / "artifacts" / run.info.run_id / "artifacts" / "config.yaml", []) == cfg
+    assert not list(tmp_path.glob("mlartifacts")) and not list(tmp_path.glob("*.db"))  # all in the run folder
+    assert mlflow_history(client, run_id) == {
+        "eval/loss": [(0, 0.69), (3, 0.7)],
+        "eval/code/rewards/accuracies": [(3, 0.75)],
+        "train/loss": [(1, 1.0), (2, 0.5), (3, 1.0 / 3)],
+        "train/lr": [(1, 1e-3), (2, 1e-3), (3, 1e-3)],
+        "train/grad_norm": [(1, 0.5), (3, 0.5)],  # the NaN left out, as in TensorBoard and W&B
+    }
+
+    # --resume from the checkpoint at step 2: the same run; step 3 it holds already, steps after go on
+    again = MetricsLogger.from_config(cfg, resume=True)
+    assert again.mlflow_run_id == run_id and "already holds steps up to 3" in again.notice
+    assert client.get_run(run_id).info.status == "RUNNING"
+    again.truncate_after(2)
+    for step in (3, 4):
+        again.log(step, {"loss": 0.1 * step})
+    again.close()
+    again.log(5, {"loss": 0.05})  # logging after close() goes on in the same run
+    again.close()
+    assert (run_dir / MLFLOW_ID_FILE).read_text().strip() == run_id
+    assert [r.info.run_id for r in client.search_runs([run.info.experiment_id])] == [run_id]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert mlflow_history(client, run_id)["train/loss"] == [(1, 1.0), (2, 0.5), (3, 1.0 / 3), (4, 0.4), (5, 0.05)]
+    assert client.get_run(run_id).data.params["loss.beta"] == "0.25"
+
+    # a new run (no --resume) in the same folder: a new MLflow run, whose id replaces the old one
+    fresh = MetricsLogger.from_config(cfg)
+    assert fresh.mlflow_run_id != run_id and (run_dir / MLFLOW_ID_FILE).read_text().strip() == fresh.mlflow_run_id
+    fresh.close()
+
+    # MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME, when set, are used instead of RUN_DIR/mlruns and "prefpack"
+    # (here the first run's store again, to spare a second database, with the experiment made beforehand: one made
+    # by the logger in a store of one's own keeps its artifacts where that store's default says)
+    elsewhere = local_store(run_dir)
+    MlflowClient(tracking_uri=elsewhere).create_experiment("my-exp", (tmp_path / "exp-artifacts").as_uri())
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", elsewhere)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "my-exp")
+    other = MetricsLogger.from_config(run_cfg(tmp_path / "other", "run.report_to=mlflow"))
+    other.log(1, {"loss": 1.0})
+    other.close()
+    assert other.mlflow_tracking_uri == elsewhere and not (tmp_path / "other" / "mlruns").exists()
+    assert [p.name for p in (tmp_path / "exp-artifacts").glob("*/artifacts/*")] == ["config.yaml"]
+    stored = MlflowClient(tracking_uri=elsewhere).get_run(other.mlflow_run_id)
+    assert stored.data.metrics == {"train/loss": 1.0}
+    assert MlflowClient(tracking_uri=elsewhere).get_experiment(stored.info.experiment_id).name == "my-exp"
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_train_and_resume_report_to_mlflow(world, tmp_path, mlflow_env):
+    from mlflow.tracking import MlflowClient
+
+    from prefpack.training import TrainingInterrupted, train
+
+    run_dir = tmp_path / "ml-train"
+    args = [*train_args(world, run_dir), "run.report_to=[mlflow]"]
+    with pytest.raises(TrainingInterrupted):
+        train(load_config(None, args), stop_after_steps=3, progress=False, log=lambda m: None)
+    run_id = (run_dir / MLFLOW_ID_FILE).read_text().strip()
+    client = MlflowClient(tracking_uri=local_store(run_dir))
+    assert client.get_run(run_id).info.status == "KILLED"  # stopped after step 3
+    train(load_config(None, args), resume=True, progress=False, log=lambda m: None)
+    assert (run_dir / MLFLOW_ID_FILE).read_text().strip() == run_id
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.params["train.max_steps"] == "4"
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+    history = mlflow_history(client, run_id)
+    assert [s for s, _ in history["train/loss"]] == [1, 2, 3, 4]  # step 3 once: the resumed run held it
+    assert [s for s, _ in history["eval/loss"]] == [0, 4]
+    # what MLflow holds is what metrics.jsonl holds (its step 3 replayed after the checkpoint at 2 aside)
+    for rec in read_metrics(run_dir):
+        for k, v in rec.items():
+            if k not in ("step", "split", "time") and v is not None and rec["step"] != 3:
+                assert (rec["step"], pytest.approx(v)) in history[f"{rec['split']}/{k}"]

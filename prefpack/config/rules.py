@@ -154,7 +154,7 @@ def problems(cfg: Config, *, training: bool) -> list[str]:
     at_least("run.save_every", run.save_every, 0)
     at_least("run.keep_checkpoints", run.keep_checkpoints, 1)
     need("none" not in run.report_to or run.report_to in ("none", ["none"]) and not run.tensorboard,
-         f"run.report_to {run.report_to!r}: 'none' turns TensorBoard and W&B off, so it must be alone and not "
+         f"run.report_to {run.report_to!r}: 'none' turns TensorBoard, W&B and MLflow off, so it must be alone and not "
          "with run.tensorboard=true (metrics.jsonl is always written)")
     if run.eval_every > 0 and d.eval is None:
         errs.append(f"run.eval_every is {run.eval_every} but data.eval is null; set data.eval or eval_every=0")

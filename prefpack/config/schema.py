@@ -49,7 +49,7 @@ RankedPairs = Literal["best_vs_rest", "all_pairs"]
 FDivergence = Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"]  # losses.F_DIVERGENCES
 Schedule = Literal["cosine", "linear", "constant"]
 Device = Literal["auto", "cpu", "cuda"]
-ReportTo = Literal["tensorboard", "wandb", "none", "auto"]
+ReportTo = Literal["tensorboard", "wandb", "mlflow", "none", "auto"]
 
 
 @dataclass
@@ -200,7 +200,8 @@ class RunConfig:
     keep_checkpoints: int = _f(2, "how many most recent checkpoints to keep")
     report_to: ReportTo | list[ReportTo] = _f(
         ["auto"], "where metrics go besides metrics.jsonl (always written): auto = tensorboard when installed, "
-        "silently; tensorboard (a notice when not installed); wandb (pip install 'prefpack[wandb]'); none")
+        "silently; tensorboard (a notice when not installed); wandb (pip install 'prefpack[wandb]'); mlflow (pip install "
+        "'prefpack[mlflow]'; RUN_DIR/mlruns unless MLFLOW_TRACKING_URI is set); none")
     wandb_project: str = _f("prefpack", "W&B project when report_to has wandb (run name = the run folder's name)")
     tensorboard: bool | None = _f(None, "older switch: true adds tensorboard to report_to, false removes it, "
                                   "null = report_to decides")

@@ -113,7 +113,7 @@ class Cadence:
             self.save(done)
         if self.stop_after_steps is not None and done >= self.stop_after_steps and done < self.n_steps:
             self._close_bar()
-            self.metrics.close()
+            self.metrics.close(status="KILLED")
             self.ctx.barrier()  # no rank tears the process group down while another is still in a collective
             raise TrainingInterrupted(f"stopped after step {done}")
 
@@ -125,14 +125,14 @@ class Cadence:
         if not self._due(self.save_every, done):
             self.save(done)
         self._close_bar()
-        self.metrics.close()
+        self.metrics.close(status="KILLED")
         self.ctx.barrier()
         raise TrainingTerminated(done, signum)
 
     def abort(self) -> None:
         """The run stops on an error: close the bar and the metrics (flushed, so they show what led to it)."""
         self._close_bar()
-        self.metrics.close()
+        self.metrics.close(status="FAILED")
 
     def finish(self) -> dict[str, float] | None:
         """After the last step: close the bar, evaluate (with eval data) and close the metrics. Returns that

@@ -61,7 +61,7 @@ def check_trainable(cfg) -> None:
     from prefpack.metrics import check_report_to
 
     cfg.validate()
-    check_report_to(cfg.run)  # a missing wandb stops before any model loads
+    check_report_to(cfg.run)  # a missing wandb or mlflow stops before any model loads
     if cfg.model.dtype == "float16":
         raise ConfigError("model.dtype float16 cannot train here: its narrow range needs loss scaling, which prefpack "
                           "does not do; use bfloat16 (float32 master weights are kept) or float32 (float16 is fine "
