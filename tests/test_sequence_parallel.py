@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import run_prefpack
@@ -67,12 +69,27 @@ def launch(world, tmp_path_factory):  # noqa: F811 - the imported fixture
         return ["train", str(world["conf"]), f"run.output_dir={out / name}", "--no-progress", "train.max_steps=3",
                 "run.save_every=0", *evaluated, *extra]
 
+    def scoring(name: str, *extra: str) -> list[list[str]]:
+        """``prefpack eval`` (pairs, and KTO, of the trained two-rank model against the initial one as --ref) and
+        ``precompute-ref`` into a copy of the store of its own."""
+        shutil.copytree(world["store"], out / f"{name}-store")
+        model = ["--model", str(out / "two-pairs" / "final"), "--data", str(world["store"]), "--json"]
+        return [["eval", *model, "--ref", str(world["root"] / "policy"), *extra],
+                ["eval", *model, "--ref", str(world["root"] / "policy"), "--kto", *extra],
+                ["precompute-ref", "--model", str(world["root"] / "policy"), "--data", str(out / f"{name}-store"),
+                 *extra]]
+
     commands = out / "commands.json"
-    commands.write_text(json.dumps([train(f"two-{n}", *o, "distributed.sequence_parallel=2") for n, o in RUNS.items()]))
+    commands.write_text(json.dumps([*(train(f"two-{n}", *o, "distributed.sequence_parallel=2")
+                                      for n, o in RUNS.items()), *scoring("two", "--sequence-parallel", "2")]))
     proc = torchrun("sp_ranks.py", out, commands)
-    run_prefpack(*(train(f"one-{n}", *o[1:]) for n, o in RUNS.items()))
-    return {"out": out, "log": proc.stdout + proc.stderr,
+    one = run_prefpack(*(train(f"one-{n}", *o[1:]) for n, o in RUNS.items()), *scoring("one"))
+    return {"out": out, "log": proc.stdout + proc.stderr, "scored": [_json_lines(proc.stdout), _json_lines(one.stdout)],
             "ranks": [torch.load(out / f"attention-{r}.pt") for r in range(2)]}
+
+
+def _json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")][-3:]  # after the training runs
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +203,37 @@ def test_two_ranks_of_one_sequence_group_train_as_one_process(launch, name):
     w1, w2 = _weights(one_dir), _weights(two_dir)
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------- eval and precompute-ref
+
+
+def test_eval_and_precompute_ref_on_a_sequence_group_score_as_one_process(launch):
+    """``prefpack eval --sequence-parallel 2`` (pairs and KTO, a reference model beside the policy) and
+    ``precompute-ref --sequence-parallel 2`` on two ranks of one group: the metrics and the sidecar one process
+    computes over the whole rows."""
+    from safetensors.numpy import load_file
+
+    two, one = launch["scored"]
+    assert len(two) == len(one) == 3  # two evaluations, one precompute summary
+    for e2, e1 in zip(two[:2], one[:2], strict=True):
+        assert e2.keys() == e1.keys() and e1["reference"] == "copy"
+        for key, value in e1.items():
+            if isinstance(value, float):  # float32 sums of ~-300 nats added in another order: KTO's kl (a mean of
+                # policy - reference differences of such sums, ~1e-3) moves by ~5e-6
+                assert e2[key] == pytest.approx(value, rel=1e-5, abs=2e-5), key
+            else:
+                assert e2[key] == value, key
+    assert two[2]["sequences"] == one[2]["sequences"] > 0
+    tables = [load_file(Path(s["sidecar"])) for s in (two[2], one[2])]
+    assert tables[0].keys() == tables[1].keys()
+    for key in tables[1]:
+        np.testing.assert_allclose(tables[0][key], tables[1][key], rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_eval_refuses_a_sequence_group_larger_than_the_processes(world, capsys):  # noqa: F811
+    from prefpack.cli import main
+
+    assert main(["eval", "--model", str(world["root"] / "policy"), "--data", str(world["store"]),
+                 "--sequence-parallel", "2"]) != 0
+    assert "distributed.sequence_parallel=2 does not divide the 1 processes" in capsys.readouterr().err
