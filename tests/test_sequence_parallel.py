@@ -80,8 +80,11 @@ def launch(world, tmp_path_factory):  # noqa: F811 - the imported fixture
                  *extra]]
 
     commands = out / "commands.json"
+    # the pairs run again, stopped after step 2 (its checkpoint) and resumed: the uninterrupted run's steps
+    cut = train("resumed-pairs", *RUNS["pairs"], "distributed.sequence_parallel=2", "run.save_every=2")
     commands.write_text(json.dumps([*(train(f"two-{n}", *o, "distributed.sequence_parallel=2")
-                                      for n, o in RUNS.items()), *scoring("two", "--sequence-parallel", "2")]))
+                                      for n, o in RUNS.items()), [*cut, "--stop-after-steps=2"], [*cut, "--resume"],
+                                    *scoring("two", "--sequence-parallel", "2")]))
     proc = torchrun("sp_ranks.py", out, commands)
     one = run_prefpack(*(train(f"one-{n}", *o[1:]) for n, o in RUNS.items()), *scoring("one"))
     return {"out": out, "log": proc.stdout + proc.stderr, "scored": [_json_lines(proc.stdout), _json_lines(one.stdout)],
@@ -237,3 +240,15 @@ def test_eval_refuses_a_sequence_group_larger_than_the_processes(world, capsys):
     assert main(["eval", "--model", str(world["root"] / "policy"), "--data", str(world["store"]),
                  "--sequence-parallel", "2"]) != 0
     assert "distributed.sequence_parallel=2 does not divide the 1 processes" in capsys.readouterr().err
+
+
+def test_a_sequence_group_resumed_from_its_checkpoint_equals_the_uninterrupted_run(launch):
+    """Two ranks of one group stopped after step 2 (its checkpoint) and resumed with --resume: the losses, gradient
+    norms and final weights of the uninterrupted run (same ranks, same order of sums: identical)."""
+    assert "continue with --resume" in launch["log"]
+    full, cut = launch["out"] / "two-pairs", launch["out"] / "resumed-pairs"
+    assert (cut / "checkpoints" / "step-00000002").is_dir()
+    assert _losses(cut) == _losses(full) and len(_losses(full)) == 3
+    w1, w2 = _weights(full), _weights(cut)
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], atol=0, rtol=0)
