@@ -87,7 +87,7 @@ def launch(world, tmp_path_factory):  # noqa: F811 - the imported fixture
                                     *scoring("two", "--sequence-parallel", "2")]))
     proc = torchrun("sp_ranks.py", out, commands)
     one = run_prefpack(*(train(f"one-{n}", *o[1:]) for n, o in RUNS.items()), *scoring("one"))
-    return {"out": out, "log": proc.stdout + proc.stderr, "scored": [_json_lines(proc.stdout), _json_lines(one.stdout)],
+    return {"out": out, "conf": world["conf"], "store": world["store"], "log": proc.stdout + proc.stderr, "scored": [_json_lines(proc.stdout), _json_lines(one.stdout)],
             "ranks": [torch.load(out / f"attention-{r}.pt") for r in range(2)]}
 
 
@@ -252,3 +252,26 @@ def test_a_sequence_group_resumed_from_its_checkpoint_equals_the_uninterrupted_r
     w1, w2 = _weights(full), _weights(cut)
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], atol=0, rtol=0)
+
+
+def test_two_data_parallel_groups_of_two_sequence_ranks_train_as_one_process(launch):
+    """2 x 2: four processes, two data-parallel groups of two sequence ranks (the step's pairs dealt to the groups,
+    each group's rows split over its ranks): the one-process pairs run's losses, gradient norms, evaluations before
+    and after training, and weights."""
+    out = launch["out"] / "four-pairs"
+    proc = run_prefpack(["train", str(launch["conf"]), f"run.output_dir={out}", "--no-progress", "train.max_steps=3",
+                         "run.save_every=0", f"data.eval={launch['store']}", *RUNS["pairs"],
+                         "distributed.sequence_parallel=2"], nproc=4)
+    assert "4 processes = 2 data-parallel group(s) of 2 (ranks 0-1, 2-3)" in proc.stdout + proc.stderr
+    one = launch["out"] / "one-pairs"
+    for (s1, l1, g1), (s2, l2, g2) in zip(_losses(one), _losses(out), strict=True):
+        assert s1 == s2 and l1 == pytest.approx(l2, abs=1e-6) and g1 == pytest.approx(g2, rel=1e-5)
+    evals = [[m for m in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if m["split"] == "eval"]
+             for d in (one, out)]
+    assert len(evals[0]) == 2
+    for e1, e2 in zip(*evals, strict=True):
+        assert e1["loss"] == pytest.approx(e2["loss"], abs=1e-6)
+        assert e1["logps/chosen"] == pytest.approx(e2["logps/chosen"], rel=1e-6)
+    w1, w2 = _weights(one), _weights(out)
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=ATOL, rtol=0)
