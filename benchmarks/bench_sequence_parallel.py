@@ -56,14 +56,50 @@ def worker(report: Path, argv: list[str]) -> None:
             spent["calls"] += 1
 
     sp_mod._exchange = timed
+    phases = _watch_phases()
     t0 = time.perf_counter()
     status = cli_main(argv)
     wall = time.perf_counter() - t0
+    phases["stop"] = True
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     Path(f"{report}-{rank}").write_text(json.dumps({"rank": rank, "peak_mib": peak, "start_mib": before,
                                                     "a2a_s": spent["s"], "a2a_calls": spent["calls"],
-                                                    "wall_s": wall}))
+                                                    "wall_s": wall, "peak_phase": phases["at_peak"]}))
     sys.exit(status)
+
+
+def _watch_phases() -> dict:
+    """Which of the loop's phases (its ``record_function`` names: begin_step = the reference forward, forward_loss,
+    backward, optimizer) holds the highest RSS: a thread samples ``/proc/self/statm`` every 2 ms."""
+    import contextlib
+    import threading
+
+    import prefpack.training.loop as loop
+
+    state = {"phase": "start-up", "at_peak": None, "max": 0, "stop": False}
+    page = os.sysconf("SC_PAGE_SIZE")
+    inner = loop.record_function
+
+    @contextlib.contextmanager
+    def named(name, *args, **kwargs):
+        before, state["phase"] = state["phase"], name.removeprefix("prefpack.")
+        try:
+            with inner(name, *args, **kwargs):
+                yield
+        finally:
+            state["phase"] = before
+
+    def sample():
+        while not state["stop"]:
+            with open("/proc/self/statm") as fh:
+                rss = int(fh.read().split()[1]) * page
+            if rss > state["max"]:
+                state["max"], state["at_peak"] = rss, state["phase"]
+            time.sleep(0.002)
+
+    loop.record_function = named
+    threading.Thread(target=sample, daemon=True).start()
+    return state
 
 
 # ------------------------------------------------------------------------------------------- the driver
@@ -158,15 +194,15 @@ def main() -> None:
                 peaks = ", ".join(f"{x['peak_mib']:.0f}" for x in r["ranks"])
                 print(f"  {pair_tokens} tokens, N={nproc}: peak RSS {peaks} MiB, {r['tokens_per_s']:.0f} tokens/s",
                       file=sys.stderr, flush=True)
-    head = ("| pair tokens | N | peak RSS per rank (MiB) | run above start per rank (MiB) | tokens/s | "
-            "all-to-all share | loss |")
-    print(head)
-    print("|---:|---:|---|---|---:|---:|---:|")
+    print("| pair tokens | N | peak RSS per rank (MiB) | run above start per rank (MiB) | peak during | tokens/s | "
+          "all-to-all share | loss |")
+    print("|---:|---:|---|---|---|---:|---:|---:|")
     for r in results:
         peaks = " / ".join(f"{x['peak_mib']:.0f}" for x in r["ranks"])
         above = " / ".join(f"{x['peak_mib'] - x['start_mib']:.0f}" for x in r["ranks"])
         share = f"{100 * r['a2a_share']:.1f}%" if r["sp"] > 1 else "-"
-        print(f"| {r['pair_tokens']} | {r['sp']} | {peaks} | {above} | {r['tokens_per_s']:.0f} | {share} | "
+        during = " / ".join(sorted({str(x["peak_phase"]) for x in r["ranks"]}))
+        print(f"| {r['pair_tokens']} | {r['sp']} | {peaks} | {above} | {during} | {r['tokens_per_s']:.0f} | {share} | "
               f"{r['loss']:.6f} |")
     longest = {}
     for nproc in (1, 2):
