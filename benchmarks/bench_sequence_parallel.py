@@ -6,11 +6,14 @@ two ranks of one sequence group (``distributed.sequence_parallel=2``, each rank 
 rank reports its own peak RSS (``resource.getrusage(RUSAGE_SELF).ru_maxrss``), its RSS before the run (Python, torch
 and prefpack imported) and the difference (the run: model, optimizer, activations), and the wall time spent in the
 all-to-all calls (a timer around ``prefpack.sequence_parallel._exchange``; gloo is synchronous, so it includes the
-wait for the other rank). tokens/s is the mean of the steps after the first (``metrics.jsonl``). The table ends
-with the longest pair whose runs stay within ``--budget-mib`` of peak RSS per rank.
+wait for the other rank), its share of the steps' time, and the loop phase during which each rank's RSS peaked (a
+thread sampling ``/proc/self/statm``). tokens/s is the mean of the steps after the first (``metrics.jsonl``: tokens
+of both sides, the prompt counted per side). Each length runs with the prompt laid out once per pair (prompt groups,
+the CPU default) and once per side. The table ends with the longest pair whose runs stay within ``--budget-mib`` of
+peak RSS per rank.
 
-    python benchmarks/bench_sequence_parallel.py [--lengths 2048,4096,8192,16384] [--steps 2] [--hidden 128]
-        [--layers 2] [--heads 4] [--budget-mib 1024]
+    python benchmarks/bench_sequence_parallel.py [--lengths 8192,16384] [--prompt once,per-side] [--steps 2]
+        [--hidden 128] [--layers 2] [--heads 4] [--budget-mib 1024]
 
 CPU only: multi-GPU NCCL is not measured here.
 """
@@ -143,15 +146,18 @@ def build(tmp: Path, lengths: list[int], args) -> dict[int, tuple[Path, int]]:
     return stores
 
 
-def run(tmp: Path, store: Path, n: int, nproc: int, args) -> dict:
-    out = tmp / f"run-{store.name}-{nproc}"
-    report = tmp / f"report-{store.name}-{nproc}"
+LAYOUTS = {"once": "true", "per-side": "false"}  # the prompt laid out once per pair, or once per side
+
+
+def run(tmp: Path, store: Path, n: int, nproc: int, layout: str, args) -> dict:
+    out = tmp / f"run-{store.name}-{layout}-{nproc}"
+    report = tmp / f"report-{store.name}-{layout}-{nproc}"
     room = 2 * n + 64  # the row holds the whole pair (prompt once), with room to spare
     argv = ["train", f"model.name_or_path={tmp / 'model'}", f"data.train={store}", f"run.output_dir={out}",
             "--no-progress", f"train.max_steps={args.steps}", "train.global_batch_pairs=1",
             f"train.micro_batch_tokens={room}", f"data.max_tokens_per_row={room}", "data.shuffle=false",
             "run.save_every=0", "run.plot=false", "run.tensorboard=false", "model.attn_implementation=packed_sdpa",
-            f"distributed.sequence_parallel={nproc}", *args.override]
+            f"data.prefix_sharing={LAYOUTS[layout]}", f"distributed.sequence_parallel={nproc}", *args.override]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(Path(__file__).resolve()), "--worker", str(report), "--", *argv]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
@@ -171,12 +177,14 @@ def run(tmp: Path, store: Path, n: int, nproc: int, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", default="2048,4096,8192,16384", help="pair lengths in tokens (prompt once + both "
+    ap.add_argument("--lengths", default="8192,16384", help="pair lengths in tokens (prompt once + both "
                     "completions), comma-separated")
     ap.add_argument("--steps", type=int, default=2, help="steps per run, one pair each (the first is a warm-up)")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--prompt", default="once,per-side", help="prompt layouts, comma-separated: once (prompt "
+                    "groups: data.prefix_sharing=true, the CPU default) and/or per-side (data.prefix_sharing=false)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (OMP_NUM_THREADS)")
     ap.add_argument("--budget-mib", type=float, default=1024.0, help="peak RSS per rank the longest pair must fit")
     ap.add_argument("--override", action="append", default=[], help="a prefpack config override, KEY=VALUE")
@@ -186,31 +194,33 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         stores = build(tmp, lengths, args)
-        for n in lengths:
-            store, pair_tokens = stores[n]
-            for nproc in (1, 2):
-                r = run(tmp, store, n, nproc, args)
-                results.append({"length": n, "pair_tokens": pair_tokens, "sp": nproc, **r})
-                peaks = ", ".join(f"{x['peak_mib']:.0f}" for x in r["ranks"])
-                print(f"  {pair_tokens} tokens, N={nproc}: peak RSS {peaks} MiB, {r['tokens_per_s']:.0f} tokens/s",
-                      file=sys.stderr, flush=True)
-    print("| pair tokens | N | peak RSS per rank (MiB) | run above start per rank (MiB) | peak during | tokens/s | "
+        for layout in args.prompt.split(","):
+            for n in lengths:
+                store, pair_tokens = stores[n]
+                for nproc in (1, 2):
+                    r = run(tmp, store, n, nproc, layout, args)
+                    results.append({"length": n, "pair_tokens": pair_tokens, "prompt": layout, "sp": nproc, **r})
+                    peaks = ", ".join(f"{x['peak_mib']:.0f}" for x in r["ranks"])
+                    print(f"  {pair_tokens} tokens, prompt {layout}, N={nproc}: peak RSS {peaks} MiB, "
+                          f"{r['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
+    print("| prompt | pair tokens | N | peak RSS per rank (MiB) | run above start per rank (MiB) | peak during | tokens/s | "
           "all-to-all share | loss |")
-    print("|---:|---:|---|---|---|---:|---:|---:|")
+    print("|---|---:|---:|---|---|---|---:|---:|---:|")
     for r in results:
         peaks = " / ".join(f"{x['peak_mib']:.0f}" for x in r["ranks"])
         above = " / ".join(f"{x['peak_mib'] - x['start_mib']:.0f}" for x in r["ranks"])
         share = f"{100 * r['a2a_share']:.1f}%" if r["sp"] > 1 else "-"
         during = " / ".join(sorted({str(x["peak_phase"]) for x in r["ranks"]}))
-        print(f"| {r['pair_tokens']} | {r['sp']} | {peaks} | {above} | {during} | {r['tokens_per_s']:.0f} | {share} | "
+        print(f"| {r['prompt']} | {r['pair_tokens']} | {r['sp']} | {peaks} | {above} | {during} | {r['tokens_per_s']:.0f} | {share} | "
               f"{r['loss']:.6f} |")
     longest = {}
-    for nproc in (1, 2):
-        fit = [r["pair_tokens"] for r in results
-               if r["sp"] == nproc and max(x["peak_mib"] for x in r["ranks"]) <= args.budget_mib]
-        longest[nproc] = max(fit) if fit else None
-    print(f"\nlongest pair within {args.budget_mib:.0f} MiB of peak RSS per rank: N=1 {longest[1]} tokens, "
-          f"N=2 {longest[2]} tokens (of those run)")
+    for layout in args.prompt.split(","):
+        for nproc in (1, 2):
+            fit = [r["pair_tokens"] for r in results if r["prompt"] == layout and r["sp"] == nproc
+                   and max(x["peak_mib"] for x in r["ranks"]) <= args.budget_mib]
+            longest[f"{layout}/N={nproc}"] = max(fit) if fit else None
+    print(f"\nlongest pair (of those run) within {args.budget_mib:.0f} MiB of peak RSS per rank: "
+          + ", ".join(f"prompt {k}: {v}" for k, v in longest.items()))
     print(json.dumps({"benchmark": "sequence_parallel", "device": "cpu", "backend": "gloo",
                       "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads},
                       "threads_per_rank": args.threads, "budget_mib": args.budget_mib,
