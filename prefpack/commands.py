@@ -443,7 +443,7 @@ def run_precompute(args, argv) -> int:
     ctx = init_from_env(args.device)  # under torchrun every rank scores a share of the store
     try:
         # sequence groups: a group's ranks score the same micro-batches, each its token shards (as training does)
-        with use(_sequence_layout(args.sequence_parallel or 1, ctx)):
+        with use(_sequence_layout(1 if args.sequence_parallel is None else args.sequence_parallel, ctx)):
             summary = precompute_reference(opts, ctx=ctx, log=_err)
         ctx.barrier()  # no rank leaves while another is still in a collective
     finally:
