@@ -263,7 +263,33 @@ def add_eval(sub) -> None:
                    help="compute dtype (default: the --config run's, else auto: bfloat16 on CUDA over float32 "
                    "weights, as training runs)")
     p.add_argument("--allow-tokenizer-mismatch", action="store_true")
+    _add_sequence_parallel(p, "(default: the --config run's distributed.sequence_parallel, else 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_sequence_parallel(p, default: str) -> None:
+    p.add_argument("--sequence-parallel", type=int, default=None, metavar="N",
+                   help="under torchrun: ranks per sequence group, each holding 1/N of every row's tokens, as "
+                   f"distributed.sequence_parallel shards training {default}")
+
+
+def _sequence_layout(size: int, ctx):
+    """The run's sequence groups (``distributed.sequence_parallel``), refused with the numbers when ``size`` does not
+    divide the processes."""
+    from prefpack.sequence_parallel import make_layout
+
+    return make_layout(size, ctx.world, ctx.rank, ctx.device.type)
+
+
+def _eval_sequence_parallel(args) -> int:
+    """``--sequence-parallel``, else the --config run's, else 1."""
+    if args.sequence_parallel is not None:
+        return args.sequence_parallel
+    if args.config:
+        from prefpack.config import load_config
+
+        return load_config(args.config, []).distributed.sequence_parallel
+    return 1
 
 
 def eval_config(args):
@@ -309,6 +335,7 @@ def eval_config(args):
     cfg.train.micro_batch_tokens = "auto" if args.micro_batch_tokens == "auto" else int(args.micro_batch_tokens)
     cfg.train.device = args.device
     cfg.run.eval_every = cfg.run.save_every = 0
+    cfg.distributed.sequence_parallel = _eval_sequence_parallel(args)
     if kto:
         cfg.train.seed = args.seed if args.seed is not None else (cfg.train.seed if args.config else 0)
         cfg.data.paired_as_kto = args.kto or (cfg.data.paired_as_kto and bool(args.config))
@@ -321,14 +348,17 @@ def run_eval(args, argv) -> int:
     import copy
 
     from prefpack.distributed import init_from_env, shutdown
+    from prefpack.sequence_parallel import use
 
     ctx = init_from_env(args.device)  # under torchrun every rank scores a share of each store
     results = []
     try:
-        for path in args.data:
-            one = copy.copy(args)
-            one.data = path
-            results.append(_eval_store(one, ctx))
+        # sequence groups: a group's ranks score the same micro-batches, each its token shards (as training does)
+        with use(_sequence_layout(_eval_sequence_parallel(args), ctx)):
+            for path in args.data:
+                one = copy.copy(args)
+                one.data = path
+                results.append(_eval_store(one, ctx))
     finally:
         shutdown()
     if not ctx.is_main:
@@ -355,6 +385,7 @@ def _eval_store(args, ctx) -> dict:
     kto = any(t.name in UNPAIRED_LOSS_NAMES for t in cfg.loss.terms)
     cfg.validate()
     setup = build(cfg, log=_err, device=ctx.device, check_sidecar_reference=False)  # the sidecar IS the ref
+    _check_shardable(setup.policy, setup.reference.model if setup.reference.mode == "copy" else None)
     result = evaluate(setup.policy, setup.reference, setup.train_task, ctx=ctx)
     ctx.barrier()  # no rank leaves while another is still in a collective
     task = setup.train_task
@@ -366,6 +397,16 @@ def _eval_store(args, ctx) -> dict:
             result["prompts"] = len(task)
     result["reference"] = setup.reference.mode
     return result
+
+
+def _check_shardable(*models) -> None:
+    """Refuse, before scoring, a model the run's sequence groups cannot shard (with the numbers)."""
+    from prefpack.model.sharded import check_model
+    from prefpack.sequence_parallel import current
+
+    for model in models:
+        if model is not None:
+            check_model(model, current())
 
 
 # ---------------------------------------------------------------- precompute-ref
@@ -390,6 +431,7 @@ def add_precompute(sub) -> None:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--allow-tokenizer-mismatch", action="store_true")
+    _add_sequence_parallel(p, "(default 1)")
 
 
 def run_precompute(args, argv) -> int:
@@ -400,9 +442,13 @@ def run_precompute(args, argv) -> int:
                              micro_batch_tokens=_budget("--micro-batch-tokens", args.micro_batch_tokens),
                              chunk_size=_budget("--chunk-size", args.chunk_size), device=args.device,
                              dtype=args.dtype, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch)
+    from prefpack.sequence_parallel import use
+
     ctx = init_from_env(args.device)  # under torchrun every rank scores a share of the store
     try:
-        summary = precompute_reference(opts, ctx=ctx, log=_err)
+        # sequence groups: a group's ranks score the same micro-batches, each its token shards (as training does)
+        with use(_sequence_layout(1 if args.sequence_parallel is None else args.sequence_parallel, ctx)):
+            summary = precompute_reference(opts, ctx=ctx, log=_err)
         ctx.barrier()  # no rank leaves while another is still in a collective
     finally:
         shutdown()

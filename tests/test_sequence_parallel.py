@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import run_prefpack
@@ -67,12 +69,30 @@ def launch(world, tmp_path_factory):  # noqa: F811 - the imported fixture
         return ["train", str(world["conf"]), f"run.output_dir={out / name}", "--no-progress", "train.max_steps=3",
                 "run.save_every=0", *evaluated, *extra]
 
+    def scoring(name: str, *extra: str) -> list[list[str]]:
+        """``prefpack eval`` (pairs, and KTO, of the trained two-rank model against the initial one as --ref) and
+        ``precompute-ref`` into a copy of the store of its own."""
+        shutil.copytree(world["store"], out / f"{name}-store")
+        model = ["--model", str(out / "two-pairs" / "final"), "--data", str(world["store"]), "--json"]
+        return [["eval", *model, "--ref", str(world["root"] / "policy"), *extra],
+                ["eval", *model, "--ref", str(world["root"] / "policy"), "--kto", *extra],
+                ["precompute-ref", "--model", str(world["root"] / "policy"), "--data", str(out / f"{name}-store"),
+                 *extra]]
+
     commands = out / "commands.json"
-    commands.write_text(json.dumps([train(f"two-{n}", *o, "distributed.sequence_parallel=2") for n, o in RUNS.items()]))
+    # the pairs run again, stopped after step 2 (its checkpoint) and resumed: the uninterrupted run's steps
+    cut = train("resumed-pairs", *RUNS["pairs"], "distributed.sequence_parallel=2", "run.save_every=2")
+    commands.write_text(json.dumps([*(train(f"two-{n}", *o, "distributed.sequence_parallel=2")
+                                      for n, o in RUNS.items()), [*cut, "--stop-after-steps=2"], [*cut, "--resume"],
+                                    *scoring("two", "--sequence-parallel", "2")]))
     proc = torchrun("sp_ranks.py", out, commands)
-    run_prefpack(*(train(f"one-{n}", *o[1:]) for n, o in RUNS.items()))
-    return {"out": out, "log": proc.stdout + proc.stderr,
+    one = run_prefpack(*(train(f"one-{n}", *o[1:]) for n, o in RUNS.items()), *scoring("one"))
+    return {"out": out, "conf": world["conf"], "store": world["store"], "log": proc.stdout + proc.stderr, "scored": [_json_lines(proc.stdout), _json_lines(one.stdout)],
             "ranks": [torch.load(out / f"attention-{r}.pt") for r in range(2)]}
+
+
+def _json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")][-3:]  # after the training runs
 
 
 @pytest.fixture(scope="module")
@@ -184,5 +204,74 @@ def test_two_ranks_of_one_sequence_group_train_as_one_process(launch, name):
             for side in ("chosen", "rejected"):  # the head's entropy, summed over the shards as the log-probs are
                 assert e1[f"entropy/{side}"] == pytest.approx(e2[f"entropy/{side}"], rel=1e-6)
     w1, w2 = _weights(one_dir), _weights(two_dir)
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------- eval and precompute-ref
+
+
+def test_eval_and_precompute_ref_on_a_sequence_group_score_as_one_process(launch):
+    """``prefpack eval --sequence-parallel 2`` (pairs and KTO, a reference model beside the policy) and
+    ``precompute-ref --sequence-parallel 2`` on two ranks of one group: the metrics and the sidecar one process
+    computes over the whole rows."""
+    from safetensors.numpy import load_file
+
+    two, one = launch["scored"]
+    assert len(two) == len(one) == 3  # two evaluations, one precompute summary
+    for e2, e1 in zip(two[:2], one[:2], strict=True):
+        assert e2.keys() == e1.keys() and e1["reference"] == "copy"
+        for key, value in e1.items():
+            if isinstance(value, float):  # float32 sums of ~-300 nats added in another order: KTO's kl (a mean of
+                # policy - reference differences of such sums, ~1e-3) moves by ~5e-6
+                assert e2[key] == pytest.approx(value, rel=1e-5, abs=2e-5), key
+            else:
+                assert e2[key] == value, key
+    assert two[2]["sequences"] == one[2]["sequences"] > 0
+    tables = [load_file(Path(s["sidecar"])) for s in (two[2], one[2])]
+    assert tables[0].keys() == tables[1].keys()
+    for key in tables[1]:
+        np.testing.assert_allclose(tables[0][key], tables[1][key], rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_eval_refuses_a_sequence_group_larger_than_the_processes(world, capsys):  # noqa: F811
+    from prefpack.cli import main
+
+    assert main(["eval", "--model", str(world["root"] / "policy"), "--data", str(world["store"]),
+                 "--sequence-parallel", "2"]) != 0
+    assert "distributed.sequence_parallel=2 does not divide the 1 processes" in capsys.readouterr().err
+
+
+def test_a_sequence_group_resumed_from_its_checkpoint_equals_the_uninterrupted_run(launch):
+    """Two ranks of one group stopped after step 2 (its checkpoint) and resumed with --resume: the losses, gradient
+    norms and final weights of the uninterrupted run (same ranks, same order of sums: identical)."""
+    assert "continue with --resume" in launch["log"]
+    full, cut = launch["out"] / "two-pairs", launch["out"] / "resumed-pairs"
+    assert (cut / "checkpoints" / "step-00000002").is_dir()
+    assert _losses(cut) == _losses(full) and len(_losses(full)) == 3
+    w1, w2 = _weights(full), _weights(cut)
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], atol=0, rtol=0)
+
+
+def test_two_data_parallel_groups_of_two_sequence_ranks_train_as_one_process(launch):
+    """2 x 2: four processes, two data-parallel groups of two sequence ranks (the step's pairs dealt to the groups,
+    each group's rows split over its ranks): the one-process pairs run's losses, gradient norms, evaluations before
+    and after training, and weights."""
+    out = launch["out"] / "four-pairs"
+    proc = run_prefpack(["train", str(launch["conf"]), f"run.output_dir={out}", "--no-progress", "train.max_steps=3",
+                         "run.save_every=0", f"data.eval={launch['store']}", *RUNS["pairs"],
+                         "distributed.sequence_parallel=2"], nproc=4)
+    assert "4 processes = 2 data-parallel group(s) of 2 (ranks 0-1, 2-3)" in proc.stdout + proc.stderr
+    one = launch["out"] / "one-pairs"
+    for (s1, l1, g1), (s2, l2, g2) in zip(_losses(one), _losses(out), strict=True):
+        assert s1 == s2 and l1 == pytest.approx(l2, abs=1e-6) and g1 == pytest.approx(g2, rel=1e-5)
+    evals = [[m for m in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if m["split"] == "eval"]
+             for d in (one, out)]
+    assert len(evals[0]) == 2
+    for e1, e2 in zip(*evals, strict=True):
+        assert e1["loss"] == pytest.approx(e2["loss"], abs=1e-6)
+        assert e1["logps/chosen"] == pytest.approx(e2["logps/chosen"], rel=1e-6)
+    w1, w2 = _weights(one), _weights(out)
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=ATOL, rtol=0)

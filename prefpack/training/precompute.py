@@ -21,6 +21,7 @@ from prefpack.reference import (
     check_sidecar_writable,
     write_keyed_sidecar,
 )
+from prefpack.sequence_parallel import current as current_layout
 
 __all__ = ["PrecomputeOptions", "precompute_reference", "record_reference", "scoring_objective"]
 
@@ -79,9 +80,12 @@ def record_reference(task: Objective, model: nn.Module, *, ctx: Dist = SINGLE, p
     space = task.key_space()
     reference = CopyReference(model, chunk_size=task.settings.chunk_size)
     reference.configure(chunk_size=task.settings.chunk_size, pair_tails=space.tails)
-    share = deal_step(task, np.arange(len(task)), seed=None, world=ctx.world)[ctx.rank]
+    sp = current_layout()  # sequence groups: a group's ranks score the same micro-batches, each its token shards
+    world, rank = (sp.data_world, sp.data_rank) if sp.enabled else (ctx.world, ctx.rank)
+    share = deal_step(task, np.arange(len(task)), seed=None, world=world)[rank]
     table = np.zeros((4, space.size))  # sums, times scored, tails, times scored
     planned = [p for p, w in zip(share.planned, share.weights) if w]  # padding batches only keep ranks in step
+    record = sp.rank == 0  # every rank of a group returns the group's sums: recorded once
     if progress and ctx.is_main:
         from tqdm import tqdm
 
@@ -89,6 +93,8 @@ def record_reference(task: Objective, model: nn.Module, *, ctx: Dist = SINGLE, p
     for p in planned:
         for part in task.reference_batches(task.collate(p)):
             out = reference.sequence_logps(part)
+            if not record:
+                continue
             keys = part.sequence_keys.numpy()
             table[0, keys] = out.logp_sum[:len(keys)].double().cpu().numpy()
             table[1, keys] += 1
@@ -136,6 +142,9 @@ def precompute_reference(opts: PrecomputeOptions, *, ctx: Dist = SINGLE, log=pri
     resolve_tokenizer(opts.model, store.meta, store.tokenizer_path(), allow_mismatch=opts.allow_tokenizer_mismatch)
     device = ctx.device if opts.device == "auto" else pick_device(opts.device)
     model = load_scoring_model(opts.model, opts.dtype, device)
+    from prefpack.model.sharded import check_model
+
+    check_model(model, current_layout())  # a kernel or head count the sequence groups cannot shard, refused now
     check_vocab_fits(model, store.meta, opts.data)
     budgets = _scoring_budgets(opts, model, device, log)
     task = scoring_objective(store, kto=kto, seed=opts.seed, micro_batch_tokens=budgets.micro_batch_tokens,
