@@ -172,3 +172,25 @@ def test_auto_shares_prompts_only_where_it_can(tmp_path, toy_tokenizers, hh_trai
         rows = _train_metrics(tmp_path, model, stores["train"], name, "train.max_steps=1", *extra, log=logged.append)
         assert any("laid out once" in m for m in logged) == on, name
         assert (rows[0]["positions"] < rows[0]["tokens"]) == on, name
+
+
+def test_the_layers_of_one_forward_share_each_prompt_groups_mask(monkeypatch):
+    """sdpa keeps its mask for backward: built once per forward (keyed on the position ids every layer receives),
+    a prompt group's mask is held once, not once per layer; new position ids build their own."""
+    from prefpack.model.attention import packed_sdpa as ps
+
+    built = []
+    make = ps._prefix_mask
+    monkeypatch.setattr(ps, "_prefix_mask", lambda *a, **k: built.append(a[:2]) or make(*a, **k))
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 5, 6, 7, 0, 1]])  # a group (prompt 5, two completions), then 2
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 12, 8, generator=g) for h in (4, 2, 2))
+    outs = [ps.packed_sdpa_attention(None, q, k, v, None, position_ids=position_ids)[0] for _layer in range(3)]
+    assert built == [(5, 3)]  # the second completion's mask, once for three layers
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    ps.packed_sdpa_attention(None, q, k, v, None, position_ids=position_ids.clone())  # the next forward
+    assert built == [(5, 3), (5, 3)]
+    # the shared mask is the definition: the completion sees the prompt and itself causally, never its sibling
+    mask = make(5, 3, None, torch.device("cpu"))
+    assert torch.equal(mask == 0, torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0],
+                                                [1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool))

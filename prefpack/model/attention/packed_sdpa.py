@@ -19,6 +19,8 @@ On CUDA the per-block loop would launch many small kernels; flash-attention varl
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,12 +62,46 @@ def causal_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
 
 
-def _prefix_mask(prefix: int, length: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """[length, prefix + length] bool: a completion at positions ``prefix ..`` sees every prompt key (within the
-    window) and its own keys causally."""
+def _prefix_mask(prefix: int, length: int, window: int | None, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[length, prefix + length] additive mask (0 or -inf, in ``dtype``): a completion at positions ``prefix ..``
+    sees every prompt key (within the window) and its own keys causally."""
     q_pos = torch.arange(prefix, prefix + length, device=device)
     d = q_pos[:, None] - torch.cat([torch.arange(prefix, device=device), q_pos])[None, :]
-    return (d >= 0) if window is None else (d >= 0) & (d < window)
+    seen = (d >= 0) if window is None else (d >= 0) & (d < window)
+    return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+
+
+class _ForwardCache:
+    """What every layer of one forward would otherwise build again from the same position ids: the blocks (a host
+    transfer) and the prompt groups' masks. sdpa keeps its mask for backward, so a mask per layer held one
+    [length, prefix + length] float copy per completion and layer (196 MiB a layer for a 4k completion after an 8k
+    prompt); shared, the layers hold one. Keyed on the position ids tensor itself; a new one starts afresh."""
+
+    def __init__(self) -> None:
+        self._ids: weakref.ref | None = None
+        self._blocks: list | None = None
+        self._masks: dict = {}
+
+    def _of(self, position_ids: torch.Tensor) -> None:
+        if self._ids is None or self._ids() is not position_ids:
+            self._ids, self._blocks, self._masks = weakref.ref(position_ids), None, {}
+
+    def blocks(self, position_ids: torch.Tensor) -> list[list[tuple[int, int, int]]]:
+        self._of(position_ids)
+        if self._blocks is None:
+            self._blocks = _blocks(position_ids)
+        return self._blocks
+
+    def mask(self, prefix: int, length: int, window: int | None, device: torch.device,
+             dtype: torch.dtype) -> torch.Tensor:
+        key = (prefix, length, window, device, dtype)
+        if key not in self._masks:
+            self._masks[key] = _prefix_mask(prefix, length, window, device, dtype)
+        return self._masks[key]
+
+
+_CACHE = _ForwardCache()
 
 
 def _shared_prefix_block(q, k, v, prompt_k, prompt_v, *, scale: float | None, window: int | None) -> torch.Tensor:
@@ -74,8 +110,9 @@ def _shared_prefix_block(q, k, v, prompt_k, prompt_v, *, scale: float | None, wi
     sibling's. Exactly what the completion would see right after its own copy of the prompt."""
     prefix, length = prompt_k.shape[2], q.shape[2]
     keys, values = torch.cat([prompt_k, k], dim=2), torch.cat([prompt_v, v], dim=2)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=_prefix_mask(prefix, length, window, q.device),
-                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    mask = _CACHE.mask(prefix, length, window, q.device, q.dtype)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _row_attention(q, k, v, blocks: list[tuple[int, int, int]], *, scale: float | None,
@@ -118,11 +155,11 @@ def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     if dropout and module.training:
         raise ValueError("packed_sdpa attention has no dropout (prefpack disables dropout for preference losses)")
     window = kwargs.get("sliding_window")  # set on sliding-window layers (Mistral, Gemma's local layers, ...)
-    if position_ids.shape[0] != query.shape[0]:
-        position_ids = position_ids.expand(query.shape[0], -1)
-    rows = [_row_attention(q, k, v, blocks, scale=scaling, window=window)
-            for q, k, v, blocks in zip(query.unbind(0), key.unbind(0), value.unbind(0), _blocks(position_ids),
-                                       strict=True)]
+    blocks = _CACHE.blocks(position_ids)  # the same tensor in every layer of a forward
+    if len(blocks) != query.shape[0]:
+        blocks = blocks * query.shape[0]  # one row of position ids for every row
+    rows = [_row_attention(q, k, v, row, scale=scaling, window=window)
+            for q, k, v, row in zip(query.unbind(0), key.unbind(0), value.unbind(0), blocks, strict=True)]
     return torch.stack(rows), None
 
 
