@@ -13,8 +13,11 @@ import sys
 import prefpack.distributed as distributed
 from prefpack.cli import main
 
-if __name__ == "__main__":
-    with open(sys.argv[1], encoding="utf-8") as fh:
+
+def run_commands(path: str) -> None:
+    """The command lines in the JSON file ``path``, in turn, in this process (group); exits with the first
+    non-zero status."""
+    with open(path, encoding="utf-8") as fh:
         runs = json.load(fh)
     leave = distributed.shutdown
     distributed.shutdown = lambda: None
@@ -25,3 +28,7 @@ if __name__ == "__main__":
                 sys.exit(status)
     finally:
         leave()
+
+
+if __name__ == "__main__":
+    run_commands(sys.argv[1])

@@ -4,12 +4,12 @@ and the gradients of its q/k/v shards under a fixed cotangent to ``OUT_DIR/atten
 and its gradient to the same file. The test computes the unsharded answers itself.
 Then, in the same process group (one launch), the ``prefpack`` command lines of the JSON file COMMANDS."""
 
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from cli_runs import run_commands
 from sp_cases import (
     ATTENTION_CASES,
     FORWARD_CASES,
@@ -20,8 +20,6 @@ from sp_cases import (
     tiny_model,
 )
 
-import prefpack.distributed as distributed
-from prefpack.cli import main as cli_main
 from prefpack.distributed import init_from_env
 from prefpack.model import sequence_logps
 from prefpack.model.attention import packed_sdpa, varlen
@@ -64,21 +62,6 @@ def main(out_dir: Path) -> None:
                          "wpo_mean": out.wpo_mean, "grads": {k: p.grad.clone() for k, p in model.named_parameters()}}
     torch.save(results, out_dir / f"attention-{ctx.rank}.pt")
     dist.barrier()
-
-
-def run_commands(path: str) -> None:
-    """``prefpack`` command lines (a JSON list of argument lists) in turn in this process group (as cli_runs.py)."""
-    with open(path, encoding="utf-8") as fh:
-        runs = json.load(fh)
-    leave = distributed.shutdown
-    distributed.shutdown = lambda: None
-    try:
-        for argv in runs:
-            status = cli_main(argv)
-            if status:
-                sys.exit(status)
-    finally:
-        leave()
 
 
 if __name__ == "__main__":
