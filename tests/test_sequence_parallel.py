@@ -55,7 +55,23 @@ RUNS = {  # name: the overrides of a three-step run (the world's config), traine
     "pairs": ("distributed.strategy=ddp",),
     "kto": ("distributed.strategy=ddp", "loss.terms=[{name: kto}]", "data.paired_as_kto=true"),
     "fsdp2_ld_wpo": ("distributed.strategy=fsdp2", "loss.ld_alpha=0.5", "loss.use_weighting=true"),
+    # a Qwen2 whose second layer attends within a window of 8 tokens (rows of up to 256, sequences of up to 64);
+    # SWA_POLICY: the fixture's model (below)
+    "sliding_window": ("distributed.strategy=ddp", "model.name_or_path=SWA_POLICY"),
 }
+SWA = 8  # the sliding-window model's window
+
+
+def sliding_window_model(vocab_size: int, *, window: int | None = SWA):
+    """A 2-layer float32 Qwen2 (4 query heads over 2 key/value heads), its first layer full attention and its second
+    a sliding window of ``window`` tokens (full attention when None), seeded."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(5)
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False, use_sliding_window=window is not None,
+        sliding_window=window, layer_types=["full_attention", "sliding_attention" if window else "full_attention"]))
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +79,12 @@ def launch(world, tmp_path_factory):  # noqa: F811 - the imported fixture
     """One torchrun launch of two gloo ranks (tests/sp_ranks.py): the attention and forward cases, then every run of
     ``RUNS`` with distributed.sequence_parallel=2; and the runs in one process (one process started for all)."""
     out = tmp_path_factory.mktemp("sp")
+    vocab = json.loads((world["root"] / "policy" / "config.json").read_text())["vocab_size"]
+    sliding_window_model(vocab).save_pretrained(out / "swa-policy")
 
     def train(name: str, *extra: str) -> list[str]:
         evaluated = [f"data.eval={world['store']}"] if name.endswith("-pairs") else []  # before and after training
+        extra = [a.replace("SWA_POLICY", str(out / "swa-policy")) for a in extra]
         return ["train", str(world["conf"]), f"run.output_dir={out / name}", "--no-progress", "train.max_steps=3",
                 "run.save_every=0", *evaluated, *extra]
 
@@ -87,7 +106,8 @@ def launch(world, tmp_path_factory):  # noqa: F811 - the imported fixture
                                     *scoring("two", "--sequence-parallel", "2")]))
     proc = torchrun("sp_ranks.py", out, commands)
     one = run_prefpack(*(train(f"one-{n}", *o[1:]) for n, o in RUNS.items()), *scoring("one"))
-    return {"out": out, "conf": world["conf"], "store": world["store"], "log": proc.stdout + proc.stderr, "scored": [_json_lines(proc.stdout), _json_lines(one.stdout)],
+    return {"out": out, "conf": world["conf"], "store": world["store"], "log": proc.stdout + proc.stderr,
+            "scored": [_json_lines(proc.stdout), _json_lines(one.stdout)], "vocab": vocab,
             "ranks": [torch.load(out / f"attention-{r}.pt") for r in range(2)]}
 
 
@@ -183,29 +203,54 @@ def test_a_model_the_group_cannot_shard_is_refused_with_the_numbers():
 # ---------------------------------------------------------------- training
 
 
-@pytest.mark.parametrize("name", sorted(RUNS))
-def test_two_ranks_of_one_sequence_group_train_as_one_process(launch, name):
-    """Every row split in two token shards over two ranks: the same losses, gradient norms and weights as one
-    process running the whole rows (float32 on CPU; the ranks add their shards' gradients in another order). Pairs
-    (prompts laid out once) and KTO with DDP; pairs with LD-DPO's tails and WPO's weights with FSDP2."""
-    assert "sequence parallel: 2 processes = 1 data-parallel group(s) of 2 (ranks 0-1)" in launch["log"]
-    one_dir, two_dir = launch["out"] / f"one-{name}", launch["out"] / f"two-{name}"
-    one, two = _losses(one_dir), _losses(two_dir)
+def _trains_as_one(one_dir: Path, many_dir: Path, evaluated: bool = False) -> None:
+    """The same losses (1e-6), gradient norms and final weights (float32 on CPU; the ranks add their shards'
+    gradients in another order); and when ``evaluated``, the same evaluations before and after training."""
+    one, many = _losses(one_dir), _losses(many_dir)
     assert len(one) == 3
-    for (s1, l1, g1), (s2, l2, g2) in zip(one, two, strict=True):
+    for (s1, l1, g1), (s2, l2, g2) in zip(one, many, strict=True):
         assert s1 == s2 and l1 == pytest.approx(l2, abs=1e-6) and g1 == pytest.approx(g2, rel=1e-5)
-    if name == "pairs":  # evaluation before and after training, its micro-batches sharded too
+    if evaluated:  # evaluation before and after training, its micro-batches sharded too
         evals = [[m for m in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if m["split"] == "eval"]
-                 for d in (one_dir, two_dir)]
+                 for d in (one_dir, many_dir)]
         assert len(evals[0]) == 2
         for e1, e2 in zip(*evals, strict=True):
             assert e1["loss"] == pytest.approx(e2["loss"], abs=1e-6)
             assert e1["logps/chosen"] == pytest.approx(e2["logps/chosen"], rel=1e-6)
             for side in ("chosen", "rejected"):  # the head's entropy, summed over the shards as the log-probs are
                 assert e1[f"entropy/{side}"] == pytest.approx(e2[f"entropy/{side}"], rel=1e-6)
-    w1, w2 = _weights(one_dir), _weights(two_dir)
+    w1, w2 = _weights(one_dir), _weights(many_dir)
+    assert w1.keys() == w2.keys()
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_two_ranks_of_one_sequence_group_train_as_one_process(launch, name):
+    """Every row split in two token shards over two ranks: the same losses, gradient norms and weights as one
+    process running the whole rows (float32 on CPU; the ranks add their shards' gradients in another order). Pairs
+    (prompts laid out once) and KTO with DDP; pairs with LD-DPO's tails and WPO's weights with FSDP2; a model with a
+    sliding-window layer (window 8, shorter than the sequences; the window crosses the shards' boundary) with DDP."""
+    assert "sequence parallel: 2 processes = 1 data-parallel group(s) of 2 (ranks 0-1)" in launch["log"]
+    _trains_as_one(launch["out"] / f"one-{name}", launch["out"] / f"two-{name}", evaluated=name == "pairs")
+
+
+def test_the_sliding_window_model_attends_within_its_window(launch):
+    """The training check above is about a window: the sliding-window model's second layer, on the packed_sdpa
+    kernel training loads, gives other log-probs than the same weights with full attention on a 24-token sequence
+    (and the same ones on a sequence no longer than the window)."""
+    from prefpack.model.attention import packed_sdpa
+
+    packed_sdpa.register()
+    models = [sliding_window_model(launch["vocab"], window=w) for w in (SWA, None)]
+    for m in models:
+        m.config._attn_implementation = "packed_sdpa"
+    ids = torch.randint(1, launch["vocab"], (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = [[m(input_ids=ids[:, :n], position_ids=torch.arange(n)[None]).logits for m in models]
+                  for n in (SWA, 24)]
+    torch.testing.assert_close(logits[0][0], logits[0][1], rtol=0, atol=1e-6)
+    assert (logits[1][0] - logits[1][1]).abs().max() > 1e-3
 
 
 # ---------------------------------------------------------------- eval and precompute-ref
@@ -254,24 +299,24 @@ def test_a_sequence_group_resumed_from_its_checkpoint_equals_the_uninterrupted_r
         torch.testing.assert_close(w2[k], w1[k], atol=0, rtol=0)
 
 
-def test_two_data_parallel_groups_of_two_sequence_ranks_train_as_one_process(launch):
+FOUR = ("ddp", "fsdp2")  # 2 x 2 runs, each strategy's
+
+
+@pytest.fixture(scope="module")
+def four(launch):
+    """One torchrun launch of four processes (two data-parallel groups of two sequence ranks): the pairs run with
+    each strategy of ``FOUR``."""
+    out = launch["out"]
+    proc = run_prefpack(*(["train", str(launch["conf"]), f"run.output_dir={out / f'four-{s}'}", "--no-progress",
+                           "train.max_steps=3", "run.save_every=0", f"data.eval={launch['store']}",
+                           f"distributed.strategy={s}", "distributed.sequence_parallel=2"] for s in FOUR), nproc=4)
+    return {"out": out, "log": proc.stdout + proc.stderr}
+
+
+@pytest.mark.parametrize("strategy", FOUR)
+def test_two_data_parallel_groups_of_two_sequence_ranks_train_as_one_process(four, strategy):
     """2 x 2: four processes, two data-parallel groups of two sequence ranks (the step's pairs dealt to the groups,
-    each group's rows split over its ranks): the one-process pairs run's losses, gradient norms, evaluations before
-    and after training, and weights."""
-    out = launch["out"] / "four-pairs"
-    proc = run_prefpack(["train", str(launch["conf"]), f"run.output_dir={out}", "--no-progress", "train.max_steps=3",
-                         "run.save_every=0", f"data.eval={launch['store']}", *RUNS["pairs"],
-                         "distributed.sequence_parallel=2"], nproc=4)
-    assert "4 processes = 2 data-parallel group(s) of 2 (ranks 0-1, 2-3)" in proc.stdout + proc.stderr
-    one = launch["out"] / "one-pairs"
-    for (s1, l1, g1), (s2, l2, g2) in zip(_losses(one), _losses(out), strict=True):
-        assert s1 == s2 and l1 == pytest.approx(l2, abs=1e-6) and g1 == pytest.approx(g2, rel=1e-5)
-    evals = [[m for m in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if m["split"] == "eval"]
-             for d in (one, out)]
-    assert len(evals[0]) == 2
-    for e1, e2 in zip(*evals, strict=True):
-        assert e1["loss"] == pytest.approx(e2["loss"], abs=1e-6)
-        assert e1["logps/chosen"] == pytest.approx(e2["logps/chosen"], rel=1e-6)
-    w1, w2 = _weights(one), _weights(out)
-    for k in w1:
-        torch.testing.assert_close(w1[k], w2[k], atol=ATOL, rtol=0)
+    each group's rows split over its ranks), with DDP and with FSDP2 (the parameters sharded over all four ranks):
+    the one-process pairs run's losses, gradient norms, evaluations before and after training, and weights."""
+    assert four["log"].count("4 processes = 2 data-parallel group(s) of 2 (ranks 0-1, 2-3)") == len(FOUR)
+    _trains_as_one(four["out"] / "one-pairs", four["out"] / f"four-{strategy}", evaluated=True)
