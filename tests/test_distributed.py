@@ -199,7 +199,7 @@ ctx.all_reduce_sum(torch.ones(3))
 during = threads()
 ctx.barrier()
 shutdown()
-print(before, during, threads())
+os.write(1, f"{before} {during} {threads()}\\n".encode())  # one write: the two ranks' lines never interleave
 """
 
 
@@ -214,6 +214,7 @@ def test_shutdown_frees_the_process_group_and_its_threads(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = [tuple(map(int, line.split())) for line in proc.stdout.split("\n") if line.strip()]
     assert len(counts) == 2, (proc.stdout, proc.stderr[-2000:])
+    assert all(len(c) == 3 for c in counts), proc.stdout
     for before, during, after in counts:  # the group's threads are gone
         assert during > after and after <= before, (before, during, after, proc.stderr[-2000:])
 
