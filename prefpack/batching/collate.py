@@ -86,6 +86,15 @@ class Batch:
     sequence_keys: torch.Tensor | None = None  # [S] int64
     tail_keys: torch.Tensor | None = None  # [2, P] int64
     key_store: str | None = None  # the store the keys address (its path)
+    # Vision-language rows (issue 27, docs/images.md; None on text batches). Each image of the micro-batch's groups is
+    # preprocessed and encoded ONCE, however many of the batch's sequences hold its placeholder tokens (a pair's prompt
+    # is laid out twice without prompt sharing): the forward runs the vision tower over ``pixel_values`` once, then
+    # writes feature row ``image_feature_rows[k]`` at the flat [B * L] position ``image_positions[k]``.
+    pixel_values: torch.Tensor | None = None  # the image processor's output for the batch's images, concatenated
+    image_grid_thw: torch.Tensor | None = None  # [I, 3] int64: each image's patch grid (Qwen2-VL family), else None
+    image_positions: torch.Tensor | None = None  # [K] int64: flat [B * L] indices of every image-token position
+    image_feature_rows: torch.Tensor | None = None  # [K] int64: the row of the concatenated image features it takes
+    rope_positions: torch.Tensor | None = None  # [3, B, L] int64: Qwen2-VL's temporal / height / width positions
 
     @property
     def pair_indices(self) -> torch.Tensor:

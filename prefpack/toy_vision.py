@@ -1,0 +1,131 @@
+"""Tiny vision-language assets built offline, for tests, benchmarks and the images example (docs/images.md).
+
+Everything is generated: a toy ChatML tokenizer with Qwen2-VL's image tokens (``toy_tokenizer.add_vision_tokens``),
+a processor folder (that tokenizer + Qwen2-VL's image processor), random-weight models from configs (a Qwen2-VL
+and a LLaVA-style model whose language model is a Qwen2), PNG images of random pixels, and preference rows in
+TRL's vision layout. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+
+from prefpack.toy_tokenizer import add_vision_tokens, build_toy_tokenizer
+
+__all__ = ["VLM_KINDS", "png_image", "save_processor_dir", "tiny_vlm", "vision_rows", "vision_tokenizer"]
+
+VLM_KINDS = ("qwen2_vl", "llava")
+_WORDS = ("a cat on a mat", "a dog in the fog", "a red square", "two blue circles", "a green tree by a lake",
+          "nothing at all", "a small boat", "a bright yellow sun", "a striped shirt", "an old brown chair")
+_QUESTIONS = ("what is in the picture?", "describe the image.", "what colour is it?", "how many things are there?")
+
+
+def vision_tokenizer(vocab_size: int = 300):
+    """A toy ChatML tokenizer that holds Qwen2-VL's image tokens and a template writing image parts."""
+    texts = [f"user: {q} assistant: {w}." for q in _QUESTIONS for w in _WORDS] * 4
+    return add_vision_tokens(build_toy_tokenizer(texts, style="chatml", vocab_size=vocab_size))
+
+
+def image_processor(kind: str = "qwen2_vl"):
+    """The image processor of a toy processor folder (Qwen2-VL's, default settings: 28 pixels per image token)."""
+    if kind != "qwen2_vl":
+        raise ValueError(f"no toy image processor for {kind!r} yet")
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil()
+
+
+def save_processor_dir(path: str | Path, kind: str = "qwen2_vl", tokenizer=None) -> Path:
+    """Write a processor folder (the image processor's settings and the tokenizer) that `prepare --processor` reads."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (tokenizer or vision_tokenizer()).save_pretrained(path)
+    image_processor(kind).save_pretrained(path)
+    return path
+
+
+def _text_settings(tok, hidden: int, layers: int) -> dict:
+    return dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                tie_word_embeddings=False)
+
+
+def tiny_vlm(kind: str = "qwen2_vl", tokenizer=None, *, seed: int = 0, hidden: int = 32, layers: int = 2):
+    """A random-weight vision-language model (float32, eval mode) whose image token is the tokenizer's
+    ``<|image_pad|>``: ``qwen2_vl`` (a one-block vision tower with 2x2 patch merging, 3-D rotary positions) or
+    ``llava`` (a one-layer CLIP vision tower on 28-pixel images, a two-layer projector, a Qwen2 language model)."""
+    import torch
+    from transformers import (
+        CLIPVisionConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        Qwen2Config,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
+
+    tok = tokenizer or vision_tokenizer()
+    ids = {name: tok.convert_tokens_to_ids(t) for name, t in
+           (("image", "<|image_pad|>"), ("start", "<|vision_start|>"), ("end", "<|vision_end|>"))}
+    text = _text_settings(tok, hidden, layers)
+    torch.manual_seed(seed)
+    if kind == "qwen2_vl":
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+        cfg = Qwen2VLConfig(text_config=text,
+                            vision_config=dict(depth=1, embed_dim=16, hidden_size=hidden, num_heads=2, mlp_ratio=2,
+                                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+                            image_token_id=ids["image"], vision_start_token_id=ids["start"],
+                            vision_end_token_id=ids["end"], tie_word_embeddings=False)
+        model = Qwen2VLForConditionalGeneration(cfg)
+    elif kind == "llava":
+        cfg = LlavaConfig(text_config=Qwen2Config(**text),
+                          vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                         num_attention_heads=2, image_size=28, patch_size=14),
+                          image_token_id=ids["image"], projector_hidden_act="gelu", tie_word_embeddings=False)
+        model = LlavaForConditionalGeneration(cfg)
+    else:
+        raise ValueError(f"unknown toy model kind {kind!r}; one of {VLM_KINDS}")
+    return model.float().eval()
+
+
+def png_image(width: int, height: int, seed: int = 0) -> bytes:
+    """A PNG of random pixels."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def vision_rows(n: int, image_dir: str | Path, *, seed: int = 0, sizes=((56, 56), (84, 56), (56, 112))) -> list[dict]:
+    """``n`` preference rows in TRL's vision layout (``images`` holds file names relative to ``image_dir``, where the
+    PNGs are written); every third row has two images, the others one."""
+    image_dir = Path(image_dir)
+    image_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        names = []
+        for k in range(2 if i % 3 == 2 else 1):
+            w, h = sizes[int(rng.integers(len(sizes)))]
+            name = f"img_{i:04d}_{k}.png"
+            (image_dir / name).write_bytes(png_image(w, h, seed=seed * 100003 + i * 7 + k))
+            names.append(name)
+        chosen, rejected = rng.choice(len(_WORDS), size=2, replace=False)
+        content = [{"type": "image"}] * len(names) + [{"type": "text", "text": _QUESTIONS[i % len(_QUESTIONS)]}]
+        rows.append({"images": names, "prompt": [{"role": "user", "content": content}],
+                     "chosen": [{"role": "assistant", "content": [{"type": "text", "text": _WORDS[chosen]}]}],
+                     "rejected": [{"role": "assistant", "content": [{"type": "text", "text": _WORDS[rejected]}]}]})
+    return rows
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
+    path = Path(path)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
