@@ -18,6 +18,7 @@ from prefpack.batching.collate import collate_groups
 from prefpack.batching.plan import computed_tokens, plan_groups
 from prefpack.data.store import Store, StoreError
 from prefpack.data.views import PairGroups, RankedGroups
+from prefpack.data.vision_inputs import attach_store_images
 from prefpack.losses import PairLogps, wpo_weights
 from prefpack.objectives.base import Planned
 from prefpack.objectives.pairs import PairTask
@@ -115,7 +116,17 @@ class PromptGroupTask(PairTask):
         if isinstance(self.view, PairGroups):  # the drawn store pairs' own keys, where a pair sidecar has tails
             drawn = torch.as_tensor(np.concatenate([self.view.pair_rows[i] for i in flat]), dtype=torch.long)
             batch.tail_keys = torch.stack([2 * drawn, 2 * drawn + 1])
+        if s.vision is not None:  # a group's prompt holds the images of the store row it was read from
+            attach_store_images([batch], self.store, [self.prompt_row(i) for i in flat],
+                                [int(self.view.sizes[i]) for i in flat], s.vision)
         return batch
+
+    def prompt_row(self, i: int) -> int:
+        """The store row whose prompt (and images) example ``i`` holds: a pair store's group, its first pair; a
+        ranked store's group, its first completion's row."""
+        if isinstance(self.view, PairGroups):
+            return int(self.view.keys[int(i)][0]) // 2
+        return int(self.view.first_row[int(i)])
 
     def _drawn_pairs(self, examples) -> tuple[list[int], list[int], np.ndarray]:
         """The batch's pairs as sequence indices (chosen, rejected: each group's completions in order, groups in

@@ -41,6 +41,7 @@ from prefpack.batching.plan import computed_tokens, fit_runs, plan_groups
 from prefpack.data.kl_pairing import SALT_STEP, fixed_kl_partners, step_kl_partners
 from prefpack.data.store import Store, StoreError
 from prefpack.data.views import UnpairedView
+from prefpack.data.vision_inputs import attach_store_images
 from prefpack.distributed import SINGLE, Dist
 from prefpack.losses.pairwise import LossOutput
 from prefpack.losses.unpaired import (
@@ -274,6 +275,9 @@ class KTOTask(Objective):
                 kl, kl_cmask = collate_groups(kl_groups, planned.kl_rows if s.packing else None, ids=flat,
                                               pad_id=s.pad_id, pad_to_multiple_of=s.pad_to_multiple_of,
                                               completion_mask=True)
+        if s.vision is not None:  # both passes' groups read the same prompts: one preprocessing of their images
+            attach_store_images([main, kl], self.store, [self.prompt_row(flat[g[0]]) for g in groups],
+                                [len(g) for g in groups], s.vision)
         ids = torch.tensor(flat, dtype=torch.int64)  # example k is sequence k of both passes
         main.sequence_keys, main.key_store = ids, str(self.store.path)
         if kl is not None:
@@ -282,6 +286,10 @@ class KTOTask(Objective):
                         label=torch.tensor([lab for _, _, lab in examples], dtype=torch.bool),
                         example_ids=torch.tensor(flat, dtype=torch.int64),
                         kl_ids=torch.tensor(partners, dtype=torch.int64))
+
+    def prompt_row(self, i: int) -> int:
+        """The store row whose prompt (and images) example ``i`` holds (a pair's two halves: the pair's row)."""
+        return int(i) // 2 if self.view.paired else int(i)
 
     def _row_groups(self, rows: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
         """The micro-batch's groups (positions in its flat example order) and each row's groups: with shared

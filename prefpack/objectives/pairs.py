@@ -13,6 +13,7 @@ from prefpack.batching.collate import collate, collate_packed
 from prefpack.batching.plan import computed_tokens, plan_micro_batches
 from prefpack.data.store import Store
 from prefpack.data.views import StorePairs
+from prefpack.data.vision_inputs import attach_store_images
 from prefpack.losses import LossOutput, LossTerm, PairLogps, preference_loss, wpo_weights
 from prefpack.model import split_pairs
 from prefpack.objectives.base import Objective, Planned, StepState, StepTotals
@@ -97,6 +98,8 @@ class PairTask(Objective):
         pairs = batch.pair_indices  # StorePairs over the whole store: local index == global id
         batch.sequence_keys = torch.stack([2 * pairs, 2 * pairs + 1], dim=1).reshape(-1)
         batch.key_store = str(self.store.path)
+        if s.vision is not None:  # each pair's prompt holds its store row's images
+            attach_store_images([batch], self.store, pairs.tolist(), [2] * len(pairs), s.vision)
         return batch
 
     def pair_sums(self, policy: nn.Module, reference: Reference, batch) -> tuple[PairLogps, torch.Tensor | None,

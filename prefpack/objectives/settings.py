@@ -5,9 +5,12 @@ value they read cannot disagree with the one training resolved (an unresolved ``
 from __future__ import annotations
 
 from dataclasses import dataclass, make_dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prefpack.loss_params import LOSS_PARAMS
+
+if TYPE_CHECKING:
+    from prefpack.batching.vision import VisionSettings
 
 __all__ = ["LossParams", "RunSettings", "Term", "config_terms", "settings_from_config"]
 
@@ -59,6 +62,9 @@ class RunSettings:
     paired_as_kto: bool
     loss: Any  # LossParams
     router_aux_loss_coef: float = 0.0  # resolved against the model (pair objectives only)
+    # Vision-language runs (issue 27): the image token, 3-D rotary positions and the image preprocessing
+    # (prefpack.batching.vision.VisionSettings); None for text runs, whose batches carry no vision fields.
+    vision: VisionSettings | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_tokens", "row_tokens", "chunk_size", "global_batch"):
