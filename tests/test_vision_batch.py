@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -79,10 +82,11 @@ class Counting:
     """A preprocess callable that counts its calls and the images it saw."""
 
     def __init__(self, fn):
-        self.fn, self.calls, self.images = fn, 0, 0
+        self.fn, self.calls, self.images, self.threads = fn, 0, 0, []
 
     def __call__(self, images):
         self.calls += 1
+        self.threads.append(threading.current_thread().name)
         self.images += len(images)
         return self.fn(images)
 
@@ -352,8 +356,8 @@ def test_processor_that_disagrees_with_the_store(store, tmp_path):
 
 
 def test_prefetcher_and_text_runs(store):
-    """The prefetcher gives what a direct read gives (computed on its thread ahead of time); a text run's batches
-    (vision None) carry no vision fields."""
+    """The prefetcher gives what a direct read gives (computed on its thread ahead of time), also through an
+    objective's ``prefetch`` (pairs, KTO); a text run's batches (vision None) carry no vision fields."""
     v = vision_settings(store)
     pre = ImagePrefetcher(store, v)
     try:
@@ -364,6 +368,19 @@ def test_prefetcher_and_text_runs(store):
         assert pre.get([2]).num_images == len(store.images_of(2))  # not submitted: computed on the spot
     finally:
         pre.close()
+    for cls, kw, terms in ((PairTask, {}, [Term("sigmoid")]), (KTOTask, {"paired_as_kto": True}, [Term("kto")])):
+        vision, counter = counting_settings(store)
+        task = cls(store, settings_for(store, shares=True, vision=vision, **kw), terms)
+        planned = task.plan(np.arange(len(task)), seed=1)
+        task.prefetch(planned)
+        ahead = [task.collate(p) for p in planned]
+        assert counter.calls == len(planned) and all(t.startswith("prefpack-images") for t in counter.threads)
+        plain = batches(cls(store, settings_for(store, shares=True, **kw), terms))
+        for a, b in zip(ahead, plain):
+            a, b = (a, b) if cls is PairTask else (a.kl, b.kl)
+            for name in ("pixel_values", "image_grid_thw", "image_positions", "image_feature_rows", "rope_positions"):
+                assert torch.equal(getattr(a, name), getattr(b, name))
+        task._images.close()
     text = dataclasses.replace(settings_for(store), vision=None)
     batch = batches(PairTask(store, text, [Term("sigmoid")]))[0]
     assert batch.pixel_values is None and batch.image_positions is None and batch.rope_positions is None
@@ -376,5 +393,7 @@ def test_imports_stay_light():
 
     code = ("import sys, prefpack.batching.vision, prefpack.data.vision_inputs, prefpack.objectives.settings; "
             "print(sorted(m for m in ('transformers', 'PIL') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    root = str(Path(__file__).resolve().parent.parent)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": root})
     assert out.stdout.strip() == "[]"

@@ -137,10 +137,12 @@ def attach_store_images(batches: Sequence[Batch | None], store: Store, examples:
 
 class ImagePrefetcher:
     """Reads and preprocesses micro-batches' images on one background thread: :meth:`submit` a micro-batch's
-    examples ahead of time, :meth:`get` them when collating (computed here if not submitted). A result is kept until
-    taken; at most ``depth`` are pending (a further submit is ignored)."""
+    examples (one store row per group, as :func:`read_batch_images` takes them) ahead of time, :meth:`get` them when
+    collating (read on the spot if not submitted). A result is kept until taken; at most ``depth`` are pending (a
+    further submit is ignored: that micro-batch is read when collated). Reading in the background is safe: the store
+    opens its image file per read, and the preprocess call keeps no state."""
 
-    def __init__(self, store: Store, settings: VisionSettings, depth: int = 2):
+    def __init__(self, store: Store, settings: VisionSettings, depth: int = 16):
         self.store, self.settings, self.depth = store, settings, int(depth)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefpack-images")
         self._pending: dict[tuple[int, ...], Future] = {}
@@ -152,6 +154,17 @@ class ImagePrefetcher:
             if key in self._pending or len(self._pending) >= self.depth:
                 return
             self._pending[key] = self._pool.submit(read_batch_images, self.store, key, self.settings)
+
+    def submit_all(self, batches: Sequence[Sequence[int]]) -> None:
+        """Submit each micro-batch (in order) and drop what was submitted before and is not among them (a plan that
+        changed, e.g. after a resume)."""
+        keys = [tuple(int(e) for e in ex) for ex in batches]
+        wanted = set(keys)
+        with self._lock:
+            for key in [k for k in self._pending if k not in wanted]:
+                self._pending.pop(key).cancel()
+        for key in keys:
+            self.submit(key)
 
     def get(self, examples: Sequence[int]) -> BatchImages:
         key = tuple(int(e) for e in examples)

@@ -26,6 +26,7 @@ out in one place, its objective.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +99,10 @@ class Objective:
 
     def collate(self, planned: Planned) -> Any:
         raise NotImplementedError
+
+    def prefetch(self, planned: Sequence[Planned]) -> None:
+        """Start reading and preprocessing these micro-batches' images on a background thread, so that their
+        :meth:`collate` finds them ready (vision runs; default: nothing)."""
 
     def key_space(self) -> KeySpace:
         """What this objective's sequence keys address (the table a sidecar of its store holds)."""

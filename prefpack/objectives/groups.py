@@ -116,10 +116,16 @@ class PromptGroupTask(PairTask):
         if isinstance(self.view, PairGroups):  # the drawn store pairs' own keys, where a pair sidecar has tails
             drawn = torch.as_tensor(np.concatenate([self.view.pair_rows[i] for i in flat]), dtype=torch.long)
             batch.tail_keys = torch.stack([2 * drawn, 2 * drawn + 1])
-        if s.vision is not None:  # a group's prompt holds the images of the store row it was read from
-            attach_store_images([batch], self.store, [self.prompt_row(i) for i in flat],
-                                [int(self.view.sizes[i]) for i in flat], s.vision)
+        if s.vision is not None:
+            examples, sizes = self.image_examples(planned)
+            attach_store_images([batch], self.store, examples, sizes, s.vision, self._images)
         return batch
+
+    def image_examples(self, planned: Planned) -> tuple[list[int], list[int]]:
+        """Per prompt group of the micro-batch: the store row whose prompt (and images) it was read from, and its
+        completions."""
+        flat = [int(i) for r in planned.rows for i in r]
+        return [self.prompt_row(i) for i in flat], [int(self.view.sizes[i]) for i in flat]
 
     def prompt_row(self, i: int) -> int:
         """The store row whose prompt (and images) example ``i`` holds: a pair store's group, its first pair; a

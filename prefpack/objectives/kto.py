@@ -41,7 +41,7 @@ from prefpack.batching.plan import computed_tokens, fit_runs, plan_groups
 from prefpack.data.kl_pairing import SALT_STEP, fixed_kl_partners, step_kl_partners
 from prefpack.data.store import Store, StoreError
 from prefpack.data.views import UnpairedView
-from prefpack.data.vision_inputs import attach_store_images
+from prefpack.data.vision_inputs import ImagePrefetcher, attach_store_images
 from prefpack.distributed import SINGLE, Dist
 from prefpack.losses.pairwise import LossOutput
 from prefpack.losses.unpaired import (
@@ -113,6 +113,7 @@ class KTOTask(Objective):
         self.kl_pairing = settings.loss.kl_pairing
         self.seed = settings.seed
         self._fixed: np.ndarray | None = None
+        self._images: ImagePrefetcher | None = None  # vision runs: micro-batches' images read ahead (prefetch)
         self._step: tuple[list[int], np.ndarray, np.ndarray] | None = None  # plan_step's (seed key, ids, partners)
         if self.needs_kl and len(self.view) < 2:
             raise StoreError(f"store {str(store.path)!r} holds {len(self.view)} example: KTO's KL term needs the "
@@ -276,8 +277,8 @@ class KTOTask(Objective):
                                               pad_id=s.pad_id, pad_to_multiple_of=s.pad_to_multiple_of,
                                               completion_mask=True)
         if s.vision is not None:  # both passes' groups read the same prompts: one preprocessing of their images
-            attach_store_images([main, kl], self.store, [self.prompt_row(flat[g[0]]) for g in groups],
-                                [len(g) for g in groups], s.vision)
+            rows_of, sizes = self.image_examples(planned)
+            attach_store_images([main, kl], self.store, rows_of, sizes, s.vision, self._images)
         ids = torch.tensor(flat, dtype=torch.int64)  # example k is sequence k of both passes
         main.sequence_keys, main.key_store = ids, str(self.store.path)
         if kl is not None:
@@ -286,6 +287,20 @@ class KTOTask(Objective):
                         label=torch.tensor([lab for _, _, lab in examples], dtype=torch.bool),
                         example_ids=torch.tensor(flat, dtype=torch.int64),
                         kl_ids=torch.tensor(partners, dtype=torch.int64))
+
+    def image_examples(self, planned: KTOPlanned) -> tuple[list[int], list[int]]:
+        """Per group of the micro-batch (an example, or with shared prompts a prompt group's examples of one row):
+        the store row whose prompt (and images) it holds, and its sequences; the KL pass has the same groups."""
+        flat = [int(i) for r in planned.rows for i in r]
+        groups, _ = self._row_groups(planned.rows)
+        return [self.prompt_row(flat[g[0]]) for g in groups], [len(g) for g in groups]
+
+    def prefetch(self, planned: Sequence[KTOPlanned]) -> None:
+        if self.settings.vision is None:
+            return
+        if self._images is None:
+            self._images = ImagePrefetcher(self.store, self.settings.vision)
+        self._images.submit_all([self.image_examples(p)[0] for p in planned])
 
     def prompt_row(self, i: int) -> int:
         """The store row whose prompt (and images) example ``i`` holds (a pair's two halves: the pair's row)."""

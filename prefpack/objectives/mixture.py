@@ -9,6 +9,7 @@ sums, as one store would be; so is KTO's step state (z0 and class counts), from 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +111,12 @@ class MixtureObjective(Objective):
         batch = self.tasks[planned.source].collate(planned.inner)
         batch.mix_source = planned.source
         return batch
+
+    def prefetch(self, planned: Sequence[SourcePlanned]) -> None:
+        for i, task in enumerate(self.tasks):
+            mine = [p.inner for p in planned if p.source == i]
+            if mine:
+                task.prefetch(mine)
 
     def key_space(self) -> KeySpace:
         raise NotImplementedError("a mixture has no key space of its own: each source's objective has its store's")

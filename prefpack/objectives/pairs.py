@@ -13,7 +13,7 @@ from prefpack.batching.collate import collate, collate_packed
 from prefpack.batching.plan import computed_tokens, plan_micro_batches
 from prefpack.data.store import Store
 from prefpack.data.views import StorePairs
-from prefpack.data.vision_inputs import attach_store_images
+from prefpack.data.vision_inputs import ImagePrefetcher, attach_store_images
 from prefpack.losses import LossOutput, LossTerm, PairLogps, preference_loss, wpo_weights
 from prefpack.model import split_pairs
 from prefpack.objectives.base import Objective, Planned, StepState, StepTotals
@@ -35,6 +35,7 @@ class PairTask(Objective):
         self.terms = [LossTerm(t.name, float(t.weight)) for t in terms]
         self.bco = "bco_pair_running" in {t.name for t in self.terms}  # bco_pair (TRL 1.16) has no running mean
         self.running: dict[str, float] = {}  # bco_pair_running's reward mean and count (checkpointed)
+        self._images: ImagePrefetcher | None = None  # vision runs: micro-batches' images read ahead (prefetch)
 
     @property
     def router_aux_loss_coef(self) -> float:
@@ -98,9 +99,23 @@ class PairTask(Objective):
         pairs = batch.pair_indices  # StorePairs over the whole store: local index == global id
         batch.sequence_keys = torch.stack([2 * pairs, 2 * pairs + 1], dim=1).reshape(-1)
         batch.key_store = str(self.store.path)
-        if s.vision is not None:  # each pair's prompt holds its store row's images
-            attach_store_images([batch], self.store, pairs.tolist(), [2] * len(pairs), s.vision)
+        if s.vision is not None:
+            examples, sizes = self.image_examples(planned)
+            attach_store_images([batch], self.store, examples, sizes, s.vision, self._images)
         return batch
+
+    def image_examples(self, planned: Planned) -> tuple[list[int], list[int]]:
+        """Per group of the micro-batch (in its group order): the store row whose prompt images it holds, and its
+        sequences (a pair: its own row, two)."""
+        flat = [int(i) for r in planned.rows for i in r]
+        return flat, [2] * len(flat)
+
+    def prefetch(self, planned: Sequence[Planned]) -> None:
+        if self.settings.vision is None:
+            return
+        if self._images is None:
+            self._images = ImagePrefetcher(self.store, self.settings.vision)
+        self._images.submit_all([self.image_examples(p)[0] for p in planned])
 
     def pair_sums(self, policy: nn.Module, reference: Reference, batch) -> tuple[PairLogps, torch.Tensor | None,
                                                                                  torch.Tensor | None, Any]:
