@@ -47,7 +47,8 @@ from prefpack.toy_vision import png_image, save_processor_dir, tiny_vlm, vision_
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """A pair store of vision rows: one or two images per prompt; rows 10 and 11 repeat row 0's prompt and image
-    (a prompt group with row 0), row 12 has row 0's prompt tokens with another picture of the same size."""
+    (a prompt group with row 0), row 12 has row 0's prompt tokens with another picture of the same size, row 13 has
+    no image."""
     tmp = tmp_path_factory.mktemp("vision_batch")
     processor = save_processor_dir(tmp / "processor")
     rows = vision_rows(10, tmp / "images", seed=3)
@@ -60,10 +61,16 @@ def store(tmp_path_factory):
     (tmp / "images" / "other.png").write_bytes(png_image(w, h, seed=99))
     other["images"] = ["other.png"]
     rows.append(other)
+    text_only = json.loads(json.dumps(rows[1]))  # an image store's row without an image
+    text_only["images"] = []
+    text_only["prompt"][0]["content"] = [part for part in text_only["prompt"][0]["content"] if part["type"] == "text"]
+    rows.append(text_only)
     src = write_jsonl(tmp / "images" / "rows.jsonl", rows)
     prepare(PrepareOptions(inputs=[str(src)], tokenizer=None, processor=str(processor), output=str(tmp / "store"),
                            workers=1), log=lambda _m: None)
-    return Store(tmp / "store")
+    out = Store(tmp / "store")
+    assert len(out) == 14 and out.images_of(13) == [] and len(out.images_of(2)) == 2
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -316,6 +323,11 @@ def test_hand_made_groups_and_damage():
     with pytest.raises(ImageLayoutError, match="0 image tokens"):
         vision_fields(batch, images_per_group([[((1, 4, 4), 4), ((1, 2, 6), 3)], [((1, 2, 2), 1)]]), [2, 1],
                       settings)
+    # groups without images (an image store's text rows): no pixels, no positions, rope = the text positions
+    text = collate_groups([(np.array([1, 2]), (np.array([5]), np.array([6, 7])))], [[0]], ids=[0])
+    fill_vision(text, [[]], [2], settings, pixel_values=None)
+    assert text.pixel_values is None and text.image_positions.numel() == 0
+    assert torch.equal(text.rope_positions, text.position_ids.expand(3, -1, -1))
     # without mrope (a LLaVA-style tower): positions and rows only, no grid needed
     plain = vision_fields(batch, images_per_group([[(None, 4), (None, 3)], []]), [2, 1],
                           VisionSettings(tid, mrope=False))

@@ -231,9 +231,12 @@ def _group_rope(rope: np.ndarray, pos: np.ndarray, flat: np.ndarray, images: Seq
 def fill_vision(batch: Batch, group_images: Sequence[Sequence[BatchImage]], group_sizes: Sequence[int],
                 settings: VisionSettings, *, pixel_values: Any, image_grid_thw: Any = None) -> Batch:
     """Set ``batch``'s vision fields (in place; returns it): the micro-batch's preprocessed images and what
-    :func:`vision_fields` gives."""
+    :func:`vision_fields` gives. A micro-batch whose groups hold no image (an image store's text-only rows) has
+    ``pixel_values`` None and no image positions; its ``rope_positions`` (mrope) are its text positions."""
     fields = vision_fields(batch, group_images, group_sizes, settings)
-    batch.pixel_values = torch.as_tensor(pixel_values)
+    if pixel_values is None and fields.image_positions.numel():
+        raise ValueError("a batch with image tokens needs its pixel_values")
+    batch.pixel_values = None if pixel_values is None else torch.as_tensor(pixel_values)
     batch.image_grid_thw = None if image_grid_thw is None else torch.as_tensor(image_grid_thw, dtype=torch.int64)
     batch.image_positions = fields.image_positions
     batch.image_feature_rows = fields.image_feature_rows

@@ -37,7 +37,7 @@ class BatchImages:
     """A micro-batch's preprocessed images: ``pixel_values`` / ``image_grid_thw`` (one processor call over every
     image, in feature order) and, per group, its images (:class:`~prefpack.batching.vision.BatchImage`)."""
 
-    pixel_values: torch.Tensor
+    pixel_values: torch.Tensor | None  # None: no group of the micro-batch holds an image
     image_grid_thw: torch.Tensor | None
     group_images: list[list[BatchImage]]
     examples: tuple[int, ...]  # the store examples the groups read, in group order (what this was built for)
@@ -87,7 +87,7 @@ def read_batch_images(store: Store, examples: Sequence[int], settings: VisionSet
             decoded.extend(decode_image(info["data"]) for info in infos)
         group_images.append(first[ex])
     if not decoded:
-        return BatchImages(torch.zeros(0), None, group_images, tuple(int(e) for e in examples))
+        return BatchImages(None, None, group_images, tuple(int(e) for e in examples))
     out = settings.preprocess(decoded)
     if "pixel_values" not in out:
         raise ValueError(f"the image preprocessing returned {sorted(out)}, no pixel_values")
