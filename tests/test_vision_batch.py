@@ -409,3 +409,36 @@ def test_imports_stay_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
                          env={**os.environ, "PYTHONPATH": root})
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_fields_drive_the_model_like_its_own_forward(store, model, packing):
+    """The contract's forward, done by hand with transformers' pieces: the vision tower once over the batch's pixels,
+    feature rows written at the image positions, the language model on [4, B, L] positions (row 0 the 1-D ones the
+    packing mask reads); every sequence's logits equal Qwen2-VL's own forward on that sequence alone."""
+    task = PairTask(store, settings_for(store, packing=packing), [Term("sigmoid")])
+    batch = batches(task)[0]
+    inner = model.model
+    with torch.no_grad():
+        features = torch.cat(inner.get_image_features(batch.pixel_values, batch.image_grid_thw).pooler_output)
+        embeds = inner.get_input_embeddings()(batch.input_ids)
+        flat = embeds.view(-1, embeds.shape[-1]).clone()
+        flat[batch.image_positions] = features[batch.image_feature_rows]
+        positions = torch.cat([batch.position_ids[None], batch.rope_positions])
+        hidden = inner.language_model(inputs_embeds=flat.view_as(embeds), position_ids=positions,
+                                      attention_mask=batch.attention_mask, use_cache=False).last_hidden_state
+        logits = model.lm_head(hidden).reshape(-1, model.lm_head.out_features)
+        tid = model.config.image_token_id
+        patches = np.concatenate([[0], np.cumsum(batch.image_grid_thw.prod(dim=1).numpy())])
+        image_of, _ = image_of_rows(batch)
+        rows = dict(zip(batch.image_positions.tolist(), batch.image_feature_rows.tolist()))
+        for _, seq_flat, _own in sequence_spans(batch):
+            ids = batch.input_ids.reshape(-1)[seq_flat][None]
+            at = seq_flat[(ids[0] == tid).numpy()]
+            images = list(dict.fromkeys(int(image_of[rows[int(f)]]) for f in at))
+            kw = {}
+            if images:
+                kw = {"pixel_values": torch.cat([batch.pixel_values[patches[i]:patches[i + 1]] for i in images]),
+                      "image_grid_thw": batch.image_grid_thw[images], "mm_token_type_ids": (ids == tid).int()}
+            want = model(input_ids=ids, **kw).logits[0]
+            torch.testing.assert_close(logits[seq_flat], want, rtol=1e-4, atol=1e-4)

@@ -28,8 +28,8 @@ from prefpack.batching.collate import Batch
 from prefpack.batching.vision import BatchImage, ImageLayoutError, VisionSettings, fill_vision
 from prefpack.data.store import Store, StoreError
 
-__all__ = ["BatchImages", "ImagePrefetcher", "attach_images", "attach_store_images", "decode_image", "processor_preprocess",
-           "prompt_start", "read_batch_images", "vision_settings"]
+__all__ = ["BatchImages", "ImagePrefetcher", "attach_images", "attach_store_images", "decode_image",
+           "processor_preprocess", "prompt_start", "read_batch_images", "vision_settings"]
 
 
 @dataclass
