@@ -30,7 +30,7 @@ from prefpack.batching.vision import (  # noqa: E402
     vision_fields,
 )
 from prefpack.data.prepare import PrepareOptions, prepare  # noqa: E402
-from prefpack.data.store import Store  # noqa: E402
+from prefpack.data.store import Store, StoreError  # noqa: E402
 from prefpack.data.views import PairGroups, UnpairedView  # noqa: E402
 from prefpack.data.vision_inputs import (  # noqa: E402
     ImagePrefetcher,
@@ -71,6 +71,16 @@ def store(tmp_path_factory):
     out = Store(tmp / "store")
     assert len(out) == 14 and out.images_of(13) == [] and len(out.images_of(2)) == 2
     return out
+
+
+@pytest.fixture(scope="module")
+def text_store(store, tmp_path_factory):
+    """The text rows of a pair store (no images)."""
+    tmp = tmp_path_factory.mktemp("text_store")
+    src = write_jsonl(tmp / "rows.jsonl", [{"prompt": "what is it?", "chosen": " a cat", "rejected": " a dog"}] * 3)
+    prepare(PrepareOptions(inputs=[str(src)], tokenizer=str(store.tokenizer_path()), output=str(tmp / "store"),
+                           workers=1), log=lambda _m: None)
+    return Store(tmp / "store")
 
 
 @pytest.fixture(scope="module")
@@ -367,7 +377,7 @@ def test_processor_that_disagrees_with_the_store(store, tmp_path):
         read_batch_images(other, [0, 1], vision_settings(other))
 
 
-def test_prefetcher_and_text_runs(store):
+def test_prefetcher_and_text_runs(store, text_store):
     """The prefetcher gives what a direct read gives (computed on its thread ahead of time), also through an
     objective's ``prefetch`` (pairs, KTO); a text run's batches (vision None) carry no vision fields."""
     v = vision_settings(store)
@@ -394,7 +404,12 @@ def test_prefetcher_and_text_runs(store):
                 assert torch.equal(getattr(a, name), getattr(b, name))
         task._images.close()
     text = dataclasses.replace(settings_for(store), vision=None)
-    batch = batches(PairTask(store, text, [Term("sigmoid")]))[0]
+    with pytest.raises(StoreError, match="needs the run's vision settings"):  # an image store in a text run
+        PairTask(store, text, [Term("sigmoid")])
+    with pytest.raises(StoreError, match="marks images with token"):
+        KTOTask(store, dataclasses.replace(settings_for(store, paired_as_kto=True),
+                                           vision=VisionSettings(3, mrope=True, merge_size=2)), [Term("kto")])
+    batch = batches(PairTask(text_store, text, [Term("sigmoid")]))[0]
     assert batch.pixel_values is None and batch.image_positions is None and batch.rope_positions is None
 
 

@@ -28,7 +28,7 @@ from prefpack.batching.collate import Batch
 from prefpack.batching.vision import BatchImage, ImageLayoutError, VisionSettings, fill_vision
 from prefpack.data.store import Store, StoreError
 
-__all__ = ["BatchImages", "ImagePrefetcher", "attach_images", "attach_store_images", "decode_image",
+__all__ = ["BatchImages", "ImagePrefetcher", "attach_images", "attach_store_images", "check_store_vision", "decode_image",
            "processor_preprocess", "prompt_start", "read_batch_images", "vision_settings"]
 
 
@@ -123,6 +123,20 @@ def attach_images(batches: Sequence[Batch | None], images: BatchImages, group_si
         if batch is not None:
             fill_vision(batch, images.group_images, group_sizes, settings, pixel_values=images.pixel_values,
                         image_grid_thw=images.image_grid_thw)
+
+
+def check_store_vision(store: Store, settings: VisionSettings | None) -> None:
+    """An objective's store against the run's vision settings: an image store needs them (a text model would train on
+    its placeholder tokens) and the image token they name; a text store reads with or without them."""
+    if not store.num_images:
+        return
+    if settings is None:
+        raise StoreError(f"store {str(store.path)!r} holds {store.num_images} images: training on it needs the run's "
+                         "vision settings (RunSettings.vision)")
+    token = int((store.meta.get("processor") or {}).get("image_token_id", -1))
+    if token != int(settings.image_token_id):
+        raise StoreError(f"store {str(store.path)!r} marks images with token {token}, the run with "
+                         f"{settings.image_token_id}: prepare the store with the model's processor")
 
 
 def attach_store_images(batches: Sequence[Batch | None], store: Store, examples: Sequence[int],

@@ -41,7 +41,7 @@ from prefpack.batching.plan import computed_tokens, fit_runs, plan_groups
 from prefpack.data.kl_pairing import SALT_STEP, fixed_kl_partners, step_kl_partners
 from prefpack.data.store import Store, StoreError
 from prefpack.data.views import UnpairedView
-from prefpack.data.vision_inputs import ImagePrefetcher, attach_store_images
+from prefpack.data.vision_inputs import ImagePrefetcher, attach_store_images, check_store_vision
 from prefpack.distributed import SINGLE, Dist
 from prefpack.losses.pairwise import LossOutput
 from prefpack.losses.unpaired import (
@@ -103,6 +103,7 @@ class KTOTask(Objective):
     def __init__(self, store: Store, settings: RunSettings, terms: Sequence):
         self.store = store
         self.settings = settings
+        check_store_vision(store, settings.vision)
         self.view = UnpairedView(store, paired_as_kto=settings.paired_as_kto)
         if len(terms) != 1 or terms[0].name not in UNPAIRED_LOSS_NAMES:
             raise ValueError(f"a KTO run takes exactly one loss term among {', '.join(UNPAIRED_LOSS_NAMES)}, "

@@ -13,7 +13,7 @@ from prefpack.batching.collate import collate, collate_packed
 from prefpack.batching.plan import computed_tokens, plan_micro_batches
 from prefpack.data.store import Store
 from prefpack.data.views import StorePairs
-from prefpack.data.vision_inputs import ImagePrefetcher, attach_store_images
+from prefpack.data.vision_inputs import ImagePrefetcher, attach_store_images, check_store_vision
 from prefpack.losses import LossOutput, LossTerm, PairLogps, preference_loss, wpo_weights
 from prefpack.model import split_pairs
 from prefpack.objectives.base import Objective, Planned, StepState, StepTotals
@@ -31,6 +31,7 @@ class PairTask(Objective):
     def __init__(self, store: Store, settings: RunSettings, terms: Sequence):
         self.store = store
         self.settings = settings
+        check_store_vision(store, settings.vision)
         self.pairs = StorePairs(store)
         self.terms = [LossTerm(t.name, float(t.weight)) for t in terms]
         self.bco = "bco_pair_running" in {t.name for t in self.terms}  # bco_pair (TRL 1.16) has no running mean

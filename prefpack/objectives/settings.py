@@ -89,7 +89,7 @@ class RunSettings:
 
 def settings_from_config(cfg, *, pad_id: int, micro_batch_tokens: int | None = None, row_tokens: int | None = None,
                          chunk_size: int | None = None, shares_prompts: bool | None = None,
-                         router_aux_loss_coef: float = 0.0) -> RunSettings:
+                         router_aux_loss_coef: float = 0.0, vision: VisionSettings | None = None) -> RunSettings:
     """The settings of a config whose ``auto`` values are given here (``build`` passes what it resolved for the
     device and the kernel; a test or benchmark may pass numbers, or set them in the config). A value still
     ``auto`` is an error: the objectives must plan what training runs."""
@@ -113,7 +113,7 @@ def settings_from_config(cfg, *, pad_id: int, micro_batch_tokens: int | None = N
         shares_prompts=bool(sharing) and bool(d.packing), pad_id=int(pad_id),
         global_batch=int(tr.global_batch_pairs), seed=int(tr.seed),
         ranked_pairs=d.ranked_pairs, paired_as_kto=bool(d.paired_as_kto), loss=params,
-        router_aux_loss_coef=float(router_aux_loss_coef))
+        router_aux_loss_coef=float(router_aux_loss_coef), vision=vision)
 
 
 def config_terms(cfg) -> list[Term]:
