@@ -281,6 +281,8 @@ def test_kto_with_kl_sequences(store, model, shares):
     read = 0
     for kb in got:
         assert kb.kl is not None and kb.kl.pixel_values is kb.main.pixel_values
+        on = kb.to("meta")
+        assert on.kl.pixel_values is on.main.pixel_values and on.main.pixel_values.device.type == "meta"
         assert torch.equal(kb.kl.image_grid_thw, kb.main.image_grid_thw)
         flat = kb.example_ids.tolist()
         if kb.main.score_positions is None:

@@ -149,4 +149,7 @@ class KTOBatch:
             if isinstance(v, Batch | torch.Tensor):
                 v = v.to(device, non_blocking=non_blocking)
             moved[f.name] = v
+        kl = moved["kl"]
+        if kl is not None and self.main.pixel_values is not None and self.kl.pixel_values is self.main.pixel_values:
+            kl.pixel_values = moved["main"].pixel_values  # the images both passes read: one copy on the device
         return KTOBatch(**moved)
