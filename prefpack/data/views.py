@@ -102,28 +102,14 @@ def row_lengths(store: Store) -> tuple[np.ndarray, np.ndarray, str]:
 
 
 def _prompt_groups(store: Store) -> np.ndarray:
-    """A group id per store row: rows whose prompt tokens are identical share one (hashed, 16 bytes each). In an image
-    store the prompt's images count too: the same tokens (image placeholders of the same sizes) with other pictures
-    are other prompts. Their bytes are hashed only for rows whose tokens repeat."""
+    """A group id per store row: rows whose prompt tokens are identical share one (hashed, 16 bytes each)."""
     offsets, lengths = store.column("offset"), store.column("prompt_len")
     tokens = store.tokens
-    keys = []
-    for i in range(len(store)):
-        o, n = int(offsets[i]), int(lengths[i])
-        keys.append(hashlib.blake2b(np.asarray(tokens[o : o + n]).tobytes(), digest_size=16).digest())
-    if store.num_images:
-        counts: dict[bytes, int] = {}
-        for k in keys:
-            counts[k] = counts.get(k, 0) + 1
-        for i, k in enumerate(keys):
-            if counts[k] > 1:
-                h = hashlib.blake2b(k, digest_size=16)
-                for image in store.images_of(i):
-                    h.update(hashlib.blake2b(image["data"], digest_size=16).digest())
-                keys[i] = h.digest()
     seen: dict[bytes, int] = {}
     out = np.empty(len(store), dtype=np.int64)
-    for i, key in enumerate(keys):
+    for i in range(len(store)):
+        o, n = int(offsets[i]), int(lengths[i])
+        key = hashlib.blake2b(np.asarray(tokens[o : o + n]).tobytes(), digest_size=16).digest()
         out[i] = seen.setdefault(key, len(seen))
     return out
 
