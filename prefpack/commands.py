@@ -480,6 +480,9 @@ def add_quickstart(sub) -> None:
                        "runs/quickstart-small/model.")
     p.add_argument("--model-size", choices=("toy", "small"), default="toy",
                    help="toy: the DPO demo (default); small: build a model for real data and stop")
+    p.add_argument("--images", action="store_true",
+                   help="write README's 'Images' example and stop: generated image pairs, a processor folder and a "
+                   "tiny Qwen2-VL (default folder runs/quickstart-images)")
     p.add_argument("--output-dir", default=None, help="default: runs/quickstart (toy), runs/quickstart-small (small)")
     p.add_argument("--steps", type=int, default=None,
                    help="toy: stop DPO after this many steps (default: one epoch); small: language-model "
@@ -490,9 +493,12 @@ def add_quickstart(sub) -> None:
 
 
 def run_quickstart(args, argv) -> int:
-    from prefpack.quickstart import SMALL_MODEL_DIR, build_small_model
+    from prefpack.quickstart import IMAGES_DIR, SMALL_MODEL_DIR, build_image_example, build_small_model
     from prefpack.quickstart import run_quickstart as go
 
+    if args.images:
+        build_image_example(args.output_dir or IMAGES_DIR, seed=args.seed, log=print)
+        return 0
     if args.model_size == "small":
         build_small_model(args.output_dir or SMALL_MODEL_DIR, steps=args.steps, seed=args.seed, data=args.data,
                           log=print)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -103,10 +104,13 @@ def png_image(width: int, height: int, seed: int = 0) -> bytes:
     return buf.getvalue()
 
 
-def vision_rows(n: int, image_dir: str | Path, *, seed: int = 0, sizes=((56, 56), (84, 56), (56, 112))) -> list[dict]:
-    """``n`` preference rows in TRL's vision layout (``images`` holds file names relative to ``image_dir``, where the
-    PNGs are written); every third row has two images, the others one."""
+def vision_rows(n: int, image_dir: str | Path, *, seed: int = 0, sizes=((56, 56), (84, 56), (56, 112)),
+                relative_to: str | Path | None = None) -> list[dict]:
+    """``n`` preference rows in TRL's vision layout; the PNGs are written to ``image_dir`` and ``images`` holds their
+    paths relative to ``relative_to`` (the folder of the .jsonl the rows go to; default ``image_dir``). Every third
+    row has two images, the others one."""
     image_dir = Path(image_dir)
+    base = Path(relative_to) if relative_to is not None else image_dir
     image_dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     rows = []
@@ -116,7 +120,7 @@ def vision_rows(n: int, image_dir: str | Path, *, seed: int = 0, sizes=((56, 56)
             w, h = sizes[int(rng.integers(len(sizes)))]
             name = f"img_{i:04d}_{k}.png"
             (image_dir / name).write_bytes(png_image(w, h, seed=seed * 100003 + i * 7 + k))
-            names.append(name)
+            names.append(os.path.relpath(image_dir / name, base))
         chosen, rejected = rng.choice(len(_WORDS), size=2, replace=False)
         content = [{"type": "image"}] * len(names) + [{"type": "text", "text": _QUESTIONS[i % len(_QUESTIONS)]}]
         rows.append({"images": names, "prompt": [{"role": "user", "content": content}],

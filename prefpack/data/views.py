@@ -102,15 +102,18 @@ def row_lengths(store: Store) -> tuple[np.ndarray, np.ndarray, str]:
 
 
 def _prompt_groups(store: Store) -> np.ndarray:
-    """A group id per store row: rows whose prompt tokens are identical share one (hashed, 16 bytes each)."""
+    """A group id per store row: rows whose prompts are identical share one (hashed, 16 bytes each). A prompt is its
+    tokens and, in an image store, its images' bytes: two images of one size have the same placeholder tokens."""
     offsets, lengths = store.column("offset"), store.column("prompt_len")
     tokens = store.tokens
     seen: dict[bytes, int] = {}
     out = np.empty(len(store), dtype=np.int64)
     for i in range(len(store)):
         o, n = int(offsets[i]), int(lengths[i])
-        key = hashlib.blake2b(np.asarray(tokens[o : o + n]).tobytes(), digest_size=16).digest()
-        out[i] = seen.setdefault(key, len(seen))
+        h = hashlib.blake2b(np.asarray(tokens[o : o + n]).tobytes(), digest_size=16)
+        for image in store.images_of(i) if store.num_images else ():
+            h.update(hashlib.blake2b(image["data"], digest_size=16).digest())
+        out[i] = seen.setdefault(h.digest(), len(seen))
     return out
 
 
