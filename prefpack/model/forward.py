@@ -165,7 +165,11 @@ def sequence_logps(
     if aux is not None:
         extra = {**extra, "output_router_logits": True}
     layout = sequence_layout()
+    vision = _vision_of(model, batch)
     if layout.enabled:  # this rank's token shard of every row (distributed.sequence_parallel)
+        if vision is not None:
+            raise ValueError("images (and vision-language models) do not run on token shards yet "
+                             "(distributed.sequence_parallel); set distributed.sequence_parallel=1")
         if aux is not None:
             raise ValueError("the MoE router loss is not computed over token shards (distributed.sequence_parallel)")
         with compute_context(model, device):
@@ -173,7 +177,55 @@ def sequence_logps(
                                  pair_tails=pair_tails, wpo=wpo, entropy=entropy)
     batch = batch.to(device, non_blocking=True)
     with compute_context(model, device):
-        return _sequence_logps(body, spec, batch, flatten, chunk_size, extra, aux, pair_tails, wpo, entropy)
+        return _sequence_logps(body, spec, batch, flatten, chunk_size, extra, aux, pair_tails, wpo, entropy, vision)
+
+
+def _vision_of(model: nn.Module, batch: Batch):
+    """None for a text model's forward (nothing changes for it); for a vision-language model (or a batch with images)
+    its :class:`prefpack.model.vision.VisionParts`."""
+    if batch.pixel_values is None and not _is_vlm(model):
+        return None
+    from prefpack.model.vision import vision_parts
+
+    try:
+        return vision_parts(model)
+    except ValueError as exc:
+        if batch.pixel_values is not None:
+            raise ValueError(f"a batch with images for {type(model).__name__}: {exc}") from None
+        raise
+
+
+def _is_vlm(model: nn.Module) -> bool:
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    return getattr(config, "vision_config", None) is not None
+
+
+def _vision_inputs(body, vision, batch: Batch, flatten: bool) -> dict:
+    """The body's keywords for a vision-language model: ``inputs_embeds`` with the batch's image features written at
+    its image positions (the vision tower run once over the micro-batch), and the position ids its language model
+    reads (``prefpack.model.vision.body_positions``), flattened to one row of real tokens with ``flatten``."""
+    from prefpack.model.vision import body_positions, image_features
+
+    embed = body.get_input_embeddings()
+    embeds = embed(batch.input_ids)  # [B, L, H]
+    if batch.pixel_values is not None:
+        if batch.image_positions is None or batch.image_feature_rows is None:
+            raise ValueError("a batch with pixel_values needs image_positions and image_feature_rows")
+        with record_function("prefpack.vision"):
+            feats = image_features(vision, batch.pixel_values, batch.image_grid_thw)
+        flat = embeds.reshape(-1, embeds.shape[-1])
+        flat = flat.index_put((batch.image_positions,), feats[batch.image_feature_rows].to(flat.dtype))
+        embeds = flat.view_as(embeds)
+    elif batch.image_positions is not None and batch.image_positions.numel():
+        raise ValueError("a batch with image positions but no pixel_values")
+    if vision.mrope and batch.pixel_values is not None and batch.rope_positions is None:
+        raise ValueError(f"{type(vision.model).__name__} needs Batch.rope_positions (3-D rotary positions) for images")
+    positions = body_positions(vision, batch.position_ids, batch.rope_positions)
+    if flatten:
+        keep = batch.token_mask
+        embeds = embeds[keep][None]
+        positions = positions[..., keep][..., None, :] if positions.ndim == 3 else positions[keep][None]
+    return {"inputs_embeds": embeds, "position_ids": positions}
 
 
 def _aux_loss(out, aux, mask: torch.Tensor | None) -> torch.Tensor:
@@ -188,8 +240,10 @@ def _aux_loss(out, aux, mask: torch.Tensor | None) -> torch.Tensor:
 
 
 def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, extra: dict, aux=None,
-                    pair_tails: bool = False, wpo: bool = False, entropy: bool = False) -> SequenceOutput:
+                    pair_tails: bool = False, wpo: bool = False, entropy: bool = False, vision=None) -> SequenceOutput:
     mask = None
+    if vision is not None:  # a vision-language model: embeddings with image features, its position ids
+        inputs = _vision_inputs(body, vision, batch, flatten and batch.packed)
     shared = batch.score_positions is not None
     if batch.packed:
         input_ids, position_ids = batch.input_ids, batch.position_ids
@@ -200,16 +254,12 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
             loss_mask, targets, seq_index = loss_mask[keep][None], targets[keep][None], seq_index[keep][None]
         elif not bool(batch.token_mask.all()):
             mask = batch.token_mask.long()
-        out = body(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False, **extra)
+        inputs = inputs if vision is not None else {"input_ids": input_ids, "position_ids": position_ids}
+        out = body(**inputs, attention_mask=None, use_cache=False, **extra)
     else:
         loss_mask, targets, seq_index = batch.loss_mask, batch.target_ids, batch.seq_index
-        out = body(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            attention_mask=batch.attention_mask,
-            use_cache=False,
-            **extra,
-        )
+        inputs = inputs if vision is not None else {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
+        out = body(**inputs, attention_mask=batch.attention_mask, use_cache=False, **extra)
         mask = batch.attention_mask
     hidden = _hidden(out)
     if shared:  # a shared prompt's last position is scored once per completion it precedes
@@ -358,7 +408,7 @@ def _moved(model: nn.Module, rows: list[torch.Tensor], position_ids: torch.Tenso
     body, _ = body_and_head(model)
     device = head_spec(model).weight.device
     extra = _boundary_kwargs(position_ids, device) if kernel_of(model).boundary_kwargs else {}
-    pos = position_ids[None].to(device)
+    pos = _guard_positions(model, position_ids[None].to(device))
     outs = []
     was_training = model.training
     model.eval()
@@ -372,3 +422,13 @@ def _moved(model: nn.Module, rows: list[torch.Tensor], position_ids: torch.Tenso
         model.train(was_training)
     scale = 1.0 + float(outs[0].abs().max())
     return float((outs[0] - outs[1]).abs().max()) / scale
+
+
+def _guard_positions(model: nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
+    """The position ids the leak guards hand the body, as training does: [4, 1, L] for a model with 3-D rotary
+    positions (Qwen2-VL family: row 0 is what its mask and the kernels read), else as they are."""
+    if not _is_vlm(model):
+        return position_ids
+    from prefpack.model.vision import body_positions
+
+    return body_positions(model, position_ids)
