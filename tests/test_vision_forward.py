@@ -1,0 +1,252 @@
+"""The model side of vision-language training (issue 27): per-sequence log-probs of packed rows with images equal each
+sequence run alone through the model's own forward (float64, Qwen2-VL and LLaVA, every CPU kernel), the vision tower
+runs once per micro-batch, freezing and LoRA leave the vision side alone, the packing-leak guard covers these models,
+and other vision-language models are refused. Batches are built by hand (tests/vision_cases.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from vision_cases import TOK, Images, hf_sequence_logps, model, prompt_ids, vision_batch
+
+from prefpack.model import ModelError, apply_freeze, packing_leak, sequence_logps, vision_parts
+from prefpack.model import forward as fwd
+from prefpack.model.vision import lora_targets
+from prefpack.toy_vision import tiny_vlm
+
+KINDS = ("qwen2_vl", "llava")
+KERNELS = ("sdpa", "packed_sdpa", "varlen")  # varlen runs its per-sequence reference on CPU
+
+
+def _case(kind: str, seed: int = 0):
+    """Three groups: a pair whose prompt shows image 0 (laid out twice), one sequence with images 1 and 2, one text
+    sequence; five images' worth of placeholders, three images."""
+    rng = np.random.default_rng(seed)
+    images = Images(kind, 3, seed=seed)
+    group_images = [[0], [1, 2], []]
+    comp = lambda: rng.integers(5, 250, int(rng.integers(2, 6)))  # noqa: E731
+    groups = [(prompt_ids(images, group_images[0], rng), (comp(), comp())),
+              (prompt_ids(images, group_images[1], rng), (comp(),)),
+              (prompt_ids(images, group_images[2], rng), (comp(),))]
+    return images, groups, group_images
+
+
+@pytest.mark.parametrize("attn", KERNELS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_rows_equal_each_sequence_alone(kind, attn):
+    m = model(kind, attn)
+    images, groups, group_images = _case(kind)
+    want = hf_sequence_logps(m, images, groups, group_images)
+    for rows in ([[0, 1, 2]], [[0, 1], [2]], [[1], [2, 0]]):
+        batch = vision_batch(m, images, groups, rows, group_images)
+        with torch.no_grad():
+            got = sequence_logps(m, batch, chunk_size=7)
+        torch.testing.assert_close(got.logp_sum, want, rtol=0, atol=1e-10)
+        if attn == "packed_sdpa":  # flattened to one row of real tokens too
+            with torch.no_grad():
+                flat = sequence_logps(m, batch, flatten=True)
+            torch.testing.assert_close(flat.logp_sum, want, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_padded_layout_equals_each_sequence_alone(kind):
+    m = model(kind, "sdpa")
+    images, groups, group_images = _case(kind, seed=3)
+    batch = vision_batch(m, images, groups, None, group_images, padded=True)
+    with torch.no_grad():
+        got = sequence_logps(m, batch)
+    torch.testing.assert_close(got.logp_sum, hf_sequence_logps(m, images, groups, group_images), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("attn", ("packed_sdpa", "varlen"))
+@pytest.mark.parametrize("kind", KINDS)
+def test_prompt_shared_rows_equal_each_sequence_alone(kind, attn):
+    """A pair's prompt (with its image) laid out once, both completions reading it: rope positions continue from
+    the prompt as in the unshared sequence."""
+    m = model(kind, attn)
+    images, groups, group_images = _case(kind, seed=5)
+    batch = vision_batch(m, images, groups, [[0, 1], [2]], group_images, share_prompts=True)
+    assert batch.image_positions.numel() == sum(images.tokens[i] for g in group_images for i in g)
+    with torch.no_grad():
+        got = sequence_logps(m, batch)
+    torch.testing.assert_close(got.logp_sum, hf_sequence_logps(m, images, groups, group_images), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_vision_tower_runs_once_per_micro_batch(kind):
+    """One call of the tower over the batch's three images, though image 0's placeholders appear twice (the pair's
+    prompt is laid out for both sides): both copies take the same feature rows."""
+    m = model(kind, "packed_sdpa")
+    images, groups, group_images = _case(kind)
+    batch = vision_batch(m, images, groups, [[0, 1, 2]], group_images)
+    calls = []
+    handle = vision_parts(m).tower.register_forward_hook(lambda mod, args, out: calls.append(1))
+    try:
+        with torch.no_grad():
+            sequence_logps(m, batch)
+    finally:
+        handle.remove()
+    assert len(calls) == 1
+    first = images.tokens[0]
+    assert batch.image_positions.numel() == 2 * first + images.tokens[1] + images.tokens[2]
+    rows = batch.image_feature_rows.tolist()
+    assert rows[:first] == rows[first:2 * first] == list(range(first))  # the pair's two copies of image 0
+    if kind == "qwen2_vl":
+        assert batch.image_grid_thw.shape[0] == 3  # each image preprocessed once
+    else:
+        assert batch.pixel_values.shape[0] == 3
+
+
+def _grads(m, batch) -> dict[str, bool]:
+    """Which parts got a gradient from a backward of the batch's summed log-probs."""
+    m.zero_grad(set_to_none=True)
+    sequence_logps(m, batch).logp_sum.sum().backward()
+    parts = vision_parts(m)
+    got = lambda mods: any(p.grad is not None for mod in mods for p in mod.parameters())  # noqa: E731
+    return {"encoder": got(parts.encoder), "projector": got(parts.projector),
+            "language_model": got([parts.language_model])}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("freeze_vision", "freeze_projector"), [(True, True), (False, True), (True, False),
+                                                                 (False, False)])
+def test_freeze_settings_decide_which_parts_learn(kind, freeze_vision, freeze_projector):
+    m = model(kind, "packed_sdpa")
+    images, groups, group_images = _case(kind)
+    batch = vision_batch(m, images, groups, [[0, 1], [2]], group_images)
+    apply_freeze(m, freeze_vision=freeze_vision, freeze_projector=freeze_projector)
+    outputs = []
+    handle = vision_parts(m).projector[0].register_forward_hook(lambda mod, args, out: outputs.append(out))
+    try:
+        got = _grads(m, batch)
+    finally:
+        handle.remove()
+    assert got == {"encoder": not freeze_vision, "projector": not freeze_projector, "language_model": True}
+    assert outputs[0].requires_grad == (not (freeze_vision and freeze_projector))  # both frozen: under no_grad
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lora_adapts_the_language_model_only(kind):
+    from peft import LoraConfig, get_peft_model
+
+    m = model(kind, "packed_sdpa")
+    images, groups, group_images = _case(kind)
+    batch = vision_batch(m, images, groups, [[0, 1, 2]], group_images)
+    with torch.no_grad():
+        base = sequence_logps(m, batch).logp_sum
+    prefixes = vision_parts(m).prefixes()
+    targets = lora_targets(m, "all-linear")
+    vision_side = prefixes["encoder"] + prefixes["projector"]
+    assert targets and not any(t.startswith(p) for t in targets for p in vision_side)
+    assert "lm_head" not in targets
+    unfrozen = lora_targets(m, "all-linear", freeze_vision=False)
+    assert any(t.startswith(p) for t in unfrozen for p in prefixes["encoder"])
+    assert lora_targets(m, ["q_proj"]) and all(t.endswith("q_proj") for t in lora_targets(m, ["q_proj"]))
+    peft_model = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    adapted = [n for n, _ in peft_model.named_modules() if n.endswith("lora_A")]
+    assert adapted and not any(".visual." in n or ".vision_tower." in n or "projector" in n or ".merger." in n
+                               for n in adapted)
+    out = sequence_logps(peft_model, batch)  # the adapter starts at zero: the base model's numbers
+    torch.testing.assert_close(out.logp_sum.detach(), base, rtol=0, atol=1e-10)
+    out.logp_sum.sum().backward()
+    trained = {n for n, p in peft_model.named_parameters() if p.grad is not None}
+    assert trained and all("lora_" in n for n in trained)
+
+
+@pytest.mark.parametrize("mode", ("copy", "adapter"))
+def test_reference_modes_run_image_batches(mode):
+    from peft import LoraConfig, get_peft_model
+
+    from prefpack.reference.modes import make_reference
+
+    kind = "qwen2_vl"
+    m = model(kind, "packed_sdpa")
+    images, groups, group_images = _case(kind)
+    batch = vision_batch(m, images, groups, [[0, 1], [2]], group_images)
+    want = hf_sequence_logps(m, images, groups, group_images)
+    if mode == "copy":
+        ref = make_reference("copy", model=model(kind, "packed_sdpa"))
+    else:
+        ref = make_reference("adapter")
+        ref.bind_policy(get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules=lora_targets(m, "all-linear"),
+                                                     init_lora_weights=False)))
+    torch.testing.assert_close(ref.sequence_logps(batch).logp_sum, want, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("attn", KERNELS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_leak_guard_covers_vision_language_models(kind, attn, monkeypatch):
+    """The guard hands Qwen2-VL's body 4-row positions, as training does, and finds no leak; given 2-D positions that
+    body reads no boundaries and lets packed sequences attend to each other, and the guard sees it (varlen reads the
+    boundaries the forward computes on the host, so it keeps them apart either way)."""
+    m = model(kind, attn)
+    assert packing_leak(m) < 1e-12
+    monkeypatch.setattr(fwd, "_guard_positions", lambda model, position_ids: position_ids)
+    leak = packing_leak(m)
+    if kind == "qwen2_vl" and attn != "varlen":
+        assert leak > 1e-2
+    else:
+        assert leak < 1e-12
+
+
+def test_text_batches_on_qwen2_vl_keep_sequences_apart():
+    """A micro-batch without images on a Qwen2-VL model (text rows of a vision run) is packed safely too: its body
+    still gets the 4-row positions."""
+    m = model("qwen2_vl", "packed_sdpa")
+    images, groups, group_images = _case("qwen2_vl")
+    text = [groups[2], (groups[2][0][::-1].copy(), groups[2][1])]
+    from prefpack.batching.collate import collate_groups
+
+    batch = collate_groups(text, [[0, 1]], ids=[0, 1])
+    with torch.no_grad():
+        got = sequence_logps(m, batch).logp_sum
+    torch.testing.assert_close(got, hf_sequence_logps(m, images, text, [[], []]), rtol=0, atol=1e-10)
+
+
+def test_images_refused_under_sequence_parallelism(monkeypatch):
+    class Layout:
+        enabled = True
+
+    m = model("llava", "packed_sdpa")
+    images, groups, group_images = _case("llava")
+    batch = vision_batch(m, images, groups, [[0, 1, 2]], group_images)
+    monkeypatch.setattr(fwd, "sequence_layout", lambda: Layout())
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        sequence_logps(m, batch)
+
+
+def test_loading_gives_the_language_model_the_kernel(tmp_path):
+    from prefpack.model import load_causal_lm
+
+    for kind in KINDS:
+        tiny_vlm(kind, TOK).save_pretrained(tmp_path / kind)
+        m = load_causal_lm(str(tmp_path / kind), attn_implementation="packed_sdpa", device=torch.device("cpu"))
+        assert type(m).__name__ == {"qwen2_vl": "Qwen2VLForConditionalGeneration",
+                                    "llava": "LlavaForConditionalGeneration"}[kind]
+        assert m.config._attn_implementation == m.config.text_config._attn_implementation == "packed_sdpa"
+        assert m.config.vision_config._attn_implementation == "sdpa"
+        assert all(p.dtype == torch.float32 for p in m.parameters())
+
+
+def test_other_vision_language_models_are_refused(tmp_path):
+    from transformers import CLIPVisionConfig, LlavaNextConfig, Qwen2Config
+
+    from prefpack.model import load_causal_lm
+
+    LlavaNextConfig(text_config=Qwen2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                            intermediate_size=32),
+                    vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                   num_attention_heads=2, image_size=28, patch_size=14),
+                    ).save_pretrained(tmp_path / "next")
+    with pytest.raises(ModelError, match="'llava_next'.*Qwen2-VL, Qwen2.5-VL, LLaVA"):
+        load_causal_lm(str(tmp_path / "next"), attn_implementation="packed_sdpa", device=torch.device("cpu"))
+
+
+def test_vision_parts_refuse_a_text_model():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    text = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                        intermediate_size=16))
+    with pytest.raises(ValueError, match="not a vision-language model"):
+        vision_parts(text)
