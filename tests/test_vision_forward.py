@@ -250,3 +250,21 @@ def test_vision_parts_refuse_a_text_model():
                                         intermediate_size=16))
     with pytest.raises(ValueError, match="not a vision-language model"):
         vision_parts(text)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_check_against_model_with_an_image(kind, monkeypatch):
+    """The one-off check runs a random image through both forwards; it has teeth: features written one place off
+    are seen."""
+    from prefpack.model import check_against_model
+
+    m = model(kind, "packed_sdpa")
+    assert check_against_model(m) < 1e-5  # compared in float32, as for text models
+    real = fwd._vision_inputs
+
+    def shifted(body, vision, batch, flatten):
+        batch.image_positions = batch.image_positions + 1
+        return real(body, vision, batch, flatten)
+
+    monkeypatch.setattr(fwd, "_vision_inputs", shifted)
+    assert check_against_model(m) > 1e-3

@@ -61,6 +61,7 @@ __all__ = [
     "SequenceOutput",
     "SequenceLogps",
     "check_against_model",
+    "check_vision_against_model",
     "packing_leak",
     "pair_logps",
     "reads_prompt_groups",
@@ -342,8 +343,12 @@ def check_against_model(
 ) -> float:
     """Max |difference| between our per-token log-probs and ``log_softmax(model(input_ids).logits)``.
 
-    A one-off guard against a model whose head does something we do not model (an unknown logit scale).
+    A one-off guard against a model whose head does something we do not model (an unknown logit scale). For a
+    vision-language model (and no ``input_ids``) the sequence holds a random image too, run through the forward
+    training runs (:func:`check_vision_against_model`).
     """
+    if input_ids is None and _is_vlm(model):
+        return check_vision_against_model(model, chunk_size=chunk_size)
     spec = head_spec(model)
     if input_ids is None:
         g = torch.Generator().manual_seed(0)
@@ -364,6 +369,59 @@ def check_against_model(
         softcap=spec.softcap,
     )
     return float((ours.view_as(ref).float() - ref).abs().max())
+
+
+@torch.no_grad()
+def check_vision_against_model(model: nn.Module, chunk_size: int = 64, seed: int = 0) -> float:
+    """Max |difference| between the per-token log-probs prefpack's forward gives a sequence with an image (its
+    features written at the placeholders, Qwen2-VL's 4-row positions) and those of the model's own forward.
+
+    The image is random pixels of the shape the vision tower takes (Qwen2-VL: a 4 x 4 patch grid, 4 image tokens;
+    LLaVA: one ``image_size`` image), between 4 and 6 random text tokens: no processor needed.
+    """
+    from prefpack.batching.collate import collate_groups
+    from prefpack.model.vision import image_features, vision_parts
+
+    parts = vision_parts(model)
+    hf = parts.model
+    spec = head_spec(model)
+    device = spec.weight.device
+    g = torch.Generator().manual_seed(seed)
+    vc = hf.config.vision_config
+    grid = None
+    if parts.mrope:
+        side = 2 * parts.merge_size
+        grid = torch.tensor([[1, side, side]])
+        width = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
+        pixels = torch.randn(side * side, width, generator=g)
+    else:
+        pixels = torch.randn(1, int(getattr(vc, "num_channels", 3)), int(vc.image_size), int(vc.image_size),
+                             generator=g)
+    pixels = pixels.to(device, spec.weight.dtype)
+    grid = None if grid is None else grid.to(device)
+    n_image = int(image_features(parts, pixels, grid).shape[0])
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    text = torch.randint(0, vocab, (10,), generator=g)
+    text[text == parts.image_token_id] = 0
+    ids = torch.cat([text[:4], torch.full((n_image,), parts.image_token_id), text[4:]])
+    extra = {"image_grid_thw": grid, "mm_token_type_ids": (ids == parts.image_token_id).int()[None].to(device)} \
+        if parts.mrope else {}
+    ref = hf(input_ids=ids[None].to(device), pixel_values=pixels, use_cache=False, **extra).logits.float()
+    ref = ref.log_softmax(-1)[0, :-1].gather(-1, ids[1:, None].to(device))[:, 0]
+    batch = collate_groups([(ids[:1].numpy(), (ids[1:].numpy(),))], [[0]], ids=[0])
+    batch.pixel_values, batch.image_grid_thw = pixels, grid
+    batch.image_positions = (ids == parts.image_token_id).nonzero().squeeze(1)
+    batch.image_feature_rows = torch.arange(n_image)
+    if parts.mrope:
+        batch.rope_positions = hf.model.get_rope_index(ids[None].to(device), image_grid_thw=grid,
+                                                       mm_token_type_ids=extra["mm_token_type_ids"])[0]
+    batch = batch.to(device)
+    body, _ = body_and_head(model)
+    with compute_context(model, device):
+        hidden = _hidden(body(**_vision_inputs(body, parts, batch, False), attention_mask=None, use_cache=False))
+        ours = completion_logprobs(hidden[0, :-1], ids[1:].to(device), spec.weight, spec.bias, chunk_size=chunk_size,
+                                   scale=spec.scale, softcap=spec.softcap)
+    return float((ours.float() - ref).abs().max())
 
 
 def packing_leak(model: nn.Module, *, siblings: bool = True) -> float:
