@@ -268,3 +268,68 @@ def test_check_against_model_with_an_image(kind, monkeypatch):
 
     monkeypatch.setattr(fwd, "_vision_inputs", shifted)
     assert check_against_model(m) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def vlm_world(tmp_path_factory):
+    """Model folders (tiny Qwen2-VL and LLaVA, with the toy vision tokenizer) and a text store of that tokenizer."""
+    from conftest import write_jsonl
+
+    from prefpack.data.prepare import PrepareOptions, prepare
+
+    root = tmp_path_factory.mktemp("vlm")
+    for kind in KINDS:
+        tiny_vlm(kind, TOK).save_pretrained(root / kind)
+        TOK.save_pretrained(root / kind)
+    rows = [{"prompt": f"user: what is in picture {i}? assistant:", "chosen": " a cat on a mat.",
+             "rejected": " a dog in the fog."} for i in range(4)]
+    prepare(PrepareOptions(inputs=[str(write_jsonl(root / "t.jsonl", rows))], tokenizer=str(root / "qwen2_vl"),
+                           output=str(root / "store"), workers=1), log=lambda _m: None)
+    return root
+
+
+def _build(world, tmp_path, kind, *extra):
+    from prefpack.config import load_config
+    from prefpack.training.setup import build
+
+    cfg = load_config(None, [f"model.name_or_path={world / kind}", f"data.train={world / 'store'}",
+                             f"run.output_dir={tmp_path / 'run'}", "train.device=cpu", *extra])
+    cfg.validate()
+    lines = []
+    return build(cfg, log=lines.append), lines
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_build_applies_the_freeze_settings(vlm_world, tmp_path, kind):
+    setup, lines = _build(vlm_world, tmp_path, kind, "model.freeze_projector=false")
+    parts = vision_parts(setup.policy)
+    trainable = lambda mods: {p.requires_grad for m in mods for p in m.parameters()}  # noqa: E731
+    assert trainable(parts.encoder) == {False} and trainable(parts.projector) == {True}
+    assert trainable([parts.language_model]) == {True}
+    assert any("vision encoder frozen, projector trained" in line for line in lines)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_build_with_lora_adapts_the_language_model_only(vlm_world, tmp_path, kind):
+    setup, _ = _build(vlm_world, tmp_path, kind, "lora.enabled=true", "reference.mode=adapter")
+    names = [n for n, p in setup.policy.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n and "language_model" in n for n in names)
+
+
+def test_build_refuses_unfreezing_on_a_text_model(tmp_path, toy_tokenizers):
+    from conftest import tiny_llama, write_jsonl
+
+    from prefpack.data.prepare import PrepareOptions, prepare
+
+    tok = toy_tokenizers["llama"]
+    model_dir = tiny_llama(tok, tmp_path / "llama", 0)
+    rows = [{"prompt": "q?", "chosen": " a cat", "rejected": " a dog"}] * 2
+    prepare(PrepareOptions(inputs=[str(write_jsonl(tmp_path / "t.jsonl", rows))], tokenizer=str(tok),
+                           output=str(tmp_path / "store"), workers=1), log=lambda _m: None)
+    from prefpack.config import load_config
+    from prefpack.training.setup import build
+
+    cfg = load_config(None, [f"model.name_or_path={model_dir}", f"data.train={tmp_path / 'store'}",
+                             f"run.output_dir={tmp_path / 'run'}", "train.device=cpu", "model.freeze_vision=false"])
+    with pytest.raises(ModelError, match="model.freeze_vision=false: .* is a text model"):
+        build(cfg, log=lambda _m: None)
