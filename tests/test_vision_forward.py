@@ -16,6 +16,7 @@ from prefpack.model.vision import lora_targets
 from prefpack.toy_vision import tiny_vlm
 
 KINDS = ("qwen2_vl", "llava")
+ALL_KINDS = (*KINDS, "qwen2_5_vl")  # Qwen2.5-VL: a tiny model built here (tests/vision_cases.py)
 KERNELS = ("sdpa", "packed_sdpa", "varlen")  # varlen runs its per-sequence reference on CPU
 
 
@@ -33,7 +34,7 @@ def _case(kind: str, seed: int = 0):
 
 
 @pytest.mark.parametrize("attn", KERNELS)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_packed_rows_equal_each_sequence_alone(kind, attn):
     m = model(kind, attn)
     images, groups, group_images = _case(kind)
@@ -60,7 +61,7 @@ def test_padded_layout_equals_each_sequence_alone(kind):
 
 
 @pytest.mark.parametrize("attn", ("packed_sdpa", "varlen"))
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_prompt_shared_rows_equal_each_sequence_alone(kind, attn):
     """A pair's prompt (with its image) laid out once, both completions reading it: rope positions continue from
     the prompt as in the unshared sequence."""
@@ -73,7 +74,7 @@ def test_prompt_shared_rows_equal_each_sequence_alone(kind, attn):
     torch.testing.assert_close(got.logp_sum, hf_sequence_logps(m, images, groups, group_images), rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_vision_tower_runs_once_per_micro_batch(kind):
     """One call of the tower over the batch's three images, though image 0's placeholders appear twice (the pair's
     prompt is laid out for both sides): both copies take the same feature rows."""
@@ -92,7 +93,7 @@ def test_vision_tower_runs_once_per_micro_batch(kind):
     assert batch.image_positions.numel() == 2 * first + images.tokens[1] + images.tokens[2]
     rows = batch.image_feature_rows.tolist()
     assert rows[:first] == rows[first:2 * first] == list(range(first))  # the pair's two copies of image 0
-    if kind == "qwen2_vl":
+    if kind != "llava":
         assert batch.image_grid_thw.shape[0] == 3  # each image preprocessed once
     else:
         assert batch.pixel_values.shape[0] == 3
@@ -175,7 +176,7 @@ def test_reference_modes_run_image_batches(mode):
 
 
 @pytest.mark.parametrize("attn", KERNELS)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_leak_guard_covers_vision_language_models(kind, attn, monkeypatch):
     """The guard hands Qwen2-VL's body 4-row positions, as training does, and finds no leak; given 2-D positions that
     body reads no boundaries and lets packed sequences attend to each other, and the guard sees it (varlen reads the
@@ -184,7 +185,7 @@ def test_leak_guard_covers_vision_language_models(kind, attn, monkeypatch):
     assert packing_leak(m) < 1e-12
     monkeypatch.setattr(fwd, "_guard_positions", lambda model, position_ids: position_ids)
     leak = packing_leak(m)
-    if kind == "qwen2_vl" and attn != "varlen":
+    if kind != "llava" and attn != "varlen":
         assert leak > 1e-2
     else:
         assert leak < 1e-12
@@ -252,7 +253,7 @@ def test_vision_parts_refuse_a_text_model():
         vision_parts(text)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ALL_KINDS)
 def test_check_against_model_with_an_image(kind, monkeypatch):
     """The one-off check runs a random image through both forwards; it has teeth: features written one place off
     are seen."""

@@ -26,9 +26,27 @@ def model(kind: str, attn: str = "sdpa", seed: int = 0):
     kernel = kernel_named(attn)
     if kernel.register is not None:
         kernel.register()
-    m = tiny_vlm(kind, TOK, seed=seed).double()
+    m = (tiny_qwen2_5_vl(seed) if kind == "qwen2_5_vl" else tiny_vlm(kind, TOK, seed=seed)).double()
     m.set_attn_implementation(attention_setting(attn))
     return m
+
+
+def tiny_qwen2_5_vl(seed: int = 0):
+    """A tiny Qwen2.5-VL (two vision blocks: a windowed one and a full-attention one), toy_vision's settings."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from prefpack.toy_vision import _text_settings
+
+    text = _text_settings(TOK, 32, 2)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    cfg = Qwen2_5_VLConfig(text_config=text,
+                           vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2,
+                                              out_hidden_size=32, patch_size=14, spatial_merge_size=2,
+                                              temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1]),
+                           image_token_id=IMAGE_ID, vision_start_token_id=START_ID, vision_end_token_id=END_ID,
+                           tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return Qwen2_5_VLForConditionalGeneration(cfg).float().eval()
 
 
 class Images:
@@ -37,7 +55,7 @@ class Images:
     def __init__(self, kind: str, n: int, seed: int = 0):
         self.kind = kind
         sizes = [(56, 56), (84, 56), (56, 112), (56, 84)]
-        if kind == "qwen2_vl":
+        if kind in ("qwen2_vl", "qwen2_5_vl"):
             from PIL import Image
 
             self.pil = [Image.open(io.BytesIO(png_image(*sizes[i % len(sizes)], seed=seed + i))).convert("RGB")
@@ -52,7 +70,7 @@ class Images:
 
     def inputs(self, which: list[int]) -> dict:
         """The processor's output for images ``which`` in that order (one call), as the model takes it."""
-        if self.kind == "qwen2_vl":
+        if self.kind in ("qwen2_vl", "qwen2_5_vl"):
             if not which:
                 return {}
             out = image_processor()(images=[self.pil[i] for i in which], return_tensors="pt")
@@ -65,7 +83,7 @@ def prompt_ids(images: Images, which: list[int], rng: np.random.Generator) -> np
     parts = [rng.integers(5, 250, int(rng.integers(2, 5)))]
     for i in which:
         run = [IMAGE_ID] * images.tokens[i]
-        parts.append(np.array([START_ID, *run, END_ID] if images.kind == "qwen2_vl" else run))
+        parts.append(np.array([START_ID, *run, END_ID] if images.kind in ("qwen2_vl", "qwen2_5_vl") else run))
         parts.append(rng.integers(5, 250, int(rng.integers(1, 4))))
     return np.concatenate(parts).astype(np.int64)
 
@@ -85,7 +103,7 @@ def vision_batch(mdl, images: Images, groups, rows, group_images: list[list[int]
     flat_ids = ids.reshape(-1)
     seq = batch.seq_index.reshape(-1)
     positions, rows_, rope = [], [], None
-    qwen = images.kind == "qwen2_vl"
+    qwen = images.kind in ("qwen2_vl", "qwen2_5_vl")
     if qwen:
         rope = batch.position_ids[None].repeat(3, 1, 1).clone()
     B, L = ids.shape
@@ -154,7 +172,7 @@ def hf_sequence_logps(mdl, images: Images, groups, group_images) -> torch.Tensor
         for c in comps:
             ids = torch.as_tensor(np.concatenate([prompt, c]))[None]
             extra = images.inputs(which)
-            if images.kind == "qwen2_vl" and which:
+            if images.kind in ("qwen2_vl", "qwen2_5_vl") and which:
                 extra["mm_token_type_ids"] = (ids == IMAGE_ID).int()
             with torch.no_grad():
                 logits = mdl(input_ids=ids, use_cache=False, **extra).logits.double()

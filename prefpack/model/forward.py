@@ -31,6 +31,13 @@ logits and the model's own ``load_balancing_loss_func`` (from its modeling modul
 only (row padding of a packed or padded batch is masked out). :func:`sequence_logps` then returns a third value,
 the scalar aux loss.
 
+Vision-language models (``prefpack.model.vision``: the Qwen2-VL / Qwen2.5-VL family and LLaVA): the body runs on
+``inputs_embeds``, the embedded input ids with the batch's image features written at ``Batch.image_positions`` (the
+vision tower called once per micro-batch, however many sequences show an image), and the Qwen2-VL family's body gets
+position ids [4, B, L] (the 1-D text positions the kernels and masks read, then ``Batch.rope_positions``), on text
+batches too: given 2-D ones it reads no sequence boundaries. Flattening kernels get both flattened with the token
+mask. Text models take the plain path, unchanged. Images do not run on token shards (sequence parallelism).
+
 What a forward returns is a :class:`SequenceOutput`; the optional fields are filled only when asked for, so a
 plain forward costs nothing more: ``pair_tails`` (LD-DPO) and ``wpo`` (WPO weights) are read by pair losses.
 """

@@ -164,7 +164,7 @@ def image_features(parts: VisionParts, pixel_values: torch.Tensor, image_grid_th
             if image_grid_thw is None:
                 raise ValueError(f"{SUPPORTED[parts.kind]} images need image_grid_thw (the processor's patch grids)")
             tower = parts.tower
-            feats = tower(pixel_values.to(tower.get_dtype()), grid_thw=image_grid_thw).pooler_output
+            feats = tower(pixel_values.to(_dtype_of(tower)), grid_thw=image_grid_thw).pooler_output
         else:
             inner = getattr(parts.model, "model", parts.model)
             out = inner.get_image_features(pixel_values=pixel_values.to(_dtype_of(parts.tower)), return_dict=True)
