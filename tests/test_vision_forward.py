@@ -334,3 +334,52 @@ def test_build_refuses_unfreezing_on_a_text_model(tmp_path, toy_tokenizers):
                              f"run.output_dir={tmp_path / 'run'}", "train.device=cpu", "model.freeze_vision=false"])
     with pytest.raises(ModelError, match="model.freeze_vision=false: .* is a text model"):
         build(cfg, log=lambda _m: None)
+
+
+@pytest.mark.parametrize("attn", ("packed_sdpa", "varlen"))
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_gradients_equal_each_sequence_alone(kind, attn):
+    """Everything trained (encoder and projector too): the gradients of a weighted sum of a packed batch's log-probs
+    equal those of the same sum over each sequence run alone, though the batch encodes the pair's image once and
+    both its copies take the same features (their gradients add up in the one tower call)."""
+    m = model(kind, attn)
+    apply_freeze(m, freeze_vision=False, freeze_projector=False)
+    images, groups, group_images = _case(kind, seed=2)
+    batch = vision_batch(m, images, groups, [[0, 1], [2]], group_images)
+    w = torch.randn(batch.num_sequences, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    m.zero_grad(set_to_none=True)
+    (sequence_logps(m, batch).logp_sum * w).sum().backward()
+    ours = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad(set_to_none=True)
+    (hf_sequence_logps(m, images, groups, group_images, grad=True) * w).sum().backward()
+    theirs = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+    assert ours.keys() == theirs.keys() and any(".visual." in n or ".vision_tower." in n for n in ours)
+    for name in ours:  # the vision towers apply their rotary embedding in float32, whatever the model's dtype
+        atol = 1e-6 * float(theirs[name].abs().max()) if ".visual." in name else 1e-10
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=atol, msg=name)
+
+
+def test_compiled_layers_are_the_language_models():
+    """model.compile compiles the language model's decoder layers, not the vision tower's blocks (which a model may
+    have more of)."""
+    from prefpack.model.compile import decoder_layers
+
+    for kind in ALL_KINDS:
+        m = model(kind)
+        assert decoder_layers(m) is vision_parts(m).language_model.layers
+
+
+def test_image_batches_refused_where_they_cannot_run():
+    """A batch with images for a text model, and feature rows the images do not have, are named."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    m = model("llava", "packed_sdpa")
+    images, groups, group_images = _case("llava")
+    batch = vision_batch(m, images, groups, [[0, 1, 2]], group_images)
+    text = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(TOK), hidden_size=16, num_hidden_layers=1,
+                                        num_attention_heads=2, intermediate_size=16))
+    with pytest.raises(ValueError, match="a batch with images for Qwen2ForCausalLM: .*not a vision-language model"):
+        sequence_logps(text, batch)
+    batch.pixel_values = batch.pixel_values[:2]  # one image short
+    with pytest.raises(ValueError, match="give 8 feature rows but image_feature_rows reads row 11"):
+        sequence_logps(m, batch)

@@ -165,8 +165,9 @@ def comps_index(groups, s: int) -> int:
     raise IndexError(s)
 
 
-def hf_sequence_logps(mdl, images: Images, groups, group_images) -> torch.Tensor:
-    """Each sequence ``prompt + completion`` alone through the model's own forward: its completion log-prob sum."""
+def hf_sequence_logps(mdl, images: Images, groups, group_images, *, grad: bool = False) -> torch.Tensor:
+    """Each sequence ``prompt + completion`` alone through the model's own forward: its completion log-prob sum
+    (under autograd with ``grad``)."""
     out = []
     for (prompt, comps), which in zip(groups, group_images):
         for c in comps:
@@ -174,7 +175,7 @@ def hf_sequence_logps(mdl, images: Images, groups, group_images) -> torch.Tensor
             extra = images.inputs(which)
             if images.kind in ("qwen2_vl", "qwen2_5_vl") and which:
                 extra["mm_token_type_ids"] = (ids == IMAGE_ID).int()
-            with torch.no_grad():
+            with torch.set_grad_enabled(grad):
                 logits = mdl(input_ids=ids, use_cache=False, **extra).logits.double()
             logp = logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
             out.append(logp[len(prompt) - 1:].sum())

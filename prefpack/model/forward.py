@@ -221,6 +221,10 @@ def _vision_inputs(body, vision, batch: Batch, flatten: bool) -> dict:
             raise ValueError("a batch with pixel_values needs image_positions and image_feature_rows")
         with record_function("prefpack.vision"):
             feats = image_features(vision, batch.pixel_values, batch.image_grid_thw)
+        rows = batch.image_feature_rows
+        if rows.numel() and int(rows.max()) >= feats.shape[0]:  # else an index error (a device assert on CUDA)
+            raise ValueError(f"the batch's images give {feats.shape[0]} feature rows but image_feature_rows reads row "
+                             f"{int(rows.max())}: placeholder counts and the processor's output disagree")
         flat = embeds.reshape(-1, embeds.shape[-1])
         flat = flat.index_put((batch.image_positions,), feats[batch.image_feature_rows].to(flat.dtype))
         embeds = flat.view_as(embeds)
