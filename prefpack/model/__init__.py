@@ -21,6 +21,7 @@ _EXPORTS = {
     "TokenizerHandle": "prefpack.model.load",
     "attention_name": "prefpack.model.attention.kernels",
     "check_against_model": "prefpack.model.forward",
+    "check_vision_against_model": "prefpack.model.forward",
     "Kernel": "prefpack.model.attention.kernels",
     "KERNELS": "prefpack.model.attention.kernels",
     "check_model_source": "prefpack.model.load",

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["MROPE_TYPES", "SUPPORTED", "VisionParts", "apply_freeze", "body_positions", "image_features",
-           "is_vision_language", "lora_targets", "mrope", "unsupported_message", "vision_attention", "vision_parts"]
+__all__ = ["MROPE_TYPES", "SUPPORTED", "VisionParts", "apply_freeze", "attention_setting", "body_positions",
+           "hf_model", "image_features", "is_vision_language", "lora_targets", "mrope", "unsupported_message",
+           "vision_attention", "vision_parts"]
 
 # model_type -> the family's name in messages
 MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl")
