@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from vision_cases import TOK, Images, hf_sequence_logps, model, prompt_ids, vision_batch
+from vision_cases import IMAGE_ID, TOK, Images, hf_sequence_logps, model, prompt_ids, vision_batch
 
 from prefpack.model import ModelError, apply_freeze, packing_leak, sequence_logps, vision_parts
 from prefpack.model import forward as fwd
@@ -383,3 +383,21 @@ def test_image_batches_refused_where_they_cannot_run():
     batch.pixel_values = batch.pixel_values[:2]  # one image short
     with pytest.raises(ValueError, match="give 8 feature rows but image_feature_rows reads row 11"):
         sequence_logps(m, batch)
+
+
+def test_store_processor_checked_against_the_model(tmp_path):
+    """A store's processor record (meta.json) must fit the model: its image token and its patch grid."""
+    from prefpack.model.vision import check_processor
+    from prefpack.toy_vision import image_processor
+
+    m = model("qwen2_vl")
+    record = {"image_token": "<|image_pad|>", "image_token_id": IMAGE_ID, "settings": image_processor().to_dict()}
+    check_processor(m, record)
+    with pytest.raises(ValueError, match="token id 7 .* model's image token id is"):
+        check_processor(m, {**record, "image_token_id": 7})
+    with pytest.raises(ValueError, match="merge_size is 3, but the model's vision tower has spatial_merge_size=2"):
+        check_processor(m, {**record, "settings": {**record["settings"], "merge_size": 3}})
+    llava = model("llava")
+    check_processor(llava, {"image_token_id": IMAGE_ID, "settings": {"crop_size": {"height": 28, "width": 28}}})
+    with pytest.raises(ValueError, match="crop is 336"):
+        check_processor(llava, {"image_token_id": IMAGE_ID, "settings": {"crop_size": {"height": 336, "width": 336}}})

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 __all__ = ["MROPE_TYPES", "SUPPORTED", "VisionParts", "apply_freeze", "attention_setting", "body_positions",
-           "hf_model", "image_features", "is_vision_language", "lora_targets", "mrope", "unsupported_message",
+           "check_processor", "hf_model", "image_features", "is_vision_language", "lora_targets", "mrope", "unsupported_message",
            "vision_attention", "vision_parts"]
 
 # model_type -> the family's name in messages
@@ -232,3 +232,32 @@ def lora_targets(model: nn.Module, target_modules: str | list[str], *, freeze_vi
     if not out:
         raise ValueError(f"lora.target_modules={target_modules!r} names no linear layer of the language model")
     return out
+
+
+def check_processor(model: nn.Module, processor: dict, where: str = "the store") -> None:
+    """Refuse a store whose images were expanded for another model: ``processor`` is the store's
+    ``meta["processor"]`` (``image_token_id``, the image processor's ``settings``). The image token must be the
+    model's, and the processor's patch grid the vision tower's (Qwen2-VL family: ``patch_size``,
+    ``temporal_patch_size``, ``merge_size``; LLaVA: the crop is the tower's ``image_size``), else the placeholder
+    counts would not match the features. A ValueError naming the first difference."""
+    parts = vision_parts(model)
+    token = processor.get("image_token_id")
+    if token is not None and int(token) != parts.image_token_id:
+        raise ValueError(f"{where} marks images with token id {token} ({processor.get('image_token')!r}) but the "
+                         f"model's image token id is {parts.image_token_id}: prepare it again with this model's "
+                         "processor")
+    settings = processor.get("settings") or {}
+    vc = parts.model.config.vision_config
+    if parts.mrope:
+        pairs = (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+                 ("merge_size", "spatial_merge_size"))
+    else:
+        crop = settings.get("crop_size")
+        settings = {"crop": crop.get("height") if isinstance(crop, dict) else crop}
+        pairs = (("crop", "image_size"),)
+    for key, attr in pairs:
+        have, want = settings.get(key), getattr(vc, attr, None)
+        if have is not None and want is not None and int(have) != int(want):
+            raise ValueError(f"{where} was prepared with an image processor whose {key} is {have}, but the model's "
+                             f"vision tower has {attr}={want}: the image token counts would not match its features; "
+                             "prepare it again with this model's processor")
