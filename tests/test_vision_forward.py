@@ -401,3 +401,21 @@ def test_store_processor_checked_against_the_model(tmp_path):
     check_processor(llava, {"image_token_id": IMAGE_ID, "settings": {"crop_size": {"height": 28, "width": 28}}})
     with pytest.raises(ValueError, match="crop is 336"):
         check_processor(llava, {"image_token_id": IMAGE_ID, "settings": {"crop_size": {"height": 336, "width": 336}}})
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_bfloat16_autocast_over_float32_masters(kind):
+    """Training's precision (float32 weights, bfloat16 autocast; on CPU here): the tower's bfloat16 features are
+    written into the float32 embeddings, and the sums stay near float32's."""
+    from prefpack.precision import Precision, set_compute_dtype
+
+    m = model(kind, "packed_sdpa").float()
+    images, groups, group_images = _case(kind)
+    batch = vision_batch(m, images, groups, [[0, 1], [2]], group_images)
+    batch.pixel_values = batch.pixel_values.float()
+    with torch.no_grad():
+        full = sequence_logps(m, batch).logp_sum
+        set_compute_dtype(m, Precision(torch.float32, torch.bfloat16, autocast=True))
+        half = sequence_logps(m, batch).logp_sum
+    assert half.dtype == torch.float32 and torch.isfinite(half).all()
+    torch.testing.assert_close(half, full, rtol=0.02, atol=0.5)
