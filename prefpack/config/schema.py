@@ -68,6 +68,11 @@ class ModelConfig:
     compile: Switch = _f("auto", "torch.compile each decoder layer (fuses the elementwise work between matmuls; the "
                          "first step pays the compilation); auto = on in a single CUDA process, falling back to eager "
                          "where the compiler fails; off on CPU and under torchrun")
+    freeze_vision: bool = _f(True, "vision-language models: no gradient for the vision encoder (as most recipes "
+                             "train; with LoRA: no adapters on it); false trains it too (an error on a text model)")
+    freeze_projector: bool = _f(True, "vision-language models: no gradient for the projector between vision encoder "
+                                "and language model (Qwen2-VL's merger, LLaVA's multi_modal_projector; with LoRA: no "
+                                "adapters on it); false trains it too (an error on a text model)")
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The model: `load` (loading, dtype, packing-leak guard, tokenizer checks), `attention` (the kernel table
 `kernels`: one descriptor per kernel and the `auto` choice; the kernels registered with transformers:
 `packed_sdpa`, `varlen`), `head` (where the body ends and the LM head begins), `logprobs` (the chunked
-completion-only log-prob op), `forward` (a micro-batch to per-sequence log-probs).
+completion-only log-prob op), `forward` (a micro-batch to per-sequence log-probs), `vision` (vision-language
+models: their parts, image features, freezing).
 
 Import the public API from here.
 """
@@ -20,6 +21,7 @@ _EXPORTS = {
     "TokenizerHandle": "prefpack.model.load",
     "attention_name": "prefpack.model.attention.kernels",
     "check_against_model": "prefpack.model.forward",
+    "check_vision_against_model": "prefpack.model.forward",
     "Kernel": "prefpack.model.attention.kernels",
     "KERNELS": "prefpack.model.attention.kernels",
     "check_model_source": "prefpack.model.load",
@@ -42,6 +44,10 @@ _EXPORTS = {
     "split_pairs": "prefpack.model.forward",
     "uses_flash_attention": "prefpack.model.attention.kernels",
     "weights_hash": "prefpack.model.load",
+    "apply_freeze": "prefpack.model.vision",
+    "is_vision_language": "prefpack.model.vision",
+    "lora_targets": "prefpack.model.vision",
+    "vision_parts": "prefpack.model.vision",
     "wants_compile": "prefpack.model.compile",
 }
 

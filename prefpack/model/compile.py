@@ -27,7 +27,15 @@ def wants_compile(setting: bool | str, device: torch.device, world_size: int = 1
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
-    """The model's list of decoder blocks: the longest ModuleList whose children all share one class."""
+    """The model's list of decoder blocks: the longest ModuleList whose children all share one class (of a
+    vision-language model, in its language model: its vision tower may have more blocks)."""
+    if getattr(getattr(model, "config", None), "vision_config", None) is not None:
+        from prefpack.model.vision import vision_parts
+
+        try:
+            model = vision_parts(model).language_model
+        except ValueError:  # an unsupported one is refused at load
+            pass
     best = None
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) > 0:

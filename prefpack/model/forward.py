@@ -31,6 +31,13 @@ logits and the model's own ``load_balancing_loss_func`` (from its modeling modul
 only (row padding of a packed or padded batch is masked out). :func:`sequence_logps` then returns a third value,
 the scalar aux loss.
 
+Vision-language models (``prefpack.model.vision``: the Qwen2-VL / Qwen2.5-VL family and LLaVA): the body runs on
+``inputs_embeds``, the embedded input ids with the batch's image features written at ``Batch.image_positions`` (the
+vision tower called once per micro-batch, however many sequences show an image), and the Qwen2-VL family's body gets
+position ids [4, B, L] (the 1-D text positions the kernels and masks read, then ``Batch.rope_positions``), on text
+batches too: given 2-D ones it reads no sequence boundaries. Flattening kernels get both flattened with the token
+mask. Text models take the plain path, unchanged. Images do not run on token shards (sequence parallelism).
+
 What a forward returns is a :class:`SequenceOutput`; the optional fields are filled only when asked for, so a
 plain forward costs nothing more: ``pair_tails`` (LD-DPO) and ``wpo`` (WPO weights) are read by pair losses.
 """
@@ -61,6 +68,7 @@ __all__ = [
     "SequenceOutput",
     "SequenceLogps",
     "check_against_model",
+    "check_vision_against_model",
     "packing_leak",
     "pair_logps",
     "reads_prompt_groups",
@@ -165,7 +173,11 @@ def sequence_logps(
     if aux is not None:
         extra = {**extra, "output_router_logits": True}
     layout = sequence_layout()
+    vision = _vision_of(model, batch)
     if layout.enabled:  # this rank's token shard of every row (distributed.sequence_parallel)
+        if vision is not None:
+            raise ValueError("images (and vision-language models) do not run on token shards yet "
+                             "(distributed.sequence_parallel); set distributed.sequence_parallel=1")
         if aux is not None:
             raise ValueError("the MoE router loss is not computed over token shards (distributed.sequence_parallel)")
         with compute_context(model, device):
@@ -173,7 +185,59 @@ def sequence_logps(
                                  pair_tails=pair_tails, wpo=wpo, entropy=entropy)
     batch = batch.to(device, non_blocking=True)
     with compute_context(model, device):
-        return _sequence_logps(body, spec, batch, flatten, chunk_size, extra, aux, pair_tails, wpo, entropy)
+        return _sequence_logps(body, spec, batch, flatten, chunk_size, extra, aux, pair_tails, wpo, entropy, vision)
+
+
+def _vision_of(model: nn.Module, batch: Batch):
+    """None for a text model's forward (nothing changes for it); for a vision-language model (or a batch with images)
+    its :class:`prefpack.model.vision.VisionParts`."""
+    if batch.pixel_values is None and not _is_vlm(model):
+        return None
+    from prefpack.model.vision import vision_parts
+
+    try:
+        return vision_parts(model)
+    except ValueError as exc:
+        if batch.pixel_values is not None:
+            raise ValueError(f"a batch with images for {type(model).__name__}: {exc}") from None
+        raise
+
+
+def _is_vlm(model: nn.Module) -> bool:
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    return getattr(config, "vision_config", None) is not None
+
+
+def _vision_inputs(body, vision, batch: Batch, flatten: bool) -> dict:
+    """The body's keywords for a vision-language model: ``inputs_embeds`` with the batch's image features written at
+    its image positions (the vision tower run once over the micro-batch), and the position ids its language model
+    reads (``prefpack.model.vision.body_positions``), flattened to one row of real tokens with ``flatten``."""
+    from prefpack.model.vision import body_positions, image_features
+
+    embed = body.get_input_embeddings()
+    embeds = embed(batch.input_ids)  # [B, L, H]
+    if batch.pixel_values is not None:
+        if batch.image_positions is None or batch.image_feature_rows is None:
+            raise ValueError("a batch with pixel_values needs image_positions and image_feature_rows")
+        with record_function("prefpack.vision"):
+            feats = image_features(vision, batch.pixel_values, batch.image_grid_thw)
+        rows = batch.image_feature_rows
+        if rows.numel() and int(rows.max()) >= feats.shape[0]:  # else an index error (a device assert on CUDA)
+            raise ValueError(f"the batch's images give {feats.shape[0]} feature rows but image_feature_rows reads row "
+                             f"{int(rows.max())}: placeholder counts and the processor's output disagree")
+        flat = embeds.reshape(-1, embeds.shape[-1])
+        flat = flat.index_put((batch.image_positions,), feats[batch.image_feature_rows].to(flat.dtype))
+        embeds = flat.view_as(embeds)
+    elif batch.image_positions is not None and batch.image_positions.numel():
+        raise ValueError("a batch with image positions but no pixel_values")
+    if vision.mrope and batch.pixel_values is not None and batch.rope_positions is None:
+        raise ValueError(f"{type(vision.model).__name__} needs Batch.rope_positions (3-D rotary positions) for images")
+    positions = body_positions(vision, batch.position_ids, batch.rope_positions)
+    if flatten:
+        keep = batch.token_mask
+        embeds = embeds[keep][None]
+        positions = positions[..., keep][..., None, :] if positions.ndim == 3 else positions[keep][None]
+    return {"inputs_embeds": embeds, "position_ids": positions}
 
 
 def _aux_loss(out, aux, mask: torch.Tensor | None) -> torch.Tensor:
@@ -188,8 +252,10 @@ def _aux_loss(out, aux, mask: torch.Tensor | None) -> torch.Tensor:
 
 
 def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, extra: dict, aux=None,
-                    pair_tails: bool = False, wpo: bool = False, entropy: bool = False) -> SequenceOutput:
+                    pair_tails: bool = False, wpo: bool = False, entropy: bool = False, vision=None) -> SequenceOutput:
     mask = None
+    if vision is not None:  # a vision-language model: embeddings with image features, its position ids
+        inputs = _vision_inputs(body, vision, batch, flatten and batch.packed)
     shared = batch.score_positions is not None
     if batch.packed:
         input_ids, position_ids = batch.input_ids, batch.position_ids
@@ -200,16 +266,12 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
             loss_mask, targets, seq_index = loss_mask[keep][None], targets[keep][None], seq_index[keep][None]
         elif not bool(batch.token_mask.all()):
             mask = batch.token_mask.long()
-        out = body(input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False, **extra)
+        inputs = inputs if vision is not None else {"input_ids": input_ids, "position_ids": position_ids}
+        out = body(**inputs, attention_mask=None, use_cache=False, **extra)
     else:
         loss_mask, targets, seq_index = batch.loss_mask, batch.target_ids, batch.seq_index
-        out = body(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            attention_mask=batch.attention_mask,
-            use_cache=False,
-            **extra,
-        )
+        inputs = inputs if vision is not None else {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
+        out = body(**inputs, attention_mask=batch.attention_mask, use_cache=False, **extra)
         mask = batch.attention_mask
     hidden = _hidden(out)
     if shared:  # a shared prompt's last position is scored once per completion it precedes
@@ -292,8 +354,12 @@ def check_against_model(
 ) -> float:
     """Max |difference| between our per-token log-probs and ``log_softmax(model(input_ids).logits)``.
 
-    A one-off guard against a model whose head does something we do not model (an unknown logit scale).
+    A one-off guard against a model whose head does something we do not model (an unknown logit scale). For a
+    vision-language model (and no ``input_ids``) the sequence holds a random image too, run through the forward
+    training runs (:func:`check_vision_against_model`).
     """
+    if input_ids is None and _is_vlm(model):
+        return check_vision_against_model(model, chunk_size=chunk_size)
     spec = head_spec(model)
     if input_ids is None:
         g = torch.Generator().manual_seed(0)
@@ -314,6 +380,59 @@ def check_against_model(
         softcap=spec.softcap,
     )
     return float((ours.view_as(ref).float() - ref).abs().max())
+
+
+@torch.no_grad()
+def check_vision_against_model(model: nn.Module, chunk_size: int = 64, seed: int = 0) -> float:
+    """Max |difference| between the per-token log-probs prefpack's forward gives a sequence with an image (its
+    features written at the placeholders, Qwen2-VL's 4-row positions) and those of the model's own forward.
+
+    The image is random pixels of the shape the vision tower takes (Qwen2-VL: a 4 x 4 patch grid, 4 image tokens;
+    LLaVA: one ``image_size`` image), between 4 and 6 random text tokens: no processor needed.
+    """
+    from prefpack.batching.collate import collate_groups
+    from prefpack.model.vision import image_features, vision_parts
+
+    parts = vision_parts(model)
+    hf = parts.model
+    spec = head_spec(model)
+    device = spec.weight.device
+    g = torch.Generator().manual_seed(seed)
+    vc = hf.config.vision_config
+    grid = None
+    if parts.mrope:
+        side = 2 * parts.merge_size
+        grid = torch.tensor([[1, side, side]])
+        width = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
+        pixels = torch.randn(side * side, width, generator=g)
+    else:
+        pixels = torch.randn(1, int(getattr(vc, "num_channels", 3)), int(vc.image_size), int(vc.image_size),
+                             generator=g)
+    pixels = pixels.to(device, spec.weight.dtype)
+    grid = None if grid is None else grid.to(device)
+    n_image = int(image_features(parts, pixels, grid).shape[0])
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    text = torch.randint(0, vocab, (10,), generator=g)
+    text[text == parts.image_token_id] = 0
+    ids = torch.cat([text[:4], torch.full((n_image,), parts.image_token_id), text[4:]])
+    extra = {"image_grid_thw": grid, "mm_token_type_ids": (ids == parts.image_token_id).int()[None].to(device)} \
+        if parts.mrope else {}
+    ref = hf(input_ids=ids[None].to(device), pixel_values=pixels, use_cache=False, **extra).logits.float()
+    ref = ref.log_softmax(-1)[0, :-1].gather(-1, ids[1:, None].to(device))[:, 0]
+    batch = collate_groups([(ids[:1].numpy(), (ids[1:].numpy(),))], [[0]], ids=[0])
+    batch.pixel_values, batch.image_grid_thw = pixels, grid
+    batch.image_positions = (ids == parts.image_token_id).nonzero().squeeze(1)
+    batch.image_feature_rows = torch.arange(n_image)
+    if parts.mrope:
+        batch.rope_positions = hf.model.get_rope_index(ids[None].to(device), image_grid_thw=grid,
+                                                       mm_token_type_ids=extra["mm_token_type_ids"])[0]
+    batch = batch.to(device)
+    body, _ = body_and_head(model)
+    with compute_context(model, device):
+        hidden = _hidden(body(**_vision_inputs(body, parts, batch, False), attention_mask=None, use_cache=False))
+        ours = completion_logprobs(hidden[0, :-1], ids[1:].to(device), spec.weight, spec.bias, chunk_size=chunk_size,
+                                   scale=spec.scale, softcap=spec.softcap)
+    return float((ours.float() - ref).abs().max())
 
 
 def packing_leak(model: nn.Module, *, siblings: bool = True) -> float:
@@ -358,7 +477,7 @@ def _moved(model: nn.Module, rows: list[torch.Tensor], position_ids: torch.Tenso
     body, _ = body_and_head(model)
     device = head_spec(model).weight.device
     extra = _boundary_kwargs(position_ids, device) if kernel_of(model).boundary_kwargs else {}
-    pos = position_ids[None].to(device)
+    pos = _guard_positions(model, position_ids[None].to(device))
     outs = []
     was_training = model.training
     model.eval()
@@ -372,3 +491,13 @@ def _moved(model: nn.Module, rows: list[torch.Tensor], position_ids: torch.Tenso
         model.train(was_training)
     scale = 1.0 + float(outs[0].abs().max())
     return float((outs[0] - outs[1]).abs().max()) / scale
+
+
+def _guard_positions(model: nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
+    """The position ids the leak guards hand the body, as training does: [4, 1, L] for a model with 3-D rotary
+    positions (Qwen2-VL family: row 0 is what its mask and the kernels read), else as they are."""
+    if not _is_vlm(model):
+        return position_ids
+    from prefpack.model.vision import body_positions
+
+    return body_positions(model, position_ids)

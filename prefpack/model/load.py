@@ -68,7 +68,23 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
     if device.type == "cuda" and kernel.cudnn_sdp_off:
         torch.backends.cuda.enable_cudnn_sdp(False)  # a new cuDNN plan per packed shape: 14.8 ms CPU per call
 
+    vision = _vision_config(name_or_path, trust_remote_code)  # a vision-language model (issue 27)?
+    if vision is not None:
+        from prefpack.model.vision import unsupported_message
+
+        message = unsupported_message(vision, f"model {name_or_path!r}")
+        if message:
+            raise ModelError(message)
+
     def load(attn: str) -> nn.Module:
+        if vision is not None:  # the language model runs the kernel, the vision tower a transformers one
+            from transformers import AutoModelForImageTextToText
+
+            from prefpack.model.vision import attention_setting
+
+            return AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype,
+                                                               attn_implementation=attention_setting(attn),
+                                                               trust_remote_code=trust_remote_code)
         return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn,
                                                     trust_remote_code=trust_remote_code)
 
@@ -108,6 +124,18 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
         raise ModelError(f"model {name_or_path!r}: model.compile found no list of decoder layers to compile; "
                          "set model.compile=false")
     return model
+
+
+def _vision_config(name_or_path: str, trust_remote_code: bool):
+    """The model's config when it is a vision-language model (it has a ``vision_config``), else None (a causal LM,
+    or a config that cannot be read here: loading it then says what is wrong)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except Exception:  # loading the model itself reports a bad path or config
+        return None
+    return config if getattr(config, "vision_config", None) is not None else None
 
 
 def _config_value(model: nn.Module, name: str):

@@ -23,11 +23,14 @@ from prefpack.model import (
     ModelError,
     SequenceLogps,
     TokenizerHandle,
+    apply_freeze,
     attention_name,
     check_model_source,
     check_vocab_fits,
+    is_vision_language,
     kernel_of,
     load_causal_lm,
+    lora_targets,
     pick_attention,
     pick_device,
     release_freed_memory,
@@ -201,6 +204,7 @@ def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_r
     policy = load_causal_lm(cfg.model.name_or_path, precision=precision, attn_implementation=attn, device=device,
                             trust_remote_code=cfg.model.trust_remote_code, packed=cfg.data.packing,
                             compile_layers=compile_layers)
+    _vision_settings(policy, cfg, log)
     for spec, (_, store) in zip(specs, train_stores):
         check_vocab_fits(policy, store.meta, spec.path)
     if compile_layers:
@@ -267,6 +271,24 @@ def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_r
         log(line)
     return Setup(policy, reference, tokenizer, train_store, eval_store, device, dtype, pad_id, train_task,
                  eval_list[0] if eval_list else None, precision, cfg, settings, eval_tasks)
+
+
+def _vision_settings(policy: nn.Module, cfg, log) -> None:
+    """``model.freeze_vision`` / ``model.freeze_projector`` applied to a vision-language policy; on a text model
+    either set false is an error (nothing to train), and so are images under sequence parallelism."""
+    if not is_vision_language(policy):
+        unset = [k for k in ("freeze_vision", "freeze_projector") if not getattr(cfg.model, k)]
+        if unset:
+            raise ModelError(f"model.{unset[0]}=false: {cfg.model.name_or_path!r} is a text model, with no vision "
+                             "encoder or projector to train; leave it at true")
+        return
+    if cfg.distributed.sequence_parallel > 1:
+        raise ModelError("distributed.sequence_parallel: vision-language models do not run on token shards yet; set "
+                         "distributed.sequence_parallel=1")
+    apply_freeze(policy, freeze_vision=cfg.model.freeze_vision, freeze_projector=cfg.model.freeze_projector)
+    state = {True: "frozen", False: "trained"}
+    log(f"vision-language model ({type(policy).__name__}): vision encoder {state[cfg.model.freeze_vision]}, projector "
+        f"{state[cfg.model.freeze_projector]} (model.freeze_vision, model.freeze_projector)")
 
 
 def _enable_checkpointing(policy: nn.Module) -> None:
@@ -351,6 +373,9 @@ def _wrap_lora(model: nn.Module, cfg) -> nn.Module:
     except ImportError as exc:
         raise ModelError("lora.enabled needs peft: pip install 'prefpack[lora]'") from exc
     target = cfg.lora.target_modules
+    if is_vision_language(model):  # the language model's layers (and the vision side's where not frozen) only
+        target = lora_targets(model, target, freeze_vision=cfg.model.freeze_vision,
+                              freeze_projector=cfg.model.freeze_projector)
     lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                       target_modules=target, task_type="CAUSAL_LM")
     return get_peft_model(model, lcfg)
