@@ -225,3 +225,33 @@ def vision_settings(store: Store, *, mrope: bool | None = None) -> VisionSetting
     return VisionSettings(image_token_id=int(meta["image_token_id"]),
                           mrope=(merge is not None) if mrope is None else bool(mrope),
                           merge_size=int(merge or 1), preprocess=preprocess)
+
+
+def run_vision(stores: Sequence[tuple[str, Store]], model_parts, check_processor: Callable[[dict, str], None]
+               ) -> VisionSettings | None:
+    """The run's :class:`VisionSettings`, or None when no store holds images. ``stores``: (what, store) of every
+    store the run reads (train, a mixture's, eval); ``model_parts``: ``prefpack.model.vision.vision_parts`` of the
+    model, or None for a text model; ``check_processor(meta_processor, what)`` raises where a store's images were
+    expanded for another model. Every image store must share one processor (its hash), since one run preprocesses
+    every micro-batch alike."""
+    with_images = [(what, s) for what, s in stores if s.num_images]
+    if not with_images:
+        return None
+    what, first = with_images[0]
+    if model_parts is None:
+        raise StoreError(f"{what} store {str(first.path)!r} holds {first.num_images} images, but the model is a text "
+                         "model: train a vision-language model on it (Qwen2-VL, Qwen2.5-VL or LLaVA; docs/images.md), "
+                         "or prepare the rows without --processor")
+    digest = first.meta["processor"].get("hash")
+    for other_what, store in with_images:
+        if store.meta["processor"].get("hash") != digest:
+            raise StoreError(f"{other_what} store {str(store.path)!r} was prepared with another image processor than "
+                             f"{what} store {str(first.path)!r}: one run preprocesses every image alike, so prepare "
+                             "them with the same --processor")
+        check_processor(store.meta["processor"], f"{other_what} store {str(store.path)!r}")
+    settings = vision_settings(first, mrope=model_parts.mrope)
+    if model_parts.mrope and settings.merge_size != model_parts.merge_size:
+        raise StoreError(f"{what} store {str(first.path)!r}: its image processor merges {settings.merge_size}x"
+                         f"{settings.merge_size} patches, the model's vision tower {model_parts.merge_size}x"
+                         f"{model_parts.merge_size}; prepare it again with this model's processor")
+    return settings

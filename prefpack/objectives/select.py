@@ -35,11 +35,6 @@ def open_store(path: str, what: str, *, unpaired: bool, paired_as_kto: bool = Fa
     KTO with ``paired_as_kto``) for the KTO family. Token ids are checked once here, so a damaged store fails
     now, by name, not with an IndexError in some later step."""
     store = Store(path)
-    if store.num_images:
-        raise StoreError(f"{what} store {path!r} holds {store.num_images} images (prepared with --processor): images "
-                         "are prepared, but training, evaluation and precompute-ref on them are not supported yet "
-                         "(the next step of vision-language support, docs/images.md); prepare the rows without "
-                         "images to train text-only")
     store.check_token_ids()
     if unpaired and store.kind == "pairs" and not paired_as_kto:
         raise StoreError(f"{what} store {path!r} holds pairs; set data.paired_as_kto=true to train KTO on it "

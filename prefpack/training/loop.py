@@ -174,6 +174,10 @@ def _train(cfg, ctx: Dist, sp: SeqPar, *, resume: bool, stop_after_steps: int | 
                 share = shares[sp.data_rank]
                 batches = [task.collate(p) for p in share.planned]
                 counted = share.weights if sp.rank == 0 else [0.0] * len(share.weights)  # a group's sums once
+                if setup.settings.vision is not None and step + 1 < n_steps:  # the next step's images, meanwhile
+                    task.prefetch(deal_step(task, sched.pairs_for_step(step + 1)[1],
+                                            seed=StepKey(cfg.train.seed, step + 1), world=sp.data_world,
+                                            balance=cfg.distributed.balance)[sp.data_rank].planned)
             optimizer.zero_grad(set_to_none=True)
             with record_function("prefpack.begin_step"):
                 step_state = task.begin_step(module, reference, batches, weights=counted, dist=ctx)
@@ -226,7 +230,7 @@ def _train(cfg, ctx: Dist, sp: SeqPar, *, resume: bool, stop_after_steps: int | 
     check_finite_weights(params, ctx)  # never a NaN model saved as the result
     _free_training_state(optimizer, reference, parts)
     final_dir = save_final(run_dir, policy, setup.tokenizer, module=module, ctx=ctx, strategy=strategy,
-                           dtype=final_dtype(cfg, setup.precision))
+                           dtype=final_dtype(cfg, setup.precision), image_processor_dir=setup.image_processor_dir)
     if cfg.run.plot and main:
         _plot(run_dir, log)
     ctx.barrier()

@@ -42,7 +42,7 @@ class PrecomputeOptions:
 
 
 def scoring_objective(store, *, kto: bool, seed: int, micro_batch_tokens: int, row_tokens: int, chunk_size: int,
-                      shares_prompts: bool, group_by_prompt: bool | None = None) -> Objective:
+                      shares_prompts: bool, group_by_prompt: bool | None = None, vision=None) -> Objective:
     """The objective whose keys a sidecar of ``store`` holds: KTO (the store's examples with their fixed KL
     sequences of ``seed``), a pair store's pairs (over its prompt groups when its pairs repeat prompts, so each
     prompt and completion is computed once; ``group_by_prompt`` decides instead when given), or a ranked store's
@@ -64,7 +64,7 @@ def scoring_objective(store, *, kto: bool, seed: int, micro_batch_tokens: int, r
     if group_by_prompt is not None:
         repeats = group_by_prompt
     settings = settings_from_config(cfg, pad_id=0, micro_batch_tokens=micro_batch_tokens, row_tokens=row_tokens,
-                                    chunk_size=chunk_size, shares_prompts=shares_prompts)
+                                    chunk_size=chunk_size, shares_prompts=shares_prompts, vision=vision)
     task, _ = make_objectives(settings, terms, store, None, NoReference(), kto=kto, group_by_prompt=repeats,
                               log=lambda _m: None)
     return task
@@ -147,9 +147,12 @@ def precompute_reference(opts: PrecomputeOptions, *, ctx: Dist = SINGLE, log=pri
     check_model(model, current_layout())  # a kernel or head count the sequence groups cannot shard, refused now
     check_vocab_fits(model, store.meta, opts.data)
     budgets = _scoring_budgets(opts, model, device, log)
+    from prefpack.training.setup import run_images
+
     task = scoring_objective(store, kto=kto, seed=opts.seed, micro_batch_tokens=budgets.micro_batch_tokens,
                              row_tokens=budgets.row_tokens, chunk_size=budgets.chunk_size,
-                             shares_prompts=kernel_of(model).reads_prompt_groups)
+                             shares_prompts=kernel_of(model).reads_prompt_groups,
+                             vision=run_images(model, [("reference", store)]))
     table = record_reference(task, model, ctx=ctx, progress=progress)
     space = task.key_space()
     if not ctx.is_main:

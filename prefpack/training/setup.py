@@ -160,6 +160,9 @@ class Setup:
     settings: RunSettings  # budgets, layout and loss parameters resolved for this device and kernel
     # every eval store's objective by name (data.eval as a map; "" for a single store); eval_task is the first
     eval_tasks: dict[str, Objective] = field(default_factory=dict)
+    # the image processor the run preprocesses with (an image store's processor/), saved with the final model so
+    # that it is a complete checkpoint; None for a text run
+    image_processor_dir: Path | None = None
 
 
 def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_reference: bool = True) -> Setup:
@@ -259,9 +262,13 @@ def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_r
             raise ModelError(str(e)) from None
         if coef:
             log(f"MoE router load-balancing loss added with weight {coef:g} (loss.router_aux_loss_coef)")
+    every_store = [("train", st) for _, st in train_stores] + [(f"data.eval{'.' + n if n else ''}", st)
+                                                               for n, st in eval_stores.items()]
+    vision = run_images(policy, every_store)
+    processor_dir = next((st.path / "processor" for _, st in every_store if st.num_images), None)
     settings = settings_from_config(cfg, pad_id=pad_id, micro_batch_tokens=budgets.micro_batch_tokens,
                                     row_tokens=budgets.row_tokens, chunk_size=budgets.chunk_size,
-                                    shares_prompts=shares_prompts, router_aux_loss_coef=coef)
+                                    shares_prompts=shares_prompts, router_aux_loss_coef=coef, vision=vision)
     train_task, eval_list = make_objectives(settings, config_terms(cfg),
                                             train_stores if is_mixture(cfg.data.train) else train_store,
                                             list(eval_stores.values()), reference, kto=kto,
@@ -270,7 +277,24 @@ def build(cfg, *, log=print, device: torch.device | None = None, check_sidecar_r
     for line in describe_mixture(cfg, train_task):
         log(line)
     return Setup(policy, reference, tokenizer, train_store, eval_store, device, dtype, pad_id, train_task,
-                 eval_list[0] if eval_list else None, precision, cfg, settings, eval_tasks)
+                 eval_list[0] if eval_list else None, precision, cfg, settings, eval_tasks, processor_dir)
+
+
+def run_images(model: nn.Module, stores: list[tuple[str, Store]]):
+    """The run's ``VisionSettings`` (None when no store holds images): one image processor over every image store,
+    each store's images expanded for this model (its image token and patch grid), and a vision-language model."""
+    from prefpack.data.vision_inputs import run_vision
+    from prefpack.model.vision import check_processor, vision_parts
+
+    parts = vision_parts(model) if is_vision_language(model) else None
+
+    def check(processor: dict, where: str) -> None:
+        try:
+            check_processor(model, processor, where)
+        except ValueError as exc:
+            raise StoreError(str(exc)) from None
+
+    return run_vision(stores, parts, check)
 
 
 def _vision_settings(policy: nn.Module, cfg, log) -> None:

@@ -22,8 +22,11 @@ from prefpack.training.checkpoint.files import _MARGIN, _discard, _disown, _own,
 
 
 def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module | None = None,
-               ctx: Dist = SINGLE, strategy: str = "ddp", dtype: torch.dtype | None = None) -> Path | None:
-    """`save_pretrained` the trained model (LoRA merged into it) and the tokenizer, atomically, on rank 0.
+               ctx: Dist = SINGLE, strategy: str = "ddp", dtype: torch.dtype | None = None,
+               image_processor_dir: Path | None = None) -> Path | None:
+    """`save_pretrained` the trained model (LoRA merged into it) and the tokenizer, atomically, on rank 0; a
+    vision-language run also saves its image processor's settings (``image_processor_dir``: an image store's
+    ``processor/``), so the folder loads as a whole checkpoint (AutoProcessor, prepare --processor).
 
     Under FSDP2 the shards are first gathered into one full state dict (every rank takes part). A failed write
     (full disk) removes the temporary folder and raises `CheckpointWriteError` after the other ranks are released.
@@ -52,9 +55,11 @@ def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module
                 policy.save_pretrained(tmp / "adapter")
                 model = policy.merge_and_unload()
             if full_state is not None:
-                from transformers import AutoModelForCausalLM
+                from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-                model = AutoModelForCausalLM.from_config(policy.config)
+                auto = AutoModelForImageTextToText if getattr(policy.config, "vision_config", None) is not None \
+                    else AutoModelForCausalLM
+                model = auto.from_config(policy.config)
                 model.load_state_dict(full_state)
             if dtype is not None:  # run.save_dtype: cast after merging LoRA, so the merge happens in full precision
                 model = model.to(dtype)
@@ -63,6 +68,10 @@ def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module
                 (tokenizer.load() if isinstance(tokenizer, TokenizerHandle) else tokenizer).save_pretrained(tmp)
             except (ModelError, TokenizerError) as exc:  # the trained weights matter more than the tokenizer copy
                 print(f"warning: {exc}", file=sys.stderr)
+            if image_processor_dir is not None:
+                for f in Path(image_processor_dir).iterdir():  # preprocessor_config.json (+ processor_config.json)
+                    if f.is_file() and not (tmp / f.name).exists():
+                        shutil.copy2(f, tmp / f.name)
             _keep_user_files(final, tmp)
             _disown(tmp)
             _discard(final)
