@@ -79,7 +79,7 @@ def decode_row(store: Store, i: int, tok) -> dict[str, Any]:
         out["label"] = bool(ex.label)
     image = _image_token(store)
     if image is not None:
-        out["images"] = [{k: v for k, v in info.items() if k != "data"} for info in store.images_of(i)]
+        out["images"] = [{k: v for k, v in info.items() if k != "data"} for info in store.prompt_images(i)]
     for name, ids in parts.items():
         out[f"{name}_ids"] = [int(t) for t in ids]
         out[name] = tok.decode(out[f"{name}_ids"], skip_special_tokens=False) if image is None else \

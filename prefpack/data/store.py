@@ -313,6 +313,14 @@ class Store:
                 out.append(info)
         return out
 
+    def prompt_images(self, i: int) -> list[dict]:
+        """The images of example ``i``'s prompt: ``images_of(i)``, except in a ranked store, where a group's images
+        are stored with its first row (the one its prompt precedes) and every row of the group shares them."""
+        if self.kind == "ranked" and self.num_images:
+            starts = self.group_starts()
+            i = int(starts[int(np.searchsorted(starts, i, side="right")) - 1])
+        return self.images_of(i)
+
     def _check_size(self, name: str, expected: int) -> None:
         p = self.path / name
         if not p.is_file():
