@@ -72,8 +72,9 @@ def check_images(store: Store, row: int, expected: list[bytes]) -> None:
     images = store.images_of(row)
     assert [im["data"] for im in images] == expected
     tid = store.meta["processor"]["image_token_id"]
-    prompt_start = int(store.index[row, 0])
-    prompt = np.asarray(store.tokens[prompt_start:prompt_start + int(store.index[row, 1])])
+    offset, prompt_len = int(store.index[row, 0]), int(store.index[row, 1])
+    prompt_start = offset - prompt_len if store.kind == "ranked" else offset  # ranked: the prompt precedes its row
+    prompt = np.asarray(store.tokens[prompt_start:prompt_start + prompt_len])
     assert int((prompt == tid).sum()) == sum(im["tokens"] for im in images)
     for im, data in zip(images, expected):
         assert im["tokens"] == processor_count(data)
@@ -228,3 +229,98 @@ def test_train_setup_refuses_an_image_store(tmp_path, processor_dir):
                              f"run.output_dir={tmp_path / 'run'}"])
     with pytest.raises(StoreError, match="train store .* holds 1 images .*images are prepared, but training"):
         build(cfg, log=lambda _m: None)
+
+
+def kto_row(images: list, label, text: str = "what is in the picture?", reply: str = "a cat on a mat") -> dict:
+    """TRL's unpaired (KTO) vision layout: images, a message prompt with image parts, a completion and a label."""
+    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]
+    return {"images": images, "prompt": [{"role": "user", "content": content}],
+            "completion": [{"role": "assistant", "content": [{"type": "text", "text": reply}]}], "label": label}
+
+
+def test_unpaired_kto_rows_round_trip(tmp_path, processor_dir):
+    a, b, c = png(64, 48, 10), png(90, 30, 11, "JPEG"), png(28, 56, 12)
+    (tmp_path / "b.jpg").write_bytes(b)
+    rows = [kto_row([{"bytes": a, "path": None}, {"bytes": None, "path": "b.jpg"}], True),
+            kto_row([], False, text="no image", reply="a dog"),
+            kto_row([{"bytes": c, "path": None}], False, reply="a dog in the fog"),
+            {"images": [], "prompt": "plain text prompt", "completion": "a plain reply", "label": True}]
+    src = tmp_path / "kto.parquet"
+    pq.write_table(__import__("pyarrow").Table.from_pylist(rows[:3]), src)
+    text_src = write_jsonl(tmp_path / "text.jsonl", rows[3:])
+    report = run(tmp_path, [src, text_src], processor_dir, layout="unpaired", chunk_rows=2)
+    assert report.layout == "unpaired" and report.images == 3 and report.examples == 4 and not report.unused_columns
+    store = Store(tmp_path / "store", verify=True)
+    assert store.kind == "unpaired" and store.meta["num_images"] == 3
+    check_images(store, 0, [a, b])
+    assert store.images_of(1) == [] and store.images_of(3) == []
+    check_images(store, 2, [c])
+    assert [store.unpaired(i).label for i in range(4)] == [1, 0, 0, 1]
+    assert store.prompt_images(2) == store.images_of(2)
+    text = inspect_store(str(store.path), row=0)
+    assert f"<|image_pad|> x {processor_count(a)}" in text and "image 1: 90x30 pixels" in text
+    # detected without --format, from the first row's prompt / completion / label
+    detected = run(tmp_path, [src], processor_dir, "detected")
+    assert detected.layout == "unpaired" and detected.images == 3
+
+
+def reply(text: str) -> list:
+    return [{"role": "assistant", "content": [{"type": "text", "text": text}]}]
+
+
+def test_ranked_rows_with_images(tmp_path, processor_dir):
+    a, b = png(56, 56, 13), png(40, 80, 14)
+    row = trl_row([{"bytes": a, "path": None}, {"bytes": b, "path": None}])
+    ranked = [{"images": row["images"], "prompt": row["prompt"], "scores": [2.0, 1.0, 0.5],
+               "completions": [row["chosen"], row["rejected"], reply("nothing")]},
+              {"images": [], "prompt": [{"role": "user", "content": [{"type": "text", "text": "no image"}]}],
+               "scores": [1, 0], "completions": [reply("yes"), reply("no")]}]
+    src = tmp_path / "ranked.parquet"
+    pq.write_table(__import__("pyarrow").Table.from_pylist(ranked), src)
+    report = run(tmp_path, [src], processor_dir)
+    assert report.layout == "ranked" and report.groups == 2 and report.examples == 5 and report.images == 2
+    store = Store(tmp_path / "store", verify=True)
+    check_images(store, 0, [a, b])  # stored once, with the group's first row, which its prompt precedes
+    assert store.images_of(1) == store.images_of(2) == [] and store.images_of(3) == []
+    assert [im["data"] for im in store.prompt_images(2)] == [a, b] and store.prompt_images(4) == []
+    prompt, _ = store.ranked_group(0)
+    tid = store.meta["processor"]["image_token_id"]
+    assert int((np.asarray(prompt) == tid).sum()) == processor_count(a) + processor_count(b)
+    assert "image 1: 40x80 pixels" in inspect_store(str(store.path), row=2)
+
+
+def test_bad_unpaired_and_reply_image_rows_named(tmp_path, processor_dir):
+    """Unpaired image rows: a reply with an image part, images beside a string prompt, a bad label, an undecodable
+    image are each named by file, row and field, or counted and skipped."""
+    good = png(40, 40, 15)
+    (tmp_path / "good.png").write_bytes(good)
+    (tmp_path / "broken.png").write_bytes(good[:50])
+    reply_image = kto_row(["good.png"], True)
+    reply_image["completion"] = [{"role": "assistant", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}]
+    rows = [kto_row(["good.png"], True),
+            reply_image,
+            {"images": ["good.png"], "prompt": "a string prompt", "completion": "x", "label": True},
+            kto_row(["good.png"], "maybe"),
+            kto_row(["broken.png"], False),
+            kto_row(["good.png", "good.png"], False) | {"prompt": kto_row(["good.png"], False)["prompt"]}]
+    cases = [(1, "completion", r"message 0 has a 'image' content part, which a reply cannot hold yet", "vision_not_supported"),
+             (2, "images", r"the prompt 'prompt' is a plain string", "vision_not_supported"),
+             (3, "label", r"must be a boolean", "wrong_type"),
+             (4, "images", r"image 0 \(50 bytes\) cannot be decoded", "undecodable_image"),
+             (5, "images", r"holds 2 image\(s\) but the prompt 'prompt' has 1", "image_count_mismatch")]
+    for k, field, message, reason in cases:
+        src = write_jsonl(tmp_path / f"bad{k}.jsonl", [rows[0], rows[k]])
+        with pytest.raises(PrepareError, match=rf"bad{k}.jsonl line 2, field '{field}': .*{message}.*\[{reason}\]"):
+            run(tmp_path, [src], processor_dir, layout="unpaired")
+    report = run(tmp_path, [write_jsonl(tmp_path / "all.jsonl", rows)], processor_dir, skip_invalid=True)
+    assert report.examples == 1 and report.skipped == {"vision_not_supported": 2, "wrong_type": 1,
+                                                       "undecodable_image": 1, "image_count_mismatch": 1}
+    skipped = [json.loads(line) for line in (report.path / "skipped.jsonl").read_text().splitlines()]
+    assert [(s["row"], s["field"]) for s in skipped] == [(k, field) for k, field, *_ in cases]
+    check_images(Store(report.path, verify=True), 0, [good])
+    # a pair whose reply holds an image part is named the same way
+    pair = trl_row(["good.png"])
+    pair["rejected"] = [{"role": "assistant", "content": [{"type": "image"}]}]
+    with pytest.raises(PrepareError, match=r"pair.jsonl line 1, field 'rejected': .*a reply cannot hold yet.*"
+                       r"\[vision_not_supported\]"):
+        run(tmp_path, [write_jsonl(tmp_path / "pair.jsonl", [pair])], processor_dir, "pair")
