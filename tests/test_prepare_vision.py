@@ -67,8 +67,9 @@ def run(tmp_path, inputs, processor_dir, name="store", **kw):
     return prepare(opts, log=lambda _m: None)
 
 
-def check_images(store: Store, row: int, expected: list[bytes]) -> None:
-    """Stored bytes equal the input's; each run of image tokens has the processor's count, at its position."""
+def check_images(store: Store, row: int, expected: list[bytes], counts: list[int] | None = None) -> None:
+    """Stored bytes equal the input's; each run of image tokens has the processor's count (Qwen2-VL's unless
+    `counts` are given), at its position."""
     images = store.images_of(row)
     assert [im["data"] for im in images] == expected
     tid = store.meta["processor"]["image_token_id"]
@@ -76,8 +77,8 @@ def check_images(store: Store, row: int, expected: list[bytes]) -> None:
     prompt_start = offset - prompt_len if store.kind == "ranked" else offset  # ranked: the prompt precedes its row
     prompt = np.asarray(store.tokens[prompt_start:prompt_start + prompt_len])
     assert int((prompt == tid).sum()) == sum(im["tokens"] for im in images)
-    for im, data in zip(images, expected):
-        assert im["tokens"] == processor_count(data)
+    for k, (im, data) in enumerate(zip(images, expected)):
+        assert im["tokens"] == (processor_count(data) if counts is None else counts[k])
         assert (im["width"], im["height"]) == PIL_Image.open(io.BytesIO(data)).size
         run_ = np.asarray(store.tokens[im["position"]:im["position"] + im["tokens"]])
         assert (run_ == tid).all() and store.tokens[im["position"] - 1] != tid
@@ -324,3 +325,99 @@ def test_bad_unpaired_and_reply_image_rows_named(tmp_path, processor_dir):
     with pytest.raises(PrepareError, match=r"pair.jsonl line 1, field 'rejected': .*a reply cannot hold yet.*"
                        r"\[vision_not_supported\]"):
         run(tmp_path, [write_jsonl(tmp_path / "pair.jsonl", [pair])], processor_dir, "pair")
+
+
+LLAVA_VARIANTS = {  # name: (LlavaProcessor settings, CLIP image processor settings)
+    "toy": ({}, {}),  # the tiny LLaVA's: 28 x 28 crop, 14-pixel patches, CLS dropped: 4 tokens
+    "full": ({"vision_feature_select_strategy": "full"}, {}),  # the CLS feature kept: 5
+    "no_crop": ({}, {"do_center_crop": False}),  # shortest edge 28, the other scaled: depends on the image's shape
+    "fixed": ({"num_additional_image_tokens": 0, "vision_feature_select_strategy": "full"},
+              {"size": {"height": 42, "width": 56}, "do_center_crop": False}),
+}
+
+
+@pytest.fixture(scope="module")
+def llava_dirs(tmp_path_factory):
+    from prefpack.toy_vision import save_processor_dir, vision_tokenizer
+
+    tok = vision_tokenizer()
+    root = tmp_path_factory.mktemp("llava")
+    return {name: save_processor_dir(root / name, "llava", tok, image_settings=image, **settings)
+            for name, (settings, image) in LLAVA_VARIANTS.items()}
+
+
+def llava_count(folder, data: bytes) -> int:
+    """LlavaProcessor's own expansion: how many image tokens it writes for one image placeholder."""
+    from transformers import AutoProcessor, LlavaProcessor
+
+    proc = AutoProcessor.from_pretrained(folder)
+    assert isinstance(proc, LlavaProcessor)
+    ids = proc(text=f"{proc.image_token} what is it?", images=[PIL_Image.open(io.BytesIO(data))])["input_ids"][0]
+    return int((np.asarray(ids) == proc.image_token_id).sum())
+
+
+def test_llava_counts_equal_the_processors_expansion(tmp_path, llava_dirs):
+    from prefpack.data.images import load_vision
+    from prefpack.toy_vision import vision_tokenizer
+
+    sizes = [(28, 28), (56, 28), (10, 30), (100, 37), (300, 200), (64, 64)]
+    images = [png(w, h, 20 + k, "JPEG" if k % 2 else "PNG") for k, (w, h) in enumerate(sizes)]
+    for k, data in enumerate(images):
+        (tmp_path / f"{k}.img").write_bytes(data)
+    rows = [trl_row([f"{k}.img" for k in range(3)]), trl_row([f"{k}.img" for k in range(3, 6)])]
+    src = write_jsonl(tmp_path / "rows.jsonl", rows)
+    hashes = set()
+    for name, folder in llava_dirs.items():
+        vision = load_vision(str(folder), vision_tokenizer())
+        counts = [llava_count(folder, data) for data in images]
+        assert [vision.placeholder_tokens(w, h) for w, h in sizes] == counts, name
+        report = run(tmp_path, [src], folder, name)
+        store = Store(report.path, verify=True)
+        check_images(store, 0, images[:3], counts[:3])
+        check_images(store, 1, images[3:], counts[3:])
+        meta = store.meta["processor"]
+        assert meta["kind"] == "llava" and meta["image_token"] == "<|image_pad|>"
+        assert meta["processor_settings"]["patch_size"] == 14 and meta["class"].startswith("CLIPImageProcessor")
+        hashes.add(meta["hash"])
+        from transformers import AutoImageProcessor
+
+        assert type(AutoImageProcessor.from_pretrained(store.path / "processor")).__name__.startswith("CLIPImage")
+    assert len(hashes) == len(LLAVA_VARIANTS)  # every LlavaProcessor setting is in the processor's hash
+    assert {llava_count(llava_dirs["toy"], data) for data in images} == {4}  # the tiny LLaVA's 2 x 2 patches
+
+
+def test_llava_image_token_is_the_processors(tmp_path):
+    """The image token is the processor's: a LlavaProcessor naming ``<|vision_start|>`` expands that token."""
+    from prefpack.data.images import load_vision
+    from prefpack.toy_vision import save_processor_dir, vision_tokenizer
+
+    tok = vision_tokenizer()
+    folder = save_processor_dir(tmp_path / "p", "llava", tok, image_token="<|vision_start|>")
+    vision = load_vision(str(folder), tok)
+    assert vision.image_token == "<|vision_start|>" and vision.image_token_id == tok.convert_tokens_to_ids(
+        "<|vision_start|>")
+    data = png(50, 50, 30)
+    assert vision.placeholder_tokens(50, 50) == llava_count(folder, data) == 4
+
+
+def test_unsupported_processors_refused_by_name(tmp_path, processor_dir):
+    from prefpack.toy_vision import image_processor, save_processor_dir, vision_tokenizer
+
+    src = write_jsonl(tmp_path / "r.jsonl", [{"image": "i.png", "question": "q?", "chosen": "a", "rejected": "b"}])
+    clip = tmp_path / "clip"  # an image processor without a LlavaProcessor's settings
+    vision_tokenizer().save_pretrained(clip)
+    image_processor("llava").save_pretrained(clip)
+    with pytest.raises(PrepareError, match=r"CLIPImageProcessor\w* is not supported yet; prefpack expands images for "
+                       r"the Qwen2-VL family .* and LlavaProcessor"):
+        run(tmp_path, [src], clip)
+    other = save_processor_dir(tmp_path / "other", "llava")
+    config = json.loads((other / "processor_config.json").read_text())
+    (other / "processor_config.json").write_text(json.dumps({**config, "processor_class": "LlavaNextProcessor"}))
+    with pytest.raises(PrepareError, match=r"LlavaNextProcessor with CLIPImageProcessor\w* is not supported yet"):
+        run(tmp_path, [src], other)
+    for key, value, message in (("patch_size", None, "must give the vision tower's patch_size"),
+                                ("vision_feature_select_strategy", "cls", "must be 'default' or 'full'"),
+                                ("image_token", "<no such token>", "the tokenizer has no '<no such token>' token")):
+        (other / "processor_config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(PrepareError, match=rf"--processor .*{message}"):
+            run(tmp_path, [src], other)
