@@ -421,3 +421,31 @@ def test_unsupported_processors_refused_by_name(tmp_path, processor_dir):
         (other / "processor_config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(PrepareError, match=rf"--processor .*{message}"):
             run(tmp_path, [src], other)
+
+
+def test_toy_llava_store_fits_the_tiny_llava_model(tmp_path, llava_dirs):
+    """The toy LLaVA folder's counts are the tiny LLaVA model's: its forward takes a stored prompt (image tokens as
+    stored) with the pixels of the store's own image processor, and gives one feature per image token."""
+    import torch
+    from transformers import AutoImageProcessor
+
+    from prefpack.toy_vision import tiny_vlm, vision_tokenizer
+
+    data = [png(60, 40, 40), png(28, 90, 41)]
+    src = tmp_path / "kto.parquet"
+    pq.write_table(__import__("pyarrow").Table.from_pylist([kto_row([{"bytes": d, "path": None} for d in data],
+                                                                    True)]), src)
+    store = Store(run(tmp_path, [src], llava_dirs["toy"]).path)
+    images = store.images_of(0)
+    assert [im["tokens"] for im in images] == [4, 4]
+    model = tiny_vlm("llava", vision_tokenizer())
+    assert model.config.image_token_id == store.meta["processor"]["image_token_id"]
+    pixels = AutoImageProcessor.from_pretrained(store.path / "processor")(
+        [PIL_Image.open(io.BytesIO(im["data"])) for im in images], return_tensors="pt")["pixel_values"]
+    ex = store.unpaired(0)
+    ids = torch.tensor(np.concatenate([ex.prompt, ex.completion]).astype(np.int64))[None]
+    with torch.no_grad():
+        features = model.get_image_features(pixel_values=pixels)
+        features = getattr(features, "pooler_output", features)
+        assert sum(len(f) for f in features) == sum(im["tokens"] for im in images)
+        assert model(input_ids=ids, pixel_values=pixels).logits.shape[1] == ids.shape[1]
