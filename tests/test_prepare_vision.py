@@ -333,6 +333,9 @@ LLAVA_VARIANTS = {  # name: (LlavaProcessor settings, CLIP image processor setti
     "no_crop": ({}, {"do_center_crop": False}),  # shortest edge 28, the other scaled: depends on the image's shape
     "fixed": ({"num_additional_image_tokens": 0, "vision_feature_select_strategy": "full"},
               {"size": {"height": 42, "width": 56}, "do_center_crop": False}),
+    "raw": ({}, {"do_resize": False, "do_center_crop": False}),  # the image's own size
+    "padded": ({}, {"size": {"height": 28, "width": 28}, "do_center_crop": False, "do_pad": True,
+                    "pad_size": {"height": 42, "width": 56}}),
 }
 
 
@@ -371,6 +374,13 @@ def test_llava_counts_equal_the_processors_expansion(tmp_path, llava_dirs):
         vision = load_vision(str(folder), vision_tokenizer())
         counts = [llava_count(folder, data) for data in images]
         assert [vision.placeholder_tokens(w, h) for w, h in sizes] == counts, name
+        if 0 in counts:  # "raw": the 10 x 30 image is smaller than a patch, a bad row
+            assert name == "raw" and counts.index(0) == 2
+            with pytest.raises(PrepareError, match=r"rows.jsonl line 1, field 'images': field 'images': image 2 "
+                               r"\(10x30 pixels\) gets 0 image tokens .*\[image_too_small\]"):
+                run(tmp_path, [src], folder, name)
+            hashes.add(name)
+            continue
         report = run(tmp_path, [src], folder, name)
         store = Store(report.path, verify=True)
         check_images(store, 0, images[:3], counts[:3])

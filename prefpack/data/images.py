@@ -70,11 +70,14 @@ def _size(value: Any) -> dict:
 
 
 def llava_pixel_size(proc: Any, width: int, height: int) -> tuple[int, int]:
-    """(height, width) of the pixels a CLIP-style image processor gives an image of this size: its resize (a fixed
-    height and width, or the shortest edge scaled as torchvision does), then its center crop, then its fixed padding;
-    the sizes LlavaProcessor reads off ``pixel_values`` to count the image's tokens."""
+    """(height, width) of the pixels a CLIP-style image processor gives an image of this size: its center crop, or
+    without one its resize (a fixed height and width, or the shortest edge scaled as torchvision does), then its fixed
+    padding; the sizes LlavaProcessor reads off ``pixel_values`` to count the image's tokens."""
     h, w = height, width
-    if getattr(proc, "do_resize", False):
+    if getattr(proc, "do_center_crop", False):  # the crop decides the size, whatever the resize gave
+        crop = _size(getattr(proc, "crop_size", None))
+        h, w = int(crop["height"]), int(crop["width"])
+    elif getattr(proc, "do_resize", False):
         size = _size(getattr(proc, "size", None))
         if size.get("height") and size.get("width"):
             h, w = int(size["height"]), int(size["width"])
@@ -86,9 +89,6 @@ def llava_pixel_size(proc: Any, width: int, height: int) -> tuple[int, int]:
         else:
             raise ProcessorError(f"{type(proc).__name__}: resize setting {size} is not supported (a fixed height and "
                                  "width, or a shortest_edge alone)")
-    if getattr(proc, "do_center_crop", False):
-        crop = _size(getattr(proc, "crop_size", None))
-        h, w = int(crop["height"]), int(crop["width"])
     if getattr(proc, "do_pad", False):
         pad = _size(getattr(proc, "pad_size", None))
         h, w = int(pad["height"]), int(pad["width"])
