@@ -459,3 +459,12 @@ def test_toy_llava_store_fits_the_tiny_llava_model(tmp_path, llava_dirs):
         features = getattr(features, "pooler_output", features)
         assert sum(len(f) for f in features) == sum(im["tokens"] for im in images)
         assert model(input_ids=ids, pixel_values=pixels).logits.shape[1] == ids.shape[1]
+
+
+def test_images_beside_string_pairs_named(tmp_path, processor_dir):
+    (tmp_path / "i.png").write_bytes(png(32, 32, 50))
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "q?", "chosen": "a cat", "rejected": "a dog",
+                                              "images": ["i.png"]}])
+    with pytest.raises(PrepareError, match=r"p.jsonl line 1, field 'images': .*images are read for the messages, "
+                       r"rlaif-v, unpaired, ranked layouts only, not 'pairs' \[vision_not_supported\]"):
+        run(tmp_path, [src], processor_dir)

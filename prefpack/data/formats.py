@@ -224,7 +224,7 @@ def extract(row: dict, layout: str, f: Fields, *, vision: bool = False) -> Examp
         return _extract_vision(row, layout, f)
     for key, value in row.items():
         if str(key).lower() in VISION_FIELDS and value not in (None, [], ""):
-            why = (f"with --processor, images are read for the {' and '.join(VISION_LAYOUTS)} layouts only, not "
+            why = (f"with --processor, images are read for the {', '.join(VISION_LAYOUTS)} layouts only, not "
                    f"{layout!r}") if vision else VISION_MESSAGE
             raise InvalidRow("vision_not_supported", key, f"field {key!r} holds images or video: {why}")
     if layout == "rlaif-v":
