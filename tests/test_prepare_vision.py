@@ -468,3 +468,22 @@ def test_images_beside_string_pairs_named(tmp_path, processor_dir):
     with pytest.raises(PrepareError, match=r"p.jsonl line 1, field 'images': .*images are read for the messages, "
                        r"rlaif-v, unpaired, ranked layouts only, not 'pairs' \[vision_not_supported\]"):
         run(tmp_path, [src], processor_dir)
+
+
+def test_same_text_other_image_is_another_prompt(tmp_path, processor_dir):
+    """Image tokens are the same placeholder ids whatever the image: prompts that differ only by their image are not
+    repeated prompts (prepare's count) nor one prompt group (data.group_by_prompt)."""
+    from prefpack.data.views import _prompt_groups
+
+    a, b = png(56, 56, 60), png(56, 56, 61)  # same size: the same tokens
+    rows = [trl_row([{"bytes": a, "path": None}]), trl_row([{"bytes": b, "path": None}]),
+            trl_row([{"bytes": a, "path": None}])]
+    src = tmp_path / "p.parquet"
+    pq.write_table(__import__("pyarrow").Table.from_pylist(rows), src)
+    report = run(tmp_path, [src], processor_dir)
+    assert report.repeated_prompts == {"prompts": 1, "pairs": 2}  # rows 0 and 2 only
+    store = Store(report.path)
+    assert np.array_equal(store.pair(0).prompt, store.pair(1).prompt)
+    assert store.image_key(0) == store.image_key(2) != store.image_key(1) and len(store.image_key(0)) == 16
+    groups = _prompt_groups(store).tolist()
+    assert groups[0] == groups[2] != groups[1]

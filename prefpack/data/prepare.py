@@ -237,7 +237,7 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
             else:  # the call of a store without spans, as before
                 writer.append(res.tokens, res.index)
             if kind == "pairs":
-                repeats.observe(res.tokens, res.index)
+                repeats.observe(res.tokens, res.index, res.images)
         if skipped_fh is not None:
             skipped_fh.close()
             skipped_fh = None
@@ -314,10 +314,19 @@ class PromptRepeats:
     def __init__(self):
         self.seen: Counter = Counter()
 
-    def observe(self, tokens: np.ndarray, index: np.ndarray) -> None:
+    def observe(self, tokens: np.ndarray, index: np.ndarray, images: list | None = None) -> None:
+        """`images`: the chunk's (row, bytes, ...) per image; a prompt's images are part of it (their image tokens
+        are the same placeholder ids whatever the image)."""
+        by_row: dict[int, list[bytes]] = {}
+        for row, data, *_ in images or ():
+            by_row.setdefault(row, []).append(data)
         uncut = (index[:, 4] & FLAG_PROMPT_TRUNCATED) == 0  # the pair columns' flags
-        for offset, prompt_len in index[uncut, :2].tolist():
-            self.seen[hashlib.blake2b(tokens[offset:offset + prompt_len].tobytes(), digest_size=8).digest()] += 1
+        for row in np.flatnonzero(uncut).tolist():
+            offset, prompt_len = int(index[row, 0]), int(index[row, 1])
+            h = hashlib.blake2b(tokens[offset:offset + prompt_len].tobytes(), digest_size=8)
+            for data in by_row.get(row, ()):
+                h.update(hashlib.blake2b(data, digest_size=16).digest())
+            self.seen[h.digest()] += 1
 
     def counts(self) -> dict[str, int]:
         repeated = [n for n in self.seen.values() if n > 1]

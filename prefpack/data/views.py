@@ -102,14 +102,15 @@ def row_lengths(store: Store) -> tuple[np.ndarray, np.ndarray, str]:
 
 
 def _prompt_groups(store: Store) -> np.ndarray:
-    """A group id per store row: rows whose prompt tokens are identical share one (hashed, 16 bytes each)."""
+    """A group id per store row: rows whose prompt tokens (and images, in an image store) are identical share one
+    (hashed, 16 bytes each)."""
     offsets, lengths = store.column("offset"), store.column("prompt_len")
     tokens = store.tokens
     seen: dict[bytes, int] = {}
     out = np.empty(len(store), dtype=np.int64)
     for i in range(len(store)):
         o, n = int(offsets[i]), int(lengths[i])
-        key = hashlib.blake2b(np.asarray(tokens[o : o + n]).tobytes(), digest_size=16).digest()
+        key = hashlib.blake2b(np.asarray(tokens[o : o + n]).tobytes() + store.image_key(i), digest_size=16).digest()
         out[i] = seen.setdefault(key, len(seen))
     return out
 
