@@ -216,7 +216,8 @@ def _is_empty(value: Any) -> bool:
 
 def extract(row: dict, layout: str, f: Fields, *, vision: bool = False) -> Example:
     """Check one row's fields and types and return its example, or raise InvalidRow. With `vision` (prepare
-    --processor) TRL's and RLAIF-V's image rows are read; without it any image or video column is refused."""
+    --processor) TRL's image rows (pairs, unpaired and ranked message prompts with an images column) and RLAIF-V's
+    are read; without it any image or video column is refused."""
     if vision and layout in ("messages", "rlaif-v"):
         return _extract_vision(row, layout, f)
     if vision and layout in ("unpaired", "ranked") and (isinstance(row.get(f.prompt), list)
@@ -279,7 +280,7 @@ def _extract_vision(row: dict, layout: str, f: Fields) -> Example:
     if row.get(RLAIFV_IMAGE) not in (None, [], ""):
         raise InvalidRow("vision_not_supported", RLAIFV_IMAGE, f"field {RLAIFV_IMAGE!r}: message rows take their "
                          f"images from an {IMAGES_FIELD!r} list (TRL's layout)")
-    if not isinstance(require(row, f.prompt), list):
+    if not isinstance(require(row, f.prompt), list) and row.get(IMAGES_FIELD) not in (None, [], ""):
         raise InvalidRow("vision_not_supported", IMAGES_FIELD, f"field {IMAGES_FIELD!r} holds images but the prompt "
                          f"{f.prompt!r} is a plain string: images are placed by {{'type': 'image'}} parts of a "
                          "message-list prompt (TRL's layout)")
