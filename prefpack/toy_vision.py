@@ -17,7 +17,8 @@ import numpy as np
 
 from prefpack.toy_tokenizer import add_vision_tokens, build_toy_tokenizer
 
-__all__ = ["VLM_KINDS", "png_image", "save_processor_dir", "tiny_vlm", "vision_rows", "vision_tokenizer"]
+__all__ = ["VLM_KINDS", "png_image", "processor", "save_processor_dir", "tiny_vlm", "vision_rows", "vision_tokenizer",
+           "unpaired_vision_rows"]
 
 VLM_KINDS = ("qwen2_vl", "llava")
 _WORDS = ("a cat on a mat", "a dog in the fog", "a red square", "two blue circles", "a green tree by a lake",
@@ -31,21 +32,57 @@ def vision_tokenizer(vocab_size: int = 300):
     return add_vision_tokens(build_toy_tokenizer(texts, style="chatml", vocab_size=vocab_size))
 
 
-def image_processor(kind: str = "qwen2_vl"):
-    """The image processor of a toy processor folder (Qwen2-VL's, default settings: 28 pixels per image token)."""
-    if kind != "qwen2_vl":
-        raise ValueError(f"no toy image processor for {kind!r} yet")
-    from transformers import Qwen2VLImageProcessorPil
-
-    return Qwen2VLImageProcessorPil()
+# The toy LLaVA processor: CLIP's image processor at the tiny LLaVA's 28 pixels (resize the shortest edge to 28, crop
+# 28 x 28), 14-pixel patches, the CLS feature dropped ("default"): (28 // 14) ** 2 + 1 - 1 = 4 image tokens per image.
+LLAVA_IMAGE_SIZE, LLAVA_PATCH_SIZE = 28, 14
+LLAVA_SETTINGS = dict(patch_size=LLAVA_PATCH_SIZE, vision_feature_select_strategy="default",
+                      num_additional_image_tokens=1, image_token="<|image_pad|>")
 
 
-def save_processor_dir(path: str | Path, kind: str = "qwen2_vl", tokenizer=None) -> Path:
-    """Write a processor folder (the image processor's settings and the tokenizer) that `prepare --processor` reads."""
+def image_processor(kind: str = "qwen2_vl", **settings):
+    """The image processor of a toy processor folder: Qwen2-VL's (default settings: 28 pixels per image token), or
+    for ``llava`` CLIP's at 28 x 28 pixels (`settings` override its own, e.g. ``do_center_crop=False``)."""
+    if kind == "qwen2_vl":
+        from transformers import Qwen2VLImageProcessorPil
+
+        return Qwen2VLImageProcessorPil(**settings)
+    if kind == "llava":
+        try:
+            from transformers import CLIPImageProcessorPil as CLIPImageProcessor
+        except ImportError:  # transformers before the PIL / torchvision split
+            from transformers import CLIPImageProcessor
+        size = LLAVA_IMAGE_SIZE
+        return CLIPImageProcessor(**{"size": {"shortest_edge": size}, "crop_size": {"height": size, "width": size},
+                                     **settings})
+    raise ValueError(f"no toy image processor for {kind!r}; one of {VLM_KINDS}")
+
+
+def processor(kind: str = "qwen2_vl", tokenizer=None, image_settings: dict | None = None, **settings):
+    """The whole toy processor: for ``llava`` a ``LlavaProcessor`` (CLIP's image processor, the tokenizer, and
+    ``LLAVA_SETTINGS`` with `settings` applied: the image token is ``<|image_pad|>``, as the tiny LLaVA's
+    image_token_id); for ``qwen2_vl`` the image processor alone (what prepare reads)."""
+    if kind != "llava":
+        return image_processor(kind, **(image_settings or {}))
+    from transformers import LlavaProcessor
+
+    return LlavaProcessor(image_processor=image_processor(kind, **(image_settings or {})),
+                          tokenizer=tokenizer or vision_tokenizer(), **{**LLAVA_SETTINGS, **settings})
+
+
+def save_processor_dir(path: str | Path, kind: str = "qwen2_vl", tokenizer=None, *,
+                       image_settings: dict | None = None, **settings) -> Path:
+    """Write a processor folder that `prepare --processor` reads: the tokenizer and the image processor's settings
+    (``qwen2_vl``), or a LlavaProcessor's ``save_pretrained`` (``llava``: processor_config.json with patch_size,
+    vision_feature_select_strategy, num_additional_image_tokens and image_token, CLIP's image processor, the
+    tokenizer). `image_settings` and `settings` override the image processor's and the LlavaProcessor's."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (tokenizer or vision_tokenizer()).save_pretrained(path)
-    image_processor(kind).save_pretrained(path)
+    tok = tokenizer or vision_tokenizer()
+    if kind == "llava":
+        processor(kind, tok, image_settings, **settings).save_pretrained(path)
+        return path
+    tok.save_pretrained(path)
+    image_processor(kind, **(image_settings or {})).save_pretrained(path)
     return path
 
 
@@ -127,6 +164,15 @@ def vision_rows(n: int, image_dir: str | Path, *, seed: int = 0, sizes=((56, 56)
                      "chosen": [{"role": "assistant", "content": [{"type": "text", "text": _WORDS[chosen]}]}],
                      "rejected": [{"role": "assistant", "content": [{"type": "text", "text": _WORDS[rejected]}]}]})
     return rows
+
+
+def unpaired_vision_rows(n: int, image_dir: str | Path, *, seed: int = 0, **kw) -> list[dict]:
+    """``n`` unpaired (KTO) rows in TRL's vision layout (``images``, ``prompt`` messages with image parts,
+    ``completion``, ``label``): the rows of ``vision_rows``, each giving its chosen reply (label true) when ``i`` is
+    even and its rejected one (label false) when odd."""
+    rows = vision_rows(n, image_dir, seed=seed, **kw)
+    return [{"images": r["images"], "prompt": r["prompt"], "completion": r["chosen" if i % 2 == 0 else "rejected"],
+             "label": i % 2 == 0} for i, r in enumerate(rows)]
 
 
 def write_jsonl(path: str | Path, rows: list[dict]) -> Path:

@@ -67,16 +67,18 @@ def run(tmp_path, inputs, processor_dir, name="store", **kw):
     return prepare(opts, log=lambda _m: None)
 
 
-def check_images(store: Store, row: int, expected: list[bytes]) -> None:
-    """Stored bytes equal the input's; each run of image tokens has the processor's count, at its position."""
+def check_images(store: Store, row: int, expected: list[bytes], counts: list[int] | None = None) -> None:
+    """Stored bytes equal the input's; each run of image tokens has the processor's count (Qwen2-VL's unless
+    `counts` are given), at its position."""
     images = store.images_of(row)
     assert [im["data"] for im in images] == expected
     tid = store.meta["processor"]["image_token_id"]
-    prompt_start = int(store.index[row, 0])
-    prompt = np.asarray(store.tokens[prompt_start:prompt_start + int(store.index[row, 1])])
+    offset, prompt_len = int(store.index[row, 0]), int(store.index[row, 1])
+    prompt_start = offset - prompt_len if store.kind == "ranked" else offset  # ranked: the prompt precedes its row
+    prompt = np.asarray(store.tokens[prompt_start:prompt_start + prompt_len])
     assert int((prompt == tid).sum()) == sum(im["tokens"] for im in images)
-    for im, data in zip(images, expected):
-        assert im["tokens"] == processor_count(data)
+    for k, (im, data) in enumerate(zip(images, expected)):
+        assert im["tokens"] == (processor_count(data) if counts is None else counts[k])
         assert (im["width"], im["height"]) == PIL_Image.open(io.BytesIO(data)).size
         run_ = np.asarray(store.tokens[im["position"]:im["position"] + im["tokens"]])
         assert (run_ == tid).all() and store.tokens[im["position"] - 1] != tid
@@ -228,3 +230,260 @@ def test_train_setup_refuses_an_image_store(tmp_path, processor_dir):
                              f"run.output_dir={tmp_path / 'run'}"])
     with pytest.raises(StoreError, match="train store .* holds 1 images .*images are prepared, but training"):
         build(cfg, log=lambda _m: None)
+
+
+def kto_row(images: list, label, text: str = "what is in the picture?", reply: str = "a cat on a mat") -> dict:
+    """TRL's unpaired (KTO) vision layout: images, a message prompt with image parts, a completion and a label."""
+    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]
+    return {"images": images, "prompt": [{"role": "user", "content": content}],
+            "completion": [{"role": "assistant", "content": [{"type": "text", "text": reply}]}], "label": label}
+
+
+def test_unpaired_kto_rows_round_trip(tmp_path, processor_dir):
+    a, b, c = png(64, 48, 10), png(90, 30, 11, "JPEG"), png(28, 56, 12)
+    (tmp_path / "b.jpg").write_bytes(b)
+    rows = [kto_row([{"bytes": a, "path": None}, {"bytes": None, "path": "b.jpg"}], True),
+            kto_row([], False, text="no image", reply="a dog"),
+            kto_row([{"bytes": c, "path": None}], False, reply="a dog in the fog"),
+            {"images": [], "prompt": "plain text prompt", "completion": "a plain reply", "label": True}]
+    src = tmp_path / "kto.parquet"
+    pq.write_table(__import__("pyarrow").Table.from_pylist(rows[:3]), src)
+    text_src = write_jsonl(tmp_path / "text.jsonl", rows[3:])
+    report = run(tmp_path, [src, text_src], processor_dir, layout="unpaired", chunk_rows=2)
+    assert report.layout == "unpaired" and report.images == 3 and report.examples == 4 and not report.unused_columns
+    store = Store(tmp_path / "store", verify=True)
+    assert store.kind == "unpaired" and store.meta["num_images"] == 3
+    check_images(store, 0, [a, b])
+    assert store.images_of(1) == [] and store.images_of(3) == []
+    check_images(store, 2, [c])
+    assert [store.unpaired(i).label for i in range(4)] == [1, 0, 0, 1]
+    assert store.prompt_images(2) == store.images_of(2)
+    text = inspect_store(str(store.path), row=0)
+    assert f"<|image_pad|> x {processor_count(a)}" in text and "image 1: 90x30 pixels" in text
+    # detected without --format, from the first row's prompt / completion / label
+    detected = run(tmp_path, [src], processor_dir, "detected")
+    assert detected.layout == "unpaired" and detected.images == 3
+
+
+def reply(text: str) -> list:
+    return [{"role": "assistant", "content": [{"type": "text", "text": text}]}]
+
+
+def test_ranked_rows_with_images(tmp_path, processor_dir):
+    a, b = png(56, 56, 13), png(40, 80, 14)
+    row = trl_row([{"bytes": a, "path": None}, {"bytes": b, "path": None}])
+    ranked = [{"images": row["images"], "prompt": row["prompt"], "scores": [2.0, 1.0, 0.5],
+               "completions": [row["chosen"], row["rejected"], reply("nothing")]},
+              {"images": [], "prompt": [{"role": "user", "content": [{"type": "text", "text": "no image"}]}],
+               "scores": [1, 0], "completions": [reply("yes"), reply("no")]}]
+    src = tmp_path / "ranked.parquet"
+    pq.write_table(__import__("pyarrow").Table.from_pylist(ranked), src)
+    report = run(tmp_path, [src], processor_dir)
+    assert report.layout == "ranked" and report.groups == 2 and report.examples == 5 and report.images == 2
+    store = Store(tmp_path / "store", verify=True)
+    check_images(store, 0, [a, b])  # stored once, with the group's first row, which its prompt precedes
+    assert store.images_of(1) == store.images_of(2) == [] and store.images_of(3) == []
+    assert [im["data"] for im in store.prompt_images(2)] == [a, b] and store.prompt_images(4) == []
+    prompt, _ = store.ranked_group(0)
+    tid = store.meta["processor"]["image_token_id"]
+    assert int((np.asarray(prompt) == tid).sum()) == processor_count(a) + processor_count(b)
+    assert "image 1: 40x80 pixels" in inspect_store(str(store.path), row=2)
+
+
+def test_bad_unpaired_and_reply_image_rows_named(tmp_path, processor_dir):
+    """Unpaired image rows: a reply with an image part, images beside a string prompt, a bad label, an undecodable
+    image are each named by file, row and field, or counted and skipped."""
+    good = png(40, 40, 15)
+    (tmp_path / "good.png").write_bytes(good)
+    (tmp_path / "broken.png").write_bytes(good[:50])
+    reply_image = kto_row(["good.png"], True)
+    reply_image["completion"] = [{"role": "assistant", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}]
+    rows = [kto_row(["good.png"], True),
+            reply_image,
+            {"images": ["good.png"], "prompt": "a string prompt", "completion": "x", "label": True},
+            kto_row(["good.png"], "maybe"),
+            kto_row(["broken.png"], False),
+            kto_row(["good.png", "good.png"], False) | {"prompt": kto_row(["good.png"], False)["prompt"]}]
+    cases = [(1, "completion", r"message 0 has a 'image' content part, which a reply cannot hold yet", "vision_not_supported"),
+             (2, "images", r"the prompt 'prompt' is a plain string", "vision_not_supported"),
+             (3, "label", r"must be a boolean", "wrong_type"),
+             (4, "images", r"image 0 \(50 bytes\) cannot be decoded", "undecodable_image"),
+             (5, "images", r"holds 2 image\(s\) but the prompt 'prompt' has 1", "image_count_mismatch")]
+    for k, field, message, reason in cases:
+        src = write_jsonl(tmp_path / f"bad{k}.jsonl", [rows[0], rows[k]])
+        with pytest.raises(PrepareError, match=rf"bad{k}.jsonl line 2, field '{field}': .*{message}.*\[{reason}\]"):
+            run(tmp_path, [src], processor_dir, layout="unpaired")
+    report = run(tmp_path, [write_jsonl(tmp_path / "all.jsonl", rows)], processor_dir, skip_invalid=True)
+    assert report.examples == 1 and report.skipped == {"vision_not_supported": 2, "wrong_type": 1,
+                                                       "undecodable_image": 1, "image_count_mismatch": 1}
+    skipped = [json.loads(line) for line in (report.path / "skipped.jsonl").read_text().splitlines()]
+    assert [(s["row"], s["field"]) for s in skipped] == [(k, field) for k, field, *_ in cases]
+    check_images(Store(report.path, verify=True), 0, [good])
+    # a pair whose reply holds an image part is named the same way
+    pair = trl_row(["good.png"])
+    pair["rejected"] = [{"role": "assistant", "content": [{"type": "image"}]}]
+    with pytest.raises(PrepareError, match=r"pair.jsonl line 1, field 'rejected': .*a reply cannot hold yet.*"
+                       r"\[vision_not_supported\]"):
+        run(tmp_path, [write_jsonl(tmp_path / "pair.jsonl", [pair])], processor_dir, "pair")
+
+
+LLAVA_VARIANTS = {  # name: (LlavaProcessor settings, CLIP image processor settings)
+    "toy": ({}, {}),  # the tiny LLaVA's: 28 x 28 crop, 14-pixel patches, CLS dropped: 4 tokens
+    "full": ({"vision_feature_select_strategy": "full"}, {}),  # the CLS feature kept: 5
+    "no_crop": ({}, {"do_center_crop": False}),  # shortest edge 28, the other scaled: depends on the image's shape
+    "fixed": ({"num_additional_image_tokens": 0, "vision_feature_select_strategy": "full"},
+              {"size": {"height": 42, "width": 56}, "do_center_crop": False}),
+    "raw": ({}, {"do_resize": False, "do_center_crop": False}),  # the image's own size
+    "padded": ({}, {"size": {"height": 28, "width": 28}, "do_center_crop": False, "do_pad": True,
+                    "pad_size": {"height": 42, "width": 56}}),
+}
+
+
+@pytest.fixture(scope="module")
+def llava_dirs(tmp_path_factory):
+    from prefpack.toy_vision import save_processor_dir, vision_tokenizer
+
+    tok = vision_tokenizer()
+    root = tmp_path_factory.mktemp("llava")
+    return {name: save_processor_dir(root / name, "llava", tok, image_settings=image, **settings)
+            for name, (settings, image) in LLAVA_VARIANTS.items()}
+
+
+def llava_count(folder, data: bytes) -> int:
+    """LlavaProcessor's own expansion: how many image tokens it writes for one image placeholder."""
+    from transformers import AutoProcessor, LlavaProcessor
+
+    proc = AutoProcessor.from_pretrained(folder)
+    assert isinstance(proc, LlavaProcessor)
+    ids = proc(text=f"{proc.image_token} what is it?", images=[PIL_Image.open(io.BytesIO(data))])["input_ids"][0]
+    return int((np.asarray(ids) == proc.image_token_id).sum())
+
+
+def test_llava_counts_equal_the_processors_expansion(tmp_path, llava_dirs):
+    from prefpack.data.images import load_vision
+    from prefpack.toy_vision import vision_tokenizer
+
+    sizes = [(28, 28), (56, 28), (10, 30), (100, 37), (300, 200), (64, 64)]
+    images = [png(w, h, 20 + k, "JPEG" if k % 2 else "PNG") for k, (w, h) in enumerate(sizes)]
+    for k, data in enumerate(images):
+        (tmp_path / f"{k}.img").write_bytes(data)
+    rows = [trl_row([f"{k}.img" for k in range(3)]), trl_row([f"{k}.img" for k in range(3, 6)])]
+    src = write_jsonl(tmp_path / "rows.jsonl", rows)
+    hashes = set()
+    for name, folder in llava_dirs.items():
+        vision = load_vision(str(folder), vision_tokenizer())
+        counts = [llava_count(folder, data) for data in images]
+        assert [vision.placeholder_tokens(w, h) for w, h in sizes] == counts, name
+        if 0 in counts:  # "raw": the 10 x 30 image is smaller than a patch, a bad row
+            assert name == "raw" and counts.index(0) == 2
+            with pytest.raises(PrepareError, match=r"rows.jsonl line 1, field 'images': field 'images': image 2 "
+                               r"\(10x30 pixels\) gets 0 image tokens .*\[image_too_small\]"):
+                run(tmp_path, [src], folder, name)
+            hashes.add(name)
+            continue
+        report = run(tmp_path, [src], folder, name)
+        store = Store(report.path, verify=True)
+        check_images(store, 0, images[:3], counts[:3])
+        check_images(store, 1, images[3:], counts[3:])
+        meta = store.meta["processor"]
+        assert meta["kind"] == "llava" and meta["image_token"] == "<|image_pad|>"
+        assert meta["processor_settings"]["patch_size"] == 14 and meta["class"].startswith("CLIPImageProcessor")
+        hashes.add(meta["hash"])
+        from transformers import AutoImageProcessor
+
+        assert type(AutoImageProcessor.from_pretrained(store.path / "processor")).__name__.startswith("CLIPImage")
+    assert len(hashes) == len(LLAVA_VARIANTS)  # every LlavaProcessor setting is in the processor's hash
+    assert {llava_count(llava_dirs["toy"], data) for data in images} == {4}  # the tiny LLaVA's 2 x 2 patches
+
+
+def test_llava_image_token_is_the_processors(tmp_path):
+    """The image token is the processor's: a LlavaProcessor naming ``<|vision_start|>`` expands that token."""
+    from prefpack.data.images import load_vision
+    from prefpack.toy_vision import save_processor_dir, vision_tokenizer
+
+    tok = vision_tokenizer()
+    folder = save_processor_dir(tmp_path / "p", "llava", tok, image_token="<|vision_start|>")
+    vision = load_vision(str(folder), tok)
+    assert vision.image_token == "<|vision_start|>" and vision.image_token_id == tok.convert_tokens_to_ids(
+        "<|vision_start|>")
+    data = png(50, 50, 30)
+    assert vision.placeholder_tokens(50, 50) == llava_count(folder, data) == 4
+
+
+def test_unsupported_processors_refused_by_name(tmp_path, processor_dir):
+    from prefpack.toy_vision import image_processor, save_processor_dir, vision_tokenizer
+
+    src = write_jsonl(tmp_path / "r.jsonl", [{"image": "i.png", "question": "q?", "chosen": "a", "rejected": "b"}])
+    clip = tmp_path / "clip"  # an image processor without a LlavaProcessor's settings
+    vision_tokenizer().save_pretrained(clip)
+    image_processor("llava").save_pretrained(clip)
+    with pytest.raises(PrepareError, match=r"CLIPImageProcessor\w* is not supported yet; prefpack expands images for "
+                       r"the Qwen2-VL family .* and LlavaProcessor"):
+        run(tmp_path, [src], clip)
+    other = save_processor_dir(tmp_path / "other", "llava")
+    config = json.loads((other / "processor_config.json").read_text())
+    (other / "processor_config.json").write_text(json.dumps({**config, "processor_class": "LlavaNextProcessor"}))
+    with pytest.raises(PrepareError, match=r"LlavaNextProcessor with CLIPImageProcessor\w* is not supported yet"):
+        run(tmp_path, [src], other)
+    for key, value, message in (("patch_size", None, "must give the vision tower's patch_size"),
+                                ("vision_feature_select_strategy", "cls", "must be 'default' or 'full'"),
+                                ("image_token", "<no such token>", "the tokenizer has no '<no such token>' token")):
+        (other / "processor_config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(PrepareError, match=rf"--processor .*{message}"):
+            run(tmp_path, [src], other)
+
+
+def test_toy_llava_store_fits_the_tiny_llava_model(tmp_path, llava_dirs):
+    """The toy LLaVA folder's counts are the tiny LLaVA model's: its forward takes a stored prompt (image tokens as
+    stored) with the pixels of the store's own image processor, and gives one feature per image token."""
+    import torch
+    from transformers import AutoImageProcessor
+
+    from prefpack.toy_vision import tiny_vlm, vision_tokenizer
+
+    data = [png(60, 40, 40), png(28, 90, 41)]
+    src = tmp_path / "kto.parquet"
+    pq.write_table(__import__("pyarrow").Table.from_pylist([kto_row([{"bytes": d, "path": None} for d in data],
+                                                                    True)]), src)
+    store = Store(run(tmp_path, [src], llava_dirs["toy"]).path)
+    images = store.images_of(0)
+    assert [im["tokens"] for im in images] == [4, 4]
+    model = tiny_vlm("llava", vision_tokenizer())
+    assert model.config.image_token_id == store.meta["processor"]["image_token_id"]
+    pixels = AutoImageProcessor.from_pretrained(store.path / "processor")(
+        [PIL_Image.open(io.BytesIO(im["data"])) for im in images], return_tensors="pt")["pixel_values"]
+    ex = store.unpaired(0)
+    ids = torch.tensor(np.concatenate([ex.prompt, ex.completion]).astype(np.int64))[None]
+    with torch.no_grad():
+        features = model.get_image_features(pixel_values=pixels)
+        features = getattr(features, "pooler_output", features)
+        assert sum(len(f) for f in features) == sum(im["tokens"] for im in images)
+        assert model(input_ids=ids, pixel_values=pixels).logits.shape[1] == ids.shape[1]
+
+
+def test_images_beside_string_pairs_named(tmp_path, processor_dir):
+    (tmp_path / "i.png").write_bytes(png(32, 32, 50))
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "q?", "chosen": "a cat", "rejected": "a dog",
+                                              "images": ["i.png"]}])
+    with pytest.raises(PrepareError, match=r"p.jsonl line 1, field 'images': .*images are read for the messages, "
+                       r"rlaif-v, unpaired, ranked layouts only, not 'pairs' \[vision_not_supported\]"):
+        run(tmp_path, [src], processor_dir)
+
+
+def test_same_text_other_image_is_another_prompt(tmp_path, processor_dir):
+    """Image tokens are the same placeholder ids whatever the image: prompts that differ only by their image are not
+    repeated prompts (prepare's count) nor one prompt group (data.group_by_prompt)."""
+    from prefpack.data.views import _prompt_groups
+
+    a, b = png(56, 56, 60), png(56, 56, 61)  # same size: the same tokens
+    rows = [trl_row([{"bytes": a, "path": None}]), trl_row([{"bytes": b, "path": None}]),
+            trl_row([{"bytes": a, "path": None}])]
+    src = tmp_path / "p.parquet"
+    pq.write_table(__import__("pyarrow").Table.from_pylist(rows), src)
+    report = run(tmp_path, [src], processor_dir)
+    assert report.repeated_prompts == {"prompts": 1, "pairs": 2}  # rows 0 and 2 only
+    store = Store(report.path)
+    assert np.array_equal(store.pair(0).prompt, store.pair(1).prompt)
+    assert store.image_key(0) == store.image_key(2) != store.image_key(1) and len(store.image_key(0)) == 16
+    groups = _prompt_groups(store).tolist()
+    assert groups[0] == groups[2] != groups[1]

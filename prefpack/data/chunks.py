@@ -121,6 +121,8 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
             truncated[what] += 1
             flags |= FLAG_PROMPT_TRUNCATED if what == "prompt" else FLAG_COMPLETION_TRUNCATED
         if ex.scores is not None:  # ranked: one row per completion, the prompt once before the first
+            # the prompt's images belong to the group's first row (the one its prompt precedes)
+            images.extend((len(rows), data, w, h, len(flat) + start, n) for data, w, h, start, n in res.images)
             flat.extend(res.prompt)
             for c, score, scored in zip(res.completions, ex.scores, res.scored):
                 rows.append([len(flat), len(res.prompt), len(c), _score_bits(score), groups, flags,

@@ -48,11 +48,13 @@ from prefpack.data.text_spans import PAIR_KEYS, read_text_spans
 LAYOUTS = ("pairs", "text-pairs", "messages", "implicit", "unpaired", "ranked", "rlaif-v")
 
 # Vision-language rows (read only with prepare --processor, docs/images.md). TRL's layout: the `messages` layout whose
-# prompt holds {"type": "image"} parts, with the images, in order, in an `images` column. RLAIF-V's
-# (openbmb/RLAIF-V-Dataset): one `image`, a `question` string and chosen / rejected strings.
+# prompt holds {"type": "image"} parts, with the images, in order, in an `images` column; TRL's unpaired (KTO) vision
+# layout is the `unpaired` one with such a prompt and `images`, and a `ranked` row's message prompt may hold images the
+# same way (they belong to the prompt its completions share). RLAIF-V's (openbmb/RLAIF-V-Dataset): one `image`, a
+# `question` string and chosen / rejected strings.
 IMAGES_FIELD = "images"
 RLAIFV_IMAGE, RLAIFV_QUESTION = "image", "question"
-VISION_LAYOUTS = ("messages", "rlaif-v")
+VISION_LAYOUTS = ("messages", "rlaif-v", "unpaired", "ranked")
 
 # A ranked row's completion: its text under one of these keys, and a score (higher is better) or a rank (1 is best).
 # "answer"/"rank" are Nectar's (berkeley-nest/Nectar: answers = [{answer, model, rank}]), "response"/"overall_score"
@@ -95,10 +97,10 @@ def used_fields(layout: str, f: Fields) -> frozenset[str]:
     if layout == "implicit":
         return frozenset({f.chosen, f.rejected, *chat})
     if layout == "unpaired":
-        return frozenset({f.prompt, f.completion, f.label, *chat})
+        return frozenset({f.prompt, f.completion, f.label, IMAGES_FIELD, *chat})
     if layout == "ranked":
         return frozenset({f.prompt, f.completions, *({f.scores} - {None}), *RANKED_SCORE_LISTS, RANKED_RANK_LIST,
-                          *chat})
+                          IMAGES_FIELD, *chat})
     return frozenset({f.prompt, f.chosen, f.rejected, *chat})
 
 
@@ -214,12 +216,16 @@ def _is_empty(value: Any) -> bool:
 
 def extract(row: dict, layout: str, f: Fields, *, vision: bool = False) -> Example:
     """Check one row's fields and types and return its example, or raise InvalidRow. With `vision` (prepare
-    --processor) TRL's and RLAIF-V's image rows are read; without it any image or video column is refused."""
-    if vision and layout in VISION_LAYOUTS:
+    --processor) TRL's image rows (pairs, unpaired and ranked message prompts with an images column) and RLAIF-V's
+    are read; without it any image or video column is refused."""
+    if vision and layout in ("messages", "rlaif-v"):
+        return _extract_vision(row, layout, f)
+    if vision and layout in ("unpaired", "ranked") and (isinstance(row.get(f.prompt), list)
+                                                        or row.get(IMAGES_FIELD) not in (None, [], "")):
         return _extract_vision(row, layout, f)
     for key, value in row.items():
         if str(key).lower() in VISION_FIELDS and value not in (None, [], ""):
-            why = (f"with --processor, images are read for the {' and '.join(VISION_LAYOUTS)} layouts only, not "
+            why = (f"with --processor, images are read for the {', '.join(VISION_LAYOUTS)} layouts only, not "
                    f"{layout!r}") if vision else VISION_MESSAGE
             raise InvalidRow("vision_not_supported", key, f"field {key!r} holds images or video: {why}")
     if layout == "rlaif-v":
@@ -252,8 +258,9 @@ def extract(row: dict, layout: str, f: Fields, *, vision: bool = False) -> Examp
 
 
 def _extract_vision(row: dict, layout: str, f: Fields) -> Example:
-    """A vision row (TRL's messages with an images column, or RLAIF-V's): a chat example with its images; the
-    number of {"type": "image"} parts must equal the number of images."""
+    """A vision row (TRL's messages with an images column, its unpaired and ranked rows with a message prompt, or
+    RLAIF-V's): a chat example with its prompt's images; the number of {"type": "image"} parts in the prompt must
+    equal the number of images, and replies hold text only."""
     for key in ("videos", "video", "pixel_values"):
         if row.get(key) not in (None, [], ""):
             raise InvalidRow("vision_not_supported", key, f"field {key!r}: video and preprocessed pixels are not "
@@ -273,23 +280,35 @@ def _extract_vision(row: dict, layout: str, f: Fields) -> Example:
     if row.get(RLAIFV_IMAGE) not in (None, [], ""):
         raise InvalidRow("vision_not_supported", RLAIFV_IMAGE, f"field {RLAIFV_IMAGE!r}: message rows take their "
                          f"images from an {IMAGES_FIELD!r} list (TRL's layout)")
-    prompt = get_messages(row, f.prompt, allow_empty=True, parts="image")
-    chosen = get_messages(row, f.chosen, as_reply=True, parts="text")
-    rejected = get_messages(row, f.rejected, as_reply=True, parts="text")
-    _check_distinct(chosen, rejected, f)
+    if not isinstance(require(row, f.prompt), list) and row.get(IMAGES_FIELD) not in (None, [], ""):
+        raise InvalidRow("vision_not_supported", IMAGES_FIELD, f"field {IMAGES_FIELD!r} holds images but the prompt "
+                         f"{f.prompt!r} is a plain string: images are placed by {{'type': 'image'}} parts of a "
+                         "message-list prompt (TRL's layout)")
+    if layout == "ranked":
+        ex = _extract_ranked(row, f, vision=True)
+    elif layout == "unpaired":
+        label = get_label(row, f.label)
+        prompt = get_messages(row, f.prompt, allow_empty=True, parts="image")
+        completion = get_messages(row, f.completion, as_reply=True, parts="text")
+        ex = Example(prompt, (completion,), chat=True, label=label, completion_fields=(f.completion,))
+    else:
+        prompt = get_messages(row, f.prompt, allow_empty=True, parts="image")
+        chosen = get_messages(row, f.chosen, as_reply=True, parts="text")
+        rejected = get_messages(row, f.rejected, as_reply=True, parts="text")
+        _check_distinct(chosen, rejected, f)
+        ex = Example(prompt, (chosen, rejected), chat=True, completion_fields=(f.chosen, f.rejected))
     images = row.get(IMAGES_FIELD)
     if images is None:
         images = []
     if not isinstance(images, list | tuple):
         raise InvalidRow("wrong_type", IMAGES_FIELD, f"field {IMAGES_FIELD!r} must be a list of images, got "
                          f"{json_type(images)}")
-    parts = count_image_parts(prompt)
+    parts = count_image_parts(ex.prompt)
     if parts != len(images):
         raise InvalidRow("image_count_mismatch", IMAGES_FIELD, f"field {IMAGES_FIELD!r} holds {len(images)} "
                          f"image(s) but the prompt {f.prompt!r} has {parts} {{'type': 'image'}} part(s); they must "
                          "match one to one, in order")
-    ex = Example(prompt, (chosen, rejected), chat=True, completion_fields=(f.chosen, f.rejected),
-                 images=tuple(images), images_field=IMAGES_FIELD)
+    ex.images, ex.images_field = tuple(images), IMAGES_FIELD
     ex.tools = parse_tools(row.get(TOOLS_FIELD), TOOLS_FIELD)
     kwargs = parse_template_kwargs(row.get(KWARGS_FIELD), KWARGS_FIELD)
     ex.template_kwargs = {k: v for k, v in kwargs.items() if v is not None}
@@ -376,10 +395,12 @@ def implicit_prompt(chosen: str, rejected: str) -> str | None:
     return None if best < 0 else common[:best]
 
 
-def _extract_ranked(row: dict, f: Fields) -> Example:
-    """A prompt with several scored completions: at least two, distinct texts, a finite score (or rank) each."""
+def _extract_ranked(row: dict, f: Fields, *, vision: bool = False) -> Example:
+    """A prompt with several scored completions: at least two, distinct texts, a finite score (or rank) each. With
+    `vision` a message prompt may hold image parts and replies text parts (the images are read by the caller)."""
     chat = isinstance(require(row, f.prompt), list)
-    prompt = get_messages(row, f.prompt, allow_empty=True) if chat else get_str(row, f.prompt)
+    prompt = get_messages(row, f.prompt, allow_empty=True, parts="image" if vision else "") if chat else \
+        get_str(row, f.prompt)
     items = require(row, f.completions)
     if not isinstance(items, list):
         raise InvalidRow("wrong_type", f.completions, f"field {f.completions!r} must be a list of completions, each "
@@ -406,7 +427,7 @@ def _extract_ranked(row: dict, f: Fields) -> Example:
                              f"{json_type(item)}")
         text_name = name if key is None else f"{name}.{key}"
         if chat:
-            texts.append(get_messages(wrapped, text_name, as_reply=True))
+            texts.append(get_messages(wrapped, text_name, as_reply=True, parts="text" if vision else ""))
         else:
             texts.append(get_str(wrapped, text_name))
         scores.append(parallel[i] if parallel is not None else _ranked_score(item, name))

@@ -79,7 +79,7 @@ def decode_row(store: Store, i: int, tok) -> dict[str, Any]:
         out["label"] = bool(ex.label)
     image = _image_token(store)
     if image is not None:
-        out["images"] = [{k: v for k, v in info.items() if k != "data"} for info in store.images_of(i)]
+        out["images"] = [{k: v for k, v in info.items() if k != "data"} for info in store.prompt_images(i)]
     for name, ids in parts.items():
         out[f"{name}_ids"] = [int(t) for t in ids]
         out[name] = tok.decode(out[f"{name}_ids"], skip_special_tokens=False) if image is None else \
@@ -145,8 +145,9 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
                      "completion tokens scored")
     if stats.get("images"):
         proc = m.get("processor") or {}
+        llava = " (LlavaProcessor)" if proc.get("kind") == "llava" else ""
         lines.append(f"images     {stats['images']} ({stats['image_tokens']} image tokens), processor "
-                     f"{proc.get('class')} (hash {str(proc.get('hash'))[:12]}); not trainable yet (docs/images.md)")
+                     f"{proc.get('class')}{llava} (hash {str(proc.get('hash'))[:12]}); not trainable yet (docs/images.md)")
     if m.get("unused_columns"):
         lines.append("not used   input columns " + ", ".join(map(repr, m["unused_columns"])))
     c = m["counts"]

@@ -315,17 +315,17 @@ class PromptRepeats:
         self.seen: Counter = Counter()
 
     def observe(self, tokens: np.ndarray, index: np.ndarray, images: list | None = None) -> None:
-        """``images``: the chunk's (row, bytes, ...) image records; a prompt is its tokens and its images' bytes (two
-        images of one size have the same placeholder tokens)."""
+        """`images`: the chunk's (row, bytes, ...) per image; a prompt's images are part of it (their image tokens
+        are the same placeholder ids whatever the image)."""
         by_row: dict[int, list[bytes]] = {}
-        for image in images or ():
-            by_row.setdefault(int(image[0]), []).append(image[1])
+        for row, data, *_ in images or ():
+            by_row.setdefault(row, []).append(data)
         uncut = (index[:, 4] & FLAG_PROMPT_TRUNCATED) == 0  # the pair columns' flags
         for row in np.flatnonzero(uncut).tolist():
-            offset, prompt_len = (int(x) for x in index[row, :2])
+            offset, prompt_len = int(index[row, 0]), int(index[row, 1])
             h = hashlib.blake2b(tokens[offset:offset + prompt_len].tobytes(), digest_size=8)
             for data in by_row.get(row, ()):
-                h.update(hashlib.blake2b(data, digest_size=8).digest())
+                h.update(hashlib.blake2b(data, digest_size=16).digest())
             self.seen[h.digest()] += 1
 
     def counts(self) -> dict[str, int]:

@@ -24,7 +24,7 @@ class InvalidRow(PrefpackError, ValueError):
         self.message = message
 
 
-VISION_MESSAGE = ("vision-language data is not supported yet without `prepare --processor DIR` (a Qwen2-VL-style "
+VISION_MESSAGE = ("vision-language data is not supported yet without `prepare --processor DIR` (a Qwen2-VL or LLaVA "
                   "processor folder, docs/images.md): prefpack would drop the images; remove the column (or the image "
                   "parts) only if training on the text alone is intended")
 

@@ -313,6 +313,31 @@ class Store:
                 out.append(info)
         return out
 
+    def image_key(self, i: int) -> bytes:
+        """A digest of example ``i``'s images' bytes (b"" without images): two prompts with the same tokens are the
+        same prompt only when their images are too (their image tokens are the same placeholder ids)."""
+        if not self.num_images:
+            return b""
+        col = self.image_index[:, 0]
+        a, b = int(np.searchsorted(col, i, side="left")), int(np.searchsorted(col, i, side="right"))
+        if a == b:
+            return b""
+        data = getattr(self, "_image_bytes", None)
+        if data is None:
+            data = self._image_bytes = np.memmap(self.path / IMAGES_FILE, dtype=np.uint8, mode="r")
+        h = hashlib.blake2b(digest_size=16)
+        for row in np.asarray(self.image_index[a:b]).tolist():
+            h.update(data[row[1]:row[1] + row[2]].tobytes())
+        return h.digest()
+
+    def prompt_images(self, i: int) -> list[dict]:
+        """The images of example ``i``'s prompt: ``images_of(i)``, except in a ranked store, where a group's images
+        are stored with its first row (the one its prompt precedes) and every row of the group shares them."""
+        if self.kind == "ranked" and self.num_images:
+            starts = self.group_starts()
+            i = int(starts[int(np.searchsorted(starts, i, side="right")) - 1])
+        return self.images_of(i)
+
     def _check_size(self, name: str, expected: int) -> None:
         p = self.path / name
         if not p.is_file():

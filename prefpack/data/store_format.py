@@ -36,8 +36,9 @@ READABLE_VERSIONS = (1, 2, 3)  # 2: may hold spans.bin, the completion tokens th
 IMAGES_FILE = "images.bin"
 IMAGE_INDEX_FILE = "image_index.bin"
 PROCESSOR_DIR = "processor"
-# example: the store row the image belongs to; offset, bytes: where its encoded bytes sit in images.bin; width,
-# height: its size in pixels as stored; position: where its run of image tokens starts in tokens.bin; tokens: how many
+# example: the store row the image belongs to (ranked stores: its group's first row, whose prompt holds it); offset,
+# bytes: where its encoded bytes sit in images.bin; width, height: its size in pixels as stored; position: where its
+# run of image tokens starts in tokens.bin; tokens: how many
 IMAGE_COLUMNS = ("example", "offset", "bytes", "width", "height", "position", "tokens")
 PAIR_COLUMNS = ("offset", "prompt_len", "chosen_len", "rejected_len", "flags", "source_file", "source_row")
 UNPAIRED_COLUMNS = ("offset", "prompt_len", "completion_len", "label", "flags", "source_file", "source_row")

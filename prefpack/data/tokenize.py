@@ -220,7 +220,11 @@ class ExampleTokenizer:
         for k, value in enumerate(ex.images):
             data = image_bytes(value, name, k, ex.image_dir)
             width, height = image_size(data, name, k)
-            infos.append((data, width, height, self.cfg.vision.placeholder_tokens(width, height)))
+            n = self.cfg.vision.placeholder_tokens(width, height)
+            if n <= 0:  # LLaVA without a crop: an image smaller than a patch
+                raise InvalidRow("image_too_small", name, f"field {name!r}: image {k} ({width}x{height} pixels) gets "
+                                 f"{n} image tokens from the processor, which sees no patch of it; give a larger image")
+            infos.append((data, width, height, n))
         expanded = pieces[0] + "".join(token * info[3] + rest for info, rest in zip(infos, pieces[1:]))
         return expanded, infos
 

@@ -102,18 +102,16 @@ def row_lengths(store: Store) -> tuple[np.ndarray, np.ndarray, str]:
 
 
 def _prompt_groups(store: Store) -> np.ndarray:
-    """A group id per store row: rows whose prompts are identical share one (hashed, 16 bytes each). A prompt is its
-    tokens and, in an image store, its images' bytes: two images of one size have the same placeholder tokens."""
+    """A group id per store row: rows whose prompt tokens (and images, in an image store) are identical share one
+    (hashed, 16 bytes each)."""
     offsets, lengths = store.column("offset"), store.column("prompt_len")
     tokens = store.tokens
     seen: dict[bytes, int] = {}
     out = np.empty(len(store), dtype=np.int64)
     for i in range(len(store)):
         o, n = int(offsets[i]), int(lengths[i])
-        h = hashlib.blake2b(np.asarray(tokens[o : o + n]).tobytes(), digest_size=16)
-        for image in store.images_of(i) if store.num_images else ():
-            h.update(hashlib.blake2b(image["data"], digest_size=16).digest())
-        out[i] = seen.setdefault(h.digest(), len(seen))
+        key = hashlib.blake2b(np.asarray(tokens[o : o + n]).tobytes() + store.image_key(i), digest_size=16).digest()
+        out[i] = seen.setdefault(key, len(seen))
     return out
 
 
