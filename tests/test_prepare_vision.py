@@ -202,14 +202,12 @@ def test_text_stores_unchanged_and_old_stores_open(tmp_path, processor_dir):
                                                                                  unpaired=False)) == 1
 
 
-def test_training_on_an_image_store_is_refused(tmp_path, processor_dir):
+def test_an_image_store_opens_for_training_and_a_damaged_index_is_caught(tmp_path, processor_dir):
     (tmp_path / "i.png").write_bytes(png(32, 32, 7))
     src = write_jsonl(tmp_path / "r.jsonl", [{"image": "i.png", "question": "q?", "chosen": "a cat", "rejected": "a dog"}])
     path = run(tmp_path, [src], processor_dir).path
     for what in ("train", "eval", "reference"):
-        with pytest.raises(StoreError, match=f"{what} store .* holds 1 images .*images are prepared, but training, "
-                           "evaluation and precompute-ref on them are not supported yet"):
-            open_store(str(path), what, unpaired=False)
+        assert open_store(str(path), what, unpaired=False).num_images == 1
     # a damaged image index is caught when the store opens
     meta = json.loads((path / "meta.json").read_text())
     meta["files"]["images.bin"]["bytes"] += 1
@@ -218,17 +216,25 @@ def test_training_on_an_image_store_is_refused(tmp_path, processor_dir):
         Store(path)
 
 
-def test_train_setup_refuses_an_image_store(tmp_path, processor_dir):
-    """`prefpack train` / `eval` open their stores in ``training.setup.build`` before loading any model."""
+def test_train_setup_refuses_an_image_store_for_a_text_model(tmp_path, processor_dir):
+    """A text model cannot read images: `prefpack train` / `eval` say so at set-up, naming the store."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
     from prefpack.config import load_config
     from prefpack.training.setup import build
 
     (tmp_path / "i.png").write_bytes(png(32, 32, 8))
     src = write_jsonl(tmp_path / "r.jsonl", [{"image": "i.png", "question": "q?", "chosen": "a cat", "rejected": "a dog"}])
     path = run(tmp_path, [src], processor_dir).path
-    cfg = load_config(None, [f"model.name_or_path={processor_dir}", f"data.train={path}",
+    tok = AutoTokenizer.from_pretrained(processor_dir)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "llama")
+    tok.save_pretrained(tmp_path / "llama")
+    cfg = load_config(None, [f"model.name_or_path={tmp_path / 'llama'}", f"data.train={path}",
                              f"run.output_dir={tmp_path / 'run'}"])
-    with pytest.raises(StoreError, match="train store .* holds 1 images .*images are prepared, but training"):
+    with pytest.raises(StoreError, match="train store .* holds 1 images, but the model is a text model"):
         build(cfg, log=lambda _m: None)
 
 
