@@ -81,9 +81,10 @@ def case_id(loss_type: str, changed: dict) -> str:
     return loss_type + ("[" + ",".join(f"{k}={v:g}" for k, v in sorted(changed.items())) + "]" if changed else "")
 
 
-def quiet_env() -> None:
-    for k, v in {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
-                 "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "CUDA_VISIBLE_DEVICES": ""}.items():
+def quiet_env(cpu_only: bool = True) -> None:
+    env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+           "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    for k, v in {**env, **({"CUDA_VISIBLE_DEVICES": ""} if cpu_only else {})}.items():
         os.environ.setdefault(k, v)
     warnings.simplefilter("ignore", FutureWarning)
     warnings.simplefilter("ignore", UserWarning)
@@ -128,7 +129,7 @@ def blocky_png(width: int, height: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
-def make_rows(n: int, folder: Path, *, seed: int = SEED, subdir: str = "images") -> list[dict]:
+def make_rows(n: int, folder: Path, *, seed: int = SEED, subdir: str = "images", sizes=SIZES) -> list[dict]:
     """n rows in TRL's vision layout; images written to folder/subdir, named relative to folder. Every third row
     has two images; odd rows put the question before the images."""
     import numpy as np
@@ -141,7 +142,7 @@ def make_rows(n: int, folder: Path, *, seed: int = SEED, subdir: str = "images")
     for i in range(n):
         names = []
         for k in range(2 if i % 3 == 2 else 1):
-            w, h = (int(rng.choice(SIZES)) for _ in range(2))
+            w, h = (int(rng.choice(sizes)) for _ in range(2))
             name = f"{subdir}/img_{i:04d}_{k}.png"
             (folder / name).write_bytes(blocky_png(w, h, seed=seed * 100003 + i * 7 + k))
             names.append(name)
