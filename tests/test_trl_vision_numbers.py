@@ -11,6 +11,10 @@ What runs now: `prefpack prepare --processor` of the same rows stores exactly th
 placeholders expanded to the same counts, the same chat template, the reply ending `<|im_end|>\\n` in both), each
 image's token count is the one TRL's processor gave it, and its stored bytes are the file's.
 
+Also now: transformers' own Qwen2-VL forward on each sequence alone, unpadded (what prefpack's packed forward must
+equal), from the store's ids and stored image bytes, gives TRL's per-pair log-prob sums (recorded in the JSON):
+TRL's padded, left-flushed batch changes nothing, so its numbers are reachable by a packed trainer.
+
 What waits for the training half of issue 27: `prefpack eval` on an image store. Until it accepts one (today
 `prefpack.objectives.select.open_store` refuses it with a StoreError naming the images), those tests skip with
 that reason and TRL's value; they are written as they will run.
@@ -136,3 +140,52 @@ def test_prefpack_eval_gives_trls_loss(case, eval_store, capsys):
         f"{case['id']}: prefpack eval --loss {name} gives {got['loss']:.7f} on the image pairs, {TRL} gives "
         f"{case['loss']:.7f} (float64: {case['loss_float64']:.7f}); difference {diff:+.2e} > {TOL:g}. "
         f"Settings {case['settings']}")
+
+
+def hf_sequence_logps(store, model_dir: Path) -> dict[str, list[float]]:
+    """Chosen and rejected log-prob sums of every pair, each sequence scored alone and unpadded by transformers'
+    own Qwen2-VL forward, from the store's contents only: its ids, its images' stored bytes preprocessed by the
+    store's processor/ folder (the image processor prepare saved)."""
+    import io
+
+    import torch
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    st = store["store"]
+    proc = AutoImageProcessor.from_pretrained(st.path / "processor")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
+                                                        attn_implementation="sdpa").eval()
+    out: dict[str, list[float]] = {"chosen": [], "rejected": []}
+    for i, ids in enumerate(store["ids"]):
+        images = [Image.open(io.BytesIO(img["data"])) for img in st.images_of(i)]
+        pix = proc(images=images, return_tensors="pt")
+        for side in ("chosen", "rejected"):
+            seq = torch.tensor([ids["prompt"] + ids[side]])
+            # transformers 5 computes Qwen2-VL's 3-D positions only when told which tokens are image tokens (1)
+            mm = (seq == st.meta["processor"]["image_token_id"]).int()
+            with torch.no_grad():
+                logits = model(input_ids=seq, attention_mask=torch.ones_like(seq), pixel_values=pix["pixel_values"],
+                               image_grid_thw=pix["image_grid_thw"], mm_token_type_ids=mm,
+                               use_cache=False).logits[0, :-1]
+            logp = torch.log_softmax(logits.float(), -1).gather(-1, seq[0, 1:, None])[:, 0]
+            out[side].append(float(logp[len(ids["prompt"]) - 1:].sum()))
+    return out
+
+
+@pytest.mark.parametrize("model", ["policy", "reference"])
+def test_unpadded_forward_on_the_store_gives_trls_logps(store, model):
+    """The recorded numbers are reachable from the store alone: each sequence scored unpadded (what a packed
+    forward must equal) by transformers' forward on the stored ids and image bytes gives TRL's per-pair log-prob
+    sums (TRL pads, left-flushes and runs the batch). Also catches a JSON that no longer belongs to the weights."""
+    pytest.importorskip("PIL", reason="needs Pillow (prefpack[vision])")
+    got = hf_sequence_logps(store, ASSETS / model)
+    # a float32 sum of about 100 nats is within about 8e-5 of its float64 value here (TRL's and this one each),
+    # so the per-sequence sums get twice the loss tolerance; a misplaced image or position moves them by nats
+    tol = 2 * TOL
+    for side in ("chosen", "rejected"):
+        want = RECORD["per_pair_logps"][f"{model}/{side}"]
+        diff = max(abs(a - b) for a, b in zip(got[side], want))
+        assert len(got[side]) == len(want) and diff <= tol, (
+            f"{model} {side}: unpadded per-sequence log-probs differ from {TRL}'s by up to {diff:.2e} "
+            f"(got {got[side]}, TRL {want})")
