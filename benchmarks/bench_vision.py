@@ -8,6 +8,9 @@ already shows whether both compute the same thing. Pairs: `--pairs` rows in TRL'
 (trl_vision_losses.make_rows: 1 or 2 blocky PNGs of `--sizes` px per prompt), prepared for prefpack with
 `prepare --processor tests/data/trl_vision/processor`; TRL reads the same rows with the images loaded (PIL) and a
 Qwen2VLProcessor over the same folder. The TRL run checks the ids its collator produced against the store.
+`--model llava` runs the tiny LLaVA of tests/data/trl_vision/llava (its LlavaProcessor folder) instead; while
+`prepare --processor` does not read a LlavaProcessor folder there is no store, so the prefpack side and the ids
+check are skipped.
 
 Both train `--steps` optimizer steps of `--batch-pairs` pairs in file order (TRL `train_sampling_strategy=
 "sequential"`, prefpack `data.shuffle=false`), AdamW lr `--lr` linear to 0, no warmup, weight decay 0, clipping 1.0,
@@ -32,8 +35,8 @@ The prefpack side needs `prefpack train` on image stores (the training half of i
 runs are measured.
 
     pip install -e '.[bench]'
-    python benchmarks/bench_vision.py [--pairs 64] [--batch-pairs 8] [--steps 8] [--repeats 1]
-        [--runs prefpack,trl,trl_no_gc] [--train-vision] [--device cpu]
+    python benchmarks/bench_vision.py [--model qwen2_vl|llava] [--pairs 64] [--batch-pairs 8] [--steps 8]
+        [--repeats 1] [--runs prefpack,trl,trl_no_gc] [--train-vision] [--device cpu] [--threads 1]
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trl_vision_losses import ASSETS, make_rows, quiet_env, trl_dataset, trl_processor  # noqa: E402
+from trl_vision_losses import KINDS, make_rows, quiet_env, trl_dataset, trl_processor  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RUNS = ("prefpack", "trl", "trl_no_gc")
@@ -62,24 +65,36 @@ LABELS = {"prefpack": "prefpack", "trl": "TRL (defaults: grad. ckpt on)", "trl_n
 
 
 class VisionCounter:
-    """Counts the vision tower's forward calls, images and patches (every instance of Qwen2-VL's vision tower)."""
+    """Counts the vision tower's forward calls, images and patches, over every instance of the tower's class:
+    Qwen2-VL's vision transformer (flattened patches and a (t, h, w) grid per image) or LLaVA's CLIP vision model
+    (one [3, H, W] image per row)."""
 
-    def __init__(self):
-        from transformers.models.qwen2_vl import modeling_qwen2_vl as m
-
+    def __init__(self, kind: str):
         self.calls = self.images = self.patches = 0
         self.by_module: dict[int, int] = {}
-        cls = m.Qwen2VisionTransformerPretrainedModel
+        if kind == "qwen2_vl":
+            from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+                Qwen2VisionTransformerPretrainedModel as cls,
+            )
+        else:
+            from transformers.models.clip.modeling_clip import CLIPVisionModel as cls
         original = cls.forward
         counter = self
 
         @functools.wraps(original)
-        def counted(module, hidden_states, grid_thw=None, *args, **kwargs):
+        def counted(module, *args, **kwargs):
+            x = args[0] if args else kwargs.get("hidden_states", kwargs.get("pixel_values"))
             counter.calls += 1
             counter.by_module[id(module)] = counter.by_module.get(id(module), 0) + 1
-            counter.patches += int(hidden_states.shape[0])
-            counter.images += int(grid_thw.shape[0]) if grid_thw is not None else 0
-            return original(module, hidden_states, grid_thw, *args, **kwargs)
+            if kind == "qwen2_vl":
+                grid = args[1] if len(args) > 1 else kwargs.get("grid_thw")
+                counter.images += int(grid.shape[0]) if grid is not None else 0
+                counter.patches += int(x.shape[0])
+            else:
+                patch = module.config.patch_size
+                counter.images += int(x.shape[0])
+                counter.patches += int(x.shape[0]) * (x.shape[-2] // patch) * (x.shape[-1] // patch)
+            return original(module, *args, **kwargs)
 
         cls.forward = counted
 
@@ -161,13 +176,14 @@ def run_prefpack(a) -> dict:
     from prefpack.training import train
 
     torch.set_num_threads(a.threads)
-    counter = VisionCounter()
-    overrides = [f"model.name_or_path={ASSETS / 'policy'}", f"data.train={a.store}", "data.shuffle=false",
+    counter = VisionCounter(a.model)
+    folder = KINDS[a.model][0]
+    overrides = [f"model.name_or_path={folder / 'policy'}", f"data.train={a.store}", "data.shuffle=false",
                  f"train.global_batch_pairs={a.batch_pairs}", f"train.max_steps={a.steps}", "train.seed=0",
                  f"train.device={a.device}", "model.dtype=float32", "model.attn_implementation=auto",
                  f"optim.lr={a.lr}", "optim.schedule=linear", "optim.warmup_steps=0", "optim.max_grad_norm=1.0",
                  "optim.weight_decay=0.0", f"loss.beta={a.beta}", "reference.mode=copy",
-                 f"reference.model={ASSETS / 'reference'}",
+                 f"reference.model={folder / 'reference'}",
                  f"run.output_dir={a.out}", "run.plot=false", "run.tensorboard=false", *a.override]
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     for key in ("freeze_vision", "freeze_projector"):
@@ -204,7 +220,8 @@ def run_trl(a) -> dict:
     from prefpack.data.store import Store
 
     torch.set_num_threads(a.threads)
-    counter = VisionCounter()
+    counter = VisionCounter(a.model)
+    folder = KINDS[a.model][0]
     rows = [json.loads(line) for line in Path(a.rows).read_text().splitlines() if line.strip()]
     record: dict = {"losses": [], "real": [], "computed": [], "times": [], "logps": [], "vision": []}
 
@@ -242,10 +259,14 @@ def run_trl(a) -> dict:
             self.v = v
 
     def load(name):
-        model = AutoModelForImageTextToText.from_pretrained(ASSETS / name, dtype=torch.float32,
+        model = AutoModelForImageTextToText.from_pretrained(folder / name, dtype=torch.float32,
                                                             attn_implementation="sdpa")
         if name == "policy" and not a.train_vision:
-            model.model.visual.requires_grad_(False)  # tower and merger (Qwen2-VL's merger lives in visual)
+            if a.model == "qwen2_vl":
+                model.model.visual.requires_grad_(False)  # tower and merger (Qwen2-VL's merger lives in visual)
+            else:
+                model.model.vision_tower.requires_grad_(False)
+                model.model.multi_modal_projector.requires_grad_(False)
         return model
 
     args = DPOConfig(
@@ -259,16 +280,18 @@ def run_trl(a) -> dict:
     ds = trl_dataset(rows, Path(a.rows).parent)
     rss_before = current_rss_mib()
     trainer = Recorder(model=load("policy"), ref_model=load("reference"), args=args, train_dataset=ds,
-                       processing_class=trl_processor(ASSETS / "processor"))
+                       processing_class=trl_processor(folder / "processor", a.model))
     trainer.add_callback(Clock())
     # the ids TRL's collator produces against the store's, pair by pair (one collator call per batch of pairs)
     from trl_vision_losses import batch_ids
 
-    store = Store(a.store)
     mismatches = []
-    if len(ds) != len(store):
+    store = Store(a.store) if a.store else None
+    if store is None:
+        mismatches.append("not checked: no prefpack store (prepare --processor refused this processor)")
+    elif len(ds) != len(store):
         mismatches.append(f"TRL has {len(ds)} pairs, the store holds {len(store)}")
-    for s in range(0, min(len(ds), len(store)), a.batch_pairs):
+    for s in range(0, min(len(ds), len(store)) if store is not None else 0, a.batch_pairs):
         chunk = [ds[i] for i in range(s, min(s + a.batch_pairs, len(ds)))]
         for j, got in enumerate(batch_ids(trainer.data_collator(chunk))):
             pair = store.pair(s + j)
@@ -294,8 +317,8 @@ def worker(a) -> None:
 
 
 def launch(kind: str, a, work: Path, store: Path, rows: Path, tag: str) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "prefpack" if kind == "prefpack" else "trl",
-           "--store", str(store), "--rows", str(rows), "--out", str(work / f"run-{tag}"), "--steps", str(a.steps),
+    cmd = [sys.executable, __file__, "--worker", "prefpack" if kind == "prefpack" else "trl", "--model", a.model,
+           "--store", str(store or ""), "--rows", str(rows), "--out", str(work / f"run-{tag}"), "--steps", str(a.steps),
            "--batch-pairs", str(a.batch_pairs), "--lr", repr(a.lr), "--beta", repr(a.beta), "--device", a.device,
            "--threads", str(a.threads)]
     if kind == "trl":
@@ -317,18 +340,27 @@ def launch(kind: str, a, work: Path, store: Path, rows: Path, tag: str) -> dict:
 # ------------------------------------------------------------------------------------------------ main
 
 
-def prepare_pairs(a, work: Path) -> tuple[Path, Path, dict]:
+def prepare_pairs(a, work: Path) -> tuple[Path, Path | None, dict]:
+    """The rows (TRL reads them) and prefpack's store of them; no store (None, and why in the info) when this
+    prefpack's prepare does not read the model kind's processor."""
     import numpy as np
 
     from prefpack.data.prepare import PrepareOptions, prepare
     from prefpack.data.store import Store
+    from prefpack.errors import PrefpackError
 
     rows = make_rows(a.pairs, work, seed=a.seed, sizes=a.sizes)
     rows_path = work / "pairs.jsonl"
     rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     store = work / "store"
-    prepare(PrepareOptions(inputs=[str(rows_path)], tokenizer=None, processor=str(ASSETS / "processor"),
-                           output=str(store), overwrite=True, workers=1), log=lambda m: None)
+    try:
+        prepare(PrepareOptions(inputs=[str(rows_path)], tokenizer=None, processor=str(KINDS[a.model][0] / "processor"),
+                               output=str(store), overwrite=True, workers=1), log=lambda m: None)
+    except PrefpackError as exc:
+        if a.model == "qwen2_vl":
+            raise
+        return rows_path, None, {"pairs": len(rows), "images": sum(len(r["images"]) for r in rows),
+                                 "no_store": f"prepare --processor refused the {a.model} processor: {exc}"}
     st = Store(store)
     lens = np.asarray(st.index[:, 1:4])
     image_tokens = int(np.asarray(st.image_index[:, 6]).sum())
@@ -360,6 +392,8 @@ def print_table(res: dict, device: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=tuple(KINDS), default="qwen2_vl",
+                    help="the tiny model kind of tests/data/trl_vision (llava: its llava/ folder)")
     ap.add_argument("--pairs", type=int, default=64)
     ap.add_argument("--batch-pairs", type=int, default=8)
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps per run; the first is not timed")
@@ -400,12 +434,13 @@ def main() -> None:
     runs = [r.strip() for r in a.runs.split(",") if r.strip()]
     if [r for r in runs if r not in RUNS]:
         raise SystemExit(f"unknown run in {runs}; choose from {RUNS}")
-    if not (ASSETS / "policy" / "model.safetensors").is_file():
-        raise SystemExit(f"{ASSETS} is missing: run python benchmarks/trl_vision_losses.py first")
+    folder = KINDS[a.model][0]
+    if not (folder / "policy" / "model.safetensors").is_file():
+        raise SystemExit(f"{folder} is missing: run python benchmarks/trl_vision_losses.py --models {a.model} first")
     work = Path(tempfile.mkdtemp(prefix="bench_vision-"))
     device = torch.cuda.get_device_name(0) if a.device == "cuda" else f"{os.cpu_count()}-core CPU"
     print(f"bench_vision: prefpack vs TRL {trl.__version__} DPOTrainer (torch {torch.__version__}, transformers "
-          f"{transformers.__version__}) on {device}, float32; tiny Qwen2-VL of {ASSETS.relative_to(REPO)}; "
+          f"{transformers.__version__}) on {device}, float32; tiny {a.model} of {folder.relative_to(REPO)}; "
           f"{a.pairs} pairs, {a.batch_pairs} pairs/step, {a.steps} steps (first not timed), lr {a.lr} linear, "
           f"beta {a.beta}; vision tower {'trained' if a.train_vision else 'frozen'}")
     res: dict[str, dict] = {}
@@ -413,14 +448,17 @@ def main() -> None:
     t0 = time.perf_counter()
     try:
         rows, store, info = prepare_pairs(a, work)
-        print(f"  pairs: {info['pairs']} with {info['images']} images ({info['image_tokens_per_pair_prompt']:.1f} "
-              f"image tokens per prompt; prompt {info['prompt_tokens_mean']:.1f}, completion "
-              f"{info['completion_tokens_mean']:.1f} tokens on average), {info['tokens']:,} real tokens")
+        if store is None:
+            print(f"  pairs: {info['pairs']} with {info['images']} images; no prefpack store: {info['no_store']}")
+        else:
+            print(f"  pairs: {info['pairs']} with {info['images']} images ({info['image_tokens_per_pair_prompt']:.1f} "
+                  f"image tokens per prompt; prompt {info['prompt_tokens_mean']:.1f}, completion "
+                  f"{info['completion_tokens_mean']:.1f} tokens on average), {info['tokens']:,} real tokens")
         if a.pairs < a.steps * a.batch_pairs:
             print(f"  note: {a.steps} steps of {a.batch_pairs} pairs need {a.steps * a.batch_pairs} pairs; both "
                   "frameworks start the pairs over")
         if "prefpack" in runs:
-            why = prefpack_refusal(str(store))
+            why = prefpack_refusal(str(store)) if store is not None else info["no_store"]
             if why:
                 skipped["prefpack"] = f"prefpack train does not accept image stores yet (issue 27): {why}"
                 print(f"  prefpack   skipped: {skipped['prefpack']}")
@@ -433,7 +471,7 @@ def main() -> None:
                   f"{r['tokens_per_s_median']:,.0f}), peak {r['peak_memory_mib']:,.0f} MiB, "
                   f"each prompt image encoded {r['vision']['encodings_per_image']:.2f} times, step-1 loss "
                   f"{r['first_loss']:.7f} ({r['wall_s']:.0f} s)")
-            if r.get("tokenisation_mismatches"):
+            if r.get("tokenisation_mismatches") and store is not None:
                 print(f"  TOKENISATION MISMATCHES: {r['tokenisation_mismatches'][:10]}: the losses are not "
                       "comparable")
     finally:
@@ -461,7 +499,7 @@ def main() -> None:
     print(f"total {time.perf_counter() - t0:.0f} s")
     print(json.dumps({"bench": "bench_vision", "trl_version": trl.__version__, "torch": torch.__version__,
                       "transformers": transformers.__version__, "device": device, "dtype": "float32",
-                      "config": {k: getattr(a, k) for k in ("pairs", "batch_pairs", "steps", "sizes", "lr", "beta",
+                      "config": {k: getattr(a, k) for k in ("model", "pairs", "batch_pairs", "steps", "sizes", "lr", "beta",
                                                             "seed", "train_vision", "repeats", "override")},
                       "data": info, "skipped": skipped, "runs": res, "comparison": comparison}, default=str))
 
