@@ -155,11 +155,16 @@ def test_log_probs_match_trl(eval_store, capsys):
     assert got["rewards/accuracies"] == trl["metrics"]["rewards/accuracies"]
 
 
-@pytest.mark.parametrize("case_index", range(max(len(r["cases"]) for r in RECORDS.values())))
-def test_prefpack_eval_gives_trls_loss(case_index, eval_store, capsys):
+CASE_IDS = list(dict.fromkeys(c["id"] for rec in RECORDS.values() for c in rec["cases"]))
+
+
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def test_prefpack_eval_gives_trls_loss(case_id, eval_store, capsys):
     rec = eval_store["record"]
     TRL = trl_name(rec)
-    case = rec["cases"][case_index]
+    case = next((c for c in rec["cases"] if c["id"] == case_id), None)
+    if case is None:
+        pytest.skip(f"{eval_store['kind']}: no {case_id} case recorded")
     name = case["prefpack_loss"]
     if name not in PAIR_LOSSES:
         pytest.skip(f"{case['id']}: no prefpack pair loss {name!r} registered ({TRL} loss {case['loss']:.7f})")
