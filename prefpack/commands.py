@@ -25,8 +25,8 @@ def add_prepare(sub) -> None:
     p.add_argument("--processor", default=None, metavar="DIR",
                    help="a processor folder (image processor + tokenizer: the Qwen2-VL family, or a LlavaProcessor): "
                    "read vision rows (TRL's images column beside pair, unpaired and ranked message prompts, RLAIF-V's "
-                   "image/question) and store their images, each placeholder expanded to the processor's token count; "
-                   "training on them is not supported yet (docs/images.md)")
+                   "image/question) and store their images, each placeholder expanded to the processor's token count, "
+                   "for training a vision-language model (docs/images.md)")
     p.add_argument("--format", choices=LAYOUTS, default=None, help="input layout (default: detect from the first row)")
     for name, what in FIELD_HELP.items():
         p.add_argument(f"--{name}-field", default=None, help=f"name of the {what} field")

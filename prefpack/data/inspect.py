@@ -147,7 +147,7 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
         proc = m.get("processor") or {}
         llava = " (LlavaProcessor)" if proc.get("kind") == "llava" else ""
         lines.append(f"images     {stats['images']} ({stats['image_tokens']} image tokens), processor "
-                     f"{proc.get('class')}{llava} (hash {str(proc.get('hash'))[:12]}); not trainable yet (docs/images.md)")
+                     f"{proc.get('class')}{llava} (hash {str(proc.get('hash'))[:12]}); docs/images.md")
     if m.get("unused_columns"):
         lines.append("not used   input columns " + ", ".join(map(repr, m["unused_columns"])))
     c = m["counts"]

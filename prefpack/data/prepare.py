@@ -123,7 +123,7 @@ class PrepareReport:
             lines.append(f"not used (input columns): {', '.join(map(repr, self.unused_columns))}")
         if self.images:
             lines.append(f"images: {self.images} stored with their placeholders expanded to the processor's token "
-                         "counts (images.bin); training on an image store is not supported yet (docs/images.md)")
+                         "counts (images.bin); train a vision-language model on them (docs/images.md)")
         if self.spans:
             lines.append(f"unscored spans: {self.spans} token ranges inside completions get no loss (spans.bin; "
                          "`prefpack inspect --row N` shows them)")

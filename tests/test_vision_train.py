@@ -1,0 +1,87 @@
+"""Training runs on an image store end to end (issue 27): the vision tower's work per step, LoRA with the
+adapter-off reference, a reference-free loss, `prefpack eval` and the final folder as a whole checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("PIL.Image")
+
+from conftest import metrics_lines, quiet  # noqa: E402
+
+from prefpack.cli import main as cli_main  # noqa: E402
+from prefpack.config import load_config  # noqa: E402
+from prefpack.data.store import Store  # noqa: E402
+from prefpack.toy_vision import save_processor_dir, tiny_vlm, vision_rows, vision_tokenizer, write_jsonl  # noqa: E402
+from prefpack.training import train  # noqa: E402
+
+RUN = ["train.max_steps=2", "train.global_batch_pairs=8", "data.shuffle=false", "optim.lr=1.0e-3", "run.plot=false",
+       "run.tensorboard=false", "train.micro_batch_tokens=8192", "data.max_tokens_per_row=4096"]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vision-train")
+    tok = vision_tokenizer()
+    processor = save_processor_dir(root / "processor", "qwen2_vl", tok)
+    src = write_jsonl(root / "train.jsonl", vision_rows(16, root / "images", seed=3, relative_to=root))
+    assert cli_main(["prepare", str(src), "--processor", str(processor), "--output", str(root / "store"),
+                     "--workers", "1"]) == 0
+    tiny_vlm("qwen2_vl", tok, seed=1).save_pretrained(root / "model")
+    save_processor_dir(root / "model", "qwen2_vl", tok)
+    return {"root": root, "store": root / "store", "model": root / "model"}
+
+
+def _cfg(assets, run_dir, *extra):
+    return load_config(None, [f"model.name_or_path={assets['model']}", f"data.train={assets['store']}",
+                              f"run.output_dir={run_dir}", *RUN, *extra])
+
+
+def test_each_image_is_encoded_once_per_model_and_step(assets, tmp_path, monkeypatch):
+    """One micro-batch per step: the policy's tower and the copied reference's each encode every image of the step's
+    pairs exactly once (TRL encodes each twice per model: once per sequence of its pair), and nothing else."""
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen
+
+    encoded = []
+    forward = qwen.Qwen2VisionTransformerPretrainedModel.forward
+
+    def counting(self, hidden_states, grid_thw, **kw):
+        encoded.append(int(grid_thw.shape[0]))
+        return forward(self, hidden_states, grid_thw, **kw)
+
+    monkeypatch.setattr(qwen.Qwen2VisionTransformerPretrainedModel, "forward", counting)
+    train(_cfg(assets, tmp_path / "run", "reference.mode=copy", "data.prefix_sharing=false"), progress=False,
+          log=quiet)
+    store = Store(assets["store"])
+    per_step = [sum(len(store.images_of(i)) for i in range(s * 8, s * 8 + 8)) for s in range(2)]
+    assert encoded == [per_step[0], per_step[0], per_step[1], per_step[1]]  # policy, reference; step 1, step 2
+
+
+def test_lora_with_the_adapter_reference_trains_only_the_language_model(assets, tmp_path):
+    run = tmp_path / "lora"
+    train(_cfg(assets, run, "lora.enabled=true", "reference.mode=adapter", "lora.r=4"), progress=False, log=quiet)
+    lines = metrics_lines(run)
+    assert len(lines) == 2 and lines[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # adapter off == policy
+    # the final folder is a whole checkpoint: weights, tokenizer and the image processor the run preprocessed with
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    assert (run / "final" / "preprocessor_config.json").is_file()
+    AutoImageProcessor.from_pretrained(run / "final")
+    after = AutoModelForImageTextToText.from_pretrained(run / "final").state_dict()
+    before = AutoModelForImageTextToText.from_pretrained(assets["model"]).state_dict()
+    assert sorted(after) == sorted(before)
+    moved = {k for k in after if not torch.equal(after[k], before[k])}
+    assert moved and all(k.startswith("model.language_model.") for k in moved)  # LoRA merged into the LM only
+
+
+def test_a_reference_free_loss_and_prefpack_eval(assets, tmp_path, capsys):
+    run = tmp_path / "simpo"
+    train(_cfg(assets, run, "loss.terms=[{name: simpo}]", "reference.mode=none"), progress=False, log=quiet)
+    assert [m["step"] for m in metrics_lines(run)] == [1, 2]
+    capsys.readouterr()
+    assert cli_main(["eval", "--model", str(run / "final"), "--data", str(assets["store"]), "--loss", "simpo", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["loss"] > 0 and -200 < out["logps/chosen"] < 0
