@@ -113,7 +113,9 @@ def tiny_vlm(kind: str = "qwen2_vl", tokenizer=None, *, seed: int = 0, hidden: i
     text = _text_settings(tok, hidden, layers)
     torch.manual_seed(seed)
     if kind == "qwen2_vl":
-        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+        half = hidden // 4 // 2  # rotary frequencies per head (4 heads): split over temporal, height, width
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
+                                   "mrope_section": [half - 2 * (half // 4), half // 4, half // 4]}
         cfg = Qwen2VLConfig(text_config=text,
                             vision_config=dict(depth=1, embed_dim=16, hidden_size=hidden, num_heads=2, mlp_ratio=2,
                                                patch_size=14, spatial_merge_size=2, temporal_patch_size=2),

@@ -435,6 +435,7 @@ class _FakeStore:
     def __init__(self, n: int):
         self.index = np.ones((n, 4), dtype=np.int64)
         self.path = "fake"
+        self.num_images = 0  # a text store
 
     def __len__(self) -> int:
         return len(self.index)
