@@ -253,14 +253,15 @@ def build_small_model(output_dir: str = SMALL_MODEL_DIR, *, steps: int | None = 
 IMAGES_DIR = "runs/quickstart-images"
 
 
-def build_image_example(output_dir: str = IMAGES_DIR, *, train_pairs: int = 96, eval_pairs: int = 16, seed: int = 0,
+def build_image_example(output_dir: str = IMAGES_DIR, *, train_pairs: int = 256, eval_pairs: int = 32, seed: int = 0,
                         kind: str = "qwen2_vl", log=print) -> dict:
-    """Everything README's "Images" section trains on, generated offline: image pairs in TRL's vision layout
-    (``data/train.jsonl``, ``data/eval.jsonl``, PNGs of random pixels beside them), a processor folder (a toy ChatML
-    tokenizer with Qwen2-VL's image tokens and Qwen2-VL's image processor) and a tiny random-weight Qwen2-VL
+    """Everything README's "Images" section trains on, generated offline: a task whose answer needs the image (each
+    picture is mostly one colour; chosen names it, rejected another: ``toy_vision.colour_rows``) as pairs in TRL's
+    vision layout (``data/train.jsonl``, ``data/eval.jsonl``, the PNGs beside them), a processor folder (a toy
+    ChatML tokenizer with Qwen2-VL's image tokens and Qwen2-VL's image processor) and a tiny random-weight Qwen2-VL
     (``model/``, with the processor's files so it is a complete checkpoint). No training: the README's commands do
     that."""
-    from prefpack.toy_vision import save_processor_dir, tiny_vlm, vision_rows, vision_tokenizer, write_jsonl
+    from prefpack.toy_vision import colour_rows, save_processor_dir, tiny_vlm, vision_tokenizer, write_jsonl
 
     root = Path(output_dir)
     if root.exists():
@@ -270,14 +271,15 @@ def build_image_example(output_dir: str = IMAGES_DIR, *, train_pairs: int = 96, 
     (root / "data").mkdir(parents=True)
     (root / MARKER).write_text("made by prefpack quickstart; safe to delete\n")
     tok = vision_tokenizer()
-    write_jsonl(root / "data" / "train.jsonl", vision_rows(train_pairs, root / "data" / "images", seed=seed,
-                                                                  relative_to=root / "data"))
-    write_jsonl(root / "data" / "eval.jsonl", vision_rows(eval_pairs, root / "data" / "eval-images",
-                                                                 seed=seed + 1, relative_to=root / "data"))
+    write_jsonl(root / "data" / "train.jsonl", colour_rows(train_pairs, root / "data" / "images", seed=seed,
+                                                           relative_to=root / "data"))
+    write_jsonl(root / "data" / "eval.jsonl", colour_rows(eval_pairs, root / "data" / "eval-images", seed=seed + 1,
+                                                          relative_to=root / "data"))
     save_processor_dir(root / "processor", kind, tok)
     model = tiny_vlm(kind, tok, seed=seed)
     model.save_pretrained(root / "model")
     save_processor_dir(root / "model", kind, tok)
-    log(f"wrote {train_pairs} train and {eval_pairs} eval image pairs to {root / 'data'}, a processor folder "
+    log(f"wrote {train_pairs} train and {eval_pairs} eval image pairs (name the picture's colour) to {root / 'data'}, "
+        f"a processor folder "
         f"{root / 'processor'} and a tiny {kind} model {root / 'model'}")
     return {"root": str(root), "processor": str(root / "processor"), "model": str(root / "model")}

@@ -177,6 +177,36 @@ def unpaired_vision_rows(n: int, image_dir: str | Path, *, seed: int = 0, **kw) 
              "label": i % 2 == 0} for i, r in enumerate(rows)]
 
 
+COLOURS = {"red": (200, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 210), "yellow": (220, 200, 30)}
+
+
+def colour_rows(n: int, image_dir: str | Path, *, seed: int = 0, relative_to: str | Path | None = None) -> list[dict]:
+    """``n`` preference rows in TRL's vision layout whose answer needs the image: each image is one colour of
+    ``COLOURS`` with noise (56 x 56 or 84 x 56 pixels), the question asks for it, chosen names it and rejected names
+    another. A model that learns to prefer chosen must read the image (the text alone is the same for every
+    colour)."""
+    from PIL import Image
+
+    image_dir = Path(image_dir)
+    image_dir.mkdir(parents=True, exist_ok=True)
+    base = Path(relative_to) if relative_to is not None else image_dir
+    rng = np.random.default_rng(seed)
+    names = list(COLOURS)
+    rows = []
+    for i in range(n):
+        colour, other = rng.choice(len(names), size=2, replace=False)
+        w, h = ((56, 56), (84, 56))[int(rng.integers(2))]
+        pixels = np.clip(np.array(COLOURS[names[colour]]) + rng.normal(0, 25, (h, w, 3)), 0, 255).astype(np.uint8)
+        path = image_dir / f"colour_{i:04d}.png"
+        Image.fromarray(pixels).save(path, format="PNG")
+        content = [{"type": "image"}, {"type": "text", "text": "what colour is it?"}]
+        rows.append({"images": [os.path.relpath(path, base)], "prompt": [{"role": "user", "content": content}],
+                     "chosen": [{"role": "assistant", "content": [{"type": "text", "text": f"it is {names[colour]}"}]}],
+                     "rejected": [{"role": "assistant",
+                                   "content": [{"type": "text", "text": f"it is {names[other]}"}]}]})
+    return rows
+
+
 def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
     path = Path(path)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
