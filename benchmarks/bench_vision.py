@@ -178,7 +178,7 @@ def run_prefpack(a) -> dict:
     torch.set_num_threads(a.threads)
     counter = VisionCounter(a.model)
     folder = KINDS[a.model][0]
-    overrides = [f"model.name_or_path={folder / 'policy'}", f"data.train={a.store}", "data.shuffle=false",
+    overrides = [f"model.name_or_path={folder / start_folder(a)}", f"data.train={a.store}", "data.shuffle=false",
                  f"train.global_batch_pairs={a.batch_pairs}", f"train.max_steps={a.steps}", "train.seed=0",
                  f"train.device={a.device}", "model.dtype=float32", "model.attn_implementation=auto",
                  f"optim.lr={a.lr}", "optim.schedule=linear", "optim.warmup_steps=0", "optim.max_grad_norm=1.0",
@@ -261,7 +261,7 @@ def run_trl(a) -> dict:
     def load(name):
         model = AutoModelForImageTextToText.from_pretrained(folder / name, dtype=torch.float32,
                                                             attn_implementation="sdpa")
-        if name == "policy" and not a.train_vision:
+        if name == start_folder(a) and not a.train_vision:
             if a.model == "qwen2_vl":
                 model.model.visual.requires_grad_(False)  # tower and merger (Qwen2-VL's merger lives in visual)
             else:
@@ -279,7 +279,7 @@ def run_trl(a) -> dict:
     )
     ds = trl_dataset(rows, Path(a.rows).parent)
     rss_before = current_rss_mib()
-    trainer = Recorder(model=load("policy"), ref_model=load("reference"), args=args, train_dataset=ds,
+    trainer = Recorder(model=load(start_folder(a)), ref_model=load("reference"), args=args, train_dataset=ds,
                        processing_class=trl_processor(folder / "processor", a.model))
     trainer.add_callback(Clock())
     # the ids TRL's collator produces against the store's, pair by pair (one collator call per batch of pairs)
@@ -308,6 +308,12 @@ def run_trl(a) -> dict:
     return out
 
 
+def start_folder(a) -> str:
+    """The folder the trained model starts from: `policy` (the reference plus noise; default), or with
+    `--same-start` the reference itself, as most runs start (the reference is a copy of the starting model)."""
+    return "reference" if a.same_start else "policy"
+
+
 def worker(a) -> None:
     t0 = time.perf_counter()
     res = run_prefpack(a) if a.worker == "prefpack" else run_trl(a)
@@ -325,6 +331,8 @@ def launch(kind: str, a, work: Path, store: Path, rows: Path, tag: str) -> dict:
         cmd.append("--gradient-checkpointing")
     if a.train_vision:
         cmd.append("--train-vision")
+    if a.same_start:
+        cmd.append("--same-start")
     for o in a.override:
         cmd += ["--override", o]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
@@ -405,6 +413,9 @@ def main() -> None:
                     help="run each this many times, alternating, and keep its fastest run (median tokens/s)")
     ap.add_argument("--train-vision", action="store_true",
                     help="train the vision tower and merger in both (default: frozen in both)")
+    ap.add_argument("--same-start", action="store_true",
+                    help="train from the reference's own weights (the usual run: the reference is a copy of the "
+                    "starting model; prefpack's copied reference then reads the policy's frozen image features)")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma list of {', '.join(RUNS)}")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--threads", type=int, default=1,

@@ -40,9 +40,13 @@ def _cfg(assets, run_dir, *extra):
                               f"run.output_dir={run_dir}", *RUN, *extra])
 
 
-def test_each_image_is_encoded_once_per_model_and_step(assets, tmp_path, monkeypatch):
-    """One micro-batch per step: the policy's tower and the copied reference's each encode every image of the step's
-    pairs exactly once (TRL encodes each twice per model: once per sequence of its pair), and nothing else."""
+@pytest.mark.parametrize("case", ["same_frozen", "other_reference", "tower_trained"])
+def test_each_image_is_encoded_once_per_step_and_vision_weights(assets, tmp_path, monkeypatch, case):
+    """One micro-batch per step, pairs laid out with their prompt twice: every image of the step's pairs is encoded
+    once per distinct set of vision weights (TRL encodes each twice per model: once per sequence of its pair). A
+    copied reference whose frozen vision weights are the policy's reads the policy's features (one encoding a step);
+    a reference from another checkpoint, or a policy whose tower trains, encodes its own (two). The losses are those
+    of a run that encodes everything twice."""
     from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen
 
     encoded = []
@@ -52,12 +56,29 @@ def test_each_image_is_encoded_once_per_model_and_step(assets, tmp_path, monkeyp
         encoded.append(int(grid_thw.shape[0]))
         return forward(self, hidden_states, grid_thw, **kw)
 
+    extra = {"same_frozen": [], "tower_trained": ["model.freeze_vision=false"],
+             "other_reference": [f"reference.model={assets['root'] / 'other'}"]}[case]
+    if case == "other_reference" and not (assets["root"] / "other").exists():
+        tiny_vlm("qwen2_vl", vision_tokenizer(), seed=5).save_pretrained(assets["root"] / "other")
     monkeypatch.setattr(qwen.Qwen2VisionTransformerPretrainedModel, "forward", counting)
-    train(_cfg(assets, tmp_path / "run", "reference.mode=copy", "data.prefix_sharing=false"), progress=False,
-          log=quiet)
+    cfg = _cfg(assets, tmp_path / "run", "reference.mode=copy", "data.prefix_sharing=false", *extra)
+    train(cfg, progress=False, log=quiet)
     store = Store(assets["store"])
     per_step = [sum(len(store.images_of(i)) for i in range(s * 8, s * 8 + 8)) for s in range(2)]
-    assert encoded == [per_step[0], per_step[0], per_step[1], per_step[1]]  # policy, reference; step 1, step 2
+    if case == "same_frozen":
+        assert encoded == per_step
+    else:  # policy, reference; step 1, step 2
+        assert encoded == [per_step[0], per_step[0], per_step[1], per_step[1]]
+    # the same run with the cache defeated (every model encodes its own): the same losses, bitwise
+    from prefpack.model import vision
+
+    monkeypatch.setattr(vision, "frozen_key", lambda parts: None)
+    first = len(encoded)
+    train(_cfg(assets, tmp_path / "plain", "reference.mode=copy", "data.prefix_sharing=false", *extra),
+          progress=False, log=quiet)
+    assert encoded[first:] == [per_step[0], per_step[0], per_step[1], per_step[1]]
+    for a, b in zip(metrics_lines(tmp_path / "run"), metrics_lines(tmp_path / "plain"), strict=True):
+        assert (a["loss"], a["rewards/margins"], a["grad_norm"]) == (b["loss"], b["rewards/margins"], b["grad_norm"])
 
 
 def test_lora_with_the_adapter_reference_trains_only_the_language_model(assets, tmp_path):

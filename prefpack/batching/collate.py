@@ -95,6 +95,11 @@ class Batch:
     image_positions: torch.Tensor | None = None  # [K] int64: flat [B * L] indices of every image-token position
     image_feature_rows: torch.Tensor | None = None  # [K] int64: the row of the concatenated image features it takes
     rope_positions: torch.Tensor | None = None  # [3, B, L] int64: Qwen2-VL's temporal / height / width positions
+    # The image features computed for ``pixel_values`` by a FROZEN vision tower and projector, by the weights' key
+    # (``prefpack.model.vision.frozen_key``): a copied reference with the policy's frozen vision weights (or the
+    # adapter-off reference) reads the policy's features instead of encoding the images again. One dict is shared by
+    # the batches of one preprocessing (KTO's main and KL batches) and survives ``to(device)``.
+    vision_cache: dict | None = None
 
     @property
     def pair_indices(self) -> torch.Tensor:

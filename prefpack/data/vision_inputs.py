@@ -118,11 +118,13 @@ def read_batch_images(store: Store, examples: Sequence[int], settings: VisionSet
 def attach_images(batches: Sequence[Batch | None], images: BatchImages, group_sizes: Sequence[int],
                   settings: VisionSettings) -> None:
     """Fill the vision fields of each batch (laid out over the same groups, e.g. KTO's main and KL batches) from one
-    preprocessing (the batches share ``pixel_values``)."""
+    preprocessing (the batches share ``pixel_values``, and the frozen towers' features: ``Batch.vision_cache``)."""
+    cache: dict = {}
     for batch in batches:
         if batch is not None:
             fill_vision(batch, images.group_images, group_sizes, settings, pixel_values=images.pixel_values,
                         image_grid_thw=images.image_grid_thw)
+            batch.vision_cache = cache
 
 
 def check_store_vision(store: Store, settings: VisionSettings | None) -> None:

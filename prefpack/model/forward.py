@@ -212,7 +212,7 @@ def _vision_inputs(body, vision, batch: Batch, flatten: bool) -> dict:
     """The body's keywords for a vision-language model: ``inputs_embeds`` with the batch's image features written at
     its image positions (the vision tower run once over the micro-batch), and the position ids its language model
     reads (``prefpack.model.vision.body_positions``), flattened to one row of real tokens with ``flatten``."""
-    from prefpack.model.vision import body_positions, image_features
+    from prefpack.model.vision import body_positions, cached_image_features
 
     embed = body.get_input_embeddings()
     embeds = embed(batch.input_ids)  # [B, L, H]
@@ -220,7 +220,7 @@ def _vision_inputs(body, vision, batch: Batch, flatten: bool) -> dict:
         if batch.image_positions is None or batch.image_feature_rows is None:
             raise ValueError("a batch with pixel_values needs image_positions and image_feature_rows")
         with record_function("prefpack.vision"):
-            feats = image_features(vision, batch.pixel_values, batch.image_grid_thw)
+            feats = cached_image_features(vision, batch.pixel_values, batch.image_grid_thw, batch.vision_cache)
         rows = batch.image_feature_rows
         if rows.numel() and int(rows.max()) >= feats.shape[0]:  # else an index error (a device assert on CUDA)
             raise ValueError(f"the batch's images give {feats.shape[0]} feature rows but image_feature_rows reads row "

@@ -175,6 +175,38 @@ def image_features(parts: VisionParts, pixel_values: torch.Tensor, image_grid_th
     return feats if dtype is None else feats.to(dtype)
 
 
+def frozen_key(parts: VisionParts) -> tuple | None:
+    """A key of the vision weights when the encoder and the projector are both frozen (None otherwise): two models
+    whose frozen vision weights are equal (the policy and its copied reference loaded from one checkpoint, or the
+    adapter-off reference, which is the policy) get the same key, so one's image features serve the other
+    (``Batch.vision_cache``). The key is each vision tensor's shape, dtype and float64 sum, computed once per model;
+    equal weights give equal sums, other checkpoints different ones."""
+    if not (_frozen(parts.encoder) and _frozen(parts.projector)):
+        return None
+    key = getattr(parts.model, "_prefpack_vision_key", None)
+    if key is None:
+        tensors = [p.to_local() if hasattr(p, "to_local") else p  # FSDP2: this rank's shard (models shard alike)
+                   for m in (*parts.encoder, *parts.projector) for p in m.parameters()]
+        with torch.no_grad():
+            sums = torch.stack([p.detach().double().sum() for p in tensors]).cpu().tolist() if tensors else []
+        key = (parts.kind, tuple((tuple(p.shape), str(p.dtype), s) for p, s in zip(tensors, sums)))
+        parts.model._prefpack_vision_key = key
+    return key
+
+
+def cached_image_features(parts: VisionParts, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None,
+                          cache: dict | None) -> torch.Tensor:
+    """:func:`image_features`, read from (or written to) ``cache`` when the vision weights are frozen: a second model
+    with the same frozen vision weights does not encode the batch's images again."""
+    key = frozen_key(parts) if cache is not None else None
+    if key is not None and key in cache:
+        return cache[key]
+    feats = image_features(parts, pixel_values, image_grid_thw)
+    if key is not None:
+        cache[key] = feats.detach()
+    return feats
+
+
 def _dtype_of(module: nn.Module) -> torch.dtype:
     return next(module.parameters()).dtype
 

@@ -52,4 +52,6 @@ def sync_reference(policy: nn.Module, reference: nn.Module, alpha: float, *,
             raise ValueError(f"reference.sync: parameter {name} has shape {tuple(ref_t.shape)} in the reference and "
                              f"{tuple(pol_t.shape)} in the policy (they must be sharded the same way)")
         ref_t.mul_(1.0 - alpha).add_(pol_t.to(ref_t.dtype), alpha=alpha)
+    for module in reference.modules():  # its vision weights' key (model.vision.frozen_key) is computed again
+        module.__dict__.pop("_prefpack_vision_key", None)
     return len(ref_params)
