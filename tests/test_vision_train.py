@@ -106,3 +106,31 @@ def test_a_reference_free_loss_and_prefpack_eval(assets, tmp_path, capsys):
     assert cli_main(["eval", "--model", str(run / "final"), "--data", str(assets["store"]), "--loss", "simpo", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["loss"] > 0 and -200 < out["logps/chosen"] < 0
+
+
+def test_kto_encodes_each_image_once_for_its_kl_and_main_passes(tmp_path, monkeypatch):
+    """KTO: an example's images serve its main sequence and (as the prompt of its KL sequence) the KL pass, in the
+    policy and the copied reference: one encoding per image a step in all."""
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen
+
+    from prefpack.toy_vision import unpaired_vision_rows
+
+    tok = vision_tokenizer()
+    processor = save_processor_dir(tmp_path / "processor", "qwen2_vl", tok)
+    src = write_jsonl(tmp_path / "kto.jsonl", unpaired_vision_rows(10, tmp_path / "images", relative_to=tmp_path))
+    assert cli_main(["prepare", str(src), "--processor", str(processor), "--output", str(tmp_path / "store"),
+                     "--format", "unpaired", "--workers", "1"]) == 0
+    tiny_vlm("qwen2_vl", tok, seed=1).save_pretrained(tmp_path / "model")
+    encoded = []
+    forward = qwen.Qwen2VisionTransformerPretrainedModel.forward
+    monkeypatch.setattr(qwen.Qwen2VisionTransformerPretrainedModel, "forward",
+                        lambda self, h, grid_thw, **kw: encoded.append(int(grid_thw.shape[0])) or forward(
+                            self, h, grid_thw, **kw))
+    cfg = load_config(None, [f"model.name_or_path={tmp_path / 'model'}", f"data.train={tmp_path / 'store'}",
+                             f"run.output_dir={tmp_path / 'run'}", "loss.terms=[{name: kto}]",
+                             "train.global_batch_pairs=10", "train.max_steps=1", "run.plot=false",
+                             "run.tensorboard=false", "train.micro_batch_tokens=8192"])
+    train(cfg, progress=False, log=quiet)
+    store = Store(tmp_path / "store")
+    assert encoded == [sum(len(store.images_of(i)) for i in range(len(store)))]
+    assert metrics_lines(tmp_path / "run")[0]["kl"] >= 0
