@@ -240,6 +240,11 @@ def run_vision(stores: Sequence[tuple[str, Store]], model_parts, check_processor
     if not with_images:
         return None
     what, first = with_images[0]
+    try:
+        import PIL  # noqa: F401 - each micro-batch's images are decoded with Pillow
+    except ImportError:
+        raise StoreError(f"{what} store {str(first.path)!r} holds images, and reading them needs Pillow: pip install "
+                         "'prefpack[vision]'") from None
     if model_parts is None:
         raise StoreError(f"{what} store {str(first.path)!r} holds {first.num_images} images, but the model is a text "
                          "model: train a vision-language model on it (Qwen2-VL, Qwen2.5-VL or LLaVA; docs/images.md), "
