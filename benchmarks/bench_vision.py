@@ -215,7 +215,7 @@ def run_trl(a) -> dict:
     import numpy as np
     import torch
     from transformers import AutoModelForImageTextToText, TrainerCallback
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig
 
     from prefpack.data.store import Store
 
@@ -225,17 +225,9 @@ def run_trl(a) -> dict:
     rows = [json.loads(line) for line in Path(a.rows).read_text().splitlines() if line.strip()]
     record: dict = {"losses": [], "real": [], "computed": [], "times": [], "logps": [], "vision": []}
 
-    class Recorder(DPOTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            loss = out[0] if return_outputs else out
-            if model.training:
-                record["losses"].append(float(loss.detach()))
-                record["real"].append(int(inputs["attention_mask"].sum()))
-                record["computed"].append(int(inputs["input_ids"].numel()))
-                m = self._metrics["train"]
-                record["logps"].append((m["logps/chosen"][-1], m["logps/rejected"][-1]))
-            return out
+    from compare_trl import recording_trainer
+
+    Recorder = recording_trainer(record)
 
     class Clock(TrainerCallback):
         """Step time from the end of the previous step (collation counts); vision work per step."""

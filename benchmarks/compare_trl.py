@@ -153,20 +153,10 @@ def run_prefpack(a) -> dict:
                      [(r["logps/chosen"], r["logps/rejected"]) for r in recs])
 
 
-def run_trl(a) -> dict:
-    import numpy as np
-    import torch
-    import trl
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import DPOConfig, DPOTrainer
-
-    from prefpack.data.store import Store
-
-    torch.set_num_threads(a.threads)
-    rows = [json.loads(line) for line in Path(a.rows).read_text().splitlines()]
-    tok = AutoTokenizer.from_pretrained(a.tokenizer)
-    record: dict = {"losses": [], "real": [], "computed": [], "times": [], "logps": []}
+def recording_trainer(record: dict):
+    """A DPOTrainer subclass that appends each training step's loss, real and computed token counts and logps to
+    ``record`` (lists under "losses", "real", "computed", "logps"); bench_vision.py uses it too."""
+    from trl import DPOTrainer
 
     class Recorder(DPOTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -179,6 +169,26 @@ def run_trl(a) -> dict:
                 m = self._metrics["train"]
                 record["logps"].append((m["logps/chosen"][-1], m["logps/rejected"][-1]))
             return out
+
+    return Recorder
+
+
+def run_trl(a) -> dict:
+    import numpy as np
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import DPOConfig
+
+    from prefpack.data.store import Store
+
+    torch.set_num_threads(a.threads)
+    rows = [json.loads(line) for line in Path(a.rows).read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(a.tokenizer)
+    record: dict = {"losses": [], "real": [], "computed": [], "times": [], "logps": []}
+
+    Recorder = recording_trainer(record)
 
     class Clock(TrainerCallback):
         """Step time from the end of the previous step (so collation counts, as in prefpack's step time)."""

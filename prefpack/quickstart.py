@@ -44,6 +44,17 @@ def make_pairs(n: int, seed: int) -> list[dict]:
     return rows
 
 
+def _fresh_folder(output_dir: str) -> Path:
+    """``output_dir``, emptied when an earlier quickstart made it (its marker file); anything else there is refused,
+    never deleted."""
+    root = Path(output_dir)
+    if root.exists():
+        if not (root / MARKER).exists():
+            raise FileExistsError(f"{root} exists and was not made by quickstart; choose another --output-dir")
+        shutil.rmtree(root)
+    return root
+
+
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:
     with open(path, "w", encoding="utf-8") as fh:
         for r in rows:
@@ -76,11 +87,7 @@ def run_quickstart(output_dir: str = "runs/quickstart", *, steps: int | None = N
     from prefpack.training import train
 
     t_start = time.perf_counter()
-    root = Path(output_dir)
-    if root.exists():
-        if not (root / MARKER).exists():
-            raise FileExistsError(f"{root} exists and was not made by quickstart; choose another --output-dir")
-        shutil.rmtree(root)
+    root = _fresh_folder(output_dir)
     (root / "data").mkdir(parents=True)
     (root / MARKER).write_text("made by prefpack quickstart; safe to delete\n")
 
@@ -181,11 +188,7 @@ def build_small_model(output_dir: str = SMALL_MODEL_DIR, *, steps: int | None = 
 
     t_start = time.perf_counter()
     steps = SMALL_STEPS if steps is None else steps
-    root = Path(output_dir)
-    if root.exists():
-        if not (root / MARKER).exists():
-            raise FileExistsError(f"{root} exists and was not made by quickstart; choose another --output-dir")
-        shutil.rmtree(root)
+    root = _fresh_folder(output_dir)
     source = Path(data) if data else HH_SAMPLE
     texts = _read_texts(source)
     root.mkdir(parents=True)
@@ -263,11 +266,7 @@ def build_image_example(output_dir: str = IMAGES_DIR, *, train_pairs: int = 256,
     that."""
     from prefpack.toy_vision import colour_rows, save_processor_dir, tiny_vlm, vision_tokenizer, write_jsonl
 
-    root = Path(output_dir)
-    if root.exists():
-        if not (root / MARKER).exists():
-            raise FileExistsError(f"{root} exists and was not made by quickstart; choose another --output-dir")
-        shutil.rmtree(root)
+    root = _fresh_folder(output_dir)
     (root / "data").mkdir(parents=True)
     (root / MARKER).write_text("made by prefpack quickstart; safe to delete\n")
     tok = vision_tokenizer()
