@@ -297,10 +297,15 @@ def _evaluate(setup, task="train_task"):
     seen = []
     begin_step = task.begin_step
     task.begin_step = lambda *a, **k: seen.append(begin_step(*a, **k)) or seen[-1]
+    step_state = getattr(task, "step_state", None)  # KTO: what an image evaluation's windows compute z0 with
+    if step_state is not None:
+        task.step_state = lambda *a, **k: seen.append(step_state(*a, **k)) or seen[-1]
     try:
         return evaluate(setup.policy, setup.reference, task), seen[0]
     finally:
         del task.begin_step
+        if step_state is not None:
+            del task.step_state
 
 
 def test_copy_and_precomputed_reference_agree(world, precomputed, tmp_path):

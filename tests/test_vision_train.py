@@ -134,3 +134,34 @@ def test_kto_encodes_each_image_once_for_its_kl_and_main_passes(tmp_path, monkey
     store = Store(tmp_path / "store")
     assert encoded == [sum(len(store.images_of(i)) for i in range(len(store)))]
     assert metrics_lines(tmp_path / "run")[0]["kl"] >= 0
+
+
+@pytest.mark.parametrize("kind", ["pairs", "kto"])
+def test_image_evaluation_holds_a_few_micro_batches_at_a_time(assets, tmp_path, monkeypatch, kind):
+    """Evaluating an image store collates EVAL_WINDOW micro-batches at a time (their pixels are large), with the
+    same metrics as collating all of them first; KTO's KL reference point is still over the whole store."""
+    from prefpack.training import build, evaluation
+
+    extra = ["train.micro_batch_tokens=128", "data.max_tokens_per_row=128"]
+    if kind == "kto":
+        extra += ["loss.terms=[{name: kto}]", "data.paired_as_kto=true", "train.global_batch_pairs=16"]
+    setup = build(_cfg(assets, tmp_path / "run", *extra), log=quiet)
+    task = setup.train_task
+    events = []
+    collate, loss = task.collate, task.loss
+    monkeypatch.setattr(task, "collate", lambda p: events.append("c") or collate(p))
+    monkeypatch.setattr(task, "loss", lambda *a: events.append("l") or loss(*a))
+    monkeypatch.setattr(evaluation, "EVAL_WINDOW", 2)
+    windowed = evaluation.evaluate(setup.policy, setup.reference, task)
+    held, most = 0, 0
+    for e in events[events.index("l"):]:  # the loss pass: never more than a window collated ahead
+        held = held + 1 if e == "c" else held - 1
+        most = max(most, held)
+    assert events.count("l") > 4 and most <= 2
+    monkeypatch.setattr(evaluation, "_windows", lambda task, n: None)
+    events.clear()
+    whole = evaluation.evaluate(setup.policy, setup.reference, task)
+    assert events[:events.count("c")] == ["c"] * events.count("c")  # all collated first
+    assert sorted(windowed) == sorted(whole)
+    for key in whole:
+        assert windowed[key] == pytest.approx(whole[key], rel=1e-12, abs=1e-12), key

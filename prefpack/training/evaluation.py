@@ -29,16 +29,58 @@ def evaluate(policy: nn.Module, reference: Reference, task: Objective, *, module
     sp = current_layout()  # sequence groups (distributed.sequence_parallel): a group's ranks share the micro-batches
     world, rank = (sp.data_world, sp.data_rank) if sp.enabled else (ctx.world, ctx.rank)
     share = deal_step(task, np.arange(len(task)), seed=None, world=world, balance=balance)[rank]
-    batches = [task.collate(p) for p in share.planned]
     counted = share.weights if sp.rank == 0 else [0.0] * len(share.weights)  # a group's sums counted once
-    step_state = task.begin_step(module, reference, batches, weights=counted, dist=ctx)  # 0 = padding batch
+    windows = _windows(task, len(share.planned))
+    if windows is None:
+        batches = [task.collate(p) for p in share.planned]
+        step_state = task.begin_step(module, reference, batches, weights=counted, dist=ctx)  # 0 = padding batch
+        windows, collated = [range(len(batches))], batches
+    else:  # images: a few micro-batches at a time, so the whole store's pixels are never held at once
+        step_state = _windowed_state(task, module, reference, share.planned, counted, windows, ctx)
+        collated = None
     totals = StepTotals()
-    for batch, weight in zip(batches, share.weights):
-        out = task.loss(module, reference, batch, step_state)
-        if weight:
-            totals.add(out, batch, counted=sp.rank == 0)
+    for window in windows:
+        if collated is None:
+            task.prefetch([share.planned[k] for k in window])
+        for k in window:
+            batch = collated[k] if collated is not None else task.collate(share.planned[k])
+            out = task.loss(module, reference, batch, step_state)
+            if share.weights[k]:
+                totals.add(out, batch, counted=sp.rank == 0)
     policy.train(was_training)
     return reduce_totals(totals, ctx).means()
+
+
+EVAL_WINDOW = 4  # micro-batches an image evaluation collates at a time (their pixels are large; text: all at once)
+
+
+def _windows(task: Objective, n: int) -> list[range] | None:
+    """The micro-batch windows of an evaluation over images, or None (all at once: text, or an objective whose
+    step state needs every batch at once, e.g. a mixture). A window-wise evaluation needs a step state that is
+    either nothing (the base ``begin_step``: pairs, prompt groups) or additive sums (KTO's ``step_sums``)."""
+    if getattr(task.settings, "vision", None) is None:
+        return None
+    stateless = type(task).begin_step is Objective.begin_step
+    if not stateless and not (hasattr(task, "step_sums") and hasattr(task, "step_state")):
+        return None
+    return [range(i, min(i + EVAL_WINDOW, n)) for i in range(0, n, EVAL_WINDOW)]
+
+
+def _windowed_state(task: Objective, module, reference, planned, counted, windows, ctx: Dist):
+    """``begin_step`` over the windows: nothing for a stateless objective; KTO's sums (the KL reference point over
+    the whole store) summed window by window, then all-reduced once, as ``begin_step`` does."""
+    if type(task).begin_step is Objective.begin_step:
+        return task.begin_step(module, reference, [], weights=[], dist=ctx)
+    acc = None
+    for window in windows:
+        task.prefetch([planned[k] for k in window])
+        part = task.step_sums(module, reference, [task.collate(planned[k]) for k in window],
+                              [counted[k] for k in window])
+        acc = part if acc is None else acc + part
+    if acc is None:  # this rank has no micro-batch: zeros of the shape its peers all-reduce
+        acc = task.step_sums(module, reference, [], [])
+    ctx.all_reduce_sum(acc)
+    return task.step_state(acc)
 
 
 def reduce_totals(totals: StepTotals, ctx: Dist) -> StepTotals:

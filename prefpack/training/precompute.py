@@ -90,7 +90,10 @@ def record_reference(task: Objective, model: nn.Module, *, ctx: Dist = SINGLE, p
         from tqdm import tqdm
 
         planned = tqdm(planned, desc="reference log-probs", unit="batch")
-    for p in planned:
+    ahead = list(planned) if task.settings.vision is not None else []  # images: read the next ones meanwhile
+    for i, p in enumerate(planned):
+        if ahead:
+            task.prefetch(ahead[i + 1:i + 3])
         for part in task.reference_batches(task.collate(p)):
             out = reference.sequence_logps(part)
             if not record:
