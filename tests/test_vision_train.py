@@ -165,3 +165,28 @@ def test_image_evaluation_holds_a_few_micro_batches_at_a_time(assets, tmp_path, 
     assert sorted(windowed) == sorted(whole)
     for key in whole:
         assert windowed[key] == pytest.approx(whole[key], rel=1e-12, abs=1e-12), key
+
+
+def test_ranked_image_prompts_train_the_same_shared_and_padded(tmp_path):
+    """A ranked store's images belong to its prompts (stored with each group's first row): prompts laid out once
+    with every completion of the group continuing from them give the padded layout's steps."""
+    tok = vision_tokenizer()
+    processor = save_processor_dir(tmp_path / "processor", "qwen2_vl", tok)
+    other = [{"role": "assistant", "content": [{"type": "text", "text": "no idea"}]}]
+    ranked = [{"images": r["images"], "prompt": r["prompt"], "scores": [2.0, 1.0, 0.5],
+               "completions": [r["chosen"], r["rejected"], other]}
+              for r in vision_rows(8, tmp_path / "images", relative_to=tmp_path)]
+    assert cli_main(["prepare", str(write_jsonl(tmp_path / "ranked.jsonl", ranked)), "--processor", str(processor),
+                     "--output", str(tmp_path / "store"), "--format", "ranked", "--workers", "1"]) == 0
+    tiny_vlm("qwen2_vl", tok, seed=1).save_pretrained(tmp_path / "model")
+    runs = {"shared": ["data.prefix_sharing=true"], "padded": ["data.packing=false", "data.prefix_sharing=false"]}
+    for name, extra in runs.items():
+        train(load_config(None, [f"model.name_or_path={tmp_path / 'model'}", f"data.train={tmp_path / 'store'}",
+                                 f"run.output_dir={tmp_path / name}", "train.global_batch_pairs=3", "train.max_steps=2",
+                                 "run.plot=false", "run.tensorboard=false", "data.ranked_pairs=all_pairs",
+                                 "optim.lr=1.0e-3", *extra]), progress=False, log=quiet)
+    shared, padded = metrics_lines(tmp_path / "shared"), metrics_lines(tmp_path / "padded")
+    assert len(shared) == len(padded) == 2 and shared[0]["positions"] < shared[0]["tokens"]
+    for a, b in zip(shared, padded):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"],
+                                                                                                  rel=1e-5)
