@@ -190,3 +190,42 @@ def test_ranked_image_prompts_train_the_same_shared_and_padded(tmp_path):
     for a, b in zip(shared, padded):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"],
                                                                                                   rel=1e-5)
+
+
+def test_two_ranks_equal_one_when_a_rank_has_no_image(tmp_path):
+    """A store mixing image and text-only pairs, dealt so that one rank's micro-batch holds no image: that rank still
+    runs the vision tower (a blank placeholder, times 0), so FSDP2's gathers and DDP's gradient buckets match across
+    ranks (before, gloo failed on a collective mismatch), and two ranks train exactly as one. The tower trains."""
+    from conftest import run_prefpack
+
+    tok = vision_tokenizer()
+    processor = save_processor_dir(tmp_path / "processor", "qwen2_vl", tok)
+    rows = vision_rows(8, tmp_path / "images", relative_to=tmp_path)
+    for i in (1, 3, 5, 7):  # text-only pairs: with 2 pairs a step in store order, rank 1 gets no image
+        rows[i] = {"images": [], "prompt": [{"role": "user", "content": [{"type": "text", "text": "say something"}]}],
+                   "chosen": rows[i]["chosen"], "rejected": rows[i]["rejected"]}
+    assert cli_main(["prepare", str(write_jsonl(tmp_path / "mixed.jsonl", rows)), "--processor", str(processor),
+                     "--output", str(tmp_path / "store"), "--workers", "1"]) == 0
+    tiny_vlm("qwen2_vl", tok, seed=1).save_pretrained(tmp_path / "model")
+
+    def args(run, *extra):
+        return ["train", f"model.name_or_path={tmp_path / 'model'}", f"data.train={tmp_path / 'store'}",
+                f"run.output_dir={tmp_path / run}", "train.global_batch_pairs=2", "train.max_steps=3",
+                "data.shuffle=false", "model.freeze_vision=false", "optim.lr=1.0e-3", "optim.eps=1.0e-3",
+                "run.plot=false", "run.tensorboard=false", *extra, "--no-progress"]
+
+    run_prefpack(args("one"))
+    run_prefpack(args("ddp", "distributed.strategy=ddp"), args("fsdp2", "distributed.strategy=fsdp2"), nproc=2,
+                 timeout=240)
+    from transformers import AutoModelForImageTextToText
+
+    one = AutoModelForImageTextToText.from_pretrained(tmp_path / "one" / "final").state_dict()
+    start = AutoModelForImageTextToText.from_pretrained(tmp_path / "model").state_dict()
+    assert any(not torch.equal(one[k], start[k]) for k in one if k.startswith("model.visual.blocks"))  # it trained
+    for run in ("ddp", "fsdp2"):
+        for a, b in zip(metrics_lines(tmp_path / "one"), metrics_lines(tmp_path / run), strict=True):
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(
+                b["grad_norm"], rel=1e-5), (run, a["step"])
+        other = AutoModelForImageTextToText.from_pretrained(tmp_path / run / "final").state_dict()
+        for k in one:
+            torch.testing.assert_close(other[k], one[k], atol=1e-5, rtol=0, msg=lambda m, k=k, r=run: f"{r} {k}: {m}")

@@ -203,6 +203,12 @@ def _vision_of(model: nn.Module, batch: Batch):
         raise
 
 
+def _several_ranks() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _is_vlm(model: nn.Module) -> bool:
     config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
     return getattr(config, "vision_config", None) is not None
@@ -230,6 +236,16 @@ def _vision_inputs(body, vision, batch: Batch, flatten: bool) -> dict:
         embeds = flat.view_as(embeds)
     elif batch.image_positions is not None and batch.image_positions.numel():
         raise ValueError("a batch with image positions but no pixel_values")
+    elif _several_ranks():
+        # A micro-batch without images while other ranks' have some: the tower still runs (on a blank placeholder,
+        # its features added times 0), so every rank makes the same collective calls (FSDP2 gathers the tower's
+        # shards) and a trained tower gets a (zero) gradient on every rank (DDP). Adds exactly 0 to the embeddings.
+        from prefpack.model.vision import placeholder_pixels
+
+        pixels, grid = placeholder_pixels(vision, embeds.device)
+        with record_function("prefpack.vision"):
+            feats = cached_image_features(vision, pixels, grid, batch.vision_cache)
+        embeds = embeds + 0.0 * feats.sum().to(embeds.dtype)
     if vision.mrope and batch.pixel_values is not None and batch.rope_positions is None:
         raise ValueError(f"{type(vision.model).__name__} needs Batch.rope_positions (3-D rotary positions) for images")
     positions = body_positions(vision, batch.position_ids, batch.rope_positions)

@@ -207,6 +207,20 @@ def cached_image_features(parts: VisionParts, pixel_values: torch.Tensor, image_
     return feats
 
 
+def placeholder_pixels(parts: VisionParts, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The smallest image the tower takes, all zeros (Qwen2-VL: one merged token's patches; LLaVA: one crop): what a
+    rank whose micro-batch holds no image encodes so that every rank runs the tower (see ``forward``)."""
+    vc = parts.model.config.vision_config
+    if parts.mrope:
+        m = parts.merge_size
+        channels = int(getattr(vc, "in_channels", None) or getattr(vc, "in_chans", 3))
+        width = channels * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
+        grid = torch.tensor([[1, m, m]], dtype=torch.long, device=device)
+        return torch.zeros(m * m, width, device=device), grid
+    size = int(vc.image_size)
+    return torch.zeros(1, int(getattr(vc, "num_channels", 3)), size, size, device=device), None
+
+
 def _dtype_of(module: nn.Module) -> torch.dtype:
     return next(module.parameters()).dtype
 
