@@ -12,6 +12,8 @@
 # sharing: prefpack alone on varlen, the compare run twice per preset, data.prefix_sharing=true then false (same
 #          pairs and steps; tokens/s counts every sequence's prompt, so the ratio of the two is the speed-up);
 #          logs sharing_<preset>_<true|false>.log; about 2 minutes per run.
+# vision:  benchmarks/bench_vision.py on CUDA (tiny Qwen2-VL and LLaVA against TRL 1.16: losses by step, encodings
+#          per image; the toy's speed says little) after tests/test_gpu_paths.py's image cases; about 2 minutes.
 set -uo pipefail
 py=${PYTHON:-python3}
 what=${1:-all}
@@ -66,5 +68,13 @@ if [ "$what" = sharing ]; then  # prompts laid out once vs not, on varlen; EXTRA
         --runs prefpack --override "data.prefix_sharing=$share" --override model.attn_implementation=varlen \
         ${EXTRA:-} 2>&1 | tee "$OUT/sharing_${preset}_${share}.log"
     done
+  done
+fi
+if [ "$what" = vision ]; then  # image pairs on CUDA: the CUDA image tests, then the TRL comparison per family
+  PREFPACK_TEST_CUDA=1 timeout "${TESTS_TIMEOUT:-240}" "$py" -m pytest -q -p no:cacheprovider tests/test_gpu_paths.py \
+    -k images 2>&1 | tee "$OUT/vision_tests.log"
+  for model in qwen2_vl llava; do
+    timeout "${COMPARE_TIMEOUT:-300}" "$py" benchmarks/bench_vision.py --device cuda --same-start --model "$model" \
+      ${EXTRA:-} 2>&1 | tee "$OUT/vision_$model.log"
   done
 fi
