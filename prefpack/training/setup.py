@@ -313,6 +313,10 @@ def _vision_settings(policy: nn.Module, cfg, log) -> None:
     state = {True: "frozen", False: "trained"}
     log(f"vision-language model ({type(policy).__name__}): vision encoder {state[cfg.model.freeze_vision]}, projector "
         f"{state[cfg.model.freeze_projector]} (model.freeze_vision, model.freeze_projector)")
+    if not cfg.model.freeze_vision and cfg.train.micro_batch_tokens == "auto":
+        log("note: the auto micro-batch budget counts the language model's activations only; a trained vision "
+            "encoder keeps its own for every image patch (Qwen2-VL: 4 per image token). If memory runs short, set "
+            "train.micro_batch_tokens lower")
 
 
 def _enable_checkpointing(policy: nn.Module) -> None:
