@@ -45,7 +45,23 @@ def load_tokenizer(name_or_path: str | Path, *, trust_remote_code: bool = False)
             f"tokenizer {str(name_or_path)!r} defines no EOS token; completions must end with one. "
             "Set eos_token in its tokenizer_config.json."
         )
+    if not tok.chat_template:
+        tok.chat_template = processor_chat_template(name_or_path)
     return tok
+
+
+def processor_chat_template(folder: str | Path) -> str | None:
+    """The chat template a processor folder keeps apart from its tokenizer (``chat_template.json``, as
+    vision-language processors save it: what ``processor.apply_chat_template`` renders, hence what TRL renders for
+    such a model); None when there is none. Read only where the tokenizer itself has no template."""
+    path = Path(folder) / "chat_template.json"
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise TokenizerError(f"{path}: cannot read its chat template ({exc})") from None
+    return value if isinstance(value, str) and value.strip() else None
 
 
 def check_tokenizer_source(name: str) -> None:
