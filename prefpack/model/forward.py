@@ -228,7 +228,8 @@ def _vision_inputs(body, vision, batch: Batch, flatten: bool) -> dict:
         with record_function("prefpack.vision"):
             feats = cached_image_features(vision, batch.pixel_values, batch.image_grid_thw, batch.vision_cache)
         rows = batch.image_feature_rows
-        if rows.numel() and int(rows.max()) >= feats.shape[0]:  # else an index error (a device assert on CUDA)
+        # else an index error; checked where it costs no device sync (collate checked every count against the grid)
+        if rows.device.type == "cpu" and rows.numel() and int(rows.max()) >= feats.shape[0]:
             raise ValueError(f"the batch's images give {feats.shape[0]} feature rows but image_feature_rows reads row "
                              f"{int(rows.max())}: placeholder counts and the processor's output disagree")
         flat = embeds.reshape(-1, embeds.shape[-1])

@@ -162,17 +162,39 @@ class StepTotals:
                 self.counts.setdefault(k, 0.0)
             return
         self.examples += int(out.loss.shape[0])
-        self.loss += float(out.loss.detach().double().sum())
-        for k, v in out.metrics.items():
-            self.metrics[k] = self.metrics.get(k, 0.0) + float(v.double().sum())
-            self.counts[k] = self.counts.get(k, 0.0) + float(v.numel())
+        # The sums stay on the device until the step is settled (one transfer a step, not one per metric and
+        # micro-batch: each would wait for the GPU to finish, and the host could not queue the next micro-batch).
+        pending = self.__dict__.setdefault("_pending", {})
+        for k, v in (("", out.loss), *out.metrics.items()):
+            part = v.detach().double().sum()
+            pending[k] = part if k not in pending else pending[k] + part
+            if k:
+                self.metrics.setdefault(k, 0.0)
+                self.counts[k] = self.counts.get(k, 0.0) + float(v.numel())
         self.real_tokens += batch.real_tokens
         self.computed_tokens += batch.computed_tokens
         self.positions += batch.positions
         self.scored += batch.scored_positions
 
+    def settle(self) -> StepTotals:
+        """Bring the device-side sums of :meth:`add` to the host, in one transfer, and add them to ``loss`` and
+        ``metrics`` (float64 throughout: the same values as adding each micro-batch's sum on the host). Returns
+        self."""
+        pending = self.__dict__.pop("_pending", None) or {}
+        by_device: dict = {}
+        for k, t in pending.items():
+            by_device.setdefault(t.device, []).append(k)
+        for keys in by_device.values():  # one transfer per device (all on the model's, in practice)
+            for k, v in zip(keys, torch.stack([pending[k] for k in keys]).tolist()):
+                if k:
+                    self.metrics[k] = self.metrics.get(k, 0.0) + v
+                else:
+                    self.loss += v
+        return self
+
     def as_vector(self, keys: list[str]) -> torch.Tensor:
         """Everything as one float64 vector (one all-reduce per step across ranks)."""
+        self.settle()
         vals = [self.examples, self.loss, self.real_tokens, self.computed_tokens, self.positions, self.scored]
         for k in keys:
             vals.extend([self.metrics.get(k, 0.0), self.counts.get(k, 0.0)])
@@ -188,6 +210,7 @@ class StepTotals:
         return out
 
     def means(self) -> dict[str, float]:
+        self.settle()
         out = {"loss": self.loss / max(self.examples, 1)}
         # a metric may cover a subset of examples (e.g. KTO's desirable ones): divide by its own count
         out.update({k: v / max(self.counts.get(k, 0.0), 1.0) for k, v in sorted(self.metrics.items())})

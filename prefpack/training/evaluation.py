@@ -85,6 +85,7 @@ def _windowed_state(task: Objective, module, reference, planned, counted, window
 
 def reduce_totals(totals: StepTotals, ctx: Dist) -> StepTotals:
     """One all-reduce of every sum of a step (metric keys are the same on every rank)."""
+    totals.settle()
     if not ctx.enabled:
         return totals
     keys = sorted(totals.metrics)
