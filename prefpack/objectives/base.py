@@ -102,7 +102,16 @@ class Objective:
 
     def prefetch(self, planned: Sequence[Planned]) -> None:
         """Start reading and preprocessing these micro-batches' images on a background thread, so that their
-        :meth:`collate` finds them ready (vision runs; default: nothing)."""
+        :meth:`collate` finds them ready (vision runs of an objective with a ``store`` and ``image_examples``:
+        the store rows whose images each micro-batch's groups hold; otherwise nothing)."""
+        vision = getattr(getattr(self, "settings", None), "vision", None)
+        if vision is None or not hasattr(self, "image_examples"):
+            return
+        if getattr(self, "_images", None) is None:
+            from prefpack.data.vision_inputs import ImagePrefetcher
+
+            self._images = ImagePrefetcher(self.store, vision)
+        self._images.submit_all([self.image_examples(p)[0] for p in planned])
 
     def key_space(self) -> KeySpace:
         """What this objective's sequence keys address (the table a sidecar of its store holds)."""

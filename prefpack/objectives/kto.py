@@ -296,13 +296,6 @@ class KTOTask(Objective):
         groups, _ = self._row_groups(planned.rows)
         return [self.prompt_row(flat[g[0]]) for g in groups], [len(g) for g in groups]
 
-    def prefetch(self, planned: Sequence[KTOPlanned]) -> None:
-        if self.settings.vision is None:
-            return
-        if self._images is None:
-            self._images = ImagePrefetcher(self.store, self.settings.vision)
-        self._images.submit_all([self.image_examples(p)[0] for p in planned])
-
     def prompt_row(self, i: int) -> int:
         """The store row whose prompt (and images) example ``i`` holds (a pair's two halves: the pair's row)."""
         return int(i) // 2 if self.view.paired else int(i)

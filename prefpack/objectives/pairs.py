@@ -111,13 +111,6 @@ class PairTask(Objective):
         flat = [int(i) for r in planned.rows for i in r]
         return flat, [2] * len(flat)
 
-    def prefetch(self, planned: Sequence[Planned]) -> None:
-        if self.settings.vision is None:
-            return
-        if self._images is None:
-            self._images = ImagePrefetcher(self.store, self.settings.vision)
-        self._images.submit_all([self.image_examples(p)[0] for p in planned])
-
     def pair_sums(self, policy: nn.Module, reference: Reference, batch) -> tuple[PairLogps, torch.Tensor | None,
                                                                                  torch.Tensor | None, Any]:
         """The batch's pairs as :class:`PairLogps` (policy and reference sums), their WPO weights (or None), the
