@@ -229,3 +229,22 @@ def test_two_ranks_equal_one_when_a_rank_has_no_image(tmp_path):
         other = AutoModelForImageTextToText.from_pretrained(tmp_path / run / "final").state_dict()
         for k in one:
             torch.testing.assert_close(other[k], one[k], atol=1e-5, rtol=0, msg=lambda m, k=k, r=run: f"{r} {k}: {m}")
+
+
+def test_a_micro_batchs_kept_features_are_dropped_after_its_loss(assets, tmp_path, monkeypatch):
+    """The loop drops each micro-batch's kept image features once its loss and backward ran (the step's other
+    micro-batches, collated up front, would otherwise keep theirs on the device until the step ends); a KTO batch's
+    main and KL passes share one cache."""
+    from types import SimpleNamespace
+
+    from prefpack.objectives import base, release_images
+    from prefpack.training import loop
+
+    shared = {"key": torch.zeros(1)}
+    release_images(SimpleNamespace(main=SimpleNamespace(vision_cache=shared), kl=SimpleNamespace(vision_cache=shared)))
+    assert shared == {}
+    seen = []
+    monkeypatch.setattr(loop, "release_images", lambda b: (seen.append(dict(b.vision_cache)),
+                                                           base.release_images(b), seen.append(b.vision_cache)))
+    train(_cfg(assets, tmp_path / "run", "reference.mode=copy"), progress=False, log=quiet)
+    assert len(seen) == 4 and all(len(s) == 1 for s in seen[0::2]) and seen[1::2] == [{}, {}]

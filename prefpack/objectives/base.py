@@ -149,6 +149,16 @@ class Objective:
             raise ValueError(f"{type(self).__name__} keeps no running state, got {sorted(state)}")
 
 
+def release_images(batch: Any) -> None:
+    """Drop the image features a micro-batch kept for its later forwards (``Batch.vision_cache``; a KTO batch's main
+    and KL passes share one) once its loss is computed: the step's micro-batches are all collated up front, and
+    their features would otherwise stay on the device until the step ends."""
+    for part in (batch, getattr(batch, "main", None), getattr(batch, "kl", None)):
+        cache = getattr(part, "vision_cache", None)
+        if cache:
+            cache.clear()
+
+
 @dataclass
 class StepTotals:
     """Sums over the examples of a step (or an eval pass), turned into means at the end."""

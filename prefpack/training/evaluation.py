@@ -9,7 +9,7 @@ from torch import nn
 from prefpack.batching.deal import deal_step
 from prefpack.distributed import SINGLE, Dist
 from prefpack.model import SequenceLogps
-from prefpack.objectives import Objective, StepTotals
+from prefpack.objectives import Objective, StepTotals, release_images
 from prefpack.reference import Reference
 from prefpack.sequence_parallel import current as current_layout
 
@@ -45,6 +45,7 @@ def evaluate(policy: nn.Module, reference: Reference, task: Objective, *, module
         for k in window:
             batch = collated[k] if collated is not None else task.collate(share.planned[k])
             out = task.loss(module, reference, batch, step_state)
+            release_images(batch)
             if share.weights[k]:
                 totals.add(out, batch, counted=sp.rank == 0)
     policy.train(was_training)

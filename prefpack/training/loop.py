@@ -24,7 +24,7 @@ from prefpack.batching.schedule import StepKey, StepSchedule
 from prefpack.distributed import Dist, clip_grad_norm, grad_sync, init_from_env
 from prefpack.model import ModelError, release_freed_memory
 from prefpack.model.sharded import check_model
-from prefpack.objectives import StepTotals
+from prefpack.objectives import StepTotals, release_images
 from prefpack.reference import sync_reference
 from prefpack.sequence_parallel import SeqPar, layout_line, make_layout
 from prefpack.sequence_parallel import use as use_layout
@@ -194,6 +194,7 @@ def _train(cfg, ctx: Dist, sp: SeqPar, *, resume: bool, stop_after_steps: int | 
                         out = task.loss(module, reference, batch, step_state)
                     with record_function("prefpack.backward"):
                         (out.loss.sum() * (scale * weight)).backward()
+                release_images(batch)
                 if weight:
                     totals.add(out, batch, counted=sp.rank == 0)  # a sequence group's sums once
                     task.after_micro_batch(out)
