@@ -248,3 +248,21 @@ def test_a_micro_batchs_kept_features_are_dropped_after_its_loss(assets, tmp_pat
                                                            base.release_images(b), seen.append(b.vision_cache)))
     train(_cfg(assets, tmp_path / "run", "reference.mode=copy"), progress=False, log=quiet)
     assert len(seen) == 4 and all(len(s) == 1 for s in seen[0::2]) and seen[1::2] == [{}, {}]
+
+
+def test_an_image_damaged_after_prepare_is_named(assets, tmp_path, capsys):
+    """images.bin damaged in place (same size, so the store still opens): the first micro-batch that reads the
+    image stops the run with one line naming the store, the example and the image, not a Pillow traceback."""
+    import shutil
+
+    store = shutil.copytree(assets["store"], tmp_path / "store")
+    first = Store(store).images_of(0)[0]
+    data = bytearray((store / "images.bin").read_bytes())
+    data[first["offset"]:first["offset"] + first["bytes"]] = b"\0" * first["bytes"]
+    (store / "images.bin").write_bytes(bytes(data))
+    capsys.readouterr()
+    assert cli_main(["train", f"model.name_or_path={assets['model']}", f"data.train={store}",
+                     f"run.output_dir={tmp_path / 'run'}", *RUN, "--no-progress"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    assert "image 0 of example 0" in err[-1] and "images.bin is damaged" in err[-1] and str(store) in err[-1], err

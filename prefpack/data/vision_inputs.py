@@ -56,6 +56,17 @@ def decode_image(data: bytes):
     return image
 
 
+def _decoded(store: Store, example: int, k: int, info: dict):
+    """Image ``k`` of store example ``example``, decoded; bytes that no longer decode (prepare decoded every image)
+    mean a damaged store, said by name, not a Pillow traceback in the middle of training."""
+    try:
+        return decode_image(info["data"])
+    except Exception as exc:  # Pillow raises several types (UnidentifiedImageError, OSError, SyntaxError, ...)
+        raise StoreError(f"{store.path}: image {k} of example {example} ({info['bytes']} bytes at offset "
+                         f"{info['offset']} of images.bin) no longer decodes ({type(exc).__name__}: {exc}); prepare "
+                         "decoded it, so images.bin is damaged: prepare the store again") from None
+
+
 def prompt_start(store: Store, example: int) -> int:
     """Where example ``example``'s prompt starts in ``tokens.bin`` (a ranked row: its group's prompt, before its
     group's first row)."""
@@ -84,7 +95,7 @@ def read_batch_images(store: Store, examples: Sequence[int], settings: VisionSet
             start = prompt_start(store, ex) if infos else 0
             first[ex] = [BatchImage(len(decoded) + k, int(info["tokens"]), None, int(info["position"]) - start)
                          for k, info in enumerate(infos)]
-            decoded.extend(decode_image(info["data"]) for info in infos)
+            decoded.extend(_decoded(store, ex, k, info) for k, info in enumerate(infos))
         group_images.append(first[ex])
     if not decoded:
         return BatchImages(None, None, group_images, tuple(int(e) for e in examples))
