@@ -401,6 +401,12 @@ def test_store_processor_checked_against_the_model(tmp_path):
     check_processor(llava, {"image_token_id": IMAGE_ID, "settings": {"crop_size": {"height": 28, "width": 28}}})
     with pytest.raises(ValueError, match="crop is 336"):
         check_processor(llava, {"image_token_id": IMAGE_ID, "settings": {"crop_size": {"height": 336, "width": 336}}})
+    # the other family's store (prepare records the processor's kind): refused by name before any pixel is read
+    check_processor(llava, {"image_token_id": IMAGE_ID, "kind": "llava", "settings": {}})
+    with pytest.raises(ValueError, match="prepared with a qwen2_vl processor, .* LLaVA"):
+        check_processor(llava, {**record, "kind": "qwen2_vl"})
+    with pytest.raises(ValueError, match="prepared with a llava processor, .* Qwen2-VL"):
+        check_processor(m, {**record, "kind": "llava"})
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)

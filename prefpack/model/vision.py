@@ -287,6 +287,12 @@ def check_processor(model: nn.Module, processor: dict, where: str = "the store")
     ``temporal_patch_size``, ``merge_size``; LLaVA: the crop is the tower's ``image_size``), else the placeholder
     counts would not match the features. A ValueError naming the first difference."""
     parts = vision_parts(model)
+    kind = processor.get("kind")  # the processor family prepare expanded the images for (older stores: none)
+    want = "qwen2_vl" if parts.mrope else "llava"
+    if kind is not None and kind != want:
+        raise ValueError(f"{where} was prepared with a {kind} processor, whose image token counts and pixels a "
+                         f"{SUPPORTED[parts.kind]} model does not read: prepare it again with --processor set to this "
+                         "model's folder (its own processor)")
     token = processor.get("image_token_id")
     if token is not None and int(token) != parts.image_token_id:
         raise ValueError(f"{where} marks images with token id {token} ({processor.get('image_token')!r}) but the "
