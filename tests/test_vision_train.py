@@ -195,7 +195,8 @@ def test_ranked_image_prompts_train_the_same_shared_and_padded(tmp_path):
 def test_two_ranks_equal_one_when_a_rank_has_no_image(tmp_path):
     """A store mixing image and text-only pairs, dealt so that one rank's micro-batch holds no image: that rank still
     runs the vision tower (a blank placeholder, times 0), so FSDP2's gathers and DDP's gradient buckets match across
-    ranks (before, gloo failed on a collective mismatch), and two ranks train exactly as one. The tower trains."""
+    ranks (before, gloo failed on a collective mismatch), and two ranks train exactly as one: the tower trained (DDP,
+    FSDP2), or frozen with the copied reference reading the policy's features (FSDP2)."""
     from conftest import run_prefpack
 
     tok = vision_tokenizer()
@@ -208,22 +209,25 @@ def test_two_ranks_equal_one_when_a_rank_has_no_image(tmp_path):
                      "--output", str(tmp_path / "store"), "--workers", "1"]) == 0
     tiny_vlm("qwen2_vl", tok, seed=1).save_pretrained(tmp_path / "model")
 
-    def args(run, *extra):
+    def args(run, frozen, *extra):
         return ["train", f"model.name_or_path={tmp_path / 'model'}", f"data.train={tmp_path / 'store'}",
                 f"run.output_dir={tmp_path / run}", "train.global_batch_pairs=2", "train.max_steps=3",
-                "data.shuffle=false", "model.freeze_vision=false", "optim.lr=1.0e-3", "optim.eps=1.0e-3",
+                "data.shuffle=false", f"model.freeze_vision={frozen}", "optim.lr=1.0e-3", "optim.eps=1.0e-3",
                 "run.plot=false", "run.tensorboard=false", *extra, "--no-progress"]
 
-    run_prefpack(args("one"))
-    run_prefpack(args("ddp", "distributed.strategy=ddp"), args("fsdp2", "distributed.strategy=fsdp2"), nproc=2,
+    # trained tower: DDP and FSDP2; frozen tower (the copied reference reads the policy's features): FSDP2
+    run_prefpack(args("one-trained", "false"), args("one-frozen", "true"))
+    runs = {"ddp-trained": "one-trained", "fsdp2-trained": "one-trained", "fsdp2-frozen": "one-frozen"}
+    run_prefpack(*(args(r, r.endswith("frozen"), f"distributed.strategy={r.split('-')[0]}") for r in runs), nproc=2,
                  timeout=240)
     from transformers import AutoModelForImageTextToText
 
-    one = AutoModelForImageTextToText.from_pretrained(tmp_path / "one" / "final").state_dict()
     start = AutoModelForImageTextToText.from_pretrained(tmp_path / "model").state_dict()
-    assert any(not torch.equal(one[k], start[k]) for k in one if k.startswith("model.visual.blocks"))  # it trained
-    for run in ("ddp", "fsdp2"):
-        for a, b in zip(metrics_lines(tmp_path / "one"), metrics_lines(tmp_path / run), strict=True):
+    for run, base in runs.items():
+        one = AutoModelForImageTextToText.from_pretrained(tmp_path / base / "final").state_dict()
+        trained = any(not torch.equal(one[k], start[k]) for k in one if k.startswith("model.visual.blocks"))
+        assert trained == base.endswith("trained"), base
+        for a, b in zip(metrics_lines(tmp_path / base), metrics_lines(tmp_path / run), strict=True):
             assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(
                 b["grad_norm"], rel=1e-5), (run, a["step"])
         other = AutoModelForImageTextToText.from_pretrained(tmp_path / run / "final").state_dict()
