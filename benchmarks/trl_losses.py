@@ -289,24 +289,32 @@ def store_ids(work: Path) -> list[dict]:
             for i in range(len(store))]
 
 
+def one_batch_eval_config(work: Path, loss_type: str, settings: dict, n: int, dtype: str):
+    """TRL's DPOConfig for evaluating ``n`` pairs as ONE batch on the CPU (float32 models loaded by TRL itself in
+    sdpa; float64 ones handed over loaded), no training, nothing saved or reported (trl_vision_losses.py too)."""
+    from trl import DPOConfig
+
+    return DPOConfig(
+        output_dir=str(work / "trl"), loss_type=[loss_type], **settings,
+        per_device_train_batch_size=n, per_device_eval_batch_size=n, prediction_loss_only=True,
+        bf16=False, fp16=False, use_cpu=True, seed=SEED, report_to="none", disable_tqdm=True, save_strategy="no",
+        dataloader_num_workers=0,
+        model_init_kwargs={"dtype": dtype, "attn_implementation": "sdpa"} if dtype == "float32" else None,
+    )
+
+
 def trl_case(loss_type: str, settings: dict, pairs: list[dict], work: Path, policy: str = "policy",
              dtype: str = "float32") -> tuple[dict, list[dict]]:
     """TRL's eval loss and metrics of one loss type on every pair in one batch, and the ids TRL used."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOTrainer
 
     tok = AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
     ref = AutoModelForCausalLM.from_pretrained(ASSETS / "reference", dtype=getattr(torch, dtype),
                                                attn_implementation="sdpa")
-    args = DPOConfig(
-        output_dir=str(work / "trl"), loss_type=[loss_type], **settings,
-        per_device_train_batch_size=len(pairs), per_device_eval_batch_size=len(pairs), prediction_loss_only=True,
-        bf16=False, fp16=False, use_cpu=True, seed=SEED, report_to="none", disable_tqdm=True, save_strategy="no",
-        dataloader_num_workers=0,
-        model_init_kwargs={"dtype": dtype, "attn_implementation": "sdpa"} if dtype == "float32" else None,
-    )
+    args = one_batch_eval_config(work, loss_type, settings, len(pairs), dtype)
     ds = Dataset.from_list(pairs)
     # TRL's ordinary path loads the policy from its folder; its model_init_kwargs refuse float64, so the float64
     # diagnostic hands it the loaded model

@@ -335,7 +335,7 @@ def per_pair_logps(trainer, model, batch) -> tuple[list[float], list[float]]:
 def make_trainer(kind: str, loss_type: str, settings: dict, ds, work: Path, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForImageTextToText, PrinterCallback
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOTrainer
 
     folder = KINDS[kind][0]
 
@@ -343,13 +343,9 @@ def make_trainer(kind: str, loss_type: str, settings: dict, ds, work: Path, dtyp
         return AutoModelForImageTextToText.from_pretrained(folder / name, dtype=getattr(torch, dtype),
                                                            attn_implementation="sdpa")
 
-    args = DPOConfig(
-        output_dir=str(work / "trl"), loss_type=[loss_type], **settings,
-        per_device_train_batch_size=len(ds), per_device_eval_batch_size=len(ds), prediction_loss_only=True,
-        bf16=False, fp16=False, use_cpu=True, seed=SEED, report_to="none", disable_tqdm=True, save_strategy="no",
-        dataloader_num_workers=0,
-        model_init_kwargs={"dtype": dtype, "attn_implementation": "sdpa"} if dtype == "float32" else None,
-    )
+    from trl_losses import one_batch_eval_config
+
+    args = one_batch_eval_config(work, loss_type, settings, len(ds), dtype)
     # TRL's ordinary path loads the policy from its folder; its model_init_kwargs refuse float64, so the float64
     # diagnostic hands it the loaded model
     model = str(folder / "policy") if dtype == "float32" else load("policy")
