@@ -215,6 +215,13 @@ def test_images_refused_under_sequence_parallelism(monkeypatch):
     monkeypatch.setattr(fwd, "sequence_layout", lambda: Layout())
     with pytest.raises(ValueError, match="sequence_parallel"):
         sequence_logps(m, batch)
+    # and at start, with the user's error type (one line from the CLI; precompute-ref --sequence-parallel reads it)
+    from prefpack.model.sharded import check_model
+    from prefpack.sequence_parallel import SequenceParallelError
+
+    Layout.size = 2
+    with pytest.raises(SequenceParallelError, match="vision-language model, and those do not run on token shards"):
+        check_model(m, Layout())
 
 
 def test_loading_gives_the_language_model_the_kernel(tmp_path):

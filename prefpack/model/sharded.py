@@ -129,6 +129,10 @@ def check_model(model: nn.Module, sp: SeqPar, *, router_aux: bool = False) -> No
     if router_aux:
         raise SequenceParallelError("the MoE router load-balancing loss is not computed over token shards "
                                     "(distributed.sequence_parallel); set loss.router_aux_loss_coef=0")
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    if getattr(config, "vision_config", None) is not None:
+        raise SequenceParallelError(f"{type(model).__name__} is a vision-language model, and those do not run on "
+                                    "token shards yet: set distributed.sequence_parallel=1 (--sequence-parallel 1)")
 
     kernel = kernel_of(model)
     if not kernel.shards_sequences:
