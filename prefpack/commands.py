@@ -274,95 +274,35 @@ def _add_sequence_parallel(p, default: str) -> None:
                    f"distributed.sequence_parallel shards training {default}")
 
 
-def _sequence_layout(size: int, ctx):
-    """The run's sequence groups (``distributed.sequence_parallel``), refused with the numbers when ``size`` does not
-    divide the processes."""
-    from prefpack.sequence_parallel import make_layout
-
-    return make_layout(size, ctx.world, ctx.rank, ctx.device.type)
-
-
-def _eval_sequence_parallel(args) -> int:
-    """``--sequence-parallel``, else the --config run's, else 1."""
-    if args.sequence_parallel is not None:
-        return args.sequence_parallel
-    if args.config:
-        from prefpack.config import load_config
-
-        return load_config(args.config, []).distributed.sequence_parallel
-    return 1
-
-
-def eval_config(args):
-    """The typed config `eval` scores with: the --config run's (or the defaults), then what the flags say."""
-    from prefpack.config import Config, ConfigError, LossTermConfig, load_config
-    from prefpack.data.store import Store
+def eval_options(args, path: str):
+    """``prefpack eval``'s flags for one ``--data`` store, as the library's :class:`EvalOptions`."""
     from prefpack.loss_params import LOSS_PARAMS
-    from prefpack.losses import UNPAIRED_LOSS_NAMES
-    from prefpack.reference import SIDECAR_NAMES
+    from prefpack.training.scoring import EvalOptions
 
-    cfg = load_config(args.config, []) if args.config else Config()
-    if args.loss:
-        cfg.loss.terms = [LossTermConfig(n.strip(), 1.0) for n in args.loss.split(",") if n.strip()]
-    elif not args.config:
-        kind = Store(args.data).kind
-        cfg.loss.terms = [LossTermConfig("kto" if args.kto or kind == "unpaired" else "sigmoid", 1.0)]
-    for name in LOSS_PARAMS:
-        value = getattr(args, name)
-        if value is not None:
-            setattr(cfg.loss, name, value)
-    if args.f_divergence_type:
-        cfg.loss.f_divergence_type = args.f_divergence_type
-    if args.use_weighting is not None:
-        cfg.loss.use_weighting = args.use_weighting
-    if args.ranked_pairs:
-        cfg.data.ranked_pairs = args.ranked_pairs
-    kto = any(t.name in UNPAIRED_LOSS_NAMES for t in cfg.loss.terms)
-    sidecar = SIDECAR_NAMES["unpaired" if kto else Store(args.data).kind]  # the key space the run reads
-    mode = "copy" if args.ref else ("precomputed" if (Path(args.data) / sidecar).exists() else "none")
-    if args.micro_batch_tokens != "auto" and not str(args.micro_batch_tokens).isdigit():
-        raise ConfigError(f"--micro-batch-tokens must be a positive integer or auto, got {args.micro_batch_tokens!r}")
-    from prefpack.model.load import check_model_source
-
-    check_model_source(args.model, "--model")  # one line at once, not hub retries
-    if args.ref:
-        check_model_source(args.ref, "--ref")
-    cfg.model.name_or_path, cfg.data.train, cfg.data.eval = args.model, args.data, None
-    cfg.model.dtype = args.dtype or (cfg.model.dtype if args.config else "auto")
-    cfg.model.allow_tokenizer_mismatch = args.allow_tokenizer_mismatch
-    cfg.reference.mode, cfg.reference.model = mode, args.ref
-    cfg.reference.sync = False  # eval scores fixed models: a run's TR-DPO syncing does not apply
-    cfg.lora.enabled = False  # a trained run's final model has its adapter merged
-    cfg.train.micro_batch_tokens = "auto" if args.micro_batch_tokens == "auto" else int(args.micro_batch_tokens)
-    cfg.train.device = args.device
-    cfg.run.eval_every = cfg.run.save_every = 0
-    cfg.distributed.sequence_parallel = _eval_sequence_parallel(args)
-    if kto:
-        cfg.train.seed = args.seed if args.seed is not None else (cfg.train.seed if args.config else 0)
-        cfg.data.paired_as_kto = args.kto or (cfg.data.paired_as_kto and bool(args.config))
-        cfg.loss.kl_pairing = "fixed" if mode == "precomputed" else "step"
-    return cfg
+    return EvalOptions(model=args.model, data=path, config=args.config, loss=args.loss, ref=args.ref, kto=args.kto,
+                       seed=args.seed, micro_batch_tokens=args.micro_batch_tokens, device=args.device,
+                       dtype=args.dtype, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch,
+                       sequence_parallel=args.sequence_parallel,
+                       loss_params={name: getattr(args, name) for name in LOSS_PARAMS},
+                       f_divergence_type=args.f_divergence_type, use_weighting=args.use_weighting,
+                       ranked_pairs=args.ranked_pairs)
 
 
 def run_eval(args, argv) -> int:
     """Each ``--data`` store scored in turn (the model loaded once per store), exactly as it alone would be."""
-    import copy
+    from prefpack.distributed import shutdown
+    from prefpack.parallel import start_parallel
+    from prefpack.training.scoring import score_store, sequence_parallel_of
 
-    from prefpack.distributed import init_from_env, shutdown
-    from prefpack.sequence_parallel import use
-
-    ctx = init_from_env(args.device)  # under torchrun every rank scores a share of each store
-    results = []
+    options = [eval_options(args, path) for path in args.data]
+    # under torchrun every rank scores a share of each store; a sequence group's ranks the same share, each its
+    # token shards (as training does)
+    parallel = start_parallel(args.device, sequence_parallel_of(options[0]))
     try:
-        # sequence groups: a group's ranks score the same micro-batches, each its token shards (as training does)
-        with use(_sequence_layout(_eval_sequence_parallel(args), ctx)):
-            for path in args.data:
-                one = copy.copy(args)
-                one.data = path
-                results.append(_eval_store(one, ctx))
+        results = [score_store(opts, parallel=parallel, log=_err) for opts in options]
     finally:
         shutdown()
-    if not ctx.is_main:
+    if not parallel.is_main:
         return 0
     for path, result in zip(args.data, results):
         if len(args.data) > 1:
@@ -373,41 +313,6 @@ def run_eval(args, argv) -> int:
             for k, v in result.items():
                 print(f"{k:<22} {v:.6f}" if isinstance(v, float) else f"{k:<22} {v}")
     return 0
-
-
-def _eval_store(args, ctx) -> dict:
-    """``prefpack eval`` on one store (``args.data``): its metrics, counts and reference mode."""
-    import numpy as np
-
-    from prefpack.losses import UNPAIRED_LOSS_NAMES
-    from prefpack.training import build, evaluate
-
-    cfg = eval_config(args)
-    kto = any(t.name in UNPAIRED_LOSS_NAMES for t in cfg.loss.terms)
-    cfg.validate()
-    setup = build(cfg, log=_err, device=ctx.device, check_sidecar_reference=False)  # the sidecar IS the ref
-    _check_shardable(setup.policy, setup.reference.model if setup.reference.mode == "copy" else None)
-    result = evaluate(setup.policy, setup.reference, setup.train_task, ctx=ctx)
-    ctx.barrier()  # no rank leaves while another is still in a collective
-    task = setup.train_task
-    if kto:
-        result["examples"] = len(task)
-    else:
-        result["pairs"] = task.units(np.arange(len(task)))  # a ranked store: the pairs its prompts yield
-        if task.kind == "groups":
-            result["prompts"] = len(task)
-    result["reference"] = setup.reference.mode
-    return result
-
-
-def _check_shardable(*models) -> None:
-    """Refuse, before scoring, a model the run's sequence groups cannot shard (with the numbers)."""
-    from prefpack.model.sharded import check_model
-    from prefpack.sequence_parallel import current
-
-    for model in models:
-        if model is not None:
-            check_model(model, current())
 
 
 # ---------------------------------------------------------------- precompute-ref
@@ -436,24 +341,23 @@ def add_precompute(sub) -> None:
 
 
 def run_precompute(args, argv) -> int:
-    from prefpack.distributed import init_from_env, shutdown
+    from prefpack.distributed import shutdown
+    from prefpack.parallel import start_parallel
     from prefpack.training.precompute import PrecomputeOptions, precompute_reference
 
     opts = PrecomputeOptions(model=args.model, data=args.data, kto=args.kto, seed=args.seed,
                              micro_batch_tokens=_budget("--micro-batch-tokens", args.micro_batch_tokens),
                              chunk_size=_budget("--chunk-size", args.chunk_size), device=args.device,
                              dtype=args.dtype, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch)
-    from prefpack.sequence_parallel import use
-
-    ctx = init_from_env(args.device)  # under torchrun every rank scores a share of the store
+    # under torchrun every rank scores a share of the store; a sequence group's ranks the same share, each its token
+    # shards (as training does)
+    parallel = start_parallel(args.device, 1 if args.sequence_parallel is None else args.sequence_parallel)
     try:
-        # sequence groups: a group's ranks score the same micro-batches, each its token shards (as training does)
-        with use(_sequence_layout(1 if args.sequence_parallel is None else args.sequence_parallel, ctx)):
-            summary = precompute_reference(opts, ctx=ctx, log=_err)
-        ctx.barrier()  # no rank leaves while another is still in a collective
+        summary = precompute_reference(opts, parallel=parallel, log=_err)
+        parallel.barrier()  # no rank leaves while another is still in a collective
     finally:
         shutdown()
-    if ctx.is_main:
+    if parallel.is_main:
         print(json_line(summary))
     return 0
 

@@ -12,13 +12,12 @@ losses. Its backward passes the gradient through unchanged (an all-reduce in bac
 its shard's share, and the data-parallel all-reduce (DDP, FSDP2 over the whole world, averaging) sums the shares of a
 group, as the loop's ``world / units`` loss scale expects.
 
-This module holds only the collectives and the layout; :func:`current` is the layout a forward runs with (set for
-a run with :func:`use`, a single-rank layout otherwise).
+This module holds only the collectives and the layout; a run's layout travels inside its
+:class:`prefpack.parallel.Parallel`, passed explicitly to dealing, evaluation, precompute-ref and the forward.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +27,8 @@ import torch.distributed as dist
 
 from prefpack.errors import PrefpackError
 
-__all__ = ["SINGLE_SP", "SeqPar", "SequenceParallelError", "all_to_all", "check_heads", "current", "group_sum",
-           "kv_repeats", "layout_line", "make_layout", "use"]
+__all__ = ["SINGLE_SP", "SeqPar", "SequenceParallelError", "all_to_all", "check_heads", "group_sum", "kv_repeats",
+           "layout_line", "make_layout"]
 
 
 class SequenceParallelError(PrefpackError, ValueError):
@@ -53,22 +52,6 @@ class SeqPar:
 
 
 SINGLE_SP = SeqPar()
-_CURRENT: list[SeqPar] = [SINGLE_SP]
-
-
-def current() -> SeqPar:
-    """The layout forwards run with now (one rank unless inside :func:`use`)."""
-    return _CURRENT[-1]
-
-
-@contextlib.contextmanager
-def use(sp: SeqPar):
-    """Run forwards sharded over ``sp`` inside the block."""
-    _CURRENT.append(sp)
-    try:
-        yield sp
-    finally:
-        _CURRENT.pop()
 
 
 def make_layout(size: int, world: int, rank: int, device_type: str = "cpu") -> SeqPar:

@@ -137,7 +137,7 @@ def float64_llama(tok_dir, seed):
 def task_settings(cfg, *, pad_id: int = 0):
     """The ``RunSettings`` of an objective a test builds itself, resolved as ``build`` resolves them on CPU: ``auto``
     budgets are CPU's (``budgets.CPU_BUDGETS``) and ``auto`` prefix sharing is on (packed_sdpa reads prompt groups)."""
-    from prefpack.budgets import CPU_BUDGETS
+    from prefpack.engine.budgets import CPU_BUDGETS
     from prefpack.objectives import settings_from_config
 
     def number(value, cpu: int) -> int:

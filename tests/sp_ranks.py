@@ -24,7 +24,7 @@ from prefpack.distributed import init_from_env
 from prefpack.model import sequence_logps
 from prefpack.model.attention import packed_sdpa, varlen
 from prefpack.model.attention.sequence_parallel import SHARDS, TokenShards, shardable
-from prefpack.sequence_parallel import group_sum, make_layout, use
+from prefpack.sequence_parallel import group_sum, make_layout
 
 KERNELS = {"packed_sdpa": packed_sdpa.packed_sdpa_attention, "varlen": varlen.varlen_attention}
 
@@ -55,8 +55,7 @@ def main(out_dir: Path) -> None:
     for name in FORWARD_CASES:
         batch, options = forward_case(name, model)
         model.zero_grad(set_to_none=True)
-        with use(sp):
-            out = sequence_logps(model, batch, chunk_size=4, **options)
+        out = sequence_logps(model, batch, chunk_size=4, seq=sp, **options)
         forward_loss(out).backward()
         results["forward/" + name] = {"logp_sum": out.logp_sum.detach(), "tail_sum": out.tail_sum.detach(),
                          "wpo_mean": out.wpo_mean, "grads": {k: p.grad.clone() for k, p in model.named_parameters()}}

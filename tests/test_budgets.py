@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers as tf
 
-from prefpack import budgets as b
+from prefpack.engine import budgets as b
 
 CUDA = torch.device("cuda")
 

@@ -120,7 +120,7 @@ def test_training_on_varlen_with_prefix_sharing_equals_without(tmp_path, toy_tok
 def test_cuda_budgets_grow_with_free_memory():
     import transformers as tf
 
-    from prefpack.budgets import MAX_MICRO_BATCH_TOKENS, MIN_MICRO_BATCH_TOKENS, cuda_budgets
+    from prefpack.engine.budgets import MAX_MICRO_BATCH_TOKENS, MIN_MICRO_BATCH_TOKENS, cuda_budgets
 
     cfg = tf.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=8)

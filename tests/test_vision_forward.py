@@ -205,16 +205,15 @@ def test_text_batches_on_qwen2_vl_keep_sequences_apart():
     torch.testing.assert_close(got, hf_sequence_logps(m, images, text, [[], []]), rtol=0, atol=1e-10)
 
 
-def test_images_refused_under_sequence_parallelism(monkeypatch):
+def test_images_refused_under_sequence_parallelism():
     class Layout:
         enabled = True
 
     m = model("llava", "packed_sdpa")
     images, groups, group_images = _case("llava")
     batch = vision_batch(m, images, groups, [[0, 1, 2]], group_images)
-    monkeypatch.setattr(fwd, "sequence_layout", lambda: Layout())
     with pytest.raises(ValueError, match="sequence_parallel"):
-        sequence_logps(m, batch)
+        sequence_logps(m, batch, seq=Layout())
     # and at start, with the user's error type (one line from the CLI; precompute-ref --sequence-parallel reads it)
     from prefpack.model.sharded import check_model
     from prefpack.sequence_parallel import SequenceParallelError

@@ -61,7 +61,7 @@ from prefpack.model.sums import boundary_kwargs as _boundary_kwargs
 from prefpack.model.sums import hidden_of as _hidden
 from prefpack.model.sums import tail_mask as _tail_mask  # noqa: F401 - read by tests
 from prefpack.precision import compute_context
-from prefpack.sequence_parallel import current as sequence_layout
+from prefpack.sequence_parallel import SINGLE_SP, SeqPar
 
 __all__ = [
     "PairSums",
@@ -143,6 +143,7 @@ def sequence_logps(
     pair_tails: bool = False,
     wpo: bool = False,
     entropy: bool = False,
+    seq: SeqPar = SINGLE_SP,
 ) -> SequenceOutput:
     """Completion log-prob sum and completion token count per sequence, and what the options ask for.
 
@@ -154,7 +155,8 @@ def sequence_logps(
     each completion's tokens past the length of the shorter completion of its pair (``tail_sum``; LD-DPO weights it).
     ``wpo``: also WPO's per-sequence ``wpo_mean`` (see :func:`prefpack.model.sums.wpo_means`). ``entropy``: also each
     sequence's mean token entropy over its scored tokens (``entropy_mean``, from the head's own logits, without
-    gradient).
+    gradient). ``seq``: this rank's sequence group (``distributed.sequence_parallel``); a group of several ranks runs
+    this rank's token shards of every row and sums over the group.
     """
     body, _ = body_and_head(model)
     spec = head_spec(model)
@@ -172,16 +174,15 @@ def sequence_logps(
     aux = router_aux_loss_func(model) if router_aux else None
     if aux is not None:
         extra = {**extra, "output_router_logits": True}
-    layout = sequence_layout()
     vision = _vision_of(model, batch)
-    if layout.enabled:  # this rank's token shard of every row (distributed.sequence_parallel)
+    if seq.enabled:  # this rank's token shard of every row (distributed.sequence_parallel)
         if vision is not None:
             raise ValueError("images (and vision-language models) do not run on token shards yet "
                              "(distributed.sequence_parallel); set distributed.sequence_parallel=1")
         if aux is not None:
             raise ValueError("the MoE router loss is not computed over token shards (distributed.sequence_parallel)")
         with compute_context(model, device):
-            return sharded_logps(body, spec, kernel, batch, layout, flatten=flatten, chunk_size=chunk_size,
+            return sharded_logps(body, spec, kernel, batch, seq, flatten=flatten, chunk_size=chunk_size,
                                  pair_tails=pair_tails, wpo=wpo, entropy=entropy)
     batch = batch.to(device, non_blocking=True)
     with compute_context(model, device):
@@ -345,13 +346,15 @@ class SequenceLogps(nn.Module):
     so wrap this module, not the bare causal LM.
 
     ``router_aux``, ``pair_tails``, ``wpo``, ``entropy``: the optional outputs of :func:`sequence_logps`. The aux loss goes out
-    through ``forward`` (not stashed on the module) so DDP / FSDP2 see its graph.
+    through ``forward`` (not stashed on the module) so DDP / FSDP2 see its graph. ``seq``: the rank's sequence group.
     """
 
     def __init__(self, model: nn.Module, chunk_size: int = DEFAULT_CHUNK_SIZE, flatten: bool | None = None,
-                 router_aux: bool = False, pair_tails: bool = False, wpo: bool = False, entropy: bool = False):
+                 router_aux: bool = False, pair_tails: bool = False, wpo: bool = False, entropy: bool = False,
+                 seq: SeqPar = SINGLE_SP):
         super().__init__()
         self.model = model
+        self.seq = seq
         self.chunk_size = chunk_size
         self.flatten = flatten
         self.router_aux = router_aux
@@ -362,7 +365,7 @@ class SequenceLogps(nn.Module):
     def forward(self, batch: Batch) -> SequenceOutput:
         return sequence_logps(self.model, batch, chunk_size=self.chunk_size, flatten=self.flatten,
                               router_aux=self.router_aux, pair_tails=self.pair_tails, wpo=self.wpo,
-                              entropy=self.entropy)
+                              entropy=self.entropy, seq=self.seq)
 
 
 @torch.no_grad()

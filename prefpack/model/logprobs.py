@@ -218,7 +218,7 @@ def completion_logprobs(
     At most ``chunk x V`` logits exist at once in forward and backward, one chunk being ``chunk_size`` rows
     or fewer, so that ``chunk x V <= max_chunk_elements`` (see :func:`chunk_rows`). By default that cap is
     ``MAX_CHUNK_ELEMENTS`` on CPU and none on accelerators, whose chunk size is sized to their memory
-    (``prefpack.budgets``): small chunks there leave the device waiting on small kernels. The result is float32
+    (``prefpack.engine.budgets``): small chunks there leave the device waiting on small kernels. The result is float32
     (float64 for float64 inputs); logsumexp is always computed in that precision, also for bf16 models.
 
     ``with_log_sum_sq`` also returns, without gradient, ``log sum_v p_v^2`` per position (WPO's weight needs it,

@@ -85,6 +85,10 @@ class Objective:
         example, except ranked prompt groups, which give one per pair they yield."""
         return len(ids)
 
+    def counts(self) -> dict[str, int]:
+        """What its whole store gives, as ``prefpack eval`` reports it (default: the pairs)."""
+        return {"pairs": self.units(np.arange(len(self)))}
+
     def step_metrics(self, ids: np.ndarray, means: dict[str, float]) -> dict[str, float]:
         """A step's metrics line from its all-reduced means and its ids (a mixture adds ``NAME/pairs`` and drops
         the metrics of the sources the step did not draw; default: ``means`` as they are)."""

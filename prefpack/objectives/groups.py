@@ -73,6 +73,10 @@ class PromptGroupTask(PairTask):
         """The loss terms a step's examples give: the pairs of its prompt groups."""
         return int(self.view.num_pairs[np.asarray(ids, dtype=np.int64)].sum())
 
+    def counts(self) -> dict[str, int]:
+        """The pairs its prompts yield, and the prompts."""
+        return {**super().counts(), "prompts": len(self)}
+
     def example_tokens(self, ids: np.ndarray) -> np.ndarray:
         return self.view.costs(np.asarray(ids, dtype=np.int64), shared=False)[0]
 

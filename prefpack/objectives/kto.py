@@ -128,6 +128,10 @@ class KTOTask(Objective):
     def __len__(self) -> int:
         return len(self.view)
 
+    def counts(self) -> dict[str, int]:
+        """Its examples (KTO scores examples, not pairs)."""
+        return {"examples": len(self)}
+
     def class_balance_warning(self) -> str | None:
         n_d = int(self.view.labels.sum())
         lo = self.settings.loss

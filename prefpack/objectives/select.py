@@ -8,12 +8,10 @@ from typing import Any
 import numpy as np
 
 from prefpack.data.store import Store, StoreError
-from prefpack.losses import UNPAIRED_LOSS_NAMES
 from prefpack.objectives.base import Objective
 from prefpack.objectives.groups import PromptGroupTask
-from prefpack.objectives.kto import KTOTask
 from prefpack.objectives.mixture import MixtureObjective
-from prefpack.objectives.pairs import PairTask
+from prefpack.objectives.registry import objective_for, trains_unpaired
 from prefpack.objectives.settings import RunSettings
 from prefpack.reference import PrecomputedReference, Reference, ReferenceMismatch
 
@@ -27,7 +25,7 @@ _STEP_PAIRING_PRECOMPUTED = (
 
 def uses_unpaired_loss(cfg) -> bool:
     """Whether a config trains the KTO family (an unpaired loss term, or a pair store read as KTO)."""
-    return any(t.name in UNPAIRED_LOSS_NAMES for t in cfg.loss.terms) or bool(cfg.data.paired_as_kto)
+    return trains_unpaired(cfg.loss.terms, paired_as_kto=cfg.data.paired_as_kto)
 
 
 def open_store(path: str, what: str, *, unpaired: bool, paired_as_kto: bool = False) -> Store:
@@ -62,8 +60,9 @@ def make_objectives(settings: RunSettings, terms: Sequence, train_store: Store |
     mixture = not isinstance(train_store, Store)
     named = list(train_store) if mixture else [("", train_store)]
     stores = [s for _, s in named] + evals
+    objectives = [objective_for(s.kind, unpaired=kto, group_by_prompt=group_by_prompt).make(s, settings, terms)
+                  for s in stores]
     if kto:
-        objectives = [KTOTask(s, settings, terms) for s in stores]
         warning = objectives[0].class_balance_warning()
         if warning:
             log(f"warning: {warning}")
@@ -71,9 +70,6 @@ def make_objectives(settings: RunSettings, terms: Sequence, train_store: Store |
                 settings.loss.kl_pairing != "fixed":
             raise ReferenceMismatch(_STEP_PAIRING_PRECOMPUTED)
     else:
-        grouped = [s.kind == "ranked" or group_by_prompt for s in stores]
-        objectives = [PromptGroupTask(s, settings, terms) if g else PairTask(s, settings, terms)
-                      for s, g in zip(stores, grouped)]
         for o in objectives:
             note = o.run_note() if isinstance(o, PromptGroupTask) else None
             if note:

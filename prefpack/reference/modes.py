@@ -16,6 +16,7 @@ from prefpack.batching.collate import Batch
 from prefpack.data.store import Store
 from prefpack.model import ModelError, SequenceLogps, SequenceOutput
 from prefpack.reference.sidecar import KeyedLogps, KeySpace, ReferenceMismatch, read_keyed_sidecar
+from prefpack.sequence_parallel import SINGLE_SP, SeqPar
 
 __all__ = ["REFERENCE_MODES", "AdapterReference", "CopyReference", "NoReference",
            "PrecomputedReference", "Reference", "ReferenceSetup", "as_sequence_output", "make_reference"]
@@ -40,7 +41,8 @@ class ReferenceSetup:
 class Reference:
     """What every reference mode answers. ``module`` maps a batch to a ``prefpack.model.forward.SequenceOutput`` (it may
     be wrapped for several ranks: FSDP2 shards a frozen copy too); ``model`` is a reference model held in memory
-    (only ``copy``: TR-DPO syncs it and checkpoints save it); ``pair_tails``: also LD-DPO's tail sums."""
+    (only ``copy``: TR-DPO syncs it and checkpoints save it); ``pair_tails``: also LD-DPO's tail sums; ``seq``: the
+    rank's sequence group its forwards run on (``prefpack.parallel``)."""
 
     mode = ""
     model: nn.Module | None = None
@@ -58,12 +60,14 @@ class Reference:
         self.chunk_size = chunk_size
         self.module: nn.Module | None = None
         self.pair_tails = False
+        self.seq = SINGLE_SP
 
-    def configure(self, *, chunk_size: int, pair_tails: bool) -> None:
-        """The run's head chunk size and whether LD-DPO needs tail sums (known once budgets are resolved)."""
-        self.chunk_size, self.pair_tails = chunk_size, pair_tails
+    def configure(self, *, chunk_size: int, pair_tails: bool, seq: SeqPar = SINGLE_SP) -> None:
+        """The run's head chunk size, whether LD-DPO needs tail sums (known once budgets are resolved) and the
+        sequence group the forwards run on."""
+        self.chunk_size, self.pair_tails, self.seq = chunk_size, pair_tails, seq
         if self.module is not None:
-            self.module.chunk_size, self.module.pair_tails = chunk_size, pair_tails
+            self.module.chunk_size, self.module.pair_tails, self.module.seq = chunk_size, pair_tails, seq
 
     def attach(self, wrap, policy_module: nn.Module) -> None:
         """Give the reference its training-time forward: ``wrap(module, model)`` wraps a module for the run's
@@ -102,8 +106,8 @@ class CopyReference(Reference):
         self.module = SequenceLogps(model, chunk_size=chunk_size)
 
     def attach(self, wrap, policy_module: nn.Module) -> None:
-        self.module = wrap(SequenceLogps(self.model, chunk_size=self.chunk_size, pair_tails=self.pair_tails),
-                           self.model)
+        self.module = wrap(SequenceLogps(self.model, chunk_size=self.chunk_size, pair_tails=self.pair_tails,
+                                         seq=self.seq), self.model)
 
     @torch.no_grad()
     def outputs(self, batch: Batch):
@@ -139,7 +143,7 @@ class AdapterReference(Reference):
         try:
             with self.policy.disable_adapter():
                 module = self.module if self.module is not None else SequenceLogps(
-                    self.policy, self.chunk_size, pair_tails=self.pair_tails)
+                    self.policy, self.chunk_size, pair_tails=self.pair_tails, seq=self.seq)
                 return module(batch)
         finally:
             self.policy.train(was_training)

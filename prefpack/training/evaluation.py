@@ -6,30 +6,29 @@ import numpy as np
 import torch
 from torch import nn
 
-from prefpack.batching.deal import deal_step
-from prefpack.distributed import SINGLE, Dist
+from prefpack.distributed import Dist
 from prefpack.model import SequenceLogps
 from prefpack.objectives import Objective, StepTotals, release_images
+from prefpack.parallel import ONE_PROCESS, Parallel
 from prefpack.reference import Reference
-from prefpack.sequence_parallel import current as current_layout
 
 
 @torch.no_grad()
 def evaluate(policy: nn.Module, reference: Reference, task: Objective, *, module: nn.Module | None = None,
-             ctx: Dist = SINGLE, balance: str = "tokens") -> dict[str, float]:
+             parallel: Parallel = ONE_PROCESS) -> dict[str, float]:
     """Mean loss and metrics over every example of a task's store (deterministic micro-batches, no grad).
 
     `module` is the (possibly wrapped) SequenceLogps of `policy`; with several ranks the micro-batches
-    are dealt across them and the sums all-reduced.
+    are dealt across them (a sequence group's ranks share theirs) and the sums all-reduced.
     """
     if module is None:
-        module = SequenceLogps(policy, chunk_size=task.settings.chunk_size, **task.forward_options())
+        module = SequenceLogps(policy, chunk_size=task.settings.chunk_size, seq=parallel.seq,
+                               **task.forward_options())
+    ctx = parallel.dist
     was_training = policy.training
     policy.eval()
-    sp = current_layout()  # sequence groups (distributed.sequence_parallel): a group's ranks share the micro-batches
-    world, rank = (sp.data_world, sp.data_rank) if sp.enabled else (ctx.world, ctx.rank)
-    share = deal_step(task, np.arange(len(task)), seed=None, world=world, balance=balance)[rank]
-    counted = share.weights if sp.rank == 0 else [0.0] * len(share.weights)  # a group's sums counted once
+    share = parallel.share(task, np.arange(len(task)), seed=None)
+    counted = parallel.counted(share.weights)  # a sequence group's sums counted once
     windows = _windows(task, len(share.planned))
     if windows is None:
         batches = [task.collate(p) for p in share.planned]
@@ -47,7 +46,7 @@ def evaluate(policy: nn.Module, reference: Reference, task: Objective, *, module
             out = task.loss(module, reference, batch, step_state)
             release_images(batch)
             if share.weights[k]:
-                totals.add(out, batch, counted=sp.rank == 0)
+                totals.add(out, batch, counted=parallel.counts_sums)
     policy.train(was_training)
     return reduce_totals(totals, ctx).means()
 

@@ -18,16 +18,12 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from prefpack.batching.deal import deal_step
-from prefpack.batching.mixture import MixtureSchedule
-from prefpack.batching.schedule import StepKey, StepSchedule
-from prefpack.distributed import Dist, clip_grad_norm, grad_sync, init_from_env
+from prefpack.distributed import Dist, clip_grad_norm, grad_sync
+from prefpack.engine import final_dtype, make_optimizer, wrap_forward
 from prefpack.model import ModelError, release_freed_memory
-from prefpack.model.sharded import check_model
 from prefpack.objectives import StepTotals, release_images
+from prefpack.parallel import Parallel, start_parallel
 from prefpack.reference import sync_reference
-from prefpack.sequence_parallel import SeqPar, layout_line, make_layout
-from prefpack.sequence_parallel import use as use_layout
 from prefpack.training.cadence import Cadence
 from prefpack.training.checkpoint import (
     Checkpointed,
@@ -37,25 +33,13 @@ from prefpack.training.checkpoint import (
     save_final,
 )
 from prefpack.training.evaluation import evaluate, reduce_totals
+from prefpack.training.feed import total_steps
 from prefpack.training.guards import NonFiniteError, NonFiniteSteps, StopSignal, check_finite_weights
-from prefpack.training.mixture import make_schedule
-from prefpack.training.setup import (
-    build,
-    check_trainable,
-    final_dtype,
-    make_optimizer,
-    open_run_dir,
-    save_run_config,
-    wrap_modules,
-)
+from prefpack.training.setup import build, check_trainable, open_run_dir, save_run_config
+
+__all__ = ["TrainResult", "lr_lambda", "total_steps", "train", "warmup_steps"]
 
 # ------------------------------------------------------------------------------------------------ schedule
-
-
-def total_steps(cfg, sched: StepSchedule | MixtureSchedule) -> int:
-    if cfg.train.max_steps is not None:
-        return int(cfg.train.max_steps)
-    return max(1, math.ceil(cfg.train.epochs * sched.steps_per_epoch))
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -99,35 +83,32 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
     Under torchrun every rank runs this; only rank 0 prints, logs, plots and writes the final model.
     """
     check_trainable(cfg)
-    ctx = init_from_env(cfg.train.device)
-    sp = make_layout(cfg.distributed.sequence_parallel, ctx.world, ctx.rank, ctx.device.type)
-    with use_layout(sp):  # every forward of the run on this rank's token shards (one rank: unchanged)
-        return _train(cfg, ctx, sp, resume=resume, stop_after_steps=stop_after_steps, log=log, progress=progress)
+    parallel = start_parallel(cfg.train.device, cfg.distributed.sequence_parallel, balance=cfg.distributed.balance)
+    return _train(cfg, parallel, resume=resume, stop_after_steps=stop_after_steps, log=log, progress=progress)
 
 
-def _train(cfg, ctx: Dist, sp: SeqPar, *, resume: bool, stop_after_steps: int | None, log,
+def _train(cfg, parallel: Parallel, *, resume: bool, stop_after_steps: int | None, log,
            progress: bool) -> TrainResult:
     from prefpack.metrics import MetricsLogger
 
+    ctx = parallel.dist
     main = ctx.is_main
     if not main:
         log = _quiet  # noqa: F811 - other ranks stay silent
         progress = False
     run_dir = open_run_dir(cfg, ctx, resume=resume, log=log)
-    setup = build(cfg, log=log, device=ctx.device)
+    setup = build(cfg, log=log, parallel=parallel)
     if main:
         save_run_config(cfg, run_dir, resume=resume)
-    policy, reference = setup.policy, setup.reference
-    # a kernel, head count or loss the group cannot shard, refused before any step
-    check_model(policy, sp, router_aux=bool(setup.train_task.forward_options().get("router_aux")))
+    engine, feed = setup.engine, setup.feed
+    policy, reference = engine.policy, engine.reference
     policy.train()
     strategy = cfg.distributed.strategy
-    module = wrap_modules(setup, ctx)
+    module = wrap_forward(engine, feed.objective.forward_options())  # MoE aux loss, LD-DPO tails, WPO means
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg)
-    task = setup.train_task
-    sched = make_schedule(cfg, task)  # one store, or a mixture (data.train as a list)
-    n_steps = total_steps(cfg, sched)
+    task = feed.objective
+    n_steps = feed.num_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.optim.schedule, warmup_steps(cfg, n_steps), n_steps))
     metrics = MetricsLogger.from_config(cfg, run_dir, resume=resume, enabled=main)  # run.report_to
@@ -140,23 +121,23 @@ def _train(cfg, ctx: Dist, sp: SeqPar, *, resume: bool, stop_after_steps: int | 
     start = 0
     if resume:
         state, start = _resume(run_dir, parts, n_steps, metrics, ctx, log)
-        task.load_state_dict(state)  # what the objective carries across steps (bco_pair_running's mean)
+        feed.load_state_dict(state)  # what the objective carries across steps (bco_pair_running's mean)
 
     def run_eval() -> dict[str, float]:
         out: dict[str, float] = {}
-        for name, eval_task in setup.eval_tasks.items():  # data.eval as a map: each store as NAME/... (eval/NAME/..)
-            eval_task.load_state_dict(task.state_dict())  # evaluation scores as training does
-            result = evaluate(policy, reference, eval_task, module=module, ctx=ctx, balance=cfg.distributed.balance)
+        for name, eval_task in feed.eval_tasks.items():  # data.eval as a map: each store as NAME/... (eval/NAME/..)
+            eval_task.load_state_dict(feed.state_dict())  # evaluation scores as training does
+            result = evaluate(policy, reference, eval_task, module=module, parallel=parallel)
             out.update({f"{name}/{k}" if name else k: v for k, v in result.items()})
         return out
 
     if ctx.enabled:
-        log(f"{ctx.world} processes, strategy {strategy}, micro-batches dealt by {cfg.distributed.balance}")
-    if sp.enabled:
-        log(layout_line(sp, ctx.world))
+        log(f"{ctx.world} processes, strategy {strategy}, micro-batches dealt by {parallel.balance}")
+    for line in parallel.describe():
+        log(line)
     synced = cfg.reference.sync and copied  # TR-DPO: the reference moves, checkpoints keep it
-    cadence = Cadence(cfg.run, n_steps, metrics, ctx, evaluate=run_eval if setup.eval_tasks else None,
-                      save=lambda done: save_checkpoint(run_dir, done, parts, task.state_dict(),
+    cadence = Cadence(cfg.run, n_steps, metrics, ctx, evaluate=run_eval if feed.eval_tasks else None,
+                      save=lambda done: save_checkpoint(run_dir, done, parts, feed.state_dict(),
                                                         cfg.run.keep_checkpoints, ctx, with_reference=synced),
                       stop_after_steps=stop_after_steps)
     eval_before = cadence.begin(start, progress=progress)
@@ -167,17 +148,15 @@ def _train(cfg, ctx: Dist, sp: SeqPar, *, resume: bool, stop_after_steps: int | 
         for step in range(start, n_steps):
             t0 = time.perf_counter()
             with record_function("prefpack.plan_collate"):
-                epoch, ids = sched.pairs_for_step(step)
+                work = feed.step(step)
+                task, ids = work.objective, work.ids
                 # a sequence group's ranks take the same share (each runs its token shards of it)
-                shares = deal_step(task, ids, seed=StepKey(cfg.train.seed, step), world=sp.data_world,
-                                   balance=cfg.distributed.balance)
-                share = shares[sp.data_rank]
+                share = parallel.share(task, ids, seed=work.key)
                 batches = [task.collate(p) for p in share.planned]
-                counted = share.weights if sp.rank == 0 else [0.0] * len(share.weights)  # a group's sums once
-                if setup.settings.vision is not None and step + 1 < n_steps:  # the next step's images, meanwhile
-                    task.prefetch(deal_step(task, sched.pairs_for_step(step + 1)[1],
-                                            seed=StepKey(cfg.train.seed, step + 1), world=sp.data_world,
-                                            balance=cfg.distributed.balance)[sp.data_rank].planned)
+                counted = parallel.counted(share.weights)  # a group's sums once
+                if feed.reads_images and step + 1 < n_steps:  # the next step's images, meanwhile
+                    ahead = feed.step(step + 1)
+                    task.prefetch(parallel.share(ahead.objective, ahead.ids, seed=ahead.key).planned)
             optimizer.zero_grad(set_to_none=True)
             with record_function("prefpack.begin_step"):
                 step_state = task.begin_step(module, reference, batches, weights=counted, dist=ctx)
@@ -196,7 +175,7 @@ def _train(cfg, ctx: Dist, sp: SeqPar, *, resume: bool, stop_after_steps: int | 
                         (out.loss.sum() * (scale * weight)).backward()
                 release_images(batch)
                 if weight:
-                    totals.add(out, batch, counted=sp.rank == 0)  # a sequence group's sums once
+                    totals.add(out, batch, counted=parallel.counts_sums)  # a sequence group's sums once
                     task.after_micro_batch(out)
             with record_function("prefpack.step_totals"):
                 totals = reduce_totals(totals, ctx)
@@ -220,10 +199,9 @@ def _train(cfg, ctx: Dist, sp: SeqPar, *, resume: bool, stop_after_steps: int | 
                 sync_reference(policy, reference.model, cfg.reference.mixup_alpha,
                                wrappers=(module, reference.module) if strategy == "fsdp2" and ctx.enabled else ())
             dt = time.perf_counter() - t0
-            last.update({"lr": lr, "grad_norm": grad_norm, "epoch": epoch + (step % sched.steps_per_epoch + 1)
-                         / sched.steps_per_epoch, "tokens/s": totals.real_tokens / dt, "pairs/s": units / dt,
-                         "tokens": totals.real_tokens, "positions": totals.positions, "scored": totals.scored,
-                         "skipped_steps": nonfinite.skipped})
+            last.update({"lr": lr, "grad_norm": grad_norm, "epoch": work.epoch, "tokens/s": totals.real_tokens / dt,
+                         "pairs/s": units / dt, "tokens": totals.real_tokens, "positions": totals.positions,
+                         "scored": totals.scored, "skipped_steps": nonfinite.skipped})
             cadence.after_step(step + 1, last)  # metrics line, bar, eval, checkpoint, stop: whatever is due
             if stop.due() and step + 1 < n_steps:  # SIGTERM: checkpoint this step, then stop (every rank here)
                 cadence.terminate(step + 1, stop.signum)
@@ -231,7 +209,7 @@ def _train(cfg, ctx: Dist, sp: SeqPar, *, resume: bool, stop_after_steps: int | 
     check_finite_weights(params, ctx)  # never a NaN model saved as the result
     _free_training_state(optimizer, reference, parts)
     final_dir = save_final(run_dir, policy, setup.tokenizer, module=module, ctx=ctx, strategy=strategy,
-                           dtype=final_dtype(cfg, setup.precision), image_processor_dir=setup.image_processor_dir)
+                           dtype=final_dtype(cfg, engine.precision), image_processor_dir=setup.image_processor_dir)
     if cfg.run.plot and main:
         _plot(run_dir, log)
     ctx.barrier()

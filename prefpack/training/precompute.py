@@ -11,9 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from prefpack.batching.deal import deal_step
-from prefpack.distributed import SINGLE, Dist
 from prefpack.objectives import Objective, Term, make_objectives, open_store, settings_from_config
+from prefpack.parallel import ONE_PROCESS, Parallel
 from prefpack.reference import (
     CopyReference,
     KeyedLogps,
@@ -21,7 +20,6 @@ from prefpack.reference import (
     check_sidecar_writable,
     write_keyed_sidecar,
 )
-from prefpack.sequence_parallel import current as current_layout
 
 __all__ = ["PrecomputeOptions", "precompute_reference", "record_reference", "scoring_objective"]
 
@@ -71,21 +69,22 @@ def scoring_objective(store, *, kto: bool, seed: int, micro_batch_tokens: int, r
 
 
 @torch.no_grad()
-def record_reference(task: Objective, model: nn.Module, *, ctx: Dist = SINGLE, progress: bool = False) -> KeyedLogps:
+def record_reference(task: Objective, model: nn.Module, *, parallel: Parallel = ONE_PROCESS,
+                     progress: bool = False) -> KeyedLogps:
     """The reference sums (and LD-DPO tails, where the key space keeps them) of every sequence the objective reads
     over its whole store, by sequence key; float64, NaN at keys no example reads.
 
-    Under torchrun (``ctx``) the store's micro-batches are dealt to the ranks as evaluation deals them, each rank
-    runs its share with its own full copy of the model, and the tables are summed across ranks."""
+    Under torchrun (``parallel``) the store's micro-batches are dealt to the ranks as evaluation deals them, each rank
+    runs its share with its own full copy of the model (a sequence group's ranks the same share, each its token
+    shards), and the tables are summed across ranks."""
+    ctx = parallel.dist
     space = task.key_space()
     reference = CopyReference(model, chunk_size=task.settings.chunk_size)
-    reference.configure(chunk_size=task.settings.chunk_size, pair_tails=space.tails)
-    sp = current_layout()  # sequence groups: a group's ranks score the same micro-batches, each its token shards
-    world, rank = (sp.data_world, sp.data_rank) if sp.enabled else (ctx.world, ctx.rank)
-    share = deal_step(task, np.arange(len(task)), seed=None, world=world)[rank]
+    reference.configure(chunk_size=task.settings.chunk_size, pair_tails=space.tails, seq=parallel.seq)
+    share = parallel.share(task, np.arange(len(task)), seed=None)
     table = np.zeros((4, space.size))  # sums, times scored, tails, times scored
     planned = [p for p, w in zip(share.planned, share.weights) if w]  # padding batches only keep ranks in step
-    record = sp.rank == 0  # every rank of a group returns the group's sums: recorded once
+    record = parallel.counts_sums  # every rank of a group returns the group's sums: recorded once
     if progress and ctx.is_main:
         from tqdm import tqdm
 
@@ -125,7 +124,8 @@ def _filled(values: np.ndarray, seen: np.ndarray, copies: np.ndarray | None) -> 
     return out
 
 
-def precompute_reference(opts: PrecomputeOptions, *, ctx: Dist = SINGLE, log=print, progress: bool = True) -> dict:
+def precompute_reference(opts: PrecomputeOptions, *, parallel: Parallel = ONE_PROCESS, log=print,
+                         progress: bool = True) -> dict:
     """Score a store with a reference model and write its sidecar (rank 0); returns what ``precompute-ref`` prints."""
     from prefpack.data.store import Store
     from prefpack.model import (
@@ -143,20 +143,21 @@ def precompute_reference(opts: PrecomputeOptions, *, ctx: Dist = SINGLE, log=pri
     check_sidecar_writable(store)  # at once, not after the whole store is scored (every rank: none waits on rank 0)
     check_model_source(opts.model, "--model")
     resolve_tokenizer(opts.model, store.meta, store.tokenizer_path(), allow_mismatch=opts.allow_tokenizer_mismatch)
+    ctx = parallel.dist
     device = ctx.device if opts.device == "auto" else pick_device(opts.device)
     model = load_scoring_model(opts.model, opts.dtype, device)
     from prefpack.model.sharded import check_model
 
-    check_model(model, current_layout())  # a kernel or head count the sequence groups cannot shard, refused now
+    check_model(model, parallel.seq)  # a kernel or head count the sequence groups cannot shard, refused now
     check_vocab_fits(model, store.meta, opts.data)
     budgets = _scoring_budgets(opts, model, device, log)
-    from prefpack.training.setup import run_images
+    from prefpack.training.feed import run_images
 
     task = scoring_objective(store, kto=kto, seed=opts.seed, micro_batch_tokens=budgets.micro_batch_tokens,
                              row_tokens=budgets.row_tokens, chunk_size=budgets.chunk_size,
                              shares_prompts=kernel_of(model).reads_prompt_groups,
                              vision=run_images(model, [("reference", store)]))
-    table = record_reference(task, model, ctx=ctx, progress=progress)
+    table = record_reference(task, model, parallel=parallel, progress=progress)
     space = task.key_space()
     if not ctx.is_main:
         return {}
@@ -171,7 +172,7 @@ def _scoring_budgets(opts: PrecomputeOptions, model: nn.Module, device: torch.de
     """precompute-ref's budgets: the flags, or from the device (nothing trains, so all free memory is for it)."""
     from types import SimpleNamespace
 
-    from prefpack.budgets import resolve_budgets
+    from prefpack.engine.budgets import resolve_budgets
     from prefpack.model import uses_flash_attention
 
     train = SimpleNamespace(micro_batch_tokens=opts.micro_batch_tokens, chunk_size=opts.chunk_size)

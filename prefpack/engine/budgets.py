@@ -115,3 +115,21 @@ def resolve_budgets(train_cfg, data_cfg, model: nn.Module, device: torch.device,
                       pick(data_cfg.max_tokens_per_row, auto.row_tokens),
                       pick(train_cfg.chunk_size, auto.chunk_size))
     return budgets, f"budgets ({source}): {budgets.describe()}"
+
+
+class BudgetStage:
+    """``train.micro_batch_tokens`` / ``data.max_tokens_per_row`` / ``train.chunk_size``: the config's numbers,
+    ``auto`` ones sized for this device from the memory the weights as now held leave free."""
+
+    name = "budgets"
+
+    def apply(self, engine, log) -> None:
+        from prefpack.model import attention_name, uses_flash_attention
+
+        cfg, policy, device = engine.cfg, engine.policy, engine.device
+        trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+        engine.budgets, line = resolve_budgets(
+            cfg.train, cfg.data, policy, device, trainable_params=trainable, autocast=engine.precision.autocast,
+            checkpointing=checkpointing_on(cfg.model.gradient_checkpointing, device, cfg.train.memory),
+            memory_first=cfg.train.memory == "first", flattened=uses_flash_attention(policy))
+        log(f"{line}; precision: {engine.precision.describe()}; attention: {attention_name(policy) or engine.attn}")

@@ -1,0 +1,78 @@
+"""The weights of a run and how they are held: an :class:`Engine` filled by ordered stages.
+
+``build_engine`` runs :data:`STAGES` in order; each stage reads its own config section and refuses what it cannot
+do, so a new way of holding weights (4-bit base weights, CPU offload) is one stage file and one row here:
+
+    load -> reference weights -> LoRA -> activation checkpointing -> budgets      (then, once the objectives are
+    known: wrap for the ranks (ddp | fsdp2) -> optimizer, ``engine/wrap.py``; the final dtype, ``engine/export.py``)
+
+The reference's weights are set up before LoRA wraps the policy: a sidecar's tag is the hash of the unwrapped
+policy's weights, and a copied reference is loaded exactly like the policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from prefpack.parallel import Parallel
+from prefpack.precision import Precision
+from prefpack.reference import Reference
+
+__all__ = ["Engine", "Stage", "build_engine"]
+
+
+@dataclass
+class Engine:
+    """What the stages built: the policy (maybe LoRA-wrapped), its reference, device, precision, attention kernel,
+    whether layers are compiled, and the token budgets. ``module`` is the policy's forward wrapped for the ranks
+    (set by :func:`prefpack.engine.wrap.wrap_forward`)."""
+
+    cfg: Any  # the run's config (each stage reads its own section)
+    parallel: Parallel
+    device: torch.device
+    unpaired: bool = False  # the run trains the KTO family (the objective registry decided)
+    check_sidecar_reference: bool = True  # False: a precomputed reference is taken whatever weights computed it
+    precision: Precision | None = None
+    attn: str = ""
+    compile_layers: bool | str = False
+    policy: nn.Module | None = None
+    reference: Reference | None = None
+    budgets: Any = None  # prefpack.engine.budgets.Budgets
+    module: nn.Module | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.precision.weights
+
+    def load_like_policy(self, path: str, *, device: torch.device | None = None, packed: bool | None = None):
+        """Another model (the reference) loaded exactly as the policy was: precision, kernel, compiled layers."""
+        from prefpack.model import load_causal_lm
+
+        cfg = self.cfg
+        packed = cfg.data.packing if packed is None else packed
+        return load_causal_lm(path, precision=self.precision, attn_implementation=self.attn,
+                              device=device or self.device, trust_remote_code=cfg.model.trust_remote_code,
+                              packed=packed, compile_layers=self.compile_layers if device is None else False)
+
+
+class Stage(Protocol):
+    """One step of holding the weights: reads ``engine.cfg``'s section it owns, changes the engine."""
+
+    name: str
+
+    def apply(self, engine: Engine, log) -> None: ...
+
+
+def build_engine(cfg, parallel: Parallel, device: torch.device, *, unpaired: bool, log=print,
+                 check_sidecar_reference: bool = True) -> Engine:
+    """The run's weights, as the stages hold them (see the module doc)."""
+    from prefpack.engine.stages import STAGES
+
+    engine = Engine(cfg, parallel, device, unpaired=unpaired, check_sidecar_reference=check_sidecar_reference)
+    for stage in STAGES:
+        stage.apply(engine, log)
+    return engine

@@ -1,0 +1,36 @@
+"""The LoRA stage: the policy wrapped with peft adapters (``lora.*``); on a vision-language model only the language
+model's layers (and the vision side's where not frozen) get them. The adapter reference mode runs the wrapped policy."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from prefpack.model import ModelError, is_vision_language, lora_targets
+
+if TYPE_CHECKING:
+    from prefpack.engine.core import Engine
+
+
+class LoraStage:
+    name = "lora"
+
+    def apply(self, engine: Engine, log) -> None:
+        if engine.cfg.lora.enabled:
+            engine.policy = wrap_lora(engine.policy, engine.cfg)
+            engine.reference.bind_policy(engine.policy)
+
+
+def wrap_lora(model: nn.Module, cfg) -> nn.Module:
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise ModelError("lora.enabled needs peft: pip install 'prefpack[lora]'") from exc
+    target = cfg.lora.target_modules
+    if is_vision_language(model):  # the language model's layers (and the vision side's where not frozen) only
+        target = lora_targets(model, target, freeze_vision=cfg.model.freeze_vision,
+                              freeze_projector=cfg.model.freeze_projector)
+    lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                      target_modules=target, task_type="CAUSAL_LM")
+    return get_peft_model(model, lcfg)

@@ -1,0 +1,52 @@
+"""The reference-weights stage: the reference of ``reference.mode`` set up, reading only what the mode asks for
+(a copy loaded like the policy, or the hash of the reference weights a sidecar is tagged with)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+
+from prefpack.losses import LossTerm, needs_reference
+from prefpack.model import check_model_source, weights_hash
+from prefpack.reference import REFERENCE_MODES, ReferenceSetup
+
+if TYPE_CHECKING:
+    from prefpack.engine.core import Engine
+
+
+class ReferenceStage:
+    """``reference.*``: the mode, and the model it reads (default: the policy's starting weights)."""
+
+    name = "reference"
+
+    def apply(self, engine: Engine, log) -> None:
+        cfg = engine.cfg
+        mode = cfg.reference.mode
+        if cfg.reference.model and REFERENCE_MODES[mode].reads_weights:
+            check_model_source(cfg.reference.model, "reference.model")
+        terms = [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
+        if not engine.unpaired and not needs_reference(terms) and mode != "none":
+            log(f"note: the losses {[t.name for t in terms]} need no reference; reference.mode {mode!r} is ignored")
+            mode = "none"
+        ref_path = cfg.reference.model or cfg.model.name_or_path
+        # what a mode may ask for, computed only if it does: the reference weights loaded exactly like the policy's
+        # (same dtype and autocast: at step 0 both give the same log-probs), or their hash (a sidecar's tag)
+        engine.reference = REFERENCE_MODES[mode].set_up(ReferenceSetup(
+            load=partial(engine.load_like_policy, ref_path),
+            weights_hash=partial(_reference_hash, engine, ref_path) if engine.check_sidecar_reference else _no_hash,
+            lora=cfg.lora.enabled))
+
+
+def _no_hash() -> None:
+    return None  # a precomputed reference read without checking which weights computed it
+
+
+def _reference_hash(engine: Engine, ref_path: str) -> str:
+    if ref_path == engine.cfg.model.name_or_path:
+        return weights_hash(engine.policy)
+    ref = engine.load_like_policy(ref_path, device=torch.device("cpu"), packed=False)  # only hashed
+    h = weights_hash(ref)
+    del ref
+    return h

@@ -1,0 +1,56 @@
+"""Every objective in one table: what it trains, which store kinds it reads, and what the forward returns for it.
+
+The one place that answers "which objective does this run train?": :func:`trains_unpaired` decides the family from
+the loss terms (the KTO family reads examples one at a time), and :func:`objective_for` picks, per store, the row that
+trains it. Set-up, ``prefpack eval`` and ``precompute-ref`` ask here; a new objective (a reward model's sequence
+scores, say) is one row and its class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from prefpack.losses import UNPAIRED_LOSS_NAMES
+from prefpack.objectives.base import Objective
+from prefpack.objectives.groups import PromptGroupTask
+from prefpack.objectives.kto import KTOTask
+from prefpack.objectives.pairs import PairTask
+
+__all__ = ["OBJECTIVES", "ObjectiveSpec", "objective_for", "trains_unpaired"]
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """One objective: its class (``make(store, settings, terms)``), the store kinds it reads, whether its losses are
+    the unpaired (KTO) family's, and the forward's output it reads (``logps``: per-sequence log-prob sums)."""
+
+    name: str
+    make: Callable[..., Objective]
+    reads: tuple[str, ...]
+    unpaired: bool = False
+    output: str = "logps"
+
+
+OBJECTIVES: dict[str, ObjectiveSpec] = {spec.name: spec for spec in (
+    ObjectiveSpec("pairs", PairTask, ("pairs",)),
+    ObjectiveSpec("groups", PromptGroupTask, ("ranked", "pairs")),  # a pair store grouped by prompt, or ranked
+    ObjectiveSpec("kto", KTOTask, ("unpaired", "pairs"), unpaired=True),  # a pair store read as KTO examples
+)}
+"""Every objective by name (``Objective.kind`` of its class is the store kind it lays out)."""
+
+
+def trains_unpaired(terms: Iterable, *, paired_as_kto: bool = False) -> bool:
+    """Whether loss terms (anything with a ``name``) train the KTO family: an unpaired loss term, or a pair store
+    read as KTO examples (``data.paired_as_kto``)."""
+    return any(t.name in UNPAIRED_LOSS_NAMES for t in terms) or bool(paired_as_kto)
+
+
+def objective_for(store_kind: str, *, unpaired: bool, group_by_prompt: bool = False) -> ObjectiveSpec:
+    """The objective that trains a store of ``store_kind`` in a run of this family: KTO's examples, a ranked store's
+    (or a grouped pair store's) prompt groups, else pairs."""
+    if unpaired:
+        return OBJECTIVES["kto"]
+    if store_kind == "ranked" or group_by_prompt:
+        return OBJECTIVES["groups"]
+    return OBJECTIVES["pairs"]
