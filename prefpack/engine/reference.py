@@ -26,7 +26,7 @@ class ReferenceStage:
         mode = cfg.reference.mode
         if cfg.reference.model and REFERENCE_MODES[mode].reads_weights:
             check_model_source(cfg.reference.model, "reference.model")
-        terms = [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
+        terms = [] if engine.unpaired else [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
         if not engine.unpaired and not needs_reference(terms) and mode != "none":
             log(f"note: the losses {[t.name for t in terms]} need no reference; reference.mode {mode!r} is ignored")
             mode = "none"
