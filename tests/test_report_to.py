@@ -13,6 +13,7 @@ from conftest import prepare_hh_splits, tiny_llama
 from prefpack.cli import main as cli_main
 from prefpack.config import Config, ConfigError, config_to_dict, load_config
 from prefpack.metrics import (
+    BACKENDS,
     MLFLOW_ID_FILE,
     WANDB_ID_FILE,
     MetricsLogger,
@@ -96,6 +97,19 @@ def test_report_to_config_errors(tmp_path):
                 ["run.report_to=[mlflow, none]"]):
         with pytest.raises(ConfigError, match="'none' turns TensorBoard, W&B and MLflow off, so it must be alone"):
             run_cfg(tmp_path, *bad).validate(training=False)
+
+
+def test_report_to_choices_are_the_backend_table():
+    """The config's report_to choices are the names of the metrics backend table, then none and auto, and its help
+    names each: a backend added to the table without its config choice (or the reverse) fails here, by name."""
+    from dataclasses import fields
+    from typing import get_args
+
+    from prefpack.config.schema import ReportTo, RunConfig
+
+    assert get_args(ReportTo) == (*BACKENDS, "none", "auto")
+    [help_text] = [f.metadata["help"] for f in fields(RunConfig) if f.name == "report_to"]
+    assert [name for name in BACKENDS if name not in help_text] == []
 
 
 def test_old_config_without_report_to_keeps_its_tensorboard_setting(tmp_path):
