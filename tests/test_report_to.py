@@ -112,6 +112,41 @@ def test_report_to_choices_are_the_backend_table():
     assert [name for name in BACKENDS if name not in help_text] == []
 
 
+def test_a_backend_in_the_table_is_started_fed_and_closed(tmp_path, monkeypatch):
+    """A new mirror is a ``Backend`` subclass and its name in ``BACKENDS``: the logger does the rest."""
+    from prefpack.metrics import Backend
+
+    calls: list = []
+
+    class Fake(Backend):
+        name = "fake"
+
+        @classmethod
+        def start(cls, setup):
+            calls.append(("start", setup.named, setup.resume))
+            return cls()
+
+        def log(self, record):
+            calls.append(("log", record["step"], record["split"], record["loss"]))
+
+        def truncate_after(self, step):
+            calls.append(("truncate", step))
+            return 0
+
+        def close(self, status="FINISHED"):
+            calls.append(("close", status))
+
+    monkeypatch.setitem(BACKENDS, "fake", Fake)
+    logger = MetricsLogger(tmp_path, report_to={"fake"}, resume=True)
+    assert list(logger.mirrors) == ["fake"] and logger.notice is None and not logger.tensorboard_active
+    logger.log(1, {"loss": 0.5})
+    logger.log(2, {"loss": math.nan}, split="eval")
+    assert logger.truncate_after(1) == 1  # what metrics.jsonl dropped
+    logger.close("KILLED")
+    assert calls == [("start", True, True), ("log", 1, "train", 0.5), ("log", 2, "eval", None), ("truncate", 1),
+                     ("close", "KILLED")]
+
+
 def test_old_config_without_report_to_keeps_its_tensorboard_setting(tmp_path):
     """A config.yaml written before report_to existed (tensorboard: true/false, no report_to) means what it did."""
     for value, expected in (("true", {"tensorboard"}), ("false", set())):
