@@ -78,8 +78,8 @@ def test_truncate_after(tmp_path):
         logger.log(step, {"loss": 1.0 / step})
         if step % 3 == 0:
             logger.log(step, {"loss": 2.0 / step}, split="eval")
-    logger._fh.write('{"step": 6, "split": "tr')  # torn line, as a crash mid-write leaves it
-    logger._fh.flush()
+    logger.jsonl._fh.write('{"step": 6, "split": "tr')  # torn line, as a crash mid-write leaves it
+    logger.jsonl._fh.flush()
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 3, 4, 5]  # readers skip the torn line
 
     assert logger.truncate_after(3) == 3  # steps 4 and 5 plus the torn line

@@ -13,6 +13,7 @@ from conftest import prepare_hh_splits, tiny_llama
 from prefpack.cli import main as cli_main
 from prefpack.config import Config, ConfigError, config_to_dict, load_config
 from prefpack.metrics import (
+    BACKENDS,
     MLFLOW_ID_FILE,
     WANDB_ID_FILE,
     MetricsLogger,
@@ -96,6 +97,54 @@ def test_report_to_config_errors(tmp_path):
                 ["run.report_to=[mlflow, none]"]):
         with pytest.raises(ConfigError, match="'none' turns TensorBoard, W&B and MLflow off, so it must be alone"):
             run_cfg(tmp_path, *bad).validate(training=False)
+
+
+def test_report_to_choices_are_the_backend_table():
+    """The config's report_to choices are the names of the metrics backend table, then none and auto, and its help
+    names each: a backend added to the table without its config choice (or the reverse) fails here, by name."""
+    from dataclasses import fields
+    from typing import get_args
+
+    from prefpack.config.schema import ReportTo, RunConfig
+
+    assert get_args(ReportTo) == (*BACKENDS, "none", "auto")
+    [help_text] = [f.metadata["help"] for f in fields(RunConfig) if f.name == "report_to"]
+    assert [name for name in BACKENDS if name not in help_text] == []
+
+
+def test_a_backend_in_the_table_is_started_fed_and_closed(tmp_path, monkeypatch):
+    """A new mirror is a ``Backend`` subclass and its name in ``BACKENDS``: the logger does the rest."""
+    from prefpack.metrics import Backend
+
+    calls: list = []
+
+    class Fake(Backend):
+        name = "fake"
+
+        @classmethod
+        def start(cls, setup):
+            calls.append(("start", setup.named, setup.resume))
+            return cls()
+
+        def log(self, record):
+            calls.append(("log", record["step"], record["split"], record["loss"]))
+
+        def truncate_after(self, step):
+            calls.append(("truncate", step))
+            return 0
+
+        def close(self, status="FINISHED"):
+            calls.append(("close", status))
+
+    monkeypatch.setitem(BACKENDS, "fake", Fake)
+    logger = MetricsLogger(tmp_path, report_to={"fake"}, resume=True)
+    assert list(logger.mirrors) == ["fake"] and logger.notice is None and not logger.tensorboard_active
+    logger.log(1, {"loss": 0.5})
+    logger.log(2, {"loss": math.nan}, split="eval")
+    assert logger.truncate_after(1) == 1  # what metrics.jsonl dropped
+    logger.close("KILLED")
+    assert calls == [("start", True, True), ("log", 1, "train", 0.5), ("log", 2, "eval", None), ("truncate", 1),
+                     ("close", "KILLED")]
 
 
 def test_old_config_without_report_to_keeps_its_tensorboard_setting(tmp_path):
