@@ -54,9 +54,9 @@ from torch.profiler import record_function
 from prefpack.batching.collate import Batch
 from prefpack.model.attention.kernels import KERNELS, kernel_of, reads_prompt_groups, uses_flash_attention
 from prefpack.model.head import body_and_head, head_spec
-from prefpack.model.logprobs import DEFAULT_CHUNK_SIZE, completion_logprobs, segment_sum
+from prefpack.model.logprobs import DEFAULT_CHUNK_SIZE, completion_logprobs
 from prefpack.model.sharded import sharded_logps
-from prefpack.model.sums import SequenceOutput, drawn_pair_tails, tail_mask, wpo_means, wpo_sums
+from prefpack.model.sums import SequenceOutput, reduce_sequences
 from prefpack.model.sums import boundary_kwargs as _boundary_kwargs
 from prefpack.model.sums import hidden_of as _hidden
 from prefpack.model.sums import tail_mask as _tail_mask  # noqa: F401 - read by tests
@@ -303,25 +303,9 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
     with record_function("prefpack.head"):  # the head's forward, for profiles (benchmarks/bench_masked_spans.py)
         logp = completion_logprobs(h, scored_targets, spec.weight, spec.bias, chunk_size=chunk_size, scale=spec.scale,
                                    softcap=spec.softcap, with_log_sum_sq=wpo, with_entropy=entropy)
-    if wpo or entropy:
-        logp, *extras = logp
-        log_sum_sq = extras[0] if wpo else None
-        token_entropy = extras[-1] if entropy else None
-    logp_sum = segment_sum(logp, index, batch.num_sequences)
-    tail_sum = wpo_mean = None
-    if pair_tails and batch.tail_pairs is not None:
-        tail_sum = drawn_pair_tails(logp, index, batch.completion_tokens, batch.tail_pairs)
-    elif pair_tails:
-        tail_sum = segment_sum(logp * tail_mask(index, batch.completion_tokens).to(logp.dtype), index,
-                               batch.num_sequences)
-    if wpo:
-        wpo_mean = wpo_means(wpo_sums(logp, log_sum_sq, index, batch.num_sequences), batch.completion_tokens)
-    entropy_mean = None
-    if entropy:
-        sums = segment_sum(token_entropy, index, batch.num_sequences)
-        entropy_mean = sums / batch.completion_tokens.to(sums.device, sums.dtype).clamp(min=1.0)
-    return SequenceOutput(logp_sum, batch.completion_tokens, None if aux is None else _aux_loss(out, aux, mask),
-                          tail_sum, wpo_mean, entropy_mean)
+    sums = reduce_sequences(logp, index, batch.num_sequences, batch.completion_tokens, wpo=wpo, entropy=entropy,
+                            pair_tails=pair_tails, tail_pairs=batch.tail_pairs)
+    return sums if aux is None else sums._replace(aux_loss=_aux_loss(out, aux, mask))
 
 
 def split_pairs(logp_sum: torch.Tensor, n_tokens: torch.Tensor) -> PairSums:
