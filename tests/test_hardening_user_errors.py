@@ -74,7 +74,7 @@ def test_prepare_into_an_unwritable_folder_names_it_and_the_fix(tmp_path, toy_to
     parent.mkdir()
     src = write_jsonl(tmp_path / "in.jsonl", _pairs(5))
     if os.geteuid() == 0:  # root writes through chmod: stand in for the refusal
-        from prefpack.data import store as store_mod
+        from prefpack.data import store_writer as store_mod
 
         def denied(path):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))

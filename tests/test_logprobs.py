@@ -260,7 +260,7 @@ def test_head_transforms_match_model():
     assert head_spec(granite).scale == 0.25
     assert check_against_model(granite.eval()) < 1e-5
     # The check has teeth: if head_spec forgot the soft-cap, check_against_model would see it.
-    import prefpack.model.forward as fwd
+    import prefpack.model.checks as fwd
 
     real = fwd.head_spec
     fwd.head_spec = lambda m: dataclasses.replace(real(m), softcap=None)

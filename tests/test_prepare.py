@@ -11,6 +11,7 @@ from conftest import HH, NEOX, read_jsonl, write_jsonl
 
 from prefpack.cli import main as cli_main
 from prefpack.data import store as store_mod
+from prefpack.data import store_writer
 from prefpack.data.prepare import PrepareError, PrepareOptions, prepare
 from prefpack.data.store import Store, StoreError, StoreWriter, token_dtype
 from prefpack.tokenizer import load_tokenizer, tokenizer_hash
@@ -413,5 +414,6 @@ def test_inspect_json(small_store, capsys):
 
 
 def test_store_module_has_no_pickle():
-    src = open(store_mod.__file__).read()
-    assert "pickle" not in src and "allow_pickle=True" not in src
+    for module in (store_mod, store_writer):
+        src = open(module.__file__).read()
+        assert "pickle" not in src and "allow_pickle=True" not in src

@@ -21,7 +21,8 @@ from test_varlen import FakeKernel
 from prefpack.batching.collate import collate_groups, collate_packed
 from prefpack.model import PACKING_LEAK_TOLERANCE, ModelError, load_causal_lm, packing_leak
 from prefpack.model.attention import varlen as va
-from prefpack.model.forward import _boundary_kwargs, reads_prompt_groups, sibling_leak
+from prefpack.model.checks import sibling_leak
+from prefpack.model.forward import _boundary_kwargs, reads_prompt_groups
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only contend on shared cores
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from vision_cases import IMAGE_ID, TOK, Images, hf_sequence_logps, model, prompt_ids, vision_batch
 
-from prefpack.model import ModelError, apply_freeze, packing_leak, sequence_logps, vision_parts
+from prefpack.model import ModelError, apply_freeze, checks, packing_leak, sequence_logps, vision_parts
 from prefpack.model import forward as fwd
 from prefpack.model.vision import lora_targets
 from prefpack.toy_vision import tiny_vlm
@@ -183,7 +183,7 @@ def test_leak_guard_covers_vision_language_models(kind, attn, monkeypatch):
     boundaries the forward computes on the host, so it keeps them apart either way)."""
     m = model(kind, attn)
     assert packing_leak(m) < 1e-12
-    monkeypatch.setattr(fwd, "_guard_positions", lambda model, position_ids: position_ids)
+    monkeypatch.setattr(checks, "_guard_positions", lambda model, position_ids: position_ids)
     leak = packing_leak(m)
     if kind != "llava" and attn != "varlen":
         assert leak > 1e-2
@@ -267,13 +267,13 @@ def test_check_against_model_with_an_image(kind, monkeypatch):
 
     m = model(kind, "packed_sdpa")
     assert check_against_model(m) < 1e-5  # compared in float32, as for text models
-    real = fwd._vision_inputs
+    real = checks._vision_inputs
 
     def shifted(body, vision, batch, flatten):
         batch.image_positions = batch.image_positions + 1
         return real(body, vision, batch, flatten)
 
-    monkeypatch.setattr(fwd, "_vision_inputs", shifted)
+    monkeypatch.setattr(checks, "_vision_inputs", shifted)
     assert check_against_model(m) > 1e-3
 
 

@@ -1,9 +1,10 @@
 """One typed config tree for ``prefpack train CONFIG.yaml [key.sub=value ...]``.
 
-``schema`` holds the tree (plain nested dataclasses), ``rules`` its value rules, ``io`` YAML and overrides.
+``schema`` holds the tree (plain nested dataclasses), ``rules`` its value rules, ``io`` YAML and overrides, ``keys``
+the suggestion for an unknown key.
 Parsing (``load_config`` / ``config_from_dict``) checks keys and types only, so partial configs (tests,
 ``prefpack eval``) can be built; ``Config.validate()`` checks values and cross-field rules and is what
-``train`` must call before doing any work. Import from here, not from the three modules.
+``train`` must call before doing any work. Import from here, not from the modules.
 """
 
 from prefpack.config.io import (

@@ -1,4 +1,5 @@
-"""Reading and writing configs: YAML files, ``key.sub=value`` overrides, type checks, key suggestions.
+"""Reading and writing configs: YAML files, ``key.sub=value`` overrides, type checks (an unknown key's suggestion:
+``keys``).
 
 Apart from the schema because it is a general engine over any dataclass tree: it knows types, not fields.
 """
@@ -17,6 +18,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from prefpack.config.keys import join_key as _join
+from prefpack.config.keys import unknown_key as _unknown_key
 from prefpack.config.schema import Config, ConfigError
 
 # --------------------------------------------------------------------------------------------------------
@@ -33,62 +36,7 @@ from prefpack.config.schema import Config, ConfigError
 # * on the command line, a value for a string field that YAML reads as a number or date (``data.train=2024``)
 #   is kept as the text that was typed.
 
-# Names people carry over from other trainers; used only to suggest the right key.
-_ALIASES = {
-    "learning_rate": "lr",
-    "scheduler": "schedule",
-    "lr_scheduler": "schedule",
-    "lr_scheduler_type": "schedule",
-    "lr_schedule": "schedule",
-    "model_name_or_path": "name_or_path",
-    "model_name": "name_or_path",
-    "name": "name_or_path",
-    "path": "name_or_path",
-    "num_train_epochs": "epochs",
-    "num_epochs": "epochs",
-    "batch_size": "global_batch_pairs",
-    "grad_clip": "max_grad_norm",
-    "clip_grad_norm": "max_grad_norm",
-    "lora_r": "r",
-    "rank": "r",
-    "lora_alpha": "alpha",
-    "lora_dropout": "dropout",
-    "torch_dtype": "dtype",
-    "ref_model": "model",
-    "output": "output_dir",
-    "save_steps": "save_every",
-    "eval_steps": "eval_every",
-    "logging_steps": "log_every",
-    "loss_type": "terms",
-    # TRL DPOConfig / TrainingArguments names (docs/coming-from-trl.md)
-    "loss_weights": "terms",
-    "sync_ref_model": "sync",
-    "ref_model_mixup_alpha": "mixup_alpha",
-    "ref_model_sync_steps": "sync_steps",
-    "precompute_ref_log_probs": "mode",
-    "per_device_train_batch_size": "global_batch_pairs",
-    "gradient_accumulation_steps": "micro_batch_tokens",
-    "save_total_limit": "keep_checkpoints",
-    "adam_beta1": "betas",
-    "adam_beta2": "betas",
-    "adam_epsilon": "eps",
-    "padding_free": "packing",
-    "bf16": "dtype",
-    "use_cpu": "device",
-    "model_init_kwargs": "dtype",
-    "per_device_eval_batch_size": "micro_batch_tokens",
-    "eval_strategy": "eval_every",
-    "save_strategy": "save_every",
-    "run_name": "output_dir",
-    "fsdp": "strategy",
-    "torch_compile": "compile",
-}
-
 _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
 
 
 def _show(value: Any) -> str:
@@ -220,58 +168,6 @@ def _hints(cls: type) -> dict[str, Any]:
     if cls not in _HINTS:
         _HINTS[cls] = get_type_hints(cls)
     return _HINTS[cls]
-
-
-def _all_paths(cls: type | None = None, prefix: str = "") -> list[str]:
-    """Every dotted key of the tree (sections and leaves), for suggestions across sections."""
-    cls = cls or Config
-    out = []
-    for f in fields(cls):
-        path = _join(prefix, f.name)
-        out.append(path)
-        tp = _hints(cls)[f.name]
-        if is_dataclass(tp):
-            out.extend(_all_paths(tp, path))
-    return out
-
-
-def _initials(name: str) -> str:
-    return "".join(p[0] for p in name.split("_") if p)
-
-
-def _suggest(key: str, section: str, names: list[str]) -> str | None:
-    """The most likely intended full dotted key for an unknown ``key`` in ``section``."""
-    norm = key.strip().lower().replace("-", "_")
-    if norm in names:
-        return _join(section, norm)
-    alias = _ALIASES.get(norm)
-    if alias in names:
-        return _join(section, alias)
-    in_section = "[" not in section  # inside list items (loss.terms[0]) other sections make no sense
-    elsewhere = [p for p in _all_paths() if p.rsplit(".", 1)[-1] in (norm, alias)] if in_section else []
-    if elsewhere:
-        return elsewhere[0]
-    close = difflib.get_close_matches(norm, names, n=1, cutoff=0.6)
-    if close:
-        return _join(section, close[0])
-    for name in names:
-        if name == _initials(norm) or _initials(name) == norm:
-            return _join(section, name)
-    if in_section:
-        leaves = {p.rsplit(".", 1)[-1]: p for p in _all_paths()}
-        close = difflib.get_close_matches(norm, list(leaves), n=1, cutoff=0.8)
-        if close:
-            return leaves[close[0]]
-    return None
-
-
-def _unknown_key(key: Any, section: str, names: list[str]) -> ConfigError:
-    full = _join(section, str(key))
-    guess = _suggest(str(key), section, names)
-    if guess:
-        return ConfigError(f"unknown key {full!r} (did you mean {guess!r}?)")
-    where = f"in {section!r}" if section else "at the top level"
-    return ConfigError(f"unknown key {full!r}; valid keys {where}: {', '.join(names)}")
 
 
 def _build(cls: type, data: Any, path: str) -> Any:

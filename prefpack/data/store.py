@@ -1,21 +1,14 @@
-"""The binary preference store: written atomically, read zero-copy. What a store folder holds (names, version,
-index columns, flags) is defined in ``store_format``, the output folder's safety (``--overwrite``, a killed prepare) in
-``store_output``; their names are importable from here too.
-
-The writer fills a temporary sibling folder and renames it into place only when complete, so a crash
-never leaves something that opens as a store; meta.json is written last.
+"""The binary preference store: read zero-copy (``Store``), written atomically (``store_writer.StoreWriter``). What a
+store folder holds (names, version, index columns, flags) is defined in ``store_format``, the output folder's safety
+(``--overwrite``, a killed prepare) in ``store_output``; their names, and the writer, are importable from here too.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,7 +19,6 @@ from prefpack.data.store_format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     IMAGE_COLUMNS,
-    IMAGE_FORMAT_VERSION,
     IMAGE_INDEX_FILE,
     IMAGES_FILE,
     READABLE_VERSIONS,
@@ -35,182 +27,12 @@ from prefpack.data.store_format import (
     columns_for,
     token_dtype,
 )
-from prefpack.data.store_output import check_output, foreign_entries, recover_interrupted, remove_backup
-from prefpack.stale import OWNER_FILE, write_owner
+from prefpack.data.store_output import check_output, foreign_entries, recover_interrupted
+from prefpack.data.store_writer import StoreWriter
 
 __all__ = ["FLAG_COMPLETION_TRUNCATED", "FLAG_PROMPT_TRUNCATED", "FORMAT_NAME", "FORMAT_VERSION", "STORE_KINDS", "Pair",
            "Store", "StoreError", "StoreWriter", "Unpaired", "check_output", "columns_for", "foreign_entries",
            "recover_interrupted", "token_dtype"]
-
-
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr)
-
-
-class StoreWriter:
-    """Appends examples to a temporary folder; `commit` renames it to the final path."""
-
-    def __init__(self, path: str | Path, *, kind: str, vocab_size: int, overwrite: bool = False,
-                 log: Callable[[str], None] | None = _stderr):
-        self.path = Path(path)
-        self.log = log
-        if kind not in STORE_KINDS:
-            raise ValueError(f"store kind must be one of {STORE_KINDS}, not {kind!r}")
-        recover_interrupted(self.path, log=log)
-        check_output(self.path, overwrite=overwrite)
-        self.kind = kind
-        self.columns = columns_for(kind)
-        self.dtype = token_dtype(vocab_size)
-        self.vocab_size = vocab_size
-        self.tmp = self.path.parent / f".{self.path.name}.tmp-{os.getpid()}"
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)
-        try:  # a folder that cannot be written, or a full disk: leave no temporary folder behind
-            self.tmp.mkdir(parents=True)
-            write_owner(self.tmp)
-            self._tokens = open(self.tmp / "tokens.bin", "wb")
-            self._index = open(self.tmp / "index.bin", "wb")
-            self._spans = open(self.tmp / SPANS_FILE, "wb")
-        except OSError:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            raise
-        self._tok_hash = hashlib.sha256()
-        self._idx_hash = hashlib.sha256()
-        self._span_hash = hashlib.sha256()
-        self.n_spans = 0
-        self._span_end = 0  # where the last span written ends: spans must come sorted and apart
-        self.n_tokens = 0
-        self.n_rows = 0
-        self.n_groups = 0  # ranked stores: prompts written so far
-        self.n_images = 0
-        self.n_image_bytes = 0
-        self._images = self._image_index = None  # opened with the first image
-        self._img_hash = hashlib.sha256()
-        self._img_idx_hash = hashlib.sha256()
-        self._closed = False
-
-    def append(self, tokens: np.ndarray, index_rows: np.ndarray, spans: np.ndarray | None = None,
-               images: list | None = None) -> None:
-        """Append a block: `tokens` for several examples and their index rows with offsets relative to it, and the
-        block's unscored completion tokens as ``[start, end)`` rows relative to it too (sorted, apart; the store
-        keeps them as absolute positions in tokens.bin, see ``prefpack.data.spans``); and its images, each
-        ``(row in the block, encoded bytes, width, height, token position in the block, tokens)``."""
-        if images:
-            self._append_images(images)
-        if spans is not None and len(spans):
-            self._append_spans(np.asarray(spans, dtype=np.int64).reshape(-1, 2), int(tokens.size))
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
-            raise StoreError(f"token id out of range [0, {self.vocab_size}) while writing the store")
-        rows = np.array(index_rows, dtype=np.int64, copy=True).reshape(-1, len(self.columns))
-        rows[:, 0] += self.n_tokens
-        if self.kind == "ranked" and rows.shape[0]:  # group numbers of a block start at 0
-            group = self.columns.index("group")
-            rows[:, group] += self.n_groups
-            self.n_groups = int(rows[-1, group]) + 1
-        tb = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
-        ib = rows.tobytes()
-        self._tokens.write(tb)
-        self._index.write(ib)
-        self._tok_hash.update(tb)
-        self._idx_hash.update(ib)
-        self.n_tokens += int(tokens.size)
-        self.n_rows += int(rows.shape[0])
-
-    def _append_images(self, images: list) -> None:
-        if self._images is None:
-            self._images = open(self.tmp / IMAGES_FILE, "wb")
-            self._image_index = open(self.tmp / IMAGE_INDEX_FILE, "wb")
-        rows = []
-        for row, data, width, height, position, n in images:
-            rows.append([self.n_rows + row, self.n_image_bytes, len(data), width, height, self.n_tokens + position, n])
-            self._images.write(data)
-            self._img_hash.update(data)
-            self.n_image_bytes += len(data)
-        b = np.asarray(rows, dtype=np.int64).tobytes()
-        self._image_index.write(b)
-        self._img_idx_hash.update(b)
-        self.n_images += len(rows)
-
-    def _append_spans(self, spans: np.ndarray, block: int) -> None:
-        s = spans + self.n_tokens
-        if (spans[:, 0] >= spans[:, 1]).any() or spans.min() < 0 or spans.max() > block or \
-                int(s[0, 0]) < self._span_end or (s[1:, 0] < s[:-1, 1]).any():
-            raise StoreError("unscored spans out of order, overlapping or outside their block while writing the store")
-        b = np.ascontiguousarray(s).tobytes()
-        self._spans.write(b)
-        self._span_hash.update(b)
-        self.n_spans += len(s)
-        self._span_end = int(s[-1, 1])
-
-    def commit(self, meta: dict[str, Any], *, overwrite: bool = False) -> Path:
-        """Close files, write meta.json last, and rename the folder into place."""
-        self._close_files()
-        full = dict(meta)
-        full.update({
-            "format": FORMAT_NAME,
-            "format_version": IMAGE_FORMAT_VERSION if self.n_images else FORMAT_VERSION,
-            "kind": self.kind,
-            "dtype": self.dtype.name,
-            "index_columns": list(self.columns),
-            "num_examples": self.n_rows,
-            "num_tokens": self.n_tokens,
-            **({"num_groups": self.n_groups} if self.kind == "ranked" else {}),
-            "files": {
-                "tokens.bin": {"bytes": self.n_tokens * self.dtype.itemsize, "sha256": self._tok_hash.hexdigest()},
-                "index.bin": {"bytes": self.n_rows * len(self.columns) * 8, "sha256": self._idx_hash.hexdigest()},
-                **({SPANS_FILE: {"bytes": self.n_spans * 16, "sha256": self._span_hash.hexdigest()}}
-                   if self.n_spans else {}),
-                **({IMAGES_FILE: {"bytes": self.n_image_bytes, "sha256": self._img_hash.hexdigest()},
-                    IMAGE_INDEX_FILE: {"bytes": self.n_images * len(IMAGE_COLUMNS) * 8,
-                                       "sha256": self._img_idx_hash.hexdigest()}} if self.n_images else {}),
-            },
-            "num_spans": self.n_spans,
-            **({"num_images": self.n_images, "image_columns": list(IMAGE_COLUMNS)} if self.n_images else {}),
-        })
-        if not self.n_spans:  # every completion token scored: no spans.bin, as in a version-1 store
-            (self.tmp / SPANS_FILE).unlink()
-        with open(self.tmp / "meta.json", "w", encoding="utf-8") as fh:
-            json.dump(full, fh, indent=2, ensure_ascii=False)
-            fh.flush()
-            os.fsync(fh.fileno())
-        (self.tmp / OWNER_FILE).unlink(missing_ok=True)
-        if not os.path.lexists(self.path):
-            try:
-                os.replace(self.tmp, self.path)
-            except OSError as exc:  # something took the path meanwhile
-                raise StoreError(f"cannot move the new store into {str(self.path)!r}: {exc}") from exc
-            return self.path
-        if not overwrite:
-            raise StoreError(f"output {str(self.path)!r} appeared while writing; pass --overwrite to replace it")
-        check_output(self.path, overwrite=True)  # it may have changed while the store was written
-        # The new store is complete: move the old one aside, put the new one in place, then delete the old.
-        # A crash between the two renames leaves the old store in `.NAME.old-PID`; the next prepare puts it back.
-        backup = self.path.parent / f".{self.path.name}.old-{os.getpid()}"
-        try:
-            os.replace(self.path, backup)
-        except OSError as exc:
-            raise StoreError(f"cannot move the old store {str(self.path)!r} aside to replace it: {exc}") from exc
-        try:
-            os.replace(self.tmp, self.path)
-        except OSError as exc:
-            os.replace(backup, self.path)
-            raise StoreError(f"cannot move the new store into {str(self.path)!r} (the old one is kept): {exc}") from exc
-        remove_backup(backup, self.log)
-        return self.path
-
-    def abort(self) -> None:
-        self._close_files()
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-    def _close_files(self) -> None:
-        if not self._closed:
-            self._tokens.close()
-            self._index.close()
-            self._spans.close()
-            if self._images is not None:
-                self._images.close()
-                self._image_index.close()
-            self._closed = True
 
 
 class Pair(NamedTuple):

@@ -1,8 +1,8 @@
 """The model: `load` (loading, dtype, packing-leak guard, tokenizer checks), `attention` (the kernel table
 `kernels`: one descriptor per kernel and the `auto` choice; the kernels registered with transformers:
 `packed_sdpa`, `varlen`), `head` (where the body ends and the LM head begins), `logprobs` (the chunked
-completion-only log-prob op), `forward` (a micro-batch to per-sequence log-probs), `vision` (vision-language
-models: their parts, image features, freezing).
+completion-only log-prob op), `forward` (a micro-batch to per-sequence log-probs), `checks` (the forward's load-time
+self-checks against the model), `vision` (vision-language models: their parts, image features, freezing).
 
 Import the public API from here.
 """
@@ -20,8 +20,8 @@ _EXPORTS = {
     "SequenceOutput": "prefpack.model.forward",
     "TokenizerHandle": "prefpack.model.load",
     "attention_name": "prefpack.model.attention.kernels",
-    "check_against_model": "prefpack.model.forward",
-    "check_vision_against_model": "prefpack.model.forward",
+    "check_against_model": "prefpack.model.checks",
+    "check_vision_against_model": "prefpack.model.checks",
     "Kernel": "prefpack.model.attention.kernels",
     "KERNELS": "prefpack.model.attention.kernels",
     "check_model_source": "prefpack.model.load",
@@ -30,7 +30,7 @@ _EXPORTS = {
     "kernel_named": "prefpack.model.attention.kernels",
     "kernel_of": "prefpack.model.attention.kernels",
     "load_scoring_model": "prefpack.model.load",
-    "packing_leak": "prefpack.model.forward",
+    "packing_leak": "prefpack.model.checks",
     "pair_logps": "prefpack.model.forward",
     "pick_attention": "prefpack.model.attention.kernels",
     "pick_device": "prefpack.model.load",
@@ -39,7 +39,7 @@ _EXPORTS = {
     "resolve_tokenizer": "prefpack.model.load",
     "router_aux_loss_coef": "prefpack.model.forward",
     "sequence_logps": "prefpack.model.forward",
-    "sibling_leak": "prefpack.model.forward",
+    "sibling_leak": "prefpack.model.checks",
     "source_dtype": "prefpack.model.load",
     "split_pairs": "prefpack.model.forward",
     "uses_flash_attention": "prefpack.model.attention.kernels",

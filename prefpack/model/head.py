@@ -105,7 +105,7 @@ def head_spec(model: nn.Module) -> HeadSpec:
     """Head weight, bias and the logit transforms that transformers applies after ``lm_head``.
 
     Known transforms: Cohere ``logit_scale`` (multiply), Granite ``logits_scaling`` (divide), Gemma-2/3
-    ``final_logit_softcapping``. Use ``prefpack.model.forward.check_against_model`` once to catch any other.
+    ``final_logit_softcapping``. Use ``prefpack.model.checks.check_against_model`` once to catch any other.
     """
     _, head = body_and_head(model)
     scale = 1.0

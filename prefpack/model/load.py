@@ -55,8 +55,8 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
     """
     from transformers import AutoModelForCausalLM
 
+    from prefpack.model.checks import packing_leak, sibling_leak
     from prefpack.model.compile import compile_decoder_layers
-    from prefpack.model.forward import packing_leak, sibling_leak
 
     kernel = kernel_named(attn_implementation)
     if kernel.register is not None:  # only the kernel this model runs: transformers checks the name it loads

@@ -12,6 +12,7 @@ counts come from the collated batch, which holds the whole row.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -21,16 +22,8 @@ from prefpack.batching.collate import Batch
 from prefpack.model.attention.kernels import Kernel
 from prefpack.model.attention.sequence_parallel import SHARDS, TokenShards
 from prefpack.model.head import HeadSpec
-from prefpack.model.logprobs import completion_logprobs, segment_sum
-from prefpack.model.sums import (
-    SequenceOutput,
-    boundary_kwargs,
-    drawn_pair_tails,
-    hidden_of,
-    tail_mask,
-    wpo_means,
-    wpo_sums,
-)
+from prefpack.model.logprobs import completion_logprobs
+from prefpack.model.sums import SequenceOutput, boundary_kwargs, hidden_of, reduce_sequences
 from prefpack.sequence_parallel import SeqPar, group_sum
 
 __all__ = ["ShardedRows", "shard_rows", "sharded_logps"]
@@ -96,25 +89,9 @@ def sharded_logps(body: nn.Module, spec: HeadSpec, kernel: Kernel, batch: Batch,
     index = rows.sequences.to(device)
     logp = completion_logprobs(h, rows.targets.to(device), spec.weight, spec.bias, chunk_size=chunk_size,
                                scale=spec.scale, softcap=spec.softcap, with_log_sum_sq=wpo, with_entropy=entropy)
-    if wpo or entropy:
-        logp, *extras = logp
-        log_sum_sq = extras[0] if wpo else None
-        token_entropy = extras[-1] if entropy else None
-    n, offset = batch.num_sequences, rows.offset.to(device)
-    logp_sum = group_sum(segment_sum(logp, index, n), sp)
-    tail_sum = wpo_mean = None
-    if pair_tails and batch.tail_pairs is not None:
-        tail_sum = group_sum(drawn_pair_tails(logp, index, batch.completion_tokens, batch.tail_pairs, offset), sp)
-    elif pair_tails:
-        tail = tail_mask(index, batch.completion_tokens, offset).to(logp.dtype)
-        tail_sum = group_sum(segment_sum(logp * tail, index, n), sp)
-    if wpo:
-        wpo_mean = wpo_means(group_sum(wpo_sums(logp, log_sum_sq, index, n), sp), batch.completion_tokens)
-    entropy_mean = None
-    if entropy:  # the group's sums over its shards, as the log-probs'
-        sums = group_sum(segment_sum(token_entropy, index, n), sp)
-        entropy_mean = sums / batch.completion_tokens.to(sums.device, sums.dtype).clamp(min=1.0)
-    return SequenceOutput(logp_sum, batch.completion_tokens, None, tail_sum, wpo_mean, entropy_mean)
+    return reduce_sequences(logp, index, batch.num_sequences, batch.completion_tokens, wpo=wpo, entropy=entropy,
+                            pair_tails=pair_tails, tail_pairs=batch.tail_pairs, offset=rows.offset.to(device),
+                            reduce=partial(group_sum, sp=sp))
 
 
 def check_model(model: nn.Module, sp: SeqPar, *, router_aux: bool = False) -> None:

@@ -1,6 +1,7 @@
 """What a forward computes around the model: the kernel's boundary keywords for a flattened row, the final hidden
-states, and the per-sequence values read from per-token log-probs besides their sums (LD-DPO's tails, WPO's means).
-Shared by the whole-row forward (``forward``) and the sharded one (``sharded``).
+states, and the per-sequence values read from per-token log-probs (:func:`reduce_sequences`: their sums, LD-DPO's
+tails, WPO's means, entropy means). Shared by the whole-row forward (``forward``) and the sharded one (``sharded``),
+so both reduce in the same order.
 
 A sequence's scored tokens are contiguous and in order in every layout (packed, flattened, padded, prompt-shared);
 a token's place in its completion is its offset from the sequence's first gathered token, plus ``offset`` (the
@@ -9,6 +10,7 @@ sequence's scored tokens on earlier shards, sequence parallelism; None: none).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -16,7 +18,16 @@ import torch
 from prefpack.model.attention import varlen
 from prefpack.model.logprobs import segment_sum
 
-__all__ = ["SequenceOutput", "boundary_kwargs", "drawn_pair_tails", "hidden_of", "tail_mask", "wpo_means", "wpo_sums"]
+__all__ = [
+    "SequenceOutput",
+    "boundary_kwargs",
+    "drawn_pair_tails",
+    "hidden_of",
+    "reduce_sequences",
+    "tail_mask",
+    "wpo_means",
+    "wpo_sums",
+]
 
 
 class SequenceOutput(NamedTuple):
@@ -104,3 +115,41 @@ def wpo_means(sums: torch.Tensor, n_tokens: torch.Tensor) -> torch.Tensor:
     completion tokens of ``log p(token) - log sum_v p_v^2`` (:func:`wpo_sums`), without gradient (a pair's weight
     is the exp of its chosen + rejected means)."""
     return sums / n_tokens.to(sums.device, sums.dtype).clamp(min=1.0)
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def reduce_sequences(scored, index: torch.Tensor, num_sequences: int, completion_tokens: torch.Tensor, *,
+                     wpo: bool = False, entropy: bool = False, pair_tails: bool = False,
+                     tail_pairs: torch.Tensor | None = None, offset: torch.Tensor | None = None,
+                     reduce: Callable[[torch.Tensor], torch.Tensor] = _whole) -> SequenceOutput:
+    """The per-sequence values of one forward from its head's per-token output, ``aux_loss`` left None.
+
+    ``scored`` is what ``completion_logprobs`` returned with ``with_log_sum_sq=wpo, with_entropy=entropy``; ``index``
+    [N] each scored token's sequence. ``pair_tails``: LD-DPO's tails, per drawn pair when ``tail_pairs`` is given.
+    ``reduce`` turns a per-sequence sum over this process's tokens into the sum over the whole rows (sequence
+    parallelism: the group's sum, with ``offset`` the sequence's scored tokens on earlier shards); by default the
+    tokens are the whole rows already. Every value is a sum first, so sharded and whole forwards agree.
+    """
+    log_sum_sq = token_entropy = None
+    if wpo or entropy:
+        logp, *extras = scored
+        log_sum_sq = extras[0] if wpo else None
+        token_entropy = extras[-1] if entropy else None
+    else:
+        logp = scored
+    logp_sum = reduce(segment_sum(logp, index, num_sequences))
+    tail_sum = wpo_mean = entropy_mean = None
+    if pair_tails and tail_pairs is not None:
+        tail_sum = reduce(drawn_pair_tails(logp, index, completion_tokens, tail_pairs, offset))
+    elif pair_tails:
+        tail = tail_mask(index, completion_tokens, offset).to(logp.dtype)
+        tail_sum = reduce(segment_sum(logp * tail, index, num_sequences))
+    if wpo:
+        wpo_mean = wpo_means(reduce(wpo_sums(logp, log_sum_sq, index, num_sequences)), completion_tokens)
+    if entropy:
+        sums = reduce(segment_sum(token_entropy, index, num_sequences))
+        entropy_mean = sums / completion_tokens.to(sums.device, sums.dtype).clamp(min=1.0)
+    return SequenceOutput(logp_sum, completion_tokens, None, tail_sum, wpo_mean, entropy_mean)
