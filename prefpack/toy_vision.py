@@ -11,7 +11,9 @@ from __future__ import annotations
 import io
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,7 +22,6 @@ from prefpack.toy_tokenizer import add_vision_tokens, build_toy_tokenizer
 __all__ = ["VLM_KINDS", "png_image", "processor", "save_processor_dir", "tiny_vlm", "vision_rows", "vision_tokenizer",
            "unpaired_vision_rows"]
 
-VLM_KINDS = ("qwen2_vl", "llava")
 _WORDS = ("a cat on a mat", "a dog in the fog", "a red square", "two blue circles", "a green tree by a lake",
           "nothing at all", "a small boat", "a bright yellow sun", "a striped shirt", "an old brown chair")
 _QUESTIONS = ("what is in the picture?", "describe the image.", "what colour is it?", "how many things are there?")
@@ -39,34 +40,100 @@ LLAVA_SETTINGS = dict(patch_size=LLAVA_PATCH_SIZE, vision_feature_select_strateg
                       num_additional_image_tokens=1, image_token="<|image_pad|>")
 
 
+def _text_settings(tok, hidden: int, layers: int) -> dict:
+    return dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                tie_word_embeddings=False)
+
+
+# --- Qwen2-VL: its own image processor (28 pixels per image token); the folder is that and the tokenizer
+
+
+def _qwen2_vl_image_processor(**settings):
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(**settings)
+
+
+def _qwen2_vl_model(text: dict, ids: dict, hidden: int):
+    """A one-block vision tower with 2x2 patch merging, 3-D rotary positions."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    half = hidden // 4 // 2  # rotary frequencies per head (4 heads): split over temporal, height, width
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
+                               "mrope_section": [half - 2 * (half // 4), half // 4, half // 4]}
+    cfg = Qwen2VLConfig(text_config=text,
+                        vision_config=dict(depth=1, embed_dim=16, hidden_size=hidden, num_heads=2, mlp_ratio=2,
+                                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+                        image_token_id=ids["image"], vision_start_token_id=ids["start"],
+                        vision_end_token_id=ids["end"], tie_word_embeddings=False)
+    return Qwen2VLForConditionalGeneration(cfg)
+
+
+# --- LLaVA: a LlavaProcessor (LLAVA_SETTINGS) around CLIP's image processor at 28 x 28 pixels
+
+
+def _llava_image_processor(**settings):
+    try:
+        from transformers import CLIPImageProcessorPil as CLIPImageProcessor
+    except ImportError:  # transformers before the PIL / torchvision split
+        from transformers import CLIPImageProcessor
+    size = LLAVA_IMAGE_SIZE
+    return CLIPImageProcessor(**{"size": {"shortest_edge": size}, "crop_size": {"height": size, "width": size},
+                                 **settings})
+
+
+def _llava_processor(image_processor, tokenizer, **settings):
+    from transformers import LlavaProcessor
+
+    return LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, **{**LLAVA_SETTINGS, **settings})
+
+
+def _llava_model(text: dict, ids: dict, hidden: int):
+    """A one-layer CLIP vision tower on 28-pixel images, a two-layer projector, a Qwen2 language model."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, Qwen2Config
+
+    cfg = LlavaConfig(text_config=Qwen2Config(**text),
+                      vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                     num_attention_heads=2, image_size=28, patch_size=14),
+                      image_token_id=ids["image"], projector_hidden_act="gelu", tie_word_embeddings=False)
+    return LlavaForConditionalGeneration(cfg)
+
+
+class _Toy(NamedTuple):
+    """One family's toy assets (keyed by its name in ``prefpack.vision_families.FAMILIES``: tested)."""
+
+    image_processor: Callable  # (**settings) -> the image processor
+    processor: Callable | None  # (image processor, tokenizer, **settings) -> the whole processor; None: the image
+    # processor alone is what prepare reads (saved beside the tokenizer)
+    model: Callable  # (text config dict, image token ids, hidden) -> the model
+
+
+_TOYS = {"qwen2_vl": _Toy(_qwen2_vl_image_processor, None, _qwen2_vl_model),
+         "llava": _Toy(_llava_image_processor, _llava_processor, _llava_model)}
+VLM_KINDS = tuple(_TOYS)
+
+
+def _toy(kind: str) -> _Toy:
+    if kind not in _TOYS:
+        raise ValueError(f"no toy vision-language assets for {kind!r}; one of {VLM_KINDS}")
+    return _TOYS[kind]
+
+
 def image_processor(kind: str = "qwen2_vl", **settings):
     """The image processor of a toy processor folder: Qwen2-VL's (default settings: 28 pixels per image token), or
     for ``llava`` CLIP's at 28 x 28 pixels (`settings` override its own, e.g. ``do_center_crop=False``)."""
-    if kind == "qwen2_vl":
-        from transformers import Qwen2VLImageProcessorPil
-
-        return Qwen2VLImageProcessorPil(**settings)
-    if kind == "llava":
-        try:
-            from transformers import CLIPImageProcessorPil as CLIPImageProcessor
-        except ImportError:  # transformers before the PIL / torchvision split
-            from transformers import CLIPImageProcessor
-        size = LLAVA_IMAGE_SIZE
-        return CLIPImageProcessor(**{"size": {"shortest_edge": size}, "crop_size": {"height": size, "width": size},
-                                     **settings})
-    raise ValueError(f"no toy image processor for {kind!r}; one of {VLM_KINDS}")
+    return _toy(kind).image_processor(**settings)
 
 
 def processor(kind: str = "qwen2_vl", tokenizer=None, image_settings: dict | None = None, **settings):
     """The whole toy processor: for ``llava`` a ``LlavaProcessor`` (CLIP's image processor, the tokenizer, and
     ``LLAVA_SETTINGS`` with `settings` applied: the image token is ``<|image_pad|>``, as the tiny LLaVA's
     image_token_id); for ``qwen2_vl`` the image processor alone (what prepare reads)."""
-    if kind != "llava":
-        return image_processor(kind, **(image_settings or {}))
-    from transformers import LlavaProcessor
-
-    return LlavaProcessor(image_processor=image_processor(kind, **(image_settings or {})),
-                          tokenizer=tokenizer or vision_tokenizer(), **{**LLAVA_SETTINGS, **settings})
+    toy = _toy(kind)
+    image = toy.image_processor(**(image_settings or {}))
+    return image if toy.processor is None else toy.processor(image, tokenizer or vision_tokenizer(), **settings)
 
 
 def save_processor_dir(path: str | Path, kind: str = "qwen2_vl", tokenizer=None, *,
@@ -78,7 +145,7 @@ def save_processor_dir(path: str | Path, kind: str = "qwen2_vl", tokenizer=None,
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = tokenizer or vision_tokenizer()
-    if kind == "llava":
+    if _toy(kind).processor is not None:
         processor(kind, tok, image_settings, **settings).save_pretrained(path)
         return path
     tok.save_pretrained(path)
@@ -86,51 +153,19 @@ def save_processor_dir(path: str | Path, kind: str = "qwen2_vl", tokenizer=None,
     return path
 
 
-def _text_settings(tok, hidden: int, layers: int) -> dict:
-    return dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                tie_word_embeddings=False)
-
-
 def tiny_vlm(kind: str = "qwen2_vl", tokenizer=None, *, seed: int = 0, hidden: int = 32, layers: int = 2):
     """A random-weight vision-language model (float32, eval mode) whose image token is the tokenizer's
     ``<|image_pad|>``: ``qwen2_vl`` (a one-block vision tower with 2x2 patch merging, 3-D rotary positions) or
     ``llava`` (a one-layer CLIP vision tower on 28-pixel images, a two-layer projector, a Qwen2 language model)."""
     import torch
-    from transformers import (
-        CLIPVisionConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        Qwen2Config,
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-    )
 
+    toy = _toy(kind)
     tok = tokenizer or vision_tokenizer()
     ids = {name: tok.convert_tokens_to_ids(t) for name, t in
            (("image", "<|image_pad|>"), ("start", "<|vision_start|>"), ("end", "<|vision_end|>"))}
     text = _text_settings(tok, hidden, layers)
     torch.manual_seed(seed)
-    if kind == "qwen2_vl":
-        half = hidden // 4 // 2  # rotary frequencies per head (4 heads): split over temporal, height, width
-        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
-                                   "mrope_section": [half - 2 * (half // 4), half // 4, half // 4]}
-        cfg = Qwen2VLConfig(text_config=text,
-                            vision_config=dict(depth=1, embed_dim=16, hidden_size=hidden, num_heads=2, mlp_ratio=2,
-                                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
-                            image_token_id=ids["image"], vision_start_token_id=ids["start"],
-                            vision_end_token_id=ids["end"], tie_word_embeddings=False)
-        model = Qwen2VLForConditionalGeneration(cfg)
-    elif kind == "llava":
-        cfg = LlavaConfig(text_config=Qwen2Config(**text),
-                          vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                                         num_attention_heads=2, image_size=28, patch_size=14),
-                          image_token_id=ids["image"], projector_hidden_act="gelu", tie_word_embeddings=False)
-        model = LlavaForConditionalGeneration(cfg)
-    else:
-        raise ValueError(f"unknown toy model kind {kind!r}; one of {VLM_KINDS}")
-    return model.float().eval()
+    return toy.model(text, ids, hidden).float().eval()
 
 
 def png_image(width: int, height: int, seed: int = 0) -> bytes:

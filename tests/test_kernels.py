@@ -29,19 +29,27 @@ def _strings(node: ast.AST) -> list[str]:
     return []
 
 
+def _names_kernel(texts: list[str]) -> bool:
+    return any(s in NAMES or "flash" in s or "sdpa" in s or "varlen" in s for s in texts)
+
+
 def kernel_name_tests(source: str) -> list[int]:
-    """Lines comparing something with a kernel's name: a string that is (or mentions) one, a name imported from
-    model/attention/ or spelling one (``PACKED_SDPA``), or a module's ``NAME`` (``varlen.NAME``)."""
+    """Lines comparing something with a kernel's name: a string that is (or mentions) one, a module constant
+    holding such strings (``_TOWER_KERNELS = ("sdpa", ...)``), a name imported from model/attention/ or spelling one
+    (``PACKED_SDPA``), or a module's ``NAME`` (``varlen.NAME``)."""
     tree = ast.parse(source)
     ours = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
             and (node.module or "").startswith("prefpack.model.attention") for a in node.names}
+    constants = {t.id: [s.lower() for s in _strings(node.value)] for node in tree.body if isinstance(node, ast.Assign)
+                 for t in node.targets if isinstance(t, ast.Name)}
     lines = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Compare):
             continue
         for operand in (node.left, *node.comparators):
             texts = [s.lower() for s in _strings(operand)]
-            named = any(s in NAMES or "flash" in s or "sdpa" in s or "varlen" in s for s in texts)
+            texts += [s for n in ast.walk(operand) if isinstance(n, ast.Name) for s in constants.get(n.id, ())]
+            named = _names_kernel(texts)
             imported = any(isinstance(n, ast.Name) and (n.id in ours or n.id.lower() in NAMES)
                            for n in ast.walk(operand))
             if named or imported or (isinstance(operand, ast.Attribute) and operand.attr == "NAME"):
@@ -64,9 +72,11 @@ def test_the_checker_finds_name_tests():
     """What the package had before the table: each form is found; reading a descriptor is not."""
     for source in ('x = "flash" in impl.lower() or impl == varlen.NAME', "ok = name in (PACKED_SDPA, 'x')",
                    "from prefpack.model.attention.packed_sdpa import NAME as P\nok = n == P",
-                   'ok = packing and name == "packed_sdpa"', 'ok = attn not in ("sdpa", "eager")'):
+                   'ok = packing and name == "packed_sdpa"', 'ok = attn not in ("sdpa", "eager")',
+                   '_TOWER_KERNELS = ("sdpa", "eager")\nok = attn if attn in _TOWER_KERNELS else "sdpa"'):
         assert kernel_name_tests(source), source
     assert kernel_name_tests('ok = kernel_of(model).flattens_rows and mode == "auto"') == []
+    assert kernel_name_tests('MODES = ("a", "b")\nok = kernel_named(attn).runs_vision_tower and m in MODES') == []
 
 
 # Today's rules, by name, as the package stated them before the table (forward.py, setup.py, rules.py).
@@ -87,6 +97,8 @@ def test_every_name_keeps_its_rules(name):
     assert k.fallback == ("eager" if name in ("sdpa", "packed_sdpa") else None)
     assert k.cudnn_sdp_off == (name == "sdpa")
     assert [f for f, _ in k.refuses] == (["attn_logit_softcapping"] if name == "varlen" else [])
+    # model/vision.py's list of the kernels a vision tower may run (transformers' own)
+    assert k.runs_vision_tower == (name in ("sdpa", "eager", "flash_attention_2", "flash_attention_3"))
     for flatten in (False, True):  # forward: varlen either way, packed_sdpa unflattened only
         assert k.runs_prompt_groups(flatten) == (name == "varlen" or (name == "packed_sdpa" and not flatten))
 

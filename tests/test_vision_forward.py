@@ -11,7 +11,6 @@ import torch
 from vision_cases import IMAGE_ID, TOK, Images, hf_sequence_logps, model, prompt_ids, vision_batch
 
 from prefpack.model import ModelError, apply_freeze, checks, packing_leak, sequence_logps, vision_parts
-from prefpack.model import forward as fwd
 from prefpack.model.vision import lora_targets
 from prefpack.toy_vision import tiny_vlm
 

@@ -12,6 +12,7 @@ import numpy as np
 from prefpack.data.spans import scored_of
 from prefpack.data.store import FLAG_COMPLETION_TRUNCATED, FLAG_PROMPT_TRUNCATED, Store, StoreError
 from prefpack.data.truncation import describe
+from prefpack.vision_families import FAMILIES
 
 UNSCORED_OPEN, UNSCORED_CLOSE = "⟦", "⟧"
 
@@ -145,9 +146,10 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
                      "completion tokens scored")
     if stats.get("images"):
         proc = m.get("processor") or {}
-        llava = " (LlavaProcessor)" if proc.get("kind") == "llava" else ""
+        family = FAMILIES.get(proc.get("kind"))  # older stores: none (Qwen2-VL's, shown as the class alone)
         lines.append(f"images     {stats['images']} ({stats['image_tokens']} image tokens), processor "
-                     f"{proc.get('class')}{llava} (hash {str(proc.get('hash'))[:12]}); docs/images.md")
+                     f"{proc.get('class')}{family.shown_as if family else ''} (hash {str(proc.get('hash'))[:12]}); "
+                     "docs/images.md")
     if m.get("unused_columns"):
         lines.append("not used   input columns " + ", ".join(map(repr, m["unused_columns"])))
     c = m["counts"]

@@ -27,6 +27,7 @@ import torch
 from prefpack.batching.collate import Batch
 from prefpack.batching.vision import BatchImage, ImageLayoutError, VisionSettings, fill_vision
 from prefpack.data.store import Store, StoreError
+from prefpack.vision_families import VisionFamily, family_of_store
 
 __all__ = ["BatchImages", "ImagePrefetcher", "attach_images", "attach_store_images", "check_store_vision", "decode_image",
            "processor_preprocess", "prompt_start", "read_batch_images", "vision_settings"]
@@ -223,10 +224,10 @@ def processor_preprocess(path: str | Path) -> tuple[Callable[[list], dict], Any]
     return preprocess, processor
 
 
-def vision_settings(store: Store, *, mrope: bool | None = None) -> VisionSettings:
+def vision_settings(store: Store, *, family: VisionFamily | None = None) -> VisionSettings:
     """A store's :class:`VisionSettings`: the image token from its meta.json, the processor from its ``processor/``
-    folder; ``mrope`` defaults to whether the processor gives a patch grid with a merge size (Qwen2-VL family). The
-    run sets ``mrope`` from the model where it knows better."""
+    folder; 3-D rotary positions and the merge size as ``family`` has them (default: the family the store was
+    prepared for, meta.json's ``processor.kind``). The run passes the model's family."""
     meta = store.meta.get("processor")
     if not store.num_images or not meta:
         raise StoreError(f"store {str(store.path)!r} holds no images (prepared without --processor)")
@@ -234,10 +235,9 @@ def vision_settings(store: Store, *, mrope: bool | None = None) -> VisionSetting
     if not folder.is_dir():
         raise StoreError(f"store {str(store.path)!r}: its processor/ folder is missing; prepare it again")
     preprocess, processor = processor_preprocess(folder)
-    merge = getattr(processor, "merge_size", None)
-    return VisionSettings(image_token_id=int(meta["image_token_id"]),
-                          mrope=(merge is not None) if mrope is None else bool(mrope),
-                          merge_size=int(merge or 1), preprocess=preprocess)
+    family = family or family_of_store(meta)
+    return VisionSettings(image_token_id=int(meta["image_token_id"]), mrope=family.mrope,
+                          merge_size=family.merge_size(processor), preprocess=preprocess)
 
 
 def run_vision(stores: Sequence[tuple[str, Store]], model_parts, check_processor: Callable[[dict, str], None]
@@ -267,8 +267,8 @@ def run_vision(stores: Sequence[tuple[str, Store]], model_parts, check_processor
                              f"{what} store {str(first.path)!r}: one run preprocesses every image alike, so prepare "
                              "them with the same --processor")
         check_processor(store.meta["processor"], f"{other_what} store {str(store.path)!r}")
-    settings = vision_settings(first, mrope=model_parts.mrope)
-    if model_parts.mrope and settings.merge_size != model_parts.merge_size:
+    settings = vision_settings(first, family=model_parts.family)
+    if settings.merge_size != model_parts.merge_size:
         raise StoreError(f"{what} store {str(first.path)!r}: its image processor merges {settings.merge_size}x"
                          f"{settings.merge_size} patches, the model's vision tower {model_parts.merge_size}x"
                          f"{model_parts.merge_size}; prepare it again with this model's processor")

@@ -2,7 +2,8 @@
 `kernels`: one descriptor per kernel and the `auto` choice; the kernels registered with transformers:
 `packed_sdpa`, `varlen`), `head` (where the body ends and the LM head begins), `logprobs` (the chunked
 completion-only log-prob op), `forward` (a micro-batch to per-sequence log-probs), `checks` (the forward's load-time
-self-checks against the model), `vision` (vision-language models: their parts, image features, freezing).
+self-checks against the model), `vision` (vision-language models: their parts, image features, freezing; one
+model-side module per family of `prefpack.vision_families`).
 
 Import the public API from here.
 """

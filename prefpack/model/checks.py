@@ -63,23 +63,15 @@ def check_vision_against_model(model: nn.Module, chunk_size: int = 64, seed: int
     LLaVA: one ``image_size`` image), between 4 and 6 random text tokens: no processor needed.
     """
     from prefpack.batching.collate import collate_groups
-    from prefpack.model.vision import image_features, vision_parts
+    from prefpack.model.vision import family_module, image_features, vision_parts
 
     parts = vision_parts(model)
+    family = family_module(parts)
     hf = parts.model
     spec = head_spec(model)
     device = spec.weight.device
     g = torch.Generator().manual_seed(seed)
-    vc = hf.config.vision_config
-    grid = None
-    if parts.mrope:
-        side = 2 * parts.merge_size
-        grid = torch.tensor([[1, side, side]])
-        width = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
-        pixels = torch.randn(side * side, width, generator=g)
-    else:
-        pixels = torch.randn(1, int(getattr(vc, "num_channels", 3)), int(vc.image_size), int(vc.image_size),
-                             generator=g)
+    pixels, grid = family.sample_image(parts, g)
     pixels = pixels.to(device, spec.weight.dtype)
     grid = None if grid is None else grid.to(device)
     n_image = int(image_features(parts, pixels, grid).shape[0])
@@ -87,17 +79,14 @@ def check_vision_against_model(model: nn.Module, chunk_size: int = 64, seed: int
     text = torch.randint(0, vocab, (10,), generator=g)
     text[text == parts.image_token_id] = 0
     ids = torch.cat([text[:4], torch.full((n_image,), parts.image_token_id), text[4:]])
-    extra = {"image_grid_thw": grid, "mm_token_type_ids": (ids == parts.image_token_id).int()[None].to(device)} \
-        if parts.mrope else {}
+    extra, rope_positions = family.reference_inputs(parts, ids, grid, device)
     ref = hf(input_ids=ids[None].to(device), pixel_values=pixels, use_cache=False, **extra).logits.float()
     ref = ref.log_softmax(-1)[0, :-1].gather(-1, ids[1:, None].to(device))[:, 0]
     batch = collate_groups([(ids[:1].numpy(), (ids[1:].numpy(),))], [[0]], ids=[0])
     batch.pixel_values, batch.image_grid_thw = pixels, grid
     batch.image_positions = (ids == parts.image_token_id).nonzero().squeeze(1)
     batch.image_feature_rows = torch.arange(n_image)
-    if parts.mrope:
-        batch.rope_positions = hf.model.get_rope_index(ids[None].to(device), image_grid_thw=grid,
-                                                       mm_token_type_ids=extra["mm_token_type_ids"])[0]
+    batch.rope_positions = rope_positions
     batch = batch.to(device)
     body, _ = body_and_head(model)
     with compute_context(model, device):

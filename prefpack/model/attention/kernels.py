@@ -42,6 +42,9 @@ class Kernel:
     cudnn_sdp_off: bool = False  # on CUDA, switch cuDNN's sdpa off at load (it plans anew for every packed shape)
     shards_sequences: bool = False  # runs on token shards (distributed.sequence_parallel: its module is ``shardable``)
     refuses: tuple[tuple[str, str], ...] = ()  # (model config attribute, why) it cannot run when the value is set
+    # a vision tower may run it (transformers' own kernels); a tower's attention is bidirectional over one image's
+    # patches and never packed, so under any other kernel (prefpack's packed ones, hub kernels) it runs sdpa
+    runs_vision_tower: bool = False
 
     def available(self, device_type: str, compute_dtype: Any = None) -> bool:
         """Whether ``auto`` may pick this kernel for a device type and compute dtype (None: float32)."""
@@ -100,14 +103,17 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("packed_sdpa", register=_ours("packed_sdpa"), auto=True, devices=("cpu",), reads_prompt_groups=True,
            prefix_sharing_auto=True, fallback="eager", shards_sequences=True),
     Kernel("flash_attention_2", auto=True, devices=("cuda",), installed=_flash_attn_installed, needs_cuda=True,
-           flattens_rows=True),
+           flattens_rows=True, runs_vision_tower=True),
     # prompts laid out once on varlen: 1.14x tokens/s and 12% less peak at 0.7B on an H100 (2026-11-24)
     Kernel("varlen", register=_ours("varlen"), auto=True, devices=("cuda",), half_only=True,
            installed=_torch_varlen_installed, flattens_rows=True, reads_prompt_groups=True, boundary_kwargs=True,
            prefix_sharing_auto=True, shards_sequences=True, refuses=(_SOFTCAP,)),
-    Kernel("sdpa", auto=True, fallback="eager", cudnn_sdp_off=True),
-    Kernel("eager"),
+    Kernel("sdpa", auto=True, fallback="eager", cudnn_sdp_off=True, runs_vision_tower=True),
+    Kernel("eager", runs_vision_tower=True),
 )
+
+# transformers' own kernels the config does not offer, which a vision tower may run all the same
+_OTHER_TOWER_KERNELS = ("flash_attention_3",)
 
 _BY_NAME = {k.name: k for k in KERNELS}
 
@@ -115,9 +121,10 @@ _BY_NAME = {k.name: k for k in KERNELS}
 def kernel_named(name: str) -> Kernel:
     """The row for ``name``; any other transformers kernel (flash_attention_3, flex_attention, a hub kernel) gets
     a default row: it flattens rows when its name says flash (transformers' flash integration reads packed
-    boundaries only on one row), and reads no prompt groups."""
+    boundaries only on one row), reads no prompt groups, and runs a vision tower if transformers' own."""
     known = _BY_NAME.get(name)
-    return known if known is not None else Kernel(name, flattens_rows="flash" in name.lower())
+    return known if known is not None else Kernel(name, flattens_rows="flash" in name.lower(),
+                                                  runs_vision_tower=name in _OTHER_TOWER_KERNELS)
 
 
 def attention_name(model: Any) -> str:

@@ -1,69 +1,65 @@
 """Vision-language models (issue 27): telling one from a causal LM, loading it, its parts, its image features.
 
-A vision-language model is a config with a ``vision_config``. Two families are supported, each tested on a tiny
-model (``prefpack.toy_vision``): the Qwen2-VL / Qwen2.5-VL family (a vision tower ending in a patch merger, 3-D
-rotary positions in the language model) and LLaVA (``LlavaForConditionalGeneration``: a CLIP-style tower, a
-``multi_modal_projector``); any other is refused with a message naming these. The parts:
+A vision-language model is a config with a ``vision_config``. The families prefpack trains are the table
+``prefpack.vision_families.FAMILIES`` (torch-free: prepare reads it too); each has its model-side module here, named
+as the family (``qwen2_vl.py``: the Qwen2-VL / Qwen2.5-VL family, a vision tower ending in a patch merger, 3-D rotary
+positions in the language model; ``llava.py``: ``LlavaForConditionalGeneration``, a CLIP-style tower and a
+``multi_modal_projector``), each tested on a tiny model (``prefpack.toy_vision``); any other model is refused with a
+message naming the supported ones. The parts (:class:`~prefpack.model.vision.parts.VisionParts`):
 
 * the language model's body and head (``prefpack.model.head.body_and_head`` finds them as for a causal LM);
-* the vision encoder and the projector (Qwen2-VL: ``visual`` without / with its ``merger``; LLaVA: ``vision_tower``
-  and ``multi_modal_projector``), frozen by default (``model.freeze_vision``, ``model.freeze_projector``);
+* the vision encoder and the projector, frozen by default (``model.freeze_vision``, ``model.freeze_projector``);
 * :func:`image_features`: the vision tower run ONCE over a micro-batch's ``pixel_values`` (every image of the
   batch, each once, however many sequences show it), the concatenated per-image features [rows, H], under
   ``torch.no_grad`` when encoder and projector are both frozen.
 
 The forward (``prefpack.model.forward``) writes feature row ``Batch.image_feature_rows[k]`` at flat position
-``Batch.image_positions[k]`` of the embedded input ids and runs the body on ``inputs_embeds``. Qwen2-VL's body takes
-position ids [4, B, L]: row 0 the 1-D text positions, which its mask code and prefpack's kernels read for the
-sequence boundaries, rows 1..3 the rotary (t, h, w) positions. Given 2-D position ids it reads NO boundaries and lets
-packed sequences attend to each other, silently (:func:`body_positions` never hands it those).
+``Batch.image_positions[k]`` of the embedded input ids and runs the body on ``inputs_embeds``. A family with 3-D
+rotary positions (``VisionFamily.mrope``: Qwen2-VL) has a body taking position ids [4, B, L]: row 0 the 1-D text
+positions, which its mask code and prefpack's kernels read for the sequence boundaries, rows 1..3 the rotary
+(t, h, w) positions. Given 2-D position ids it reads NO boundaries and lets packed sequences attend to each other,
+silently (:func:`body_positions` never hands it those).
 
 Attention: the language model gets the run's kernel (``packed_sdpa``, ``varlen``, ...); the vision tower, whose
 attention is bidirectional over each image's patches and never packed by prefpack, keeps a transformers kernel
-(:func:`vision_attention`).
+(:func:`vision_attention`, the kernel table's ``runs_vision_tower``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
 
-__all__ = ["MROPE_TYPES", "SUPPORTED", "VisionParts", "apply_freeze", "attention_setting", "body_positions",
-           "check_processor", "hf_model", "image_features", "is_vision_language", "lora_targets", "mrope", "unsupported_message",
-           "vision_attention", "vision_parts"]
+from prefpack.model.attention.kernels import kernel_named
+from prefpack.model.vision import llava, qwen2_vl
+from prefpack.model.vision.parts import VisionParts, config_of, frozen, hf_model, is_vision_language
+from prefpack.vision_families import SUPPORTED, family_of_model_type
 
-# model_type -> the family's name in messages
-MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl")
-SUPPORTED = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "llava": "LLaVA (LlavaForConditionalGeneration)"}
+__all__ = ["FAMILY_MODULES", "SUPPORTED", "VisionParts", "apply_freeze", "attention_setting", "body_positions",
+           "check_processor", "family_module", "hf_model", "image_features", "is_vision_language", "lora_targets",
+           "mrope", "unsupported_message", "vision_attention", "vision_parts"]
 
-# transformers' own kernels, which a vision tower may run; anything else (prefpack's packed kernels, hub kernels)
-# gives the tower sdpa
-_TOWER_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
-
-
-def _config(model_or_config):
-    config = getattr(model_or_config, "config", None)
-    if config is None and isinstance(model_or_config, nn.Module):
-        config = getattr(getattr(model_or_config, "module", None), "config", None)
-    return model_or_config if config is None else config
+# family name -> its model-side module (the same keys as prefpack.vision_families.FAMILIES: tested)
+FAMILY_MODULES: dict[str, ModuleType] = {m.FAMILY.name: m for m in (qwen2_vl, llava)}
 
 
-def is_vision_language(model_or_config) -> bool:
-    """Whether a model (or its config) is a vision-language model: its config has a ``vision_config``."""
-    return getattr(_config(model_or_config), "vision_config", None) is not None
+def family_module(parts: VisionParts) -> ModuleType:
+    """The model-side module of the model's family (``parts.FamilyModule``)."""
+    return FAMILY_MODULES[parts.family.name]
 
 
 def mrope(model_or_config) -> bool:
-    """Whether the model's language model reads 3-D rotary positions (the Qwen2-VL family): its body must get
-    position ids [4, B, L] (see the module docstring). Cheap: two attribute reads."""
-    return getattr(_config(model_or_config), "model_type", None) in MROPE_TYPES
+    """Whether the model's language model reads 3-D rotary positions (its family's ``mrope``: Qwen2-VL): its body
+    must get position ids [4, B, L] (see the module docstring). Cheap: two attribute reads."""
+    family = family_of_model_type(getattr(config_of(model_or_config), "model_type", None))
+    return family is not None and family.mrope
 
 
 def unsupported_message(model_or_config, what: str = "model") -> str | None:
     """None for a supported vision-language model (or a text model), else the message refusing it."""
-    config = _config(model_or_config)
+    config = config_of(model_or_config)
     if not is_vision_language(config):
         return None
     kind = getattr(config, "model_type", None)
@@ -75,8 +71,9 @@ def unsupported_message(model_or_config, what: str = "model") -> str | None:
 
 
 def vision_attention(attn_implementation: str) -> str:
-    """The kernel of the vision tower when the language model runs ``attn_implementation``."""
-    return attn_implementation if attn_implementation in _TOWER_KERNELS else "sdpa"
+    """The kernel of the vision tower when the language model runs ``attn_implementation``: the same when the kernel
+    table says a tower may run it (transformers' own kernels), else sdpa."""
+    return attn_implementation if kernel_named(attn_implementation).runs_vision_tower else "sdpa"
 
 
 def attention_setting(attn_implementation: str) -> dict:
@@ -84,49 +81,6 @@ def attention_setting(attn_implementation: str) -> dict:
     its language model, :func:`vision_attention` for the vision tower."""
     return {"": attn_implementation, "text_config": attn_implementation,
             "vision_config": vision_attention(attn_implementation)}
-
-
-def hf_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside DDP / torch.compile / peft wrappers."""
-    for _ in range(6):
-        inner = getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            inner = getattr(model, "module", None) if not hasattr(model, "get_output_embeddings") else None
-        if isinstance(inner, nn.Module):
-            model = inner
-            continue
-        base = getattr(model, "get_base_model", None)  # peft
-        if callable(base) and base() is not model:
-            model = base()
-            continue
-        break
-    return model
-
-
-@dataclass(frozen=True)
-class VisionParts:
-    """Where a vision-language model's pieces are. ``encoder``: the modules whose parameters ``model.freeze_vision``
-    freezes; ``projector``: those ``model.freeze_projector`` freezes; ``tower``: the module called once per
-    micro-batch (Qwen2-VL: ``visual``, merger included; LLaVA: ``vision_tower``)."""
-
-    model: nn.Module  # the transformers model (ForConditionalGeneration)
-    kind: str  # config.model_type
-    tower: nn.Module
-    encoder: tuple[nn.Module, ...]
-    projector: tuple[nn.Module, ...]
-    language_model: nn.Module
-    image_token_id: int
-    merge_size: int  # image-grid patches merged into one image token per side (Qwen2-VL: 2; LLaVA: 1)
-
-    @property
-    def mrope(self) -> bool:
-        return self.kind in MROPE_TYPES
-
-    def prefixes(self) -> dict[str, list[str]]:
-        """Qualified module names (in :attr:`model`) of the encoder, the projector and the language model."""
-        names = {id(m): n for n, m in self.model.named_modules()}
-        return {"encoder": [names[id(m)] for m in self.encoder], "projector": [names[id(m)] for m in self.projector],
-                "language_model": [names[id(self.language_model)]]}
 
 
 def vision_parts(model: nn.Module) -> VisionParts:
@@ -139,39 +93,16 @@ def vision_parts(model: nn.Module) -> VisionParts:
     message = unsupported_message(config)
     if message:
         raise ValueError(message)
-    kind = config.model_type
-    inner = getattr(hf, "model", hf)
-    image_token_id = int(config.image_token_id)
-    if kind in MROPE_TYPES:
-        tower = inner.visual
-        encoder = tuple(m for name, m in tower.named_children() if name != "merger")
-        return VisionParts(hf, kind, tower, encoder, (tower.merger,), inner.language_model, image_token_id,
-                           int(config.vision_config.spatial_merge_size))
-    return VisionParts(hf, kind, inner.vision_tower, (inner.vision_tower,), (inner.multi_modal_projector,),
-                       inner.language_model, image_token_id, 1)
-
-
-def _frozen(modules) -> bool:
-    return not any(p.requires_grad for m in modules for p in m.parameters())
+    return FAMILY_MODULES[family_of_model_type(config.model_type).name].parts(hf)
 
 
 def image_features(parts: VisionParts, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None,
                    dtype: torch.dtype | None = None) -> torch.Tensor:
     """Every image's features, concatenated in image order [rows, hidden] (image 0's tokens first): ONE call of the
     vision tower over ``pixel_values``; under no_grad when the encoder and the projector are both frozen."""
-    frozen = _frozen(parts.encoder) and _frozen(parts.projector)
-    with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
-        if parts.mrope:
-            if image_grid_thw is None:
-                raise ValueError(f"{SUPPORTED[parts.kind]} images need image_grid_thw (the processor's patch grids)")
-            tower = parts.tower
-            feats = tower(pixel_values.to(_dtype_of(tower)), grid_thw=image_grid_thw).pooler_output
-        else:
-            inner = getattr(parts.model, "model", parts.model)
-            out = inner.get_image_features(pixel_values=pixel_values.to(_dtype_of(parts.tower)), return_dict=True)
-            pooled = out.pooler_output
-            feats = torch.cat(list(pooled), 0) if isinstance(pooled, (list, tuple)) else pooled.reshape(
-                -1, pooled.shape[-1])
+    is_frozen = frozen(parts.encoder) and frozen(parts.projector)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and not is_frozen):
+        feats = family_module(parts).tower_features(parts, pixel_values, image_grid_thw)
     return feats if dtype is None else feats.to(dtype)
 
 
@@ -181,7 +112,7 @@ def frozen_key(parts: VisionParts) -> tuple | None:
     adapter-off reference, which is the policy) get the same key, so one's image features serve the other
     (``Batch.vision_cache``). The key is each vision tensor's shape, dtype and float64 sum, computed once per model;
     equal weights give equal sums, other checkpoints different ones."""
-    if not (_frozen(parts.encoder) and _frozen(parts.projector)):
+    if not (frozen(parts.encoder) and frozen(parts.projector)):
         return None
     key = getattr(parts.model, "_prefpack_vision_key", None)
     if key is None:
@@ -210,26 +141,14 @@ def cached_image_features(parts: VisionParts, pixel_values: torch.Tensor, image_
 def placeholder_pixels(parts: VisionParts, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The smallest image the tower takes, all zeros (Qwen2-VL: one merged token's patches; LLaVA: one crop): what a
     rank whose micro-batch holds no image encodes so that every rank runs the tower (see ``forward``)."""
-    vc = parts.model.config.vision_config
-    if parts.mrope:
-        m = parts.merge_size
-        channels = int(getattr(vc, "in_channels", None) or getattr(vc, "in_chans", 3))
-        width = channels * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
-        grid = torch.tensor([[1, m, m]], dtype=torch.long, device=device)
-        return torch.zeros(m * m, width, device=device), grid
-    size = int(vc.image_size)
-    return torch.zeros(1, int(getattr(vc, "num_channels", 3)), size, size, device=device), None
-
-
-def _dtype_of(module: nn.Module) -> torch.dtype:
-    return next(module.parameters()).dtype
+    return family_module(parts).placeholder_pixels(parts, device)
 
 
 def body_positions(model_or_parts, position_ids: torch.Tensor, rope_positions: torch.Tensor | None = None,
                    ) -> torch.Tensor:
     """The position ids a body takes: ``position_ids`` [B, L] as they are for a model without 3-D rotary positions;
-    for the Qwen2-VL family [4, B, L] = text positions, then ``rope_positions`` [3, B, L] (None, a text batch: the
-    text positions three times, which is what ``get_rope_index`` gives text)."""
+    for a family with them (Qwen2-VL) [4, B, L] = text positions, then ``rope_positions`` [3, B, L] (None, a text
+    batch: the text positions three times, which is what ``get_rope_index`` gives text)."""
     is_mrope = model_or_parts.mrope if isinstance(model_or_parts, VisionParts) else mrope(hf_model(model_or_parts))
     if not is_mrope:
         if rope_positions is not None:
@@ -244,10 +163,10 @@ def apply_freeze(model: nn.Module, *, freeze_vision: bool = True, freeze_project
     """``model.freeze_vision`` / ``model.freeze_projector``: no gradient for the vision encoder / the projector
     (their parameters' ``requires_grad`` off); the other is left trainable."""
     parts = vision_parts(model)
-    for modules, frozen in ((parts.encoder, freeze_vision), (parts.projector, freeze_projector)):
+    for modules, is_frozen in ((parts.encoder, freeze_vision), (parts.projector, freeze_projector)):
         for m in modules:
             for p in m.parameters():
-                p.requires_grad_(not frozen)
+                p.requires_grad_(not is_frozen)
     return parts
 
 
@@ -282,34 +201,26 @@ def lora_targets(model: nn.Module, target_modules: str | list[str], *, freeze_vi
 
 def check_processor(model: nn.Module, processor: dict, where: str = "the store") -> None:
     """Refuse a store whose images were expanded for another model: ``processor`` is the store's
-    ``meta["processor"]`` (``image_token_id``, the image processor's ``settings``). The image token must be the
-    model's, and the processor's patch grid the vision tower's (Qwen2-VL family: ``patch_size``,
-    ``temporal_patch_size``, ``merge_size``; LLaVA: the crop is the tower's ``image_size``), else the placeholder
-    counts would not match the features. A ValueError naming the first difference."""
+    ``meta["processor"]`` (``kind``: the family's name, ``image_token_id``, the image processor's ``settings``). The
+    family and the image token must be the model's, and the processor's settings the vision tower's (the family
+    module's ``processor_checks``: Qwen2-VL's patch grid, LLaVA's crop), else the placeholder counts would not match
+    the features. A ValueError naming the first difference."""
     parts = vision_parts(model)
     kind = processor.get("kind")  # the processor family prepare expanded the images for (older stores: none)
-    want = "qwen2_vl" if parts.mrope else "llava"
-    if kind is not None and kind != want:
+    if kind is not None and kind != parts.family.name:
         raise ValueError(f"{where} was prepared with a {kind} processor, whose image token counts and pixels a "
-                         f"{SUPPORTED[parts.kind]} model does not read: prepare it again with --processor set to this "
+                         f"{parts.label} model does not read: prepare it again with --processor set to this "
                          "model's folder (its own processor)")
     token = processor.get("image_token_id")
     if token is not None and int(token) != parts.image_token_id:
         raise ValueError(f"{where} marks images with token id {token} ({processor.get('image_token')!r}) but the "
                          f"model's image token id is {parts.image_token_id}: prepare it again with this model's "
                          "processor")
-    settings = processor.get("settings") or {}
     vc = parts.model.config.vision_config
-    if parts.mrope:
-        pairs = (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
-                 ("merge_size", "spatial_merge_size"))
-    else:
-        crop = settings.get("crop_size")
-        settings = {"crop": crop.get("height") if isinstance(crop, dict) else crop}
-        pairs = (("crop", "image_size"),)
-    for key, attr in pairs:
-        have, want = settings.get(key), getattr(vc, attr, None)
+    for key, have, attr in family_module(parts).processor_checks(processor.get("settings") or {}):
+        want = getattr(vc, attr, None)
         if have is not None and want is not None and int(have) != int(want):
             raise ValueError(f"{where} was prepared with an image processor whose {key} is {have}, but the model's "
                              f"vision tower has {attr}={want}: the image token counts would not match its features; "
                              "prepare it again with this model's processor")
+
