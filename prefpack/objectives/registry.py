@@ -17,7 +17,7 @@ from prefpack.objectives.groups import PromptGroupTask
 from prefpack.objectives.kto import KTOTask
 from prefpack.objectives.pairs import PairTask
 
-__all__ = ["OBJECTIVES", "ObjectiveSpec", "objective_for", "trains_unpaired"]
+__all__ = ["OBJECTIVES", "ObjectiveSpec", "objective_for", "read_only_unpaired", "trains_unpaired"]
 
 
 @dataclass(frozen=True)
@@ -54,3 +54,10 @@ def objective_for(store_kind: str, *, unpaired: bool, group_by_prompt: bool = Fa
     if store_kind == "ranked" or group_by_prompt:
         return OBJECTIVES["groups"]
     return OBJECTIVES["pairs"]
+
+
+def read_only_unpaired(store_kind: str) -> bool:
+    """Whether only the unpaired (KTO) family reads stores of this kind, so that a command given one and no loss
+    scores it as KTO examples."""
+    readers = [spec for spec in OBJECTIVES.values() if store_kind in spec.reads]
+    return bool(readers) and all(spec.unpaired for spec in readers)

@@ -11,7 +11,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from prefpack.objectives import Objective, Term, make_objectives, open_store, settings_from_config
+from prefpack.objectives import (
+    Objective,
+    Term,
+    make_objectives,
+    open_store,
+    read_only_unpaired,
+    settings_from_config,
+)
 from prefpack.parallel import ONE_PROCESS, Parallel
 from prefpack.reference import (
     CopyReference,
@@ -138,7 +145,7 @@ def precompute_reference(opts: PrecomputeOptions, *, parallel: Parallel = ONE_PR
         weights_hash,
     )
 
-    kto = opts.kto or Store(opts.data).kind == "unpaired"
+    kto = opts.kto or read_only_unpaired(Store(opts.data).kind)
     store = open_store(opts.data, "reference", unpaired=kto, paired_as_kto=opts.kto)
     check_sidecar_writable(store)  # at once, not after the whole store is scored (every rank: none waits on rank 0)
     check_model_source(opts.model, "--model")

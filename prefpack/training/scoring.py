@@ -48,15 +48,15 @@ def eval_config(opts: EvalOptions):
     from prefpack.config import Config, ConfigError, LossTermConfig, load_config
     from prefpack.data.store import Store
     from prefpack.model.load import check_model_source
-    from prefpack.objectives import trains_unpaired
+    from prefpack.objectives import read_only_unpaired, trains_unpaired
     from prefpack.reference import SIDECAR_NAMES
 
     cfg = load_config(opts.config, []) if opts.config else Config()
     if opts.loss:
         cfg.loss.terms = [LossTermConfig(n.strip(), 1.0) for n in opts.loss.split(",") if n.strip()]
     elif not opts.config:
-        kind = Store(opts.data).kind
-        cfg.loss.terms = [LossTermConfig("kto" if opts.kto or kind == "unpaired" else "sigmoid", 1.0)]
+        unpaired = opts.kto or read_only_unpaired(Store(opts.data).kind)
+        cfg.loss.terms = [LossTermConfig("kto" if unpaired else "sigmoid", 1.0)]
     for name, value in opts.loss_params.items():
         if value is not None:
             setattr(cfg.loss, name, value)
