@@ -18,7 +18,7 @@ lint: $(BIN)/.installed
 	$(BIN)/ruff check .
 
 test: lint
-	$(BIN)/pytest -q -n 2 --dist loadscope
+	$(BIN)/pytest -q -n 2 --dist loadscope --no-loadscope-reorder  # the order: tests/conftest.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
