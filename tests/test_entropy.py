@@ -92,12 +92,12 @@ class _ZeroReference(NoReference):
 
 def test_kto_logs_entropy_of_desirable_and_undesirable(tmp_path, toy_tokenizers, hh_train):
     """KTO's examples: the mean entropy of the desirable ones as entropy/chosen, of the undesirable as rejected."""
-    from test_invariance import _prepare_splits, _unpaired_rows
+    from invariance_worlds import prepare_splits, unpaired_rows
 
     from prefpack.objectives import KTOTask
 
-    rows = _unpaired_rows(hh_train)["eval"]
-    store = Store(_prepare_splits(tmp_path, toy_tokenizers["llama"], {"kto": rows}, "--format", "unpaired")["kto"])
+    rows = unpaired_rows(hh_train)["eval"]
+    store = Store(prepare_splits(tmp_path, toy_tokenizers["llama"], {"kto": rows}, "--format", "unpaired")["kto"])
     assert len(store) == len(rows)
     model = float64_llama(toy_tokenizers["llama"], 3)
     task = make_task(KTOTask, store, load_config(None, ["loss.terms=[{name: kto}]"]))

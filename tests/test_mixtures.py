@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import final_weights, metrics_lines, prepare_hh_splits, quiet, run_prefpack, tiny_llama
-from test_invariance import _prepare_splits, _ranked_rows, _unpaired_rows
+from invariance_worlds import prepare_splits, ranked_rows, unpaired_rows
 
 from prefpack.batching.mixture import MixtureSchedule, epoch_counts
 from prefpack.batching.schedule import StepSchedule
@@ -38,7 +38,7 @@ def mix(tmp_path_factory, toy_tokenizers, hh_train, one_thread):
     root = tmp_path_factory.mktemp("mixtures")
     tok = toy_tokenizers["llama"]
     pairs = prepare_hh_splits(root, tok, hh_train, {"hh": 16, "few": 6})
-    ranked = _prepare_splits(root, tok, {"ranked": _ranked_rows(hh_train)["train"]})["ranked"]
+    ranked = prepare_splits(root, tok, {"ranked": ranked_rows(hh_train)["train"]})["ranked"]
     train_list = (f"[{{path: {pairs['hh']}, weight: 2}}, {{path: {ranked}, weight: 1}}, "
                   f"{{path: {pairs['few']}, pairs: 2}}]")
     return {"root": root, "policy": tiny_llama(tok, root / "policy", 1), "ref": tiny_llama(tok, root / "ref", 2),
@@ -178,8 +178,8 @@ def test_mixture_resume_equals_uninterrupted(mix, tmp_path):
 @pytest.fixture(scope="module")
 def kto_mix(mix, toy_tokenizers, hh_train):
     """Two unpaired stores (19 and 7 examples) as a KTO mixture: the first by weight, 3 of the second per epoch."""
-    data = _unpaired_rows(hh_train)
-    stores = _prepare_splits(mix["root"], toy_tokenizers["llama"], {"ua": data["train"], "ub": data["eval"]},
+    data = unpaired_rows(hh_train)
+    stores = prepare_splits(mix["root"], toy_tokenizers["llama"], {"ua": data["train"], "ub": data["eval"]},
                              "--format", "unpaired")
     listed = f"[{{path: {stores['ua']}, weight: 1}}, {{path: {stores['ub']}, pairs: 3}}]"
     return {**mix, "train": listed}

@@ -1,4 +1,4 @@
-"""The invariances of tests/test_invariance.py on image stores (issue 27): packed == padded, 1x8 == 8x1
+"""The invariances of tests/invariance_cases.py on image stores (issue 27): packed == padded, 1x8 == 8x1
 accumulation, resume == uninterrupted, a copied reference == its precomputed log-probs, two ranks (gloo, DDP and
 FSDP2) == one rank, for
 
@@ -9,7 +9,8 @@ FSDP2) == one rank, for
 * llava_pairs_shared: a tiny LLaVA (1-D positions, a CLIP tower and a projector), projector trained;
 * kto_img_shared: KTO on 20 unpaired image examples (each with its KL sequence, whose prompt holds its images).
 
-The test bodies are test_invariance's own; only the `world` fixture differs.
+The test bodies are invariance_cases' own, as for the text stores (test_invariance_pairs.py, ...); only the
+`world` fixture differs.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ import pytest
 pytest.importorskip("PIL.Image")
 
 from conftest import write_jsonl  # noqa: E402
-from test_invariance import (  # noqa: E402, F401 - the tests and fixtures run here with this module's `world`
-    RUN,
+from invariance_cases import (  # noqa: E402, F401 - the tests and fixtures run here with this module's `world`
     assert_same_runs,
     baseline,
     one_rank,
@@ -32,6 +32,7 @@ from test_invariance import (  # noqa: E402, F401 - the tests and fixtures run h
     test_two_ranks_equal_one_rank,
     two_ranks,
 )
+from invariance_worlds import RUN  # noqa: E402
 
 from prefpack.cli import main as cli_main  # noqa: E402
 from prefpack.data.store import Store  # noqa: E402
@@ -106,7 +107,7 @@ def world(request, tmp_path_factory):
     assert Store(stores["train"]).num_images >= settings["size"]
     policy = _model(arch, tok, processor, root / "policy", 1)
     ref = _model(arch, tok, processor, root / "ref", 2)
-    # AdamW's eps at 1e-3 (as test_invariance's two-rank runs): a reference laid out another way (precompute-ref
+    # AdamW's eps at 1e-3 (as invariance_cases' two-rank runs): a reference laid out another way (precompute-ref
     # shares prompts, a copy in an unshared run does not) differs by float32 rounding, which eps 1e-8 turns into
     # full-size updates of weights whose gradients are near zero
     run_settings = [f"reference.model={ref}", *RUN, "optim.eps=1.0e-3", *settings.pop("base")]

@@ -1,0 +1,26 @@
+"""The invariances of tests/invariance_cases.py for DPO on a pair store: `sigmoid` on hh pairs (pairs), the same
+with each pair's prompt laid out once (pairs_shared), and `sigmoid` + `ipo` on those stores with unscored spans
+inside the completions (spans_shared; issue 23: a store of format version 2 with spans.bin, written by hand as
+prepare would). The worlds: tests/invariance_worlds.py."""
+
+from __future__ import annotations
+
+import pytest
+from invariance_cases import (  # noqa: F401 - the tests and fixtures run here with this module's `world`
+    baseline,
+    one_rank,
+    precomputed,
+    test_accumulation_1x8_equals_8x1,
+    test_copy_and_precomputed_reference_agree,
+    test_packed_equals_padded,
+    test_precomputed_reference_refuses_a_sidecar_it_cannot_use,
+    test_resume_equals_uninterrupted,
+    test_two_ranks_equal_one_rank,
+    two_ranks,
+)
+from invariance_worlds import text_world
+
+
+@pytest.fixture(scope="module", params=["pairs", "pairs_shared", "spans_shared"])
+def world(request, tmp_path_factory, toy_tokenizers, hh_train):
+    return text_world(request.param, tmp_path_factory, toy_tokenizers, hh_train)
