@@ -44,12 +44,9 @@ class Engine:
     budgets: Any = None  # prefpack.engine.budgets.Budgets
     module: nn.Module | None = None
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.precision.weights
-
     def load_like_policy(self, path: str, *, device: torch.device | None = None, packed: bool | None = None):
-        """Another model (the reference) loaded exactly as the policy was: precision, kernel, compiled layers."""
+        """A model loaded as the policy is (precision, kernel, compiled layers): the policy itself, and the reference
+        (on another ``device``, e.g. only to be hashed: uncompiled)."""
         from prefpack.model import load_causal_lm
 
         cfg = self.cfg

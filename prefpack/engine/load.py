@@ -3,7 +3,6 @@ compiled layers where asked); a vision-language model's towers frozen or trained
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,7 +12,6 @@ from prefpack.model import (
     ModelError,
     apply_freeze,
     is_vision_language,
-    load_causal_lm,
     pick_attention,
     wants_compile,
 )
@@ -31,17 +29,14 @@ class LoadStage:
 
     def apply(self, engine: Engine, log) -> None:
         cfg, device = engine.cfg, engine.device
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = engine.parallel.world
         engine.precision = resolve_precision(
             cfg.model.dtype, cfg.optim.master_dtype, device, lora=cfg.lora.enabled,
             fsdp_sharded=cfg.distributed.strategy == "fsdp2" and world > 1)
         engine.attn = pick_attention(cfg.model.attn_implementation, device, engine.precision.compute)
         engine.compile_layers = wants_compile(cfg.model.compile, device, world)
         torch.manual_seed(cfg.train.seed)
-        engine.policy = load_causal_lm(cfg.model.name_or_path, precision=engine.precision,
-                                       attn_implementation=engine.attn, device=device,
-                                       trust_remote_code=cfg.model.trust_remote_code, packed=cfg.data.packing,
-                                       compile_layers=engine.compile_layers)
+        engine.policy = engine.load_like_policy(cfg.model.name_or_path)
         freeze_vision_towers(engine.policy, cfg, log)
         if engine.compile_layers:
             log("decoder layers compiled with torch.compile (model.compile"
