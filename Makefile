@@ -17,9 +17,8 @@ demo: $(BIN)/.installed
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
 
-# two processes, each given whole modules, slowest first (the order: tests/conftest.py, SLOWEST_MODULES)
 test: lint
-	$(BIN)/pytest -q -n 2 --dist loadscope --no-loadscope-reorder
+	$(BIN)/pytest -q -n 2 --dist loadscope
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections import Counter
 from pathlib import Path
 
 # The suite checks CPU exactness (float32/float64 against formulas); on a machine with a GPU, `train.device: auto`
@@ -213,51 +212,6 @@ def prepare_hh_splits(root, tok_dir, hh_rows, sizes: dict[str, int], max_length:
 
 
 # ---------------------------------------------------------------- the order `make test` deals modules in
-
-# `make test` runs two xdist workers, each given whole modules (--dist loadscope), in the order collected
-# (--no-loadscope-reorder). xdist's own order (most tests first) deals the slowest modules, which have few tests,
-# last, and one worker can be left running one of them alone; dealt slowest first, the many short modules at the
-# end even the workers out. The slowest modules, slowest first (measured 2026-11-26, all of a module's tests, two
-# workers on a busy 2-core machine; seconds); the others (20 s or less each) follow by their number of tests, as in
-# xdist's order.
-SLOWEST_MODULES = (
-    "test_distributed.py",  # 256
-    "test_vision_invariance.py",  # 236
-    "test_compile.py",  # 228
-    "test_invariance_kto.py",  # 200
-    "test_invariance_pairs.py",  # 153
-    "test_sequence_parallel.py",  # 125
-    "test_invariance_groups.py",  # 118
-    "test_vision_train.py",  # 105
-    "test_crash.py",  # 104
-    "test_cluster_loop.py",  # 74
-    "test_cluster_torchrun.py",  # 69
-    "test_mixtures.py",  # 64
-    "test_hardening_checkpoints.py",  # 54
-    "test_cluster_files.py",  # 48
-    "test_train.py",  # 48
-    "test_precision.py",  # 33
-    "test_newcomer.py",  # 28
-    "test_ld_wpo.py",  # 25
-    "test_prepare_turns.py",  # 23
-    "test_varlen_shared.py",  # 21
-)
-
-
-@pytest.hookimpl(trylast=True)  # after pytest's own reordering (a module's tests grouped by its fixtures' params)
-def pytest_collection_modifyitems(config, items):
-    """Under xdist, modules slowest first (see above); a module's own order is kept (a stable sort)."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    counts = Counter(item.path for item in items)
-
-    def rank(item):
-        if item.path.name in SLOWEST_MODULES:
-            return SLOWEST_MODULES.index(item.path.name), 0
-        return len(SLOWEST_MODULES), -counts[item.path]
-
-    items.sort(key=rank)
-
 
 # ---------------------------------------------------------------- a training test's world and run folder
 
