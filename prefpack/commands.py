@@ -14,6 +14,7 @@ from pathlib import Path
 
 def add_prepare(sub) -> None:
     from prefpack.data.formats import FIELD_HELP, LAYOUTS
+    from prefpack.data.image_files import DEFAULT_MAX_IMAGE_BYTES
     from prefpack.data.truncation import DEFAULT_MIN_PROMPT_KEEP
 
     p = sub.add_parser("prepare", help="tokenise preference data into a binary store",
@@ -27,6 +28,12 @@ def add_prepare(sub) -> None:
                    "read vision rows (TRL's images column beside pair, unpaired and ranked message prompts, RLAIF-V's "
                    "image/question) and store their images, each placeholder expanded to the processor's token count, "
                    "for training a vision-language model (docs/images.md)")
+    p.add_argument("--image-root", default=None, metavar="DIR",
+                   help="with --processor, a folder image paths may also lead into; by default a row's image paths "
+                   "(after symbolic links) must stay inside its input file's folder, and any other is a bad row")
+    p.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES, metavar="N",
+                   help=f"with --processor, the largest image (file or bytes) a row may hold (default "
+                   f"{DEFAULT_MAX_IMAGE_BYTES:,} bytes); a larger one is a bad row")
     p.add_argument("--format", choices=LAYOUTS, default=None, help="input layout (default: detect from the first row)")
     for name, what in FIELD_HELP.items():
         p.add_argument(f"--{name}-field", default=None, help=f"name of the {what} field")
@@ -72,7 +79,7 @@ def run_prepare(args, argv: list[str]) -> int:
         skip_invalid=args.skip_invalid, overwrite=args.overwrite, trust_remote_code=args.trust_remote_code,
         allow_duplicate_inputs=args.allow_duplicate_inputs,
         chat_template_kwargs=args.chat_template_kwargs, tools=args.tools, train_on=args.train_on,
-        processor=args.processor, argv=argv,
+        processor=args.processor, image_root=args.image_root, max_image_bytes=args.max_image_bytes, argv=argv,
     )
     report = prepare(opts, log=lambda m: print(m, file=sys.stderr))
     print(report.summary())

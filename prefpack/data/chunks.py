@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 
 from prefpack.data.formats import InvalidRow, extract, resolve_fields, used_fields
+from prefpack.data.layouts import IMAGES_FIELD, RLAIFV_IMAGE
+from prefpack.data.row_checks import check_no_image_token
 from prefpack.data.sources import RawRow, Source, iter_rows
 from prefpack.data.spans import mask_to_spans
 from prefpack.data.store import FLAG_COMPLETION_TRUNCATED, FLAG_PROMPT_TRUNCATED
@@ -73,6 +75,8 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
         unused.update(k for k in raw.row if k not in used)
         try:
             ex = extract(raw.row, layout, fields, vision=vision)
+            if vision:  # the image token's text in a row would be image tokens with no image
+                check_no_image_token(raw.row, used - {IMAGES_FIELD, RLAIFV_IMAGE}, tokenize.cfg.vision.image_token)
             if ex.images:
                 src = os.path.abspath(raw.loc.file)  # relative image paths: from the file's folder (or the folder)
                 ex.image_dir = src if os.path.isdir(src) else os.path.dirname(src)

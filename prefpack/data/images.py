@@ -4,7 +4,9 @@ An image is read as its encoded bytes (a file path, raw bytes, or the ``{"bytes"
 `datasets` Image feature stores), decoded once to check it and learn its size, and stored as those same bytes
 (no pixels). Its placeholder in the prompt text is expanded to the exact number of tokens the processor gives it,
 as its family counts them (``prefpack.vision_families``: Qwen2-VL's patch grid over ``merge_size**2``, LLaVA's
-patches of the processor's crop), so token budgets count the image exactly.
+patches of the processor's crop), so token budgets count the image exactly. A row's images are untrusted input:
+reading and decoding them (allowed folders, regular files, a size limit, an allow-list of formats) is
+``image_files``'s job.
 
 Supported: the processors of the families in ``prefpack.vision_families.FAMILIES`` (``SUPPORTED_PROCESSORS``);
 any other is refused by name.
@@ -13,13 +15,12 @@ any other is refused by name.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefpack.data.row_checks import InvalidRow
+from prefpack.data.image_files import image_bytes, image_size  # noqa: F401 - read and decoded there
 from prefpack.vision_families import (
     FAMILIES,
     ProcessorError,
@@ -121,47 +122,3 @@ def processor_identity(vision: Vision, path: str, tokenizer_hash: str) -> dict:
     if vision.settings:
         out["processor_settings"] = dict(vision.settings)
     return {**out, "hash": hashlib.sha256(body.encode()).hexdigest()}
-
-
-def image_bytes(value: Any, field: str, k: int, base_dir: str | None) -> bytes:
-    """Image `k` of `field` as encoded bytes: a path (relative to the input file's folder), bytes, a `datasets`
-    Image dict ``{"bytes", "path"}`` or a PIL image (saved as PNG)."""
-    what = f"field {field!r}: image {k}"
-    if isinstance(value, dict):
-        if value.get("bytes") is not None:
-            value = value["bytes"]
-        elif value.get("path"):
-            value = value["path"]
-        else:
-            raise InvalidRow("missing_image", field, f"{what} is a dict with neither 'bytes' nor 'path'")
-    if isinstance(value, bytearray | memoryview):
-        value = bytes(value)
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        path = value if os.path.isabs(value) or not base_dir else os.path.join(base_dir, value)
-        try:
-            with open(path, "rb") as fh:
-                return fh.read()
-        except OSError as exc:
-            raise InvalidRow("missing_image", field, f"{what}: cannot read the file {path!r} ({exc.strerror or exc}); "
-                             "relative paths are read from the input file's folder") from None
-    if hasattr(value, "save") and hasattr(value, "size"):  # a PIL image (a `datasets` row decoded in memory)
-        buf = io.BytesIO()
-        value.save(buf, format="PNG")
-        return buf.getvalue()
-    raise InvalidRow("wrong_type", field, f"{what} must be a file path, bytes or a {{'bytes', 'path'}} object, got "
-                     f"{type(value).__name__}")
-
-
-def image_size(data: bytes, field: str, k: int) -> tuple[int, int]:
-    """Decode the image fully (a truncated file fails here, not in training) and return (width, height)."""
-    from PIL import Image
-
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            img.load()
-            return int(img.size[0]), int(img.size[1])
-    except Exception as exc:  # PIL raises UnidentifiedImageError, OSError, SyntaxError, ValueError...
-        raise InvalidRow("undecodable_image", field, f"field {field!r}: image {k} ({len(data)} bytes) cannot be "
-                         f"decoded ({type(exc).__name__}: {exc})") from None

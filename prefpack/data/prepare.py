@@ -31,6 +31,7 @@ from prefpack.data.formats import (
     ranked_fields,
     resolve_fields,
 )
+from prefpack.data.image_files import DEFAULT_MAX_IMAGE_BYTES, ImageSource
 from prefpack.data.images import ProcessorError, load_vision, processor_identity
 from prefpack.data.sources import Source, file_sha256, peek_first_row, resolve_inputs
 from prefpack.data.store import StoreWriter, check_output, recover_interrupted
@@ -70,6 +71,9 @@ class PrepareOptions:
     train_on: str | None = None  # chat replies: "assistant" (default), "last" or "all" (turns.TRAIN_ON)
     # a processor folder (image processor + tokenizer): vision rows are read, their images stored (docs/images.md)
     processor: str | None = None
+    # image paths may lead inside the input file's folder or this folder, nowhere else (docs/images.md)
+    image_root: str | None = None
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # the largest image file (or bytes value) read
     argv: list[str] = field(default_factory=list)
 
 
@@ -194,7 +198,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     fields = resolve_fields(layout, field_names)
     workers = opts.workers or os.cpu_count() or 1
     tcfg = TokenizeConfig(max_length=opts.max_length, truncation=opts.truncation, min_prompt_keep=opts.min_prompt_keep,
-                          chat_template_kwargs=template_kwargs, tools=tools, train_on=train_on, vision=vision)
+                          chat_template_kwargs=template_kwargs, tools=tools, train_on=train_on, vision=vision,
+                          image_source=_image_source(opts))
     writer = StoreWriter(opts.output, kind=kind, vocab_size=specials.vocab_size, overwrite=opts.overwrite, log=log)
     skipped: Counter = Counter()
     empty: Counter = Counter()
@@ -274,7 +279,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
         }
         if vision is not None:
             meta["processor"] = processor_identity(vision, opts.processor, meta["tokenizer"]["hash"])
-            meta["args"]["processor"] = opts.processor
+            meta["args"].update(processor=opts.processor, image_root=opts.image_root,
+                                max_image_bytes=opts.max_image_bytes)
         if writer.n_rows == 0:
             raise PrepareError(f"no examples left to write from {rows_read} rows (skipped: {dict(skipped)}, "
                                f"dropped: {dict(dropped)}); nothing was written")
@@ -297,6 +303,15 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
                          dict(dropped), dict(truncated), time.perf_counter() - t0, dict(empty), dict(chat),
                          writer.n_groups if kind == "ranked" else None, repeats.counts(), sorted(unused),
                          writer.n_spans, cuts.to_json(), opts.max_length, writer.n_images)
+
+
+def _image_source(opts: PrepareOptions) -> ImageSource:
+    """--image-root and --max-image-bytes, checked (they bound what a row's image paths may read)."""
+    if opts.image_root is not None and not os.path.isdir(opts.image_root):
+        raise PrepareError(f"--image-root {opts.image_root!r} is not a folder")
+    if isinstance(opts.max_image_bytes, bool) or not isinstance(opts.max_image_bytes, int) or opts.max_image_bytes < 1:
+        raise PrepareError(f"--max-image-bytes must be a positive number of bytes, not {opts.max_image_bytes!r}")
+    return ImageSource(opts.image_root, opts.max_image_bytes)
 
 
 def _jsonable(value):

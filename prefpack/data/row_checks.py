@@ -9,6 +9,7 @@ same whatever the layout; ``formats`` re-exports ``InvalidRow`` and the two chat
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from prefpack.errors import PrefpackError
@@ -208,6 +209,27 @@ def get_messages(row: dict, name: str, *, allow_empty: bool = False, as_reply: b
     elif not allow_empty and not msgs:
         raise InvalidRow("missing_field", name, f"field {name!r} is an empty message list")
     return msgs
+
+
+def check_no_image_token(row: dict, names: Iterable[str], token: str) -> None:
+    """With ``prepare --processor``, the image token's own text (Qwen2-VL's ``<|image_pad|>``, LLaVA's ``<image>``)
+    inside a row's text would tokenise to image tokens with no image behind them, and training would then find the
+    store damaged: such a row is refused here, naming the field (`names`: the row's text columns)."""
+    for name in sorted(n for n in names if isinstance(n, str)):
+        if name in row and _holds(row[name], token):
+            raise InvalidRow("image_token_in_text", name, f"field {name!r} holds the text {token!r}, the processor's "
+                             "image placeholder; images are placed by {'type': 'image'} parts and the images column "
+                             "only, so remove that text from the row")
+
+
+def _holds(value: Any, token: str) -> bool:
+    if isinstance(value, str):
+        return token in value
+    if isinstance(value, dict):
+        return any(_holds(k, token) or _holds(v, token) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_holds(v, token) for v in value)
+    return False
 
 
 def get_label(row: dict, name: str) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefpack.data.formats import Example, InvalidRow
-from prefpack.data.images import image_bytes, image_size
+from prefpack.data.image_files import ImageSource, image_bytes, image_size, image_tokens
 from prefpack.data.truncation import check_prompt_keep
 from prefpack.data.turns import Ranges, token_mask, unscored_chat_ranges
 from prefpack.tokenizer import SpecialTokens
@@ -37,6 +37,7 @@ class TokenizeConfig:
     tools: list[dict] | None = None  # tools for chat rows that give none of their own
     train_on: str = "assistant"  # chat replies: which messages are scored (turns.TRAIN_ON)
     vision: Any = None  # prepare --processor: an ``images.Vision`` (image rows' placeholders expanded exactly)
+    image_source: ImageSource = field(default_factory=ImageSource)  # where image paths may lead, the size limit
 
 
 @dataclass
@@ -218,12 +219,9 @@ class ExampleTokenizer:
                              f"must not hold {token!r} itself")
         infos = []
         for k, value in enumerate(ex.images):
-            data = image_bytes(value, name, k, ex.image_dir)
+            data = image_bytes(value, name, k, ex.image_dir, self.cfg.image_source)
             width, height = image_size(data, name, k)
-            n = self.cfg.vision.placeholder_tokens(width, height)
-            if n <= 0:  # LLaVA without a crop: an image smaller than a patch
-                raise InvalidRow("image_too_small", name, f"field {name!r}: image {k} ({width}x{height} pixels) gets "
-                                 f"{n} image tokens from the processor, which sees no patch of it; give a larger image")
+            n = image_tokens(self.cfg.vision, width, height, name, k)
             infos.append((data, width, height, n))
         expanded = pieces[0] + "".join(token * info[3] + rest for info, rest in zip(infos, pieces[1:]))
         return expanded, infos

@@ -13,7 +13,6 @@ store's ``processor/`` folder (``AutoImageProcessor.from_pretrained``). transfor
 
 from __future__ import annotations
 
-import io
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +25,7 @@ import torch
 
 from prefpack.batching.collate import Batch
 from prefpack.batching.vision import BatchImage, ImageLayoutError, VisionSettings, fill_vision
+from prefpack.data.image_files import open_image
 from prefpack.data.store import Store, StoreError
 from prefpack.vision_families import VisionFamily, family_of_store
 
@@ -49,12 +49,9 @@ class BatchImages:
 
 
 def decode_image(data: bytes):
-    """A stored image's encoded bytes as a decoded Pillow image (loaded, so the bytes can go)."""
-    from PIL import Image
-
-    image = Image.open(io.BytesIO(data))
-    image.load()
-    return image
+    """A stored image's encoded bytes as a decoded Pillow image (loaded, so the bytes can go): the allowed formats'
+    decoders only, EXIF orientation applied, exactly as prepare decoded it to count its tokens (``open_image``)."""
+    return open_image(data)
 
 
 def _decoded(store: Store, example: int, k: int, info: dict):
