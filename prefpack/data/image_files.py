@@ -86,6 +86,8 @@ def _read_file(value: str, field: str, what: str, base_dir: str | None, source: 
     if _URL.match(value):
         raise InvalidRow("image_url", field, f"{what} is a URL ({_short(value)}): prepare reads local files only and "
                          "downloads nothing; fetch the images first and give their paths (or bytes)")
+    if "\0" in value:
+        raise InvalidRow("missing_image", field, f"{what}: the path {_short(value)} holds a NUL character")
     base = os.path.abspath(base_dir or os.getcwd())
     path = os.path.join(base, value)  # an absolute value stays itself
     real = os.path.realpath(path)
@@ -98,18 +100,18 @@ def _read_file(value: str, field: str, what: str, base_dir: str | None, source: 
     try:
         st = os.stat(real)
         if not stat.S_ISREG(st.st_mode):
-            raise InvalidRow("image_not_a_file", field, f"{what}: {path!r} is {_kind(st.st_mode)}, not a regular "
+            raise InvalidRow("image_not_a_file", field, f"{what}: {_short(path, 300)} is {_kind(st.st_mode)}, not a regular "
                              "file; prepare reads image files only")
         _check_size(st.st_size, field, what, path, source)
         fd = os.open(real, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0))
         with os.fdopen(fd, "rb") as fh:
             st = os.fstat(fh.fileno())  # the file opened is the one checked (not swapped since the stat)
             if not stat.S_ISREG(st.st_mode):
-                raise InvalidRow("image_not_a_file", field, f"{what}: {path!r} is {_kind(st.st_mode)}, not a "
+                raise InvalidRow("image_not_a_file", field, f"{what}: {_short(path, 300)} is {_kind(st.st_mode)}, not a "
                                  "regular file; prepare reads image files only")
             data = fh.read(source.max_bytes + 1)
     except OSError as exc:
-        raise InvalidRow("missing_image", field, f"{what}: cannot read the file {path!r} ({exc.strerror or exc}); "
+        raise InvalidRow("missing_image", field, f"{what}: cannot read the file {_short(path, 300)} ({exc.strerror or exc}); "
                          "relative paths are read from the input file's folder") from None
     _check_size(len(data), field, what, path, source)
     return data
@@ -117,7 +119,7 @@ def _read_file(value: str, field: str, what: str, base_dir: str | None, source: 
 
 def _check_size(size: int, field: str, what: str, path: str, source: ImageSource) -> None:
     if size > source.max_bytes:
-        raise InvalidRow("image_too_large", field, f"{what}: the file {path!r} is {size:,} bytes, over "
+        raise InvalidRow("image_too_large", field, f"{what}: the file {_short(path, 300)} is {size:,} bytes, over "
                          f"--max-image-bytes {source.max_bytes:,}")
 
 

@@ -188,6 +188,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
             vision = load_vision(opts.processor, tok)
         except ProcessorError as err:
             raise PrepareError(str(err)) from None
+    elif opts.image_root is not None or opts.max_image_bytes != DEFAULT_MAX_IMAGE_BYTES:
+        log("note: --image-root and --max-image-bytes have no effect without --processor (no image is read)")
     layout, reason, field_names = _choose_layout(opts, sources)
     log(f"layout: {layout} ({reason})")
     template_kwargs, tools, tools_sha = _template_options(opts, layout)
