@@ -95,13 +95,14 @@ def _shape_problem(meta: Any, folder: Path) -> str | None:
             return f"entry {key!r} is a {type(entry).__name__}"
         if isinstance(entry, TensorStorageMetadata) and not _tensor_entry_ok(entry):
             return f"entry {key!r} has a malformed tensor description"
+    files = {p.name for p in folder.iterdir() if p.is_file() and not p.is_symlink()}
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
             return f"its storage table holds a {type(info).__name__}"
         name = info.relative_path
         if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
             return f"entry {index.fqn!r} is read from {name!r}, not a file of the checkpoint's folder"
-        if not (folder / name).is_file() or (folder / name).is_symlink():
+        if name not in files:
             return f"entry {index.fqn!r} is read from {name}, which is not a file of the checkpoint's folder"
         if not all(type(v) is int and v >= 0 for v in (info.offset, info.length)):
             return f"entry {index.fqn!r} has no valid offset and length"

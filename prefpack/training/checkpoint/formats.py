@@ -9,6 +9,8 @@ final model (``final``) is `save_pretrained` output beside its tokenizer.
 Every checkpoint ends with `checksums.json` (size and sha256 of every other file in it, written last, before the
 rename), so `--resume` can tell a damaged checkpoint (truncated, emptied, a flipped bit) from an intact one and
 falls back to the newest intact one. Checkpoints written before checksums existed are accepted with a note.
+Nothing in a checkpoint runs when it is read: the sharded format's pickled metadata is read by ``dcp_read``
+(only DCP's own classes), everything else is safetensors, JSON or ``torch.load(weights_only=True)``.
 
 Writes that fail (a full disk above all) remove their temporary folder and raise `CheckpointWriteError` with the
 space needed and free; the previous checkpoint stays the one to resume from. Temporary folders that a killed
