@@ -1,7 +1,9 @@
 """Checkpoints of a run and its final model: ``formats`` (one interface, ``save_checkpoint``/``load_checkpoint``,
 for the single-process and the torchrun format; resume with fallback) and ``final`` (the final save), over
-``files`` (checksums, listing, stale temporaries, failed-write reports)."""
+``files`` (checksums, listing, stale temporaries, failed-write reports); ``dcp_read`` reads a sharded checkpoint
+without unpickling anything but its metadata's own classes."""
 
+from prefpack.training.checkpoint.dcp_read import CheckpointRefused
 from prefpack.training.checkpoint.files import (
     CHECKSUMS,
     CheckpointDamaged,
@@ -28,6 +30,7 @@ from prefpack.training.checkpoint.formats import (
 __all__ = [
     "CHECKSUMS",
     "CheckpointDamaged",
+    "CheckpointRefused",
     "CheckpointWriteError",
     "Checkpointed",
     "checkpoint_step",

@@ -9,6 +9,8 @@ final model (``final``) is `save_pretrained` output beside its tokenizer.
 Every checkpoint ends with `checksums.json` (size and sha256 of every other file in it, written last, before the
 rename), so `--resume` can tell a damaged checkpoint (truncated, emptied, a flipped bit) from an intact one and
 falls back to the newest intact one. Checkpoints written before checksums existed are accepted with a note.
+Nothing in a checkpoint runs when it is read: the sharded format's pickled metadata is read by ``dcp_read``
+(only DCP's own classes), everything else is safetensors, JSON or ``torch.load(weights_only=True)``.
 
 Writes that fail (a full disk above all) remove their temporary folder and raise `CheckpointWriteError` with the
 space needed and free; the previous checkpoint stays the one to resume from. Temporary folders that a killed
@@ -36,6 +38,7 @@ from torch import nn
 
 from prefpack.distributed import SINGLE, Dist
 from prefpack.model import ModelError
+from prefpack.training.checkpoint.dcp_read import load_dcp, read_dcp_metadata
 from prefpack.training.checkpoint.files import (
     _MARGIN,
     CHECKSUMS,
@@ -306,8 +309,10 @@ def save_checkpoint_distributed(run_dir: Path, step: int, module: nn.Module, opt
 
 def load_checkpoint_distributed(path: Path, module: nn.Module, optimizer, scheduler, ctx: Dist, *,
                                 reference: nn.Module | None = None) -> dict:
-    """Restore a sharded checkpoint; ``reference`` (the wrapped reference copy) is restored when it holds one."""
-    import torch.distributed.checkpoint as dcp
+    """Restore a sharded checkpoint; ``reference`` (the wrapped reference copy) is restored when it holds one.
+
+    Its ``dcp/.metadata`` is read by `read_dcp_metadata` (nothing in it runs; `CheckpointRefused` otherwise) on
+    every rank before anything changes, and only that checked metadata reaches dcp.load."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_state_dict,
@@ -321,13 +326,12 @@ def load_checkpoint_distributed(path: Path, module: nn.Module, optimizer, schedu
                          f"number (this run has {ctx.world})")
     extra = torch.load(path / "training_state.pt", weights_only=True, map_location="cpu")
     _require(extra, "scheduler", "torch_rng")  # a damaged file fails here, before anything changed
+    meta = read_dcp_metadata(path / "dcp")  # a crafted one is refused here, on every rank, before any collective
     model_sd, optim_sd = get_state_dict(module, optimizer)
     blob = {"model": model_sd, "optim": optim_sd}
-    if reference is not None:
-        saved = dcp.FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
-        if any(key.startswith("reference.") for key in saved):
-            blob["reference"] = get_model_state_dict(reference)
-    dcp.load(blob, checkpoint_id=str(path / "dcp"))
+    if reference is not None and any(key.startswith("reference.") for key in meta.state_dict_metadata):
+        blob["reference"] = get_model_state_dict(reference)
+    load_dcp(blob, path / "dcp", meta)
     set_state_dict(module, optimizer, model_state_dict=blob["model"], optim_state_dict=blob["optim"])
     if "reference" in blob:
         set_model_state_dict(reference, blob["reference"])
