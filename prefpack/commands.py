@@ -11,6 +11,10 @@ from pathlib import Path
 
 # ---------------------------------------------------------------- prepare, inspect
 
+# the one switch (model.trust_remote_code in a config): without it a folder naming code is refused (remote_code.py)
+REMOTE_CODE_HELP = ("run Python code that the model, tokenizer or processor folder names in its config (auto_map); "
+                    "off, such a folder is refused")
+
 
 def add_prepare(sub) -> None:
     from prefpack.data.formats import FIELD_HELP, LAYOUTS
@@ -54,7 +58,7 @@ def add_prepare(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output store")
     p.add_argument("--allow-duplicate-inputs", action="store_true",
                    help="store a file reached twice (by name, glob or link) twice, on purpose")
-    p.add_argument("--trust-remote-code", action="store_true", help="allow custom tokenizer code from the hub")
+    p.add_argument("--trust-remote-code", action="store_true", help=REMOTE_CODE_HELP)
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help="template variables for every chat row, as a JSON object, e.g. '{\"enable_thinking\": false}'; "
                    "a row's own chat_template_kwargs column overrides them key by key")
@@ -271,6 +275,8 @@ def add_eval(sub) -> None:
                    help="compute dtype (default: the --config run's, else auto: bfloat16 on CUDA over float32 "
                    "weights, as training runs)")
     p.add_argument("--allow-tokenizer-mismatch", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true", help=REMOTE_CODE_HELP + " (also on when the --config "
+                   "run set model.trust_remote_code)")
     _add_sequence_parallel(p, "(default: the --config run's distributed.sequence_parallel, else 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -292,7 +298,7 @@ def eval_options(args, path: str):
                        sequence_parallel=args.sequence_parallel,
                        loss_params={name: getattr(args, name) for name in LOSS_PARAMS},
                        f_divergence_type=args.f_divergence_type, use_weighting=args.use_weighting,
-                       ranked_pairs=args.ranked_pairs)
+                       ranked_pairs=args.ranked_pairs, trust_remote_code=args.trust_remote_code)
 
 
 def run_eval(args, argv) -> int:
@@ -344,6 +350,7 @@ def add_precompute(sub) -> None:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--allow-tokenizer-mismatch", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true", help=REMOTE_CODE_HELP)
     _add_sequence_parallel(p, "(default 1)")
 
 
@@ -355,7 +362,8 @@ def run_precompute(args, argv) -> int:
     opts = PrecomputeOptions(model=args.model, data=args.data, kto=args.kto, seed=args.seed,
                              micro_batch_tokens=_budget("--micro-batch-tokens", args.micro_batch_tokens),
                              chunk_size=_budget("--chunk-size", args.chunk_size), device=args.device,
-                             dtype=args.dtype, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch)
+                             dtype=args.dtype, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch,
+                             trust_remote_code=args.trust_remote_code)
     # under torchrun every rank scores a share of the store; a sequence group's ranks the same share, each its token
     # shards (as training does)
     parallel = start_parallel(args.device, 1 if args.sequence_parallel is None else args.sequence_parallel)

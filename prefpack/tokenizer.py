@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefpack.errors import PrefpackError
+from prefpack.remote_code import check_tokenizer_code
 
 
 class TokenizerError(PrefpackError, ValueError):
@@ -24,10 +25,12 @@ class TokenizerError(PrefpackError, ValueError):
 
 
 def load_tokenizer(name_or_path: str | Path, *, trust_remote_code: bool = False):
-    """Load a *fast* tokenizer from a local folder or a hub id, with a clear error when that fails."""
+    """Load a *fast* tokenizer from a local folder or a hub id, with a clear error when that fails. A folder naming
+    tokenizer code is refused unless ``trust_remote_code`` (prefpack.remote_code)."""
     from transformers import AutoTokenizer
 
     check_tokenizer_source(str(name_or_path))
+    check_tokenizer_code(str(name_or_path), allowed=trust_remote_code)
     try:
         tok = AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises many types here (OSError, ValueError, HF errors)

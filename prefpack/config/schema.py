@@ -61,7 +61,8 @@ class ModelConfig:
     attn_implementation: AttnImpl = _f(
         "auto", "attention kernel: auto = packed_sdpa on CPU; on CUDA flash_attention_2 if installed, else torch's "
         "varlen (half-precision compute), else sdpa")
-    trust_remote_code: bool = _f(False, "allow custom model code from the hub")
+    trust_remote_code: bool = _f(False, "run Python code the model, tokenizer or processor folder names in its config "
+                                 "(auto_map); off, such a folder is refused")
     allow_tokenizer_mismatch: bool = _f(False, "train even if the store was tokenised by another tokenizer")
     gradient_checkpointing: Switch = _f("auto", "recompute activations in backward to save memory; auto = on on CUDA "
                                         "with train.memory=first (TRL's default too), off on CPU and with speed")

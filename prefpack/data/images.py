@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefpack.data.image_files import image_bytes, image_size  # noqa: F401 - read and decoded there
+from prefpack.remote_code import check_processor_code
 from prefpack.vision_families import (
     FAMILIES,
     ProcessorError,
@@ -57,8 +58,9 @@ class Vision:
         return self.family.count_tokens(self.processor, self.settings, width, height)
 
 
-def load_vision(path: str, tok) -> Vision:
-    """The image processor of the folder `path` and the image token of `tok` (the same folder's tokenizer)."""
+def load_vision(path: str, tok, *, trust_remote_code: bool = False) -> Vision:
+    """The image processor of the folder `path` and the image token of `tok` (the same folder's tokenizer). A folder
+    naming processor code is refused unless ``trust_remote_code`` (prefpack.remote_code)."""
     try:
         from PIL import Image  # noqa: F401
     except ImportError:
@@ -68,8 +70,9 @@ def load_vision(path: str, tok) -> Vision:
     if not os.path.isdir(path):
         raise ProcessorError(f"--processor {path!r} is not a folder (give a processor folder holding "
                              "preprocessor_config.json and the tokenizer)")
+    check_processor_code(path, allowed=trust_remote_code, what="--processor")
     try:
-        proc = AutoImageProcessor.from_pretrained(path)
+        proc = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # a missing or unreadable preprocessor_config.json
         raise ProcessorError(f"--processor {path!r}: cannot load an image processor from it ({type(exc).__name__}: "
                              f"{exc})") from None

@@ -40,6 +40,7 @@ from prefpack.data.tokenize import TokenizeConfig
 from prefpack.data.truncation import DEFAULT_MIN_PROMPT_KEEP, TruncationStats, describe
 from prefpack.data.turns import TRAIN_ON
 from prefpack.errors import PrefpackError
+from prefpack.remote_code import check_processor_code
 from prefpack.tokenizer import HASH_VERSION, load_tokenizer, special_tokens, tokenizer_hash, tokenizer_name
 
 
@@ -64,7 +65,7 @@ class PrepareOptions:
     overwrite: bool = False
     allow_duplicate_inputs: bool = False  # store a file given twice (by name or glob) twice, on purpose
     chunk_rows: int = 1000
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # run code the tokenizer or processor folder names (prefpack.remote_code)
     # template variables for every chat row (an object, or its JSON text); a row's own override them per key
     chat_template_kwargs: dict | str | None = None
     tools: str | list | None = None  # JSON file (or list) of tools for chat rows that have no `tools` of their own
@@ -180,12 +181,14 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
         if not opts.processor:
             raise PrepareError("give --tokenizer (or --processor, a processor folder that holds the tokenizer)")
         opts.tokenizer = opts.processor
+    if opts.processor:  # before its tokenizer loads: the processor's code is refused first, in one line
+        check_processor_code(opts.processor, allowed=opts.trust_remote_code, what="--processor")
     tok = load_tokenizer(opts.tokenizer, trust_remote_code=opts.trust_remote_code)
     specials = special_tokens(tok)
     vision = None
     if opts.processor:
         try:
-            vision = load_vision(opts.processor, tok)
+            vision = load_vision(opts.processor, tok, trust_remote_code=opts.trust_remote_code)
         except ProcessorError as err:
             raise PrepareError(str(err)) from None
     elif opts.image_root is not None or opts.max_image_bytes != DEFAULT_MAX_IMAGE_BYTES:

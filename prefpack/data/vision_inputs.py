@@ -207,12 +207,17 @@ class ImagePrefetcher:
         self._pool.shutdown(wait=True)
 
 
-def processor_preprocess(path: str | Path) -> tuple[Callable[[list], dict], Any]:
+def processor_preprocess(path: str | Path, *, trust_remote_code: bool = False
+                         ) -> tuple[Callable[[list], dict], Any]:
     """The preprocess callable of the image processor saved in ``path`` (a store's ``processor/``), and the processor.
-    It returns torch tensors: ``pixel_values`` and, where the processor gives one, ``image_grid_thw``."""
+    It returns torch tensors: ``pixel_values`` and, where the processor gives one, ``image_grid_thw``. A folder naming
+    processor code is refused unless ``trust_remote_code`` (prefpack.remote_code)."""
     from transformers import AutoImageProcessor
 
-    processor = AutoImageProcessor.from_pretrained(str(path))
+    from prefpack.remote_code import check_processor_code
+
+    check_processor_code(path, allowed=trust_remote_code, what="store processor folder")
+    processor = AutoImageProcessor.from_pretrained(str(path), trust_remote_code=trust_remote_code)
 
     def preprocess(images: list) -> dict:
         out = processor(images=images, return_tensors="pt")
@@ -221,7 +226,8 @@ def processor_preprocess(path: str | Path) -> tuple[Callable[[list], dict], Any]
     return preprocess, processor
 
 
-def vision_settings(store: Store, *, family: VisionFamily | None = None) -> VisionSettings:
+def vision_settings(store: Store, *, family: VisionFamily | None = None,
+                    trust_remote_code: bool = False) -> VisionSettings:
     """A store's :class:`VisionSettings`: the image token from its meta.json, the processor from its ``processor/``
     folder; 3-D rotary positions and the merge size as ``family`` has them (default: the family the store was
     prepared for, meta.json's ``processor.kind``). The run passes the model's family."""
@@ -231,14 +237,14 @@ def vision_settings(store: Store, *, family: VisionFamily | None = None) -> Visi
     folder = store.path / "processor"
     if not folder.is_dir():
         raise StoreError(f"store {str(store.path)!r}: its processor/ folder is missing; prepare it again")
-    preprocess, processor = processor_preprocess(folder)
+    preprocess, processor = processor_preprocess(folder, trust_remote_code=trust_remote_code)
     family = family or family_of_store(meta)
     return VisionSettings(image_token_id=int(meta["image_token_id"]), mrope=family.mrope,
                           merge_size=family.merge_size(processor), preprocess=preprocess)
 
 
-def run_vision(stores: Sequence[tuple[str, Store]], model_parts, check_processor: Callable[[dict, str], None]
-               ) -> VisionSettings | None:
+def run_vision(stores: Sequence[tuple[str, Store]], model_parts, check_processor: Callable[[dict, str], None], *,
+               trust_remote_code: bool = False) -> VisionSettings | None:
     """The run's :class:`VisionSettings`, or None when no store holds images. ``stores``: (what, store) of every
     store the run reads (train, a mixture's, eval); ``model_parts``: ``prefpack.model.vision.vision_parts`` of the
     model, or None for a text model; ``check_processor(meta_processor, what)`` raises where a store's images were
@@ -264,7 +270,7 @@ def run_vision(stores: Sequence[tuple[str, Store]], model_parts, check_processor
                              f"{what} store {str(first.path)!r}: one run preprocesses every image alike, so prepare "
                              "them with the same --processor")
         check_processor(store.meta["processor"], f"{other_what} store {str(store.path)!r}")
-    settings = vision_settings(first, family=model_parts.family)
+    settings = vision_settings(first, family=model_parts.family, trust_remote_code=trust_remote_code)
     if settings.merge_size != model_parts.merge_size:
         raise StoreError(f"{what} store {str(first.path)!r}: its image processor merges {settings.merge_size}x"
                          f"{settings.merge_size} patches, the model's vision tower {model_parts.merge_size}x"

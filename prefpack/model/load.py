@@ -16,6 +16,7 @@ from torch import nn
 from prefpack.errors import PrefpackError
 from prefpack.model.attention.kernels import kernel_named, pick_attention
 from prefpack.precision import Precision, set_compute_dtype
+from prefpack.remote_code import check_model_code
 from prefpack.tokenizer import TokenizerError, load_tokenizer, tokenizer_hash, tokenizer_matches
 from prefpack.tokenizer import hub_reachable as _hub_reachable  # one TCP try, cached (tests replace it here)
 
@@ -65,6 +66,7 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
         precision = Precision(dtype or torch.float32, dtype or torch.float32)
     dtype = precision.weights
     check_model_source(name_or_path)
+    check_model_code(name_or_path, allowed=trust_remote_code)  # before transformers reads it: never a prompt
     if device.type == "cuda" and kernel.cudnn_sdp_off:
         torch.backends.cuda.enable_cudnn_sdp(False)  # a new cuDNN plan per packed shape: 14.8 ms CPU per call
 
@@ -187,13 +189,14 @@ def source_dtype(name_or_path: str, *, trust_remote_code: bool = False) -> torch
     return value if isinstance(value, torch.dtype) else None
 
 
-def load_scoring_model(name_or_path: str, dtype: str, device: torch.device) -> nn.Module:
+def load_scoring_model(name_or_path: str, dtype: str, device: torch.device, *,
+                       trust_remote_code: bool = False) -> nn.Module:
     """A model for precompute-ref: the weights and compute dtype training uses (float32 masters under bfloat16
     autocast on CUDA), so its log-probs and weights hash match the reference a run computes live."""
     from prefpack.precision import resolve_precision
 
     precision = resolve_precision(dtype, "auto", device)
-    return load_causal_lm(name_or_path, precision=precision, device=device,
+    return load_causal_lm(name_or_path, precision=precision, device=device, trust_remote_code=trust_remote_code,
                           attn_implementation=pick_attention("auto", device, precision.compute))
 
 
@@ -214,13 +217,13 @@ def resolve_tokenizer(model_path: str, store_meta: dict, store_tokenizer: Path, 
     """
     check_model_source(model_path)
     if tokenizer is None and not has_tokenizer_files(model_path) and os.path.isdir(model_path):
-        return load_tokenizer(store_tokenizer)
+        return load_tokenizer(store_tokenizer, trust_remote_code=trust_remote_code)
     source = tokenizer or model_path
     try:
         tok = load_tokenizer(source, trust_remote_code=trust_remote_code)
     except TokenizerError:
         if tokenizer is None:
-            return load_tokenizer(store_tokenizer)
+            return load_tokenizer(store_tokenizer, trust_remote_code=trust_remote_code)
         raise
     want = store_meta["tokenizer"]["hash"]
     if not tokenizer_matches(tok, store_meta["tokenizer"]) and not allow_mismatch:

@@ -33,6 +33,7 @@ from prefpack.objectives import (
     open_store,
     settings_from_config,
 )
+from prefpack.remote_code import check_processor_code
 from prefpack.training.mixture import describe_mixture, make_schedule
 
 __all__ = ["Feed", "FeedStep", "StoreFeed", "StoreSet", "check_lengths", "open_stores", "run_images", "store_feed",
@@ -116,7 +117,12 @@ def open_stores(cfg, *, unpaired: bool) -> StoreSet:
     specs = train_sources(cfg.data.train)
     train = [(spec.name, opener(spec.path, "train")) for spec in specs]
     evals = {name: opener(path, "eval") for name, path in eval_sources(cfg.data.eval).items()}
-    return StoreSet(specs, train, evals)
+    stores = StoreSet(specs, train, evals)
+    for what, store in stores.every():  # a processor/ naming code, refused before the model loads
+        if store.num_images:
+            check_processor_code(store.path / "processor", allowed=cfg.model.trust_remote_code,
+                                 what=f"{what} store's processor folder")
+    return stores
 
 
 def store_feed(cfg, stores: StoreSet, engine: Engine, *, pad_id: int, log=print) -> StoreFeed:
@@ -135,7 +141,7 @@ def store_feed(cfg, stores: StoreSet, engine: Engine, *, pad_id: int, log=print)
     for what, store in [("train", st) for _, st in stores.train] + [("eval", st) for st in stores.evals.values()]:
         check_lengths(store, what, policy, budgets.row_tokens if cfg.data.packing else None, log)
     coef = moe_coefficient(cfg, policy, kto=kto, log=log)
-    vision = run_images(policy, stores.every())
+    vision = run_images(policy, stores.every(), trust_remote_code=cfg.model.trust_remote_code)
     settings = settings_from_config(cfg, pad_id=pad_id, micro_batch_tokens=budgets.micro_batch_tokens,
                                     row_tokens=budgets.row_tokens, chunk_size=budgets.chunk_size,
                                     shares_prompts=shares_prompts, router_aux_loss_coef=coef, vision=vision)
@@ -166,7 +172,7 @@ def moe_coefficient(cfg, policy: nn.Module, *, kto: bool, log) -> float:
     return coef
 
 
-def run_images(model: nn.Module, stores: list[tuple[str, Store]]):
+def run_images(model: nn.Module, stores: list[tuple[str, Store]], *, trust_remote_code: bool = False):
     """The run's ``VisionSettings`` (None when no store holds images): one image processor over every image store,
     each store's images expanded for this model (its image token and patch grid), and a vision-language model."""
     from prefpack.data.vision_inputs import run_vision
@@ -180,7 +186,7 @@ def run_images(model: nn.Module, stores: list[tuple[str, Store]]):
         except ValueError as exc:
             raise StoreError(str(exc)) from None
 
-    return run_vision(stores, parts, check)
+    return run_vision(stores, parts, check, trust_remote_code=trust_remote_code)
 
 
 def prefix_sharing(data_cfg, policy: nn.Module) -> bool:

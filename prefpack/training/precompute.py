@@ -44,6 +44,7 @@ class PrecomputeOptions:
     device: str = "auto"
     dtype: str = "auto"
     allow_tokenizer_mismatch: bool = False
+    trust_remote_code: bool = False  # run code the model, tokenizer or processor folder names (prefpack.remote_code)
 
 
 def scoring_objective(store, *, kto: bool, seed: int, micro_batch_tokens: int, row_tokens: int, chunk_size: int,
@@ -149,10 +150,11 @@ def precompute_reference(opts: PrecomputeOptions, *, parallel: Parallel = ONE_PR
     store = open_store(opts.data, "reference", unpaired=kto, paired_as_kto=opts.kto)
     check_sidecar_writable(store)  # at once, not after the whole store is scored (every rank: none waits on rank 0)
     check_model_source(opts.model, "--model")
-    resolve_tokenizer(opts.model, store.meta, store.tokenizer_path(), allow_mismatch=opts.allow_tokenizer_mismatch)
+    resolve_tokenizer(opts.model, store.meta, store.tokenizer_path(), allow_mismatch=opts.allow_tokenizer_mismatch,
+                      trust_remote_code=opts.trust_remote_code)
     ctx = parallel.dist
     device = ctx.device if opts.device == "auto" else pick_device(opts.device)
-    model = load_scoring_model(opts.model, opts.dtype, device)
+    model = load_scoring_model(opts.model, opts.dtype, device, trust_remote_code=opts.trust_remote_code)
     from prefpack.model.sharded import check_model
 
     check_model(model, parallel.seq)  # a kernel or head count the sequence groups cannot shard, refused now
@@ -163,7 +165,7 @@ def precompute_reference(opts: PrecomputeOptions, *, parallel: Parallel = ONE_PR
     task = scoring_objective(store, kto=kto, seed=opts.seed, micro_batch_tokens=budgets.micro_batch_tokens,
                              row_tokens=budgets.row_tokens, chunk_size=budgets.chunk_size,
                              shares_prompts=kernel_of(model).reads_prompt_groups,
-                             vision=run_images(model, [("reference", store)]))
+                             vision=run_images(model, [("reference", store)], trust_remote_code=opts.trust_remote_code))
     table = record_reference(task, model, parallel=parallel, progress=progress)
     space = task.key_space()
     if not ctx.is_main:

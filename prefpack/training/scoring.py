@@ -30,6 +30,7 @@ class EvalOptions:
     f_divergence_type: str | None = None
     use_weighting: bool | None = None
     ranked_pairs: str | None = None
+    trust_remote_code: bool = False  # run code the model, tokenizer or processor folder names (or the --config run's)
 
 
 def sequence_parallel_of(opts: EvalOptions) -> int:
@@ -78,6 +79,7 @@ def eval_config(opts: EvalOptions):
     cfg.model.name_or_path, cfg.data.train, cfg.data.eval = opts.model, opts.data, None
     cfg.model.dtype = opts.dtype or (cfg.model.dtype if opts.config else "auto")
     cfg.model.allow_tokenizer_mismatch = opts.allow_tokenizer_mismatch
+    cfg.model.trust_remote_code = opts.trust_remote_code or cfg.model.trust_remote_code
     cfg.reference.mode, cfg.reference.model = mode, opts.ref
     cfg.reference.sync = False  # eval scores fixed models: a run's TR-DPO syncing does not apply
     cfg.lora.enabled = False  # a trained run's final model has its adapter merged
