@@ -154,6 +154,7 @@ def run_train(args, argv) -> int:
     from prefpack.distributed import shutdown
     from prefpack.training import TrainingInterrupted, train
     from prefpack.training.guards import TrainingTerminated
+    from prefpack.training.resume_check import accept_changes_from_newest_checkpoint, resume_hint
 
     config, overrides = args.config, list(args.overrides)
     if "=" in config and not Path(config).exists():  # `prefpack train key=value ...` with no file
@@ -166,7 +167,7 @@ def run_train(args, argv) -> int:
         return 2
     try:
         if args.allow_config_change and _is_main_rank():
-            _accept_config_changes(cfg)
+            accept_changes_from_newest_checkpoint(cfg, log=_err)
         result = train(cfg, resume=args.resume, log=_err, progress=not args.no_progress,
                        stop_after_steps=args.stop_after_steps)
     except TrainingInterrupted as stop:
@@ -175,11 +176,11 @@ def run_train(args, argv) -> int:
         return 0
     except TrainingTerminated as term:
         if _is_main_rank():
-            _err(_interrupted_message(cfg, argv, f"terminated by signal {term.signum} after step {term.step}"))
+            _err(resume_hint(cfg, argv, f"terminated by signal {term.signum} after step {term.step}"))
         return 128 + term.signum  # 143 for SIGTERM, as if the signal had killed it
     except KeyboardInterrupt:
         if _is_main_rank():
-            _err(_interrupted_message(cfg, argv))
+            _err(resume_hint(cfg, argv))
         return 130
     finally:
         shutdown()
@@ -188,44 +189,6 @@ def run_train(args, argv) -> int:
                    "train": result.last_train, "eval": result.eval_after}
         print(json_line(summary))
     return 0
-
-
-def _accept_config_changes(cfg) -> None:
-    """--allow-config-change: print and record the changes with the step of the checkpoint the resume starts from
-    (the newest one that matches its checksums), then update config.yaml; train() then finds no difference."""
-    from prefpack.training.checkpoint import list_checkpoints, verify_checkpoint
-    from prefpack.training.resume_check import accept_config_changes
-
-    cfg.validate()
-    intact = (v for v in map(verify_checkpoint, reversed(list_checkpoints(Path(cfg.run.output_dir))))
-              if v.status != "damaged")
-    newest = next(intact, None)
-    accept_config_changes(cfg, step=newest.step if newest is not None else None, log=_err)
-
-
-def _interrupted_message(cfg, argv: list[str], what: str = "interrupted") -> str:
-    """Ctrl-C or SIGTERM: the last checkpoint and the exact command that continues from it."""
-    import shlex
-
-    from prefpack.training.checkpoint import checkpoint_step, latest_checkpoint
-
-    last = latest_checkpoint(Path(cfg.run.output_dir))
-    words, skip = [], False
-    for w in argv:
-        if skip:
-            skip = False
-        elif w == "--stop-after-steps":
-            skip = True  # its value follows
-        elif not w.startswith("--stop-after-steps="):
-            words.append(w)
-    if "--resume" not in words:
-        words.append("--resume")
-    if last is None:
-        where = (f"no checkpoint was written yet (run.save_every={cfg.run.save_every}), so resuming starts again "
-                 "from step 0")
-    else:
-        where = f"the last checkpoint is step {checkpoint_step(last)} ({last})"
-    return f"prefpack train: {what}; {where}; continue with:\n  {shlex.join(words)}"
 
 
 def _is_main_rank() -> bool:

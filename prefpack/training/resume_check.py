@@ -301,3 +301,40 @@ def check_resume_store(cfg: Config, run_dir: Path) -> None:
                      f"{new['store_hash'][:16]}..., the run's was {str(old.get('store_hash'))[:16]}... (recorded in "
                      f"{where}). Resume with the run's store, or start a new run (another run.output_dir); "
                      "--allow-config-change does not apply to the data")
+
+
+def accept_changes_from_newest_checkpoint(cfg: Config, *, log: Callable[[str], None] = print) -> None:
+    """--allow-config-change: print and record the changes with the step of the checkpoint the resume starts from
+    (the newest one that matches its checksums), then update config.yaml; train() then finds no difference."""
+    from prefpack.training.checkpoint import list_checkpoints, verify_checkpoint
+
+    cfg.validate()
+    intact = (v for v in map(verify_checkpoint, reversed(list_checkpoints(Path(cfg.run.output_dir))))
+              if v.status != "damaged")
+    newest = next(intact, None)
+    accept_config_changes(cfg, step=newest.step if newest is not None else None, log=log)
+
+
+def resume_hint(cfg: Config, argv: list[str], what: str = "interrupted") -> str:
+    """Ctrl-C or SIGTERM: the last checkpoint and the exact command that continues from it."""
+    import shlex
+
+    from prefpack.training.checkpoint import checkpoint_step, latest_checkpoint
+
+    last = latest_checkpoint(Path(cfg.run.output_dir))
+    words, skip = [], False
+    for w in argv:
+        if skip:
+            skip = False
+        elif w == "--stop-after-steps":
+            skip = True  # its value follows
+        elif not w.startswith("--stop-after-steps="):
+            words.append(w)
+    if "--resume" not in words:
+        words.append("--resume")
+    if last is None:
+        where = (f"no checkpoint was written yet (run.save_every={cfg.run.save_every}), so resuming starts again "
+                 "from step 0")
+    else:
+        where = f"the last checkpoint is step {checkpoint_step(last)} ({last})"
+    return f"prefpack train: {what}; {where}; continue with:\n  {shlex.join(words)}"
