@@ -153,3 +153,26 @@ def test_arrow_tool_structs_lose_the_nulls_of_other_rows(tmp_path, toy_tokenizer
             assert [int(t) for t in pair.prompt] == [int(t) for t in expect], src
             text = tok.decode([int(t) for t in pair.chosen])
             assert "null" not in text and json.dumps(row["chosen"][0]["tool_calls"][0]["function"]) in text, src
+
+
+# ---------------------------------------------------------------- one store named twice in a config
+
+
+def test_the_same_store_twice_in_data_train_is_refused_and_in_data_eval_warned(tmp_path, monkeypatch):
+    from prefpack.config import ConfigError, load_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "stores" / "hh").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "stores")
+    base = ["model.name_or_path=m"]
+    with pytest.raises(ConfigError, match=r"data.train\[1\] \('./stores/hh/'\) is the same store as data.train\[0\] "
+                       r"\('stores/hh'\).*twice per epoch.*a larger weight"):
+        load_config(None, [*base, "data.train=[{path: stores/hh}, {path: ./stores/hh/, name: again}]"]).validate()
+    with pytest.raises(ConfigError, match=r"data.train\[2\] \('link/hh'\) is the same store as data.train\[0\]"):
+        load_config(None, [*base, "data.train=[{path: stores/hh, weight: 2}, {path: stores/uf}, "
+                                  "{path: link/hh, name: other, pairs: 3}]"]).validate()
+    load_config(None, [*base, "data.train=[{path: stores/hh}, {path: stores/uf}]"]).validate()  # two stores: fine
+    cfg = load_config(None, [*base, "data.train=stores/hh", "data.eval={a: stores/hh, b: link/hh, c: stores/uf}"])
+    cfg.validate()
+    assert cfg.warnings() == ["data.eval.b ('link/hh') is the same store as data.eval.a ('stores/hh'): it is "
+                              "evaluated twice, the same numbers under both names"]
