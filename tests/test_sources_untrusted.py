@@ -176,3 +176,43 @@ def test_the_same_store_twice_in_data_train_is_refused_and_in_data_eval_warned(t
     cfg.validate()
     assert cfg.warnings() == ["data.eval.b ('link/hh') is the same store as data.eval.a ('stores/hh'): it is "
                               "evaluated twice, the same numbers under both names"]
+
+
+# ---------------------------------------------------------------- a damaged spans.bin
+
+
+@pytest.fixture
+def span_store(tmp_path, toy_tokenizers):
+    rows = [{"prompt": "Question: what is spoken here?", "chosen": " The answer is forty-two, said the machine.",
+             "rejected": " No idea.", "loss_masking_spans": {"chosen": [[2, 12]]}}] * 2
+    rows[1] = {**rows[1], "prompt": "Another question?"}
+    prepare(PrepareOptions(inputs=[str(write_jsonl(tmp_path / "rows.jsonl", rows))],
+                           tokenizer=str(toy_tokenizers["llama"]), output=str(tmp_path / "store"), workers=1), log=quiet)
+    st = Store(tmp_path / "store", verify=True)
+    assert len(st.spans) == 2
+    return tmp_path / "store"
+
+
+def test_a_damaged_spans_file_is_refused_when_the_store_opens(span_store):
+    from prefpack.data.store import StoreError
+
+    spans_bin = span_store / "spans.bin"
+    good = spans_bin.read_bytes()
+    spans = np.frombuffer(good, np.int64).reshape(-1, 2).copy()
+    damaged = {
+        "out of range": spans + [[0, 0], [10**6, 10**6]],  # the second span past tokens.bin's end
+        "reversed": spans[:, ::-1],
+        "in the prompt": spans - [[0, 0], [spans[1, 0] - Store(span_store).index[1, 0], 0]],
+    }
+    for what, values in damaged.items():
+        spans_bin.write_bytes(np.ascontiguousarray(values, np.int64).tobytes())
+        with pytest.raises(StoreError, match=r"store: spans.bin: span [01] .*: the store is corrupt; prepare it "
+                           "again$"):
+            Store(span_store)  # no verify: a plain open, as train, eval and precompute-ref do
+        assert what
+    spans_bin.write_bytes(good[:-8])  # truncated
+    with pytest.raises(StoreError, match=r"store: spans.bin has 24 bytes but meta.json says 32: the store is "
+                       "truncated or corrupt"):
+        Store(span_store)
+    spans_bin.write_bytes(good)
+    Store(span_store, verify=True)

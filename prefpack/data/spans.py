@@ -73,6 +73,8 @@ def check_spans(spans: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> str 
     or None: every span non-empty, sorted, apart from the next, and inside one completion."""
     if not len(spans):
         return None
+    if not len(starts):
+        return f"{len(spans)} span(s) but no completion to hold them"
     s, e = np.asarray(spans[:, 0]), np.asarray(spans[:, 1])
     if (e <= s).any():
         return f"span {int(np.argmax(e <= s))} is empty or reversed"
