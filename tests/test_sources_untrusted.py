@@ -216,3 +216,31 @@ def test_a_damaged_spans_file_is_refused_when_the_store_opens(span_store):
         Store(span_store)
     spans_bin.write_bytes(good)
     Store(span_store, verify=True)
+
+
+# ---------------------------------------------------------------- a reply with nothing scored
+
+
+def test_a_reply_with_nothing_scored_is_a_bad_row_at_prepare_and_refused_in_a_store(tmp_path, span_store,
+                                                                                     toy_tokenizers):
+    from prefpack.data.store import StoreError
+
+    # prepare: every token of a completion masked is a bad row naming file, line and field (a check prepare has
+    # had since --train-on: kept here beside the store's own)
+    row = {"prompt": "Q?", "chosen": " all of it masked", "rejected": " no",
+           "loss_masking_spans": {"chosen": [[0, 17]]}}
+    with pytest.raises(PrepareError, match=r"one.jsonl line 1, field 'loss_masking_spans.chosen': .*no token of the "
+                       r"completion 'chosen' is left scored.*\[no_scored_tokens\]"):
+        prepare(PrepareOptions(inputs=[str(write_jsonl(tmp_path / "one.jsonl", [row]))],
+                               tokenizer=str(toy_tokenizers["llama"]), output=str(tmp_path / "s1"), workers=1),
+                log=quiet)
+    # a store whose spans.bin covers a whole completion (damaged, or not written by this prepare) is refused when
+    # it opens, not met by a length-normalised loss (ipo) as a division by zero mid-step
+    st = Store(span_store)
+    start, end = (int(x) for x in (st.index[1, 0] + st.index[1, 1], st.index[1, 0] + st.index[1, 1] + st.index[1, 2]))
+    spans = np.array(st.spans).copy()
+    spans[1] = [start, end]
+    (span_store / "spans.bin").write_bytes(spans.astype(np.int64).tobytes())
+    with pytest.raises(StoreError, match=rf"store: spans.bin: completion 2 \[{start}, {end}\) has no scored token "
+                       r"left \(spans cover all of it\): the store is corrupt; prepare it again$"):
+        Store(span_store)
