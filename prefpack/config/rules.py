@@ -11,7 +11,7 @@ import difflib
 import math
 from typing import TYPE_CHECKING
 
-from prefpack.config.mixture import mixture_problems
+from prefpack.config.mixture import mixture_problems, mixture_warnings
 from prefpack.model.attention.kernels import KERNELS, kernel_named
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ def warnings(cfg: Config) -> list[str]:
     if not ref.sync and (ref.mixup_alpha != 0.6 or ref.sync_steps != 512):
         out.append("reference.mixup_alpha / reference.sync_steps are set but reference.sync is false, so the "
                    "reference is never synced; set reference.sync=true to use them")
+    out.extend(mixture_warnings(cfg.data.eval))
     return out
 
 
