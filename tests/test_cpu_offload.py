@@ -159,3 +159,16 @@ def test_cpu_offload_in_one_process_is_refused_before_loading(world, tmp_path, c
     assert len(err.splitlines()) == 1, err
     assert "distributed.cpu_offload" in err and "torchrun" in err and "train.activation_offloading" in err
     assert not (tmp_path / "run" / "final").exists()
+
+
+def test_eval_with_an_offloading_runs_config_scores_in_one_process(world, tmp_path, capsys):
+    """`prefpack eval --config` of a run that offloaded: scoring never wraps for the ranks, so the key does not
+    apply there and one process scores as usual."""
+    conf = tmp_path / "offload.yaml"
+    conf.write_text(world["conf"].read_text() + "distributed: {strategy: fsdp2, cpu_offload: true}\n")
+    policy = str(world["root"] / "policy")
+    code = cli_main(["eval", "--config", str(conf), "--model", policy, "--ref", policy, "--data",
+                     str(world["root"] / "store"), "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["pairs"] > 0
