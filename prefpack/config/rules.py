@@ -110,6 +110,10 @@ def problems(cfg: Config, *, training: bool) -> list[str]:
              f"reference.mixup_alpha must be in (0, 1], got {ref.mixup_alpha}")
         at_least("reference.sync_steps", ref.sync_steps, 1)
 
+    need(not cfg.distributed.cpu_offload or cfg.distributed.strategy == "fsdp2",
+         f"distributed.cpu_offload holds FSDP2's shards in CPU memory; with distributed.strategy "
+         f"{cfg.distributed.strategy!r} every rank keeps the whole model on its device: set "
+         "distributed.strategy=fsdp2 (under torchrun), or distributed.cpu_offload=false")
     sp = cfg.distributed.sequence_parallel
     at_least("distributed.sequence_parallel", sp, 1)
     if sp > 1:

@@ -4,6 +4,7 @@ from prefpack.engine.budgets import BudgetStage
 from prefpack.engine.checkpointing import CheckpointingStage
 from prefpack.engine.load import LoadStage
 from prefpack.engine.lora import LoraStage
+from prefpack.engine.offload import OffloadStage
 from prefpack.engine.reference import ReferenceStage
 
-STAGES = (LoadStage(), ReferenceStage(), LoraStage(), CheckpointingStage(), BudgetStage())
+STAGES = (OffloadStage(), LoadStage(), ReferenceStage(), LoraStage(), CheckpointingStage(), BudgetStage())
