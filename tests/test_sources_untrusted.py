@@ -100,14 +100,14 @@ def test_arrow_image_rows_are_checked_row_by_row(tmp_path, processor_dir, image_
         assert report.skipped == {"undecodable_image": 1, "image_url": 1} and report.examples == 1
         skipped = [json.loads(line) for line in (report.path / "skipped.jsonl").read_text().splitlines()]
         assert [(s["row"], s["reason"]) for s in skipped] == [(1, "undecodable_image"), (2, "image_url")]
-        assert "never fetches" in skipped[1]["message"] and "https://example.invalid/cat.png" in skipped[1]["message"]
+        assert "downloads nothing" in skipped[1]["message"] and "https://example.invalid/cat.png" in skipped[1]["message"]
         assert [im["data"] for im in Store(report.path, verify=True).images_of(0)] == [good]
 
 
 def test_image_url_in_a_json_row_is_a_bad_row(tmp_path, processor_dir):
     rows = [{"image": "http://example.invalid/a.png", "question": "q?", "chosen": "a cat", "rejected": "a dog"}]
-    with pytest.raises(PrepareError, match=r"rows.jsonl line 1, field 'image'.*'http://example.invalid/a.png'.*never "
-                       r"fetches.*\[image_url\]"):
+    with pytest.raises(PrepareError, match=r"rows.jsonl line 1, field 'image'.*'http://example.invalid/a.png'.*downloads "
+                       r"nothing.*\[image_url\]"):
         prepare(PrepareOptions(inputs=[str(write_jsonl(tmp_path / "rows.jsonl", rows))], tokenizer=None,
                                processor=str(processor_dir), output=str(tmp_path / "s"), workers=1), log=quiet)
 

@@ -12,10 +12,10 @@ The checks of one field (types, Unicode, messages, the chat columns) and ``Inval
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefpack.data.image_files import refuse_url
 from prefpack.data.layouts import (
     ASSISTANT_MARKER_FAMILIES,
     ASSISTANT_MARKERS,
@@ -225,17 +225,12 @@ def _extract_vision(row: dict, layout: str, f: Fields) -> Example:
     return ex
 
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
 def _refuse_urls(images: Any, name: str) -> None:
     """An image given as a URL (a path with a scheme, and no bytes: a hub dataset's ``Image`` feature can hold one)
-    is a bad row: prepare reads only the files and bytes it is given and never fetches anything."""
+    is a bad row at extraction, before any reader could be asked to fetch it."""
     for k, image in enumerate(images):
         path = image.get("path") if isinstance(image, dict) and image.get("bytes") is None else image
-        if isinstance(path, str) and _URL.match(path):
-            raise InvalidRow("image_url", name, f"field {name!r}: image {k} is the URL {path[:200]!r}, with no "
-                             "bytes: prepare never fetches images; download them and give file paths or bytes")
+        refuse_url(path, name, f"field {name!r}: image {k}")
 
 
 def _extract(row: dict, layout: str, f: Fields) -> Example:

@@ -77,15 +77,21 @@ def image_bytes(value: Any, field: str, k: int, base_dir: str | None, source: Im
                      f"{type(value).__name__}")
 
 
+def refuse_url(value: Any, field: str, what: str) -> None:
+    """A URL (a scheme, or ``data:``) where an image path goes is a bad row: prepare reads local files and bytes only
+    and fetches nothing, whichever reader (JSONL, Parquet, a ``datasets`` folder) brought the row."""
+    if isinstance(value, str) and _URL.match(value):
+        raise InvalidRow("image_url", field, f"{what} is a URL ({_short(value)}): prepare reads local files only and "
+                         "downloads nothing; fetch the images first and give their paths (or bytes)")
+
+
 def _inside(path: str, folder: str) -> bool:
     return os.path.commonpath([path, folder]) == folder
 
 
 def _read_file(value: str, field: str, what: str, base_dir: str | None, source: ImageSource) -> bytes:
     """The file a row names, if it is a regular file inside the allowed folders and not over the size limit."""
-    if _URL.match(value):
-        raise InvalidRow("image_url", field, f"{what} is a URL ({_short(value)}): prepare reads local files only and "
-                         "downloads nothing; fetch the images first and give their paths (or bytes)")
+    refuse_url(value, field, what)
     if "\0" in value:
         raise InvalidRow("missing_image", field, f"{what}: the path {_short(value)} holds a NUL character")
     base = os.path.abspath(base_dir or os.getcwd())
