@@ -79,9 +79,27 @@ def test_weights_and_their_autocast_casts_stay_activations_go():
         before = asdict(counts)
         out = second(hidden)  # saves hidden (offloaded) and the weight cast's transpose (kept)
     out.float().sum().backward()
-    assert before == {"offloaded": 1, "restored": 0, "bytes": 4 * 8 * 2, "kept": 0}
+    assert before == {"offloaded": 1, "restored": 0, "bytes": 4 * 8 * 2, "shared": 0, "kept": 0}
     assert counts.offloaded == 2 and counts.kept == 1 and counts.restored == 2
     assert not oa._weight_derived(hidden) and oa._weight_derived(first.weight.t())
+
+
+def test_a_tensor_saved_twice_is_sent_once():
+    """The input of two projections (q, k and v's) is saved by each: one host copy serves both."""
+    torch.manual_seed(0)
+    first, left, right = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+
+    def forward():
+        hidden = first(x)
+        return (left(hidden) * right(hidden)).sum()
+
+    model = nn.ModuleList([first, left, right])
+    plain, _ = _grads(model, forward, contextlib.nullcontext())
+    moved, counts = _grads(model, forward, _round_trip())
+    _assert_same(moved, plain)
+    # sent: x (saved by first), hidden (saved by left and right: once), both products (saved by the mul)
+    assert (counts.offloaded, counts.shared, counts.restored) == (4, 1, 4)
 
 
 def test_small_tensors_stay():

@@ -7,8 +7,10 @@ most of a step's memory at long rows; with checkpointing it still keeps each lay
 How: :func:`torch.autograd.graph.saved_tensors_hooks`. ``pack`` gets each tensor an op saves; an activation (a plain
 tensor of at least ``min_bytes`` on the device, not a parameter, not a leaf that requires grad, not a view or cast of
 a weight: those stay on the device anyway) is copied to pinned host memory on a side stream, and the device copy is
-released once the copy is done. ``unpack`` (in backward) waits for that copy and brings the tensor back, same dtype,
-shape and strides, on the stream backward runs on. Nothing else changes: gradients are bitwise those without it.
+released once the copy is done (a tensor several ops save, as the input of q, k and v projections, is sent once;
+under autocast each projection saves its own cast of it, sent each). ``unpack`` (in backward) waits for that copy and
+brings the tensor back, same dtype, shape and strides, on the stream backward runs on. Nothing else changes: gradients
+are bitwise those without it. The hooks run outside torch.compile (compiled layers call them; they are not traced).
 
 On a CPU device nothing moves (the activations already are in host memory): the hooks still run and count, which is
 what CPU tests check; ``copy_on_host=True`` makes pack store a copy, so a test sees a real round trip.
@@ -23,6 +25,7 @@ GPU run trades step time for memory; how much is for a GPU benchmark to say.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,12 +47,14 @@ _ATTR = "_prefpack_offload_activations"
 
 @dataclass
 class OffloadCounts:
-    """Tensors sent to host memory (``offloaded``, ``bytes``), brought back at least once (``restored``), and saved
+    """Tensors sent to host memory (``offloaded``, ``bytes``), brought back at least once (``restored``), saves of a
+    tensor already sent (``shared``: one copy serves them all, e.g. the input of q, k and v projections), and saved
     tensors left where they were (``kept``: small ones, weights, other devices)."""
 
     offloaded: int = 0
     restored: int = 0
     bytes: int = 0
+    shared: int = 0
     kept: int = 0
 
 
@@ -101,6 +106,7 @@ class _Offloader:
         self.cuda = device.type == "cuda"
         self.stream = _side_stream(device) if self.cuda else None
         self.in_flight: deque = deque()  # (device tensor, event): released once the compute stream waited for it
+        self.sent: dict[int, tuple[weakref.ref, int, _Saved]] = {}  # id(tensor) -> (the tensor, its version, copy)
 
     def wanted(self, t: torch.Tensor) -> bool:
         return (type(t) is torch.Tensor and t.layout == torch.strided and t.device == self.device
@@ -115,7 +121,16 @@ class _Offloader:
         if not self.wanted(t):
             self.count(kept=1)
             return t
+        known = self.sent.get(id(t))
+        if known is not None and known[0]() is t and known[1] == t._version:
+            self.count(shared=1)
+            return known[2]
         self.count(offloaded=1, bytes=t.numel() * t.element_size())
+        saved = self.send(t)
+        self.sent[id(t)] = (weakref.ref(t), t._version, saved)
+        return saved
+
+    def send(self, t: torch.Tensor) -> _Saved:
         if not self.cuda:
             return _Saved(t.clone() if self.copy_on_host else t, t.device, None)
         host = torch.empty_like(t, device="cpu", pin_memory=True)  # same strides where t is dense
@@ -134,7 +149,8 @@ class _Offloader:
         torch.cuda.current_stream(self.device).wait_event(event)
         del t
 
-    def drain(self) -> None:
+    def close(self) -> None:
+        self.sent.clear()
         while self.in_flight:
             self.release_oldest()
 
@@ -182,6 +198,5 @@ def offload_saved_tensors(device: torch.device | str, *, min_bytes: int = MIN_BY
                                                       torch.compiler.disable(offloader.unpack)):
             yield counts
     finally:
-        if offloader.cuda:
-            offloader.drain()
+        offloader.close()
 
