@@ -121,9 +121,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def wrap(module: nn.Module, base: nn.Module, strategy: str, ctx: Dist, *, trainable: bool,
-         compute_dtype: torch.dtype | None = None) -> nn.Module:
+         compute_dtype: torch.dtype | None = None, offload_policy: Any = None) -> nn.Module:
     """Wrap a SequenceLogps module for the strategy; `base` is the causal LM inside it. With FSDP2 a
-    ``compute_dtype`` casts the float32 shards to it per layer (gradients reduced in float32)."""
+    ``compute_dtype`` casts the float32 shards to it per layer (gradients reduced in float32), and an
+    ``offload_policy`` (FSDP2's ``CPUOffloadPolicy``, chosen by the engine) keeps the shards in host memory."""
+    if offload_policy is not None and strategy != "fsdp2":
+        raise ValueError(f"an offload policy shards with FSDP2; distributed.strategy is {strategy!r}")
     if not ctx.enabled:
         return module
     if strategy == "ddp":
@@ -137,6 +140,8 @@ def wrap(module: nn.Module, base: nn.Module, strategy: str, ctx: Dist, *, traina
         kwargs: dict[str, Any] = {}
         if compute_dtype is not None and compute_dtype != torch.float32:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        if offload_policy is not None:
+            kwargs["offload_policy"] = offload_policy
         for layer in decoder_layers(base):
             fully_shard(layer, **kwargs)
         fully_shard(module, **kwargs)
@@ -163,8 +168,17 @@ def grad_sync(module: nn.Module, enabled: bool):
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
-    """Global gradient norm (before clipping), correct for sharded DTensor gradients too."""
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    """Global gradient norm (before clipping), correct for sharded DTensor gradients too.
+
+    FSDP2's gradients are DTensor shards whose norm is a partial sum over ranks. It is summed on the device type
+    of their mesh: with CPU offload the shards live on the CPU while an NCCL group cannot reduce a CPU tensor."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
     if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
+        from torch.distributed.tensor import DTensor
+
+        mesh = norm.device_mesh
+        norm = DTensor.from_local(norm.to_local().to(mesh.device_type), mesh, norm.placements,
+                                  run_check=False).full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return float(norm)

@@ -58,15 +58,14 @@ def test_check_spans_names_each_fault():
     assert "empty" in check_spans(np.array([[3, 3]]), starts, ends)
 
 
-def test_verify_refuses_a_span_outside_the_completions(tmp_path, toy_tokenizers, hh_train):
+def test_open_refuses_a_span_outside_the_completions(tmp_path, toy_tokenizers, hh_train):
     path = prepare_hh_splits(tmp_path, toy_tokenizers["llama"], hh_train, {"train": 3})["train"]
     np.array([[0, 1]], dtype=np.int64).tofile(path / "spans.bin")  # the first prompt token: not a completion's
     meta = json.loads((path / "meta.json").read_text())
     meta["num_spans"] = 1
     (path / "meta.json").write_text(json.dumps(meta))
-    Store(path)  # opening reads sizes only
     with pytest.raises(StoreError, match="not inside one completion"):
-        Store(path).verify()
+        Store(path)  # refused when it opens (a vector pass over spans.bin), not mid-training
 
 
 def test_a_version_1_store_opens_and_reads_unchanged(tmp_path, toy_tokenizers, hh_train):

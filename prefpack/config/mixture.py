@@ -6,12 +6,13 @@ Torch-free: the config validates them, ``training.setup.build`` opens them. docs
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SourceSpec", "eval_sources", "mixture_problems", "train_sources"]
+__all__ = ["SourceSpec", "eval_sources", "mixture_problems", "mixture_warnings", "train_sources"]
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 _RESERVED = {"loss", "rewards", "logps", "entropy", "count"}  # would read as a metric's own prefix
@@ -80,12 +81,37 @@ def mixture_problems(train: Any, eval_: Any) -> list[str]:
                 errs.append(f"{where}: the name {spec.name!r} is also data.train[{seen[spec.name]}]'s; give each "
                             "entry its own name (two stores in folders of the same name need `name:`)")
             seen.setdefault(spec.name, i)
+        stores: dict[str, int] = {}
+        for i, e in enumerate(train):
+            j = stores.setdefault(same_store_key(e.path), i) if e.path else i
+            if j != i:
+                errs.append(f"data.train[{i}] ({e.path!r}) is the same store as data.train[{j}] ({train[j].path!r}): "
+                            "each entry draws its own examples, so every example would come twice per epoch. Give "
+                            "the store one entry; to draw it more often, a larger weight (or pairs: N)")
     if isinstance(eval_, dict):
         for name, path in eval_.items():
             errs.extend(_name_problems(name, f"data.eval key {name!r}"))
             if not path:
                 errs.append(f"data.eval.{name} must be a store folder, got an empty path")
     return errs
+
+
+def mixture_warnings(eval_: Any) -> list[str]:
+    """A ``data.eval`` map naming one store twice: evaluated twice, the same numbers under two names."""
+    out: list[str] = []
+    if isinstance(eval_, dict):
+        seen: dict[str, str] = {}
+        for name, path in eval_.items():
+            first = seen.setdefault(same_store_key(path), name) if path else name
+            if first != name:
+                out.append(f"data.eval.{name} ({path!r}) is the same store as data.eval.{first} "
+                           f"({eval_[first]!r}): it is evaluated twice, the same numbers under both names")
+    return out
+
+
+def same_store_key(path: str) -> str:
+    """What makes two store paths one store: the same folder once links and relative parts are resolved."""
+    return os.path.realpath(str(path))
 
 
 def _name_problems(name: str, where: str) -> list[str]:

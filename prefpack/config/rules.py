@@ -11,7 +11,7 @@ import difflib
 import math
 from typing import TYPE_CHECKING
 
-from prefpack.config.mixture import mixture_problems
+from prefpack.config.mixture import mixture_problems, mixture_warnings
 from prefpack.model.attention.kernels import KERNELS, kernel_named
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ def warnings(cfg: Config) -> list[str]:
     if not ref.sync and (ref.mixup_alpha != 0.6 or ref.sync_steps != 512):
         out.append("reference.mixup_alpha / reference.sync_steps are set but reference.sync is false, so the "
                    "reference is never synced; set reference.sync=true to use them")
+    out.extend(mixture_warnings(cfg.data.eval))
     return out
 
 
@@ -109,6 +110,10 @@ def problems(cfg: Config, *, training: bool) -> list[str]:
              f"reference.mixup_alpha must be in (0, 1], got {ref.mixup_alpha}")
         at_least("reference.sync_steps", ref.sync_steps, 1)
 
+    need(not cfg.distributed.cpu_offload or cfg.distributed.strategy == "fsdp2",
+         f"distributed.cpu_offload holds FSDP2's shards in CPU memory; with distributed.strategy "
+         f"{cfg.distributed.strategy!r} every rank keeps the whole model on its device: set "
+         "distributed.strategy=fsdp2 (under torchrun), or distributed.cpu_offload=false")
     sp = cfg.distributed.sequence_parallel
     at_least("distributed.sequence_parallel", sp, 1)
     if sp > 1:

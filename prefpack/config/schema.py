@@ -229,6 +229,10 @@ class DistributedConfig:
     balance: Balance = _f("tokens", "ranks get micro-batches balanced by tokens, or equal pair counts packed per rank (count)")
     sequence_parallel: int = _f(1, "ranks per sequence group: each micro-batch row is split into this many token shards "
                                    "(attention by all-to-all over heads); the world is data-parallel groups of it")
+    cpu_offload: bool = _f(False, "with strategy fsdp2: hold each rank's shards of the parameters, gradients and "
+                                  "AdamW state (and of a reference copy) in CPU memory, the optimizer stepping on the "
+                                  "CPU; fits training state larger than the GPUs, at the cost of host-device copies "
+                                  "every layer and a CPU optimizer step")
 
 
 @dataclass

@@ -12,6 +12,7 @@ The checks of one field (types, Unicode, messages, the chat columns) and ``Inval
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,6 +181,7 @@ def _extract_vision(row: dict, layout: str, f: Fields) -> Example:
         question = get_str(row, RLAIFV_QUESTION)
         chosen, rejected = get_str(row, f.chosen), get_str(row, f.rejected)
         _check_distinct(chosen, rejected, f)
+        _refuse_urls((image,), RLAIFV_IMAGE)
         prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
         replies = tuple([{"role": "assistant", "content": c}] for c in (chosen, rejected))
         return Example(prompt, replies, chat=True, completion_fields=(f.chosen, f.rejected), images=(image,),
@@ -215,11 +217,25 @@ def _extract_vision(row: dict, layout: str, f: Fields) -> Example:
         raise InvalidRow("image_count_mismatch", IMAGES_FIELD, f"field {IMAGES_FIELD!r} holds {len(images)} "
                          f"image(s) but the prompt {f.prompt!r} has {parts} {{'type': 'image'}} part(s); they must "
                          "match one to one, in order")
+    _refuse_urls(images, IMAGES_FIELD)
     ex.images, ex.images_field = tuple(images), IMAGES_FIELD
     ex.tools = parse_tools(row.get(TOOLS_FIELD), TOOLS_FIELD)
     kwargs = parse_template_kwargs(row.get(KWARGS_FIELD), KWARGS_FIELD)
     ex.template_kwargs = {k: v for k, v in kwargs.items() if v is not None}
     return ex
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _refuse_urls(images: Any, name: str) -> None:
+    """An image given as a URL (a path with a scheme, and no bytes: a hub dataset's ``Image`` feature can hold one)
+    is a bad row: prepare reads only the files and bytes it is given and never fetches anything."""
+    for k, image in enumerate(images):
+        path = image.get("path") if isinstance(image, dict) and image.get("bytes") is None else image
+        if isinstance(path, str) and _URL.match(path):
+            raise InvalidRow("image_url", name, f"field {name!r}: image {k} is the URL {path[:200]!r}, with no "
+                             "bytes: prepare never fetches images; download them and give file paths or bytes")
 
 
 def _extract(row: dict, layout: str, f: Fields) -> Example:

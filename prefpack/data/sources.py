@@ -2,8 +2,11 @@
 
 Every row carries its location (file and row number) so that a bad row can be named exactly. JSON lines
 are read here line by line (bounded memory and exact line numbers, which the `datasets` JSON loader
-cannot give when a line is malformed); Parquet, CSV and `save_to_disk` folders go through `datasets`
-in streaming or memory-mapped mode, so memory stays bounded whatever the input size.
+cannot give when a line is malformed); CSV goes through `datasets` in streaming mode. Parquet files and
+`save_to_disk` folders are read as Arrow batches and turned into plain rows with pyarrow: nothing is decoded
+(an ``Image`` feature stays its ``{"bytes", "path"}`` struct, so a bad image is a bad row at prepare's checks, and
+a URL in it is never fetched), and the nulls Arrow adds to unify tool structs across rows are dropped
+(``arrow_rows``). Memory stays bounded whatever the input size.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefpack.data.arrow_rows import plain_rows
 from prefpack.errors import PrefpackError
 
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+ARROW_BATCH_ROWS = 64  # rows per Arrow batch turned into Python rows at once (image rows may be megabytes each)
 TABLE_SUFFIXES = {".parquet": "parquet", ".csv": "csv"}
 
 
@@ -132,7 +137,9 @@ def file_sha256(path: str) -> str:
 def iter_rows(source: Source, *, split: str | None = None) -> Iterator[RawRow]:
     if source.kind == "json":
         yield from _iter_json(source.path)
-    elif source.kind in ("parquet", "csv"):
+    elif source.kind == "parquet":
+        yield from _iter_parquet(source.path)
+    elif source.kind == "csv":
         yield from _iter_table(source.path, source.kind)
     else:
         yield from _iter_dataset_dir(source.path, split)
@@ -263,5 +270,26 @@ def _iter_dataset_dir(path: str, split: str | None) -> Iterator[RawRow]:
         ds = ds[split]
     elif split is not None:
         raise SourceError(f"{path} is a single Dataset, not a DatasetDict; drop --split")
-    for i, row in enumerate(ds):
-        yield RawRow(Location(path, i), dict(row))
+    # The stored Arrow table, not `datasets`' decoded rows: decoding an Image feature raises on one bad image
+    # (a traceback, whatever --skip-invalid says) and fetches a URL path.
+    yield from _arrow_rows(path, "datasets folder", ds.with_format("arrow").iter(batch_size=ARROW_BATCH_ROWS))
+
+
+def _iter_parquet(path: str) -> Iterator[RawRow]:
+    import pyarrow.parquet as pq
+
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=ARROW_BATCH_ROWS)
+    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError... for a file that is not Parquet
+        raise SourceError(f"{path}: cannot read as parquet: {exc}") from exc
+    yield from _arrow_rows(path, "parquet", batches)
+
+
+def _arrow_rows(path: str, kind: str, batches) -> Iterator[RawRow]:
+    try:
+        for i, row in enumerate(plain_rows(batches)):
+            yield RawRow(Location(path, i), row)
+    except Exception as exc:  # a damaged page or file part: pyarrow raises many types
+        if isinstance(exc, SourceError):
+            raise
+        raise SourceError(f"{path}: cannot read as {kind}: {type(exc).__name__}: {exc}") from exc

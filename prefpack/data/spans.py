@@ -70,9 +70,12 @@ def mask_to_spans(scored: np.ndarray, offset: int = 0) -> np.ndarray:
 
 def check_spans(spans: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> str | None:
     """What is wrong with a store's ``spans`` given its completions' ``[starts, ends)`` (sorted by start, apart),
-    or None: every span non-empty, sorted, apart from the next, and inside one completion."""
+    or None: every span non-empty, sorted, apart from the next, and inside one completion, and no completion wholly
+    unscored."""
     if not len(spans):
         return None
+    if not len(starts):
+        return f"{len(spans)} span(s) but no completion to hold them"
     s, e = np.asarray(spans[:, 0]), np.asarray(spans[:, 1])
     if (e <= s).any():
         return f"span {int(np.argmax(e <= s))} is empty or reversed"
@@ -83,4 +86,10 @@ def check_spans(spans: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> str 
     if not inside.all():
         i = int(np.argmax(~inside))
         return f"span {i} [{int(s[i])}, {int(e[i])}) is not inside one completion"
+    starts, ends = np.asarray(starts), np.asarray(ends)
+    covered = np.bincount(k, weights=(e - s).astype(np.float64), minlength=len(starts))
+    bare = (covered > 0) & (covered >= ends - starts)  # spans apart and inside: their sum is what they cover
+    if bare.any():  # prepare refuses such a reply (no_scored_tokens); a length-normalised loss would divide by 0
+        c = int(np.argmax(bare))
+        return f"completion {c} [{int(starts[c])}, {int(ends[c])}) has no scored token left (spans cover all of it)"
     return None

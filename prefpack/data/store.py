@@ -100,6 +100,7 @@ class Store:
         if self.num_images:
             self._open_images()
         self._check_index()
+        self._check_spans()
         if verify:
             self.verify()
 
@@ -215,6 +216,10 @@ class Store:
             if h.hexdigest() != info.get("sha256"):
                 raise StoreError(f"{self.path}: {name} does not match its sha256 in meta.json: the store is corrupt")
         self.check_token_ids()
+
+    def _check_spans(self) -> None:
+        """At open (a vector pass over spans.bin): a span outside its completion would otherwise surface as an
+        index error or a reply with nothing scored in the loss, mid-training."""
         wrong = check_spans(self.spans, *self.completion_bounds())
         if wrong:
             raise StoreError(f"{self.path}: {SPANS_FILE}: {wrong}: the store is corrupt; prepare it again")

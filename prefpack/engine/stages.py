@@ -5,6 +5,8 @@ from prefpack.engine.budgets import BudgetStage
 from prefpack.engine.checkpointing import CheckpointingStage
 from prefpack.engine.load import LoadStage
 from prefpack.engine.lora import LoraStage
+from prefpack.engine.offload import OffloadStage
 from prefpack.engine.reference import ReferenceStage
 
-STAGES = (LoadStage(), ReferenceStage(), LoraStage(), CheckpointingStage(), ActivationOffloadingStage(), BudgetStage())
+STAGES = (OffloadStage(), LoadStage(), ReferenceStage(), LoraStage(), CheckpointingStage(), ActivationOffloadingStage(),
+          BudgetStage())

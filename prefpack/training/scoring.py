@@ -87,6 +87,7 @@ def eval_config(opts: EvalOptions):
     cfg.train.device = opts.device
     cfg.run.eval_every = cfg.run.save_every = 0
     cfg.distributed.sequence_parallel = sequence_parallel_of(opts)
+    cfg.distributed.cpu_offload = False  # scoring never wraps for the ranks: a run's FSDP2 offload does not apply
     if unpaired:
         cfg.train.seed = opts.seed if opts.seed is not None else (cfg.train.seed if opts.config else 0)
         cfg.data.paired_as_kto = opts.kto or (cfg.data.paired_as_kto and bool(opts.config))
