@@ -194,6 +194,10 @@ class TrainConfig:
         "first", "what CUDA's free memory is for: first = a peak under TRL's default run of the same model "
         "(gradient checkpointing, 1,024-token head chunks, micro-batches of at most 16,384 tokens); speed = fill "
         "free memory (no checkpointing unless asked, budgets as large as the estimate allows)")
+    activation_offloading: bool = _f(
+        False, "keep the activations the policy's forward saves for backward in pinned host memory until backward "
+        "(CUDA: copied out on a side stream, back when read; less device memory, slower steps; TRL's "
+        "activation_offloading); composes with model.gradient_checkpointing; on CPU nothing moves")
 
 
 @dataclass

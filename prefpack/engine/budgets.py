@@ -15,13 +15,14 @@ memory; no faster at 1.5B, where the GPU, not the host, sets the pace).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 __all__ = ["CPU_BUDGETS", "Budgets", "activation_bytes_per_token", "checkpointing_on", "cuda_budgets",
-           "resolve_budgets"]
+           "host_free_bytes", "resolve_budgets"]
 
 
 @dataclass(frozen=True)
@@ -54,25 +55,39 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def activation_bytes_per_token(config, *, autocast: bool, checkpointing: bool) -> int:
-    """Bytes one token keeps for backward through the decoder (an upper estimate for Llama-like blocks).
+def activation_bytes_per_token(config, *, autocast: bool, checkpointing: bool, offloaded: bool = False) -> int:
+    """Bytes one token keeps on the device for backward through the decoder (an upper estimate for Llama-like blocks).
 
     Per layer: the normed inputs, q/k/v, attention output and MLP intermediates in the compute dtype, plus the
     float32 residual stream and rotary-promoted q/k under autocast. Gradient checkpointing keeps only each
-    layer's input (and one layer's activations at a time, counted once).
+    layer's input (and one layer's activations at a time, counted once). Offloaded activations
+    (``train.activation_offloading``) wait in host memory: the device holds about a layer's being copied out in
+    forward and a layer's brought back (or recomputed) in backward, counted as two layers (not measured on a GPU yet).
     """
     c = _text_config(config)
     hidden = int(getattr(c, "hidden_size", 0) or getattr(c, "n_embd", 0) or 1024)
     inter = int(getattr(c, "intermediate_size", 0) or 4 * hidden)
     layers = int(getattr(c, "num_hidden_layers", 0) or getattr(c, "n_layer", 0) or 1)
     per_layer = (34 * hidden + 10 * inter) if autocast else (20 * hidden + 8 * inter)
+    if offloaded:
+        return 2 * per_layer
     if checkpointing:
         return layers * (4 if autocast else 2) * hidden + per_layer
     return layers * per_layer
 
 
+def host_free_bytes() -> int:
+    """Host memory not in use (Linux: free physical pages), shared by the ranks of a node."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+    return free // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+
+
 def cuda_budgets(model: nn.Module, device: torch.device, *, trainable_params: int, autocast: bool,
-                 checkpointing: bool, flattened: bool, memory_first: bool = False) -> tuple[Budgets, int]:
+                 checkpointing: bool, flattened: bool, memory_first: bool = False,
+                 offloaded: bool = False) -> tuple[Budgets, int]:
     """``(budgets, free bytes)`` for a CUDA device whose models are already loaded.
 
     What training will still allocate: float32 gradients and AdamW's two moments for the trained weights, and
@@ -81,14 +96,19 @@ def cuda_budgets(model: nn.Module, device: torch.device, *, trainable_params: in
     place into their gradient, and its compute-dtype copy). Rows: with a flattened micro-batch (a kernel
     whose descriptor flattens rows: varlen, flash) a row only limits the longest packed line, so 8,192; masked
     sdpa pays row^2 per row, so 2,048. With ``memory_first`` the micro-batch is at most TRL's default one and the
-    head chunk stays at 1,024.
+    head chunk stays at 1,024. With ``offloaded`` activations the device keeps about two layers' worth per token,
+    and the host, which holds the rest, gives them at most half of its free memory (:func:`host_free_bytes`).
     """
     free, _ = torch.cuda.mem_get_info(device)
     params = sum(p.numel() for p in model.parameters())
     later = trainable_params * 12 + (params * 2 if autocast else 0)
     room = max(free - later, 0) * 0.6
-    per_token = activation_bytes_per_token(model.config, autocast=autocast, checkpointing=checkpointing)
+    per_token = activation_bytes_per_token(model.config, autocast=autocast, checkpointing=checkpointing,
+                                           offloaded=offloaded)
     micro = int(room // max(per_token, 1)) // 1024 * 1024
+    if offloaded:
+        on_host = activation_bytes_per_token(model.config, autocast=autocast, checkpointing=checkpointing)
+        micro = min(micro, int(host_free_bytes() * 0.5 // max(on_host, 1)) // 1024 * 1024)
     most = MEMORY_FIRST_MICRO_BATCH_TOKENS if memory_first else MAX_MICRO_BATCH_TOKENS
     micro = max(MIN_MICRO_BATCH_TOKENS, min(most, micro))
     vocab = int(model.get_input_embeddings().weight.shape[0])
@@ -104,7 +124,8 @@ def resolve_budgets(train_cfg, data_cfg, model: nn.Module, device: torch.device,
     if device.type == "cuda":
         auto, free = cuda_budgets(model, device, **kwargs)
         first = "memory first" if kwargs.get("memory_first") else "speed first"
-        source = f"{first}, from {free / 2**30:.1f} GiB free on {device}"
+        offloaded = ", activations offloaded to host memory" if kwargs.get("offloaded") else ""
+        source = f"{first}, from {free / 2**30:.1f} GiB free on {device}{offloaded}"
     else:
         auto, source = CPU_BUDGETS, f"{device.type} defaults"
 
@@ -131,5 +152,6 @@ class BudgetStage:
         engine.budgets, line = resolve_budgets(
             cfg.train, cfg.data, policy, device, trainable_params=trainable, autocast=engine.precision.autocast,
             checkpointing=checkpointing_on(cfg.model.gradient_checkpointing, device, cfg.train.memory),
-            memory_first=cfg.train.memory == "first", flattened=uses_flash_attention(policy))
+            memory_first=cfg.train.memory == "first", flattened=uses_flash_attention(policy),
+            offloaded=bool(cfg.train.activation_offloading))
         log(f"{line}; precision: {engine.precision.describe()}; attention: {attention_name(policy) or engine.attn}")

@@ -1,5 +1,6 @@
 """The stages of :func:`prefpack.engine.core.build_engine`, in the order they run (see that module's doc)."""
 
+from prefpack.engine.activation_offloading import ActivationOffloadingStage
 from prefpack.engine.budgets import BudgetStage
 from prefpack.engine.checkpointing import CheckpointingStage
 from prefpack.engine.load import LoadStage
@@ -7,4 +8,5 @@ from prefpack.engine.lora import LoraStage
 from prefpack.engine.offload import OffloadStage
 from prefpack.engine.reference import ReferenceStage
 
-STAGES = (OffloadStage(), LoadStage(), ReferenceStage(), LoraStage(), CheckpointingStage(), BudgetStage())
+STAGES = (OffloadStage(), LoadStage(), ReferenceStage(), LoraStage(), CheckpointingStage(), ActivationOffloadingStage(),
+          BudgetStage())

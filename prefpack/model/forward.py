@@ -55,6 +55,7 @@ from prefpack.batching.collate import Batch
 from prefpack.model.attention.kernels import KERNELS, kernel_of, reads_prompt_groups, uses_flash_attention
 from prefpack.model.head import body_and_head, head_spec
 from prefpack.model.logprobs import DEFAULT_CHUNK_SIZE, completion_logprobs
+from prefpack.model.offload_activations import offload_saved_tensors, offloading_device
 from prefpack.model.sharded import sharded_logps
 from prefpack.model.sums import SequenceOutput, reduce_sequences
 from prefpack.model.sums import boundary_kwargs as _boundary_kwargs
@@ -327,11 +328,13 @@ class SequenceLogps(nn.Module):
 
     ``router_aux``, ``pair_tails``, ``wpo``, ``entropy``: the optional outputs of :func:`sequence_logps`. The aux loss goes out
     through ``forward`` (not stashed on the module) so DDP / FSDP2 see its graph. ``seq``: the rank's sequence group.
+    ``offload_activations`` (under autograd only; see ``prefpack.model.offload_activations``): None = as the engine
+    marked the model (``train.activation_offloading``), False = never, True = from the marked device, else the head's.
     """
 
     def __init__(self, model: nn.Module, chunk_size: int = DEFAULT_CHUNK_SIZE, flatten: bool | None = None,
                  router_aux: bool = False, pair_tails: bool = False, wpo: bool = False, entropy: bool = False,
-                 seq: SeqPar = SINGLE_SP):
+                 seq: SeqPar = SINGLE_SP, offload_activations: bool | None = None):
         super().__init__()
         self.model = model
         self.seq = seq
@@ -341,8 +344,25 @@ class SequenceLogps(nn.Module):
         self.pair_tails = pair_tails
         self.wpo = wpo
         self.entropy = entropy
+        self.offload_activations = offload_activations
 
     def forward(self, batch: Batch) -> SequenceOutput:
+        offload = self._offload_device()
+        if offload is None:
+            return self._forward(batch)
+        with offload_saved_tensors(offload):
+            return self._forward(batch)
+
+    def _forward(self, batch: Batch) -> SequenceOutput:
         return sequence_logps(self.model, batch, chunk_size=self.chunk_size, flatten=self.flatten,
                               router_aux=self.router_aux, pair_tails=self.pair_tails, wpo=self.wpo,
                               entropy=self.entropy, seq=self.seq)
+
+    def _offload_device(self) -> torch.device | None:
+        """Where saved activations are offloaded from in this forward; None without autograd (nothing is saved)."""
+        if self.offload_activations is False or not torch.is_grad_enabled():
+            return None
+        marked = offloading_device(self.model)
+        if marked is None and self.offload_activations:
+            return head_spec(self.model).weight.device
+        return marked
