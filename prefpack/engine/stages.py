@@ -4,6 +4,8 @@ from prefpack.engine.budgets import BudgetStage
 from prefpack.engine.checkpointing import CheckpointingStage
 from prefpack.engine.load import LoadStage
 from prefpack.engine.lora import LoraStage
+from prefpack.engine.quantize import QuantizeStage
 from prefpack.engine.reference import ReferenceStage
 
-STAGES = (LoadStage(), ReferenceStage(), LoraStage(), CheckpointingStage(), BudgetStage())
+# 4-bit first: transformers quantises while it loads, so the load stage reads what the quantize stage set
+STAGES = (QuantizeStage(), LoadStage(), ReferenceStage(), LoraStage(), CheckpointingStage(), BudgetStage())
