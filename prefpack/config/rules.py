@@ -171,7 +171,8 @@ def _quantization_problems(cfg: Config, errs: list[str]) -> None:
         errs.append(f"model.quantization={q} holds the base weights in 4 bits, which take no gradient; set "
                     "lora.enabled=true (QLoRA: adapters trained over the 4-bit base) or model.quantization=null")
     ref = cfg.reference
-    if ref.mode == "copy" and ref.model in (None, cfg.model.name_or_path) and cfg.needs_reference():
+    if cfg.lora.enabled and ref.mode == "copy" and ref.model in (None, cfg.model.name_or_path) \
+            and cfg.needs_reference():
         errs.append(f"reference.mode 'copy' with model.quantization={q} would load a second 4-bit copy of the base "
                     "the policy already holds; use reference.mode=adapter (the same 4-bit base, adapter off: free)")
     if cfg.distributed.strategy == "fsdp2":

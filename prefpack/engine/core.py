@@ -13,8 +13,8 @@ policy's weights, and a copied reference is loaded exactly like the policy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch

@@ -108,6 +108,7 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
     disable_dropout(model)
     if quantization_config is not None:
         one_cpu_kernel(model)
+        check_quant_state_on_load(model)
     for feature, why in kernel.refuses:
         if _config_value(model, feature):
             raise ModelError(f"model {name_or_path!r} {why}")
@@ -142,6 +143,25 @@ def one_cpu_kernel(model: nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
+
+
+def check_quant_state_on_load(model: nn.Module) -> None:
+    """Let a checkpoint of a 4-bit model load back into it: its state dict holds each 4-bit layer's quantisation
+    state (``weight.absmax``, ...), which ``load_state_dict`` does not take. The base is frozen and quantised the
+    same way at every load, so those entries are compared with the layer's own and dropped; a difference (another
+    base) is a load error."""
+    def take(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        own: dict = {}
+        module._save_to_state_dict(own, prefix, keep_vars=False)
+        for key in [k for k in state_dict if k.startswith(prefix + "weight.")]:
+            value = state_dict.pop(key)
+            mine = own.get(key)
+            if mine is None or not torch.equal(value.to(mine.device), mine):
+                error_msgs.append(f"{key}: the checkpoint's 4-bit base differs from the one loaded now")
+
+    for module in model.modules():
+        if getattr(getattr(module, "weight", None), "quant_state", None) is not None:
+            module.register_load_state_dict_pre_hook(take)
 
 
 def _vision_config(name_or_path: str, trust_remote_code: bool):
