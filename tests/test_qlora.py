@@ -170,7 +170,7 @@ def test_final_folder_is_lora_merged_into_the_dequantised_base(world, baseline):
     ended = PeftModel.from_pretrained(four_bit_base(world["policy"]), final / "adapter").eval()
     store = Store(world["train"])
     trained, reloaded = own_logps(ended, store), own_logps(merged, store)
-    assert reloaded == pytest.approx(trained, abs=1e-4)  # W x + s B A x  vs  (W + s B A) x, in float32
+    assert reloaded == pytest.approx(trained, abs=1e-5)  # W x + s B A x  vs  (W + s B A) x, in float32 (3e-7)
     with ended.disable_adapter():
         base = own_logps(ended, store)
     assert max(abs(a - b) for a, b in zip(trained, base)) > 1e-3  # the adapters did train

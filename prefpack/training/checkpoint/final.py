@@ -101,6 +101,7 @@ def merged_dequantized(policy: nn.Module) -> nn.Module:
     from bitsandbytes.functional import dequantize_4bit
     from peft.tuners.lora import LoraLayer
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.initialization import no_init_weights
 
     base = policy.get_base_model()
     config = copy.deepcopy(base.config)
@@ -108,9 +109,9 @@ def merged_dequantized(policy: nn.Module) -> nn.Module:
         if hasattr(config, attr):
             delattr(config, attr)
     auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
-    plain = auto.from_config(config, dtype=torch.float32)
-    state = {}
-    for key in plain.state_dict():
+    with no_init_weights():  # every weight is written below: no random initialisation of a 7B model first
+        plain = auto.from_config(config, dtype=torch.float32)
+    for key, target in plain.state_dict().items():  # filled in place: one layer's float copy at a time
         path, _, leaf = key.rpartition(".")
         module = base.get_submodule(path)
         layer = module.get_base_layer() if isinstance(module, LoraLayer) else module
@@ -121,8 +122,8 @@ def merged_dequantized(policy: nn.Module) -> nn.Module:
             for name in module.active_adapters:
                 if name in module.lora_A:
                     t = t + module.get_delta_weight(name).float()
-        state[key] = t.cpu()
-    plain.load_state_dict(state)
+        with torch.no_grad():
+            target.copy_(t)
     return plain
 
 
