@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,plot,lora,vision]'
+	$(BIN)/pip install --quiet -e '.[dev,plot,lora,vision,qlora]'
 	touch $@
 
 demo: $(BIN)/.installed

@@ -126,6 +126,7 @@ def problems(cfg: Config, *, training: bool) -> list[str]:
         need(m.compile is not True, f"distributed.sequence_parallel={sp} does not run through torch.compile yet; set "
              "model.compile=off")
 
+    _quantization_problems(cfg, errs)
     at_least("lora.r", lora.r, 1)
     positive("lora.alpha", lora.alpha)
     need(0.0 <= lora.dropout < 1.0, f"lora.dropout must be in [0, 1), got {lora.dropout}")
@@ -164,6 +165,24 @@ def problems(cfg: Config, *, training: bool) -> list[str]:
     if run.eval_every > 0 and d.eval is None:
         errs.append(f"run.eval_every is {run.eval_every} but data.eval is null; set data.eval or eval_every=0")
     return errs
+
+
+def _quantization_problems(cfg: Config, errs: list[str]) -> None:
+    """``model.quantization`` (4-bit base weights, ``engine/quantize.py``): what a 4-bit base cannot do."""
+    q = cfg.model.quantization
+    if q is None:
+        return
+    if not cfg.lora.enabled:
+        errs.append(f"model.quantization={q} holds the base weights in 4 bits, which take no gradient; set "
+                    "lora.enabled=true (QLoRA: adapters trained over the 4-bit base) or model.quantization=null")
+    ref = cfg.reference
+    if cfg.lora.enabled and ref.mode == "copy" and ref.model in (None, cfg.model.name_or_path) \
+            and cfg.needs_reference():
+        errs.append(f"reference.mode 'copy' with model.quantization={q} would load a second 4-bit copy of the base "
+                    "the policy already holds; use reference.mode=adapter (the same 4-bit base, adapter off: free)")
+    if cfg.distributed.strategy == "fsdp2":
+        errs.append(f"distributed.strategy=fsdp2 cannot shard a model.quantization={q} base yet (its 4-bit "
+                    "weights are not trained or saved through FSDP2 here); use distributed.strategy=ddp")
 
 
 def _loss_problems(cfg: Config, errs: list[str]) -> None:

@@ -43,6 +43,7 @@ MasterDType = Literal["auto", "float32", "bfloat16"]
 SaveDType = Literal["auto", "float32", "bfloat16"]
 Budget = int | Literal["auto"]
 Switch = bool | Literal["auto"]
+Quantization = Literal["nf4", "fp4"]  # bitsandbytes' 4-bit types (engine/quantize.py)
 ReferenceMode = Literal[REFERENCE_MODE_NAMES]  # the reference folder's table
 KLPairing = Literal["step", "fixed"]
 RankedPairs = Literal["best_vs_rest", "all_pairs"]
@@ -74,6 +75,11 @@ class ModelConfig:
     freeze_projector: bool = _f(True, "vision-language models: no gradient for the projector between vision encoder "
                                 "and language model (Qwen2-VL's merger, LLaVA's multi_modal_projector; with LoRA: no "
                                 "adapters on it); false trains it too (an error on a text model)")
+    quantization: Quantization | None = _f(None, "hold the base weights in 4 bits (QLoRA, needs bitsandbytes and "
+                                           "lora.enabled): nf4 or fp4, computed in model.dtype's compute dtype; the "
+                                           "final model is LoRA merged into the de-quantised base; null = off")
+    quantization_double: bool = _f(True, "with model.quantization: quantise the 4-bit blocks' scales too "
+                                   "(double quantisation, about 0.4 bits a weight less)")
 
 
 @dataclass

@@ -3,8 +3,9 @@
 ``build_engine`` runs :data:`STAGES` in order; each stage reads its own config section and refuses what it cannot
 do, so a new way of holding weights (4-bit base weights, CPU offload) is one stage file and one row here:
 
-    load -> reference weights -> LoRA -> activation checkpointing -> budgets      (then, once the objectives are
-    known: wrap for the ranks (ddp | fsdp2) -> optimizer, ``engine/wrap.py``; the final dtype, ``engine/export.py``)
+    (4-bit) -> load -> reference weights -> LoRA -> activation checkpointing -> budgets     (then, once the
+    objectives are known: wrap for the ranks (ddp | fsdp2) -> optimizer, ``engine/wrap.py``; the final dtype,
+    ``engine/export.py``)
 
 The reference's weights are set up before LoRA wraps the policy: a sidecar's tag is the hash of the unwrapped
 policy's weights, and a copied reference is loaded exactly like the policy.
@@ -12,6 +13,7 @@ policy's weights, and a copied reference is loaded exactly like the policy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,6 +41,7 @@ class Engine:
     precision: Precision | None = None
     attn: str = ""
     compile_layers: bool | str = False
+    quantization: Callable[[torch.dtype], Any] | None = None  # compute dtype -> 4-bit load config (engine/quantize.py)
     policy: nn.Module | None = None
     reference: Reference | None = None
     budgets: Any = None  # prefpack.engine.budgets.Budgets
@@ -51,9 +54,11 @@ class Engine:
 
         cfg = self.cfg
         packed = cfg.data.packing if packed is None else packed
+        quantization = self.quantization(self.precision.compute) if self.quantization is not None else None
         return load_causal_lm(path, precision=self.precision, attn_implementation=self.attn,
                               device=device or self.device, trust_remote_code=cfg.model.trust_remote_code,
-                              packed=packed, compile_layers=self.compile_layers if device is None else False)
+                              packed=packed, compile_layers=self.compile_layers if device is None else False,
+                              quantization_config=quantization)
 
 
 class Stage(Protocol):

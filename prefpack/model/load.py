@@ -45,14 +45,15 @@ def disable_dropout(model: nn.Module) -> None:
 def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch.device,
                    precision: Precision | None = None, dtype: torch.dtype | None = None,
                    trust_remote_code: bool = False, packed: bool = True,
-                   compile_layers: bool | str = False) -> nn.Module:
+                   compile_layers: bool | str = False, quantization_config=None) -> nn.Module:
     """Load a model for training or scoring, in ``precision.weights``, to run in ``precision.compute`` (or
     all in ``dtype``).
 
     A model without sdpa support falls back to eager attention (with a warning); with ``packed`` (prefpack's
     default batching) a model whose attention crosses packed sequences is refused, naming the padded fallback.
     ``compile_layers`` (True, or ``"auto"``: fall back to eager where compiling fails) compiles each decoder layer
-    after that check (``prefpack.model.compile``).
+    after that check (``prefpack.model.compile``). ``quantization_config`` (a ``BitsAndBytesConfig``: the 4-bit
+    stage, ``prefpack.engine.quantize``) loads the linear layers' weights in 4 bits, straight onto ``device``.
     """
     from transformers import AutoModelForCausalLM
 
@@ -78,6 +79,9 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
         if message:
             raise ModelError(message)
 
+    quantized = {} if quantization_config is None else {"quantization_config": quantization_config,
+                                                         "device_map": {"": str(device)}}
+
     def load(attn: str) -> nn.Module:
         if vision is not None:  # the language model runs the kernel, the vision tower a transformers one
             from transformers import AutoModelForImageTextToText
@@ -86,9 +90,9 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
 
             return AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype,
                                                                attn_implementation=attention_setting(attn),
-                                                               trust_remote_code=trust_remote_code)
+                                                               trust_remote_code=trust_remote_code, **quantized)
         return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn,
-                                                    trust_remote_code=trust_remote_code)
+                                                    trust_remote_code=trust_remote_code, **quantized)
 
     try:
         try:
@@ -102,6 +106,9 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
     except Exception as exc:  # transformers raises OSError/ValueError/HF errors for bad paths and configs
         raise ModelError(f"cannot load model {name_or_path!r}: {exc}") from exc
     disable_dropout(model)
+    if quantization_config is not None:
+        one_cpu_kernel(model)
+        check_quant_state_on_load(model)
     for feature, why in kernel.refuses:
         if _config_value(model, feature):
             raise ModelError(f"model {name_or_path!r} {why}")
@@ -126,6 +133,35 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
         raise ModelError(f"model {name_or_path!r}: model.compile found no list of decoder layers to compile; "
                          "set model.compile=false")
     return model
+
+
+def one_cpu_kernel(model: nn.Module) -> None:
+    """Keep bitsandbytes' 4-bit layers on one kernel on CPU. On a CPU with AVX512-BF16 a layer in eval mode whose
+    input needs no gradient (the reference, evaluation) rewrites its weights, once, into another layout for another
+    kernel: the reference would then compute differently from the policy on the same weights (and the rewrite
+    fails for layers narrower than 32 outputs or a quantisation block)."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def check_quant_state_on_load(model: nn.Module) -> None:
+    """Let a checkpoint of a 4-bit model load back into it: its state dict holds each 4-bit layer's quantisation
+    state (``weight.absmax``, ...), which ``load_state_dict`` does not take. The base is frozen and quantised the
+    same way at every load, so those entries are compared with the layer's own and dropped; a difference (another
+    base) is a load error."""
+    def take(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        own: dict = {}
+        module._save_to_state_dict(own, prefix, keep_vars=False)
+        for key in [k for k in state_dict if k.startswith(prefix + "weight.")]:
+            value = state_dict.pop(key)
+            mine = own.get(key)
+            if mine is None or not torch.equal(value.to(mine.device), mine):
+                error_msgs.append(f"{key}: the checkpoint's 4-bit base differs from the one loaded now")
+
+    for module in model.modules():
+        if getattr(getattr(module, "weight", None), "quant_state", None) is not None:
+            module.register_load_state_dict_pre_hook(take)
 
 
 def _vision_config(name_or_path: str, trust_remote_code: bool):

@@ -1,4 +1,6 @@
 """The final model of a run: ``save_pretrained`` output (LoRA merged into it) beside its tokenizer, in ``final/``.
+LoRA over a 4-bit base (``model.quantization``) is merged into the de-quantised base: a plain checkpoint, never
+rounded back to 4 bits.
 
 Apart from the checkpoint formats because it is another artefact: read by transformers rather than by a resume,
 written once at the end. It shares their atomic write (a temporary folder renamed when complete) and the report
@@ -46,14 +48,17 @@ def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
-        needed = _tensor_bytes(full_state if full_state is not None else policy.state_dict()) + _MARGIN
+        needed = _tensor_bytes(full_state if full_state is not None else policy.state_dict())
+        if full_state is None and is_four_bit(policy):
+            needed *= 8  # two 4-bit weights a byte, saved de-quantised: at most 4 bytes each
+        needed += _MARGIN
         with _writing(tmp, final, needed=needed, run_dir=run_dir):
             tmp.mkdir()
             _own(tmp)
             model = policy
             if hasattr(policy, "merge_and_unload"):
                 policy.save_pretrained(tmp / "adapter")
-                model = policy.merge_and_unload()
+                model = merged_dequantized(policy) if is_four_bit(policy) else policy.merge_and_unload()
             if full_state is not None:
                 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -79,6 +84,47 @@ def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module
     finally:
         ctx.barrier()  # the other ranks wait here whether or not the write succeeded
     return final
+
+
+def is_four_bit(model: nn.Module) -> bool:
+    """Whether the model holds bitsandbytes 4-bit weights (``model.quantization``)."""
+    return any(getattr(p, "quant_state", None) is not None for p in model.parameters())
+
+
+def merged_dequantized(policy: nn.Module) -> nn.Module:
+    """A plain float32 copy of a LoRA-wrapped 4-bit model (on CPU): each 4-bit weight de-quantised, plus its
+    adapters' product (``W + scale * B @ A``, what the trained layer computes), the other weights as they are, in a
+    model built from the config without its ``quantization_config``, so transformers loads the folder without
+    bitsandbytes. Merging into the 4-bit layer (peft's ``merge_and_unload``) would round the sum back to 4 bits."""
+    import copy
+
+    from bitsandbytes.functional import dequantize_4bit
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.initialization import no_init_weights
+
+    base = policy.get_base_model()
+    config = copy.deepcopy(base.config)
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    with no_init_weights():  # every weight is written below: no random initialisation of a 7B model first
+        plain = auto.from_config(config, dtype=torch.float32)
+    for key, target in plain.state_dict().items():  # filled in place: one layer's float copy at a time
+        path, _, leaf = key.rpartition(".")
+        module = base.get_submodule(path)
+        layer = module.get_base_layer() if isinstance(module, LoraLayer) else module
+        t = getattr(layer, leaf)
+        quant = getattr(t, "quant_state", None)
+        t = (dequantize_4bit(t.data, quant) if quant is not None else t.detach()).float()
+        if isinstance(module, LoraLayer) and leaf == "weight":
+            for name in module.active_adapters:
+                if name in module.lora_A:
+                    t = t + module.get_delta_weight(name).float()
+        with torch.no_grad():
+            target.copy_(t)
+    return plain
 
 
 USER_FILES = ("*.md", "*.txt")  # a model card and notes: save_pretrained never writes them

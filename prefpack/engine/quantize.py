@@ -1,0 +1,62 @@
+"""The 4-bit stage (``model.quantization``, QLoRA): the base weights held in bitsandbytes' NF4 or FP4, with LoRA
+adapters trained over them in float32.
+
+It runs before the load stage because transformers quantises while it reads the checkpoint: it sets
+``engine.quantization``, a function of the compute dtype giving the ``BitsAndBytesConfig`` that
+``Engine.load_like_policy`` passes to every load (the policy; a copied reference of another model). The config's
+rules (``config/rules.py``) refuse what cannot work: no LoRA, a 4-bit copy of the same base as reference (the
+adapter-off policy is that reference, for free), FSDP2.
+
+What it does not change: the matmuls run in the run's compute dtype (``precision.compute``: float32 on CPU,
+bfloat16 on CUDA), the adapters stay float32 (peft), the non-linear weights (embeddings, norms, the head) keep the
+load dtype. peft's ``prepare_model_for_kbit_training`` is not called: it casts norms and head to float32 and
+turns on reentrant checkpointing, which would make the 4-bit run compute differently from the reference it is
+compared with; the checkpointing stage already does non-reentrant checkpointing, which needs no input gradients.
+
+The final folder is the adapters merged into the de-quantised base (never rounded back to 4 bits):
+``training/checkpoint/final.py``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from prefpack.model import ModelError
+
+if TYPE_CHECKING:
+    from prefpack.engine.core import Engine
+
+__all__ = ["QuantizeStage", "four_bit_config"]
+
+
+class QuantizeStage:
+    """``model.quantization`` / ``model.quantization_double``."""
+
+    name = "quantize"
+
+    def apply(self, engine: Engine, log) -> None:
+        m = engine.cfg.model
+        if m.quantization is None:
+            return
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as exc:
+            raise ModelError(f"model.quantization={m.quantization} needs bitsandbytes: "
+                             "pip install 'prefpack[qlora]'") from exc
+        if engine.device.type not in ("cpu", "cuda"):
+            raise ModelError(f"model.quantization={m.quantization}: bitsandbytes' 4-bit weights run on cpu or cuda, "
+                             f"not {engine.device.type}; set train.device=cpu or cuda")
+        kind, double = m.quantization, m.quantization_double
+        engine.quantization = lambda compute: four_bit_config(kind, double=double, compute=compute)
+        log(f"4-bit base weights ({kind}{', double quantisation' if double else ''}; model.quantization): LoRA "
+            "adapters train over them, the final model is merged into the de-quantised base")
+
+
+def four_bit_config(kind: str, *, double: bool, compute: torch.dtype):
+    """transformers' ``BitsAndBytesConfig`` for 4-bit ``kind`` (nf4 | fp4) weights computed in ``compute``."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=double,
+                              bnb_4bit_compute_dtype=compute)
