@@ -3,9 +3,9 @@
 ``build_engine`` runs :data:`STAGES` in order; each stage reads its own config section and refuses what it cannot
 do, so a new way of holding weights (4-bit base weights, CPU offload) is one stage file and one row here:
 
-    (4-bit) -> load -> reference weights -> LoRA -> activation checkpointing -> budgets     (then, once the
-    objectives are known: wrap for the ranks (ddp | fsdp2) -> optimizer, ``engine/wrap.py``; the final dtype,
-    ``engine/export.py``)
+    CPU offload's rules -> 4-bit -> load -> reference weights -> LoRA -> activation checkpointing ->
+    activation offloading -> budgets      (then, once the objectives are known: wrap for the ranks (ddp | fsdp2
+    [+ CPU offload]) -> optimizer, ``engine/wrap.py``; the final dtype, ``engine/export.py``)
 
 The reference's weights are set up before LoRA wraps the policy: a sidecar's tag is the hash of the unwrapped
 policy's weights, and a copied reference is loaded exactly like the policy.
