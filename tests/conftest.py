@@ -213,6 +213,20 @@ def prepare_hh_splits(root, tok_dir, hh_rows, sizes: dict[str, int], max_length:
 
 # ---------------------------------------------------------------- the order `make test` deals modules in
 
+@pytest.fixture(scope="module")
+def processor_dir(tmp_path_factory):
+    """A processor folder: a toy ChatML tokenizer with Qwen2-VL's image tokens, and Qwen2-VL's image processor."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from prefpack.toy_tokenizer import add_vision_tokens, build_toy_tokenizer
+
+    path = tmp_path_factory.mktemp("processor")
+    texts = ["what is in the picture? a cat on a mat, a dog in the fog"] * 20
+    add_vision_tokens(build_toy_tokenizer(texts, style="chatml", vocab_size=300)).save_pretrained(path)
+    Qwen2VLImageProcessorPil().save_pretrained(path)
+    return path
+
+
 # ---------------------------------------------------------------- a training test's world and run folder
 
 

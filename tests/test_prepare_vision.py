@@ -20,7 +20,6 @@ from prefpack.data.inspect import inspect_store  # noqa: E402
 from prefpack.data.prepare import PrepareError, PrepareOptions, prepare  # noqa: E402
 from prefpack.data.store import Store, StoreError  # noqa: E402
 from prefpack.objectives import open_store  # noqa: E402
-from prefpack.toy_tokenizer import add_vision_tokens, build_toy_tokenizer  # noqa: E402
 
 
 def _processor():
@@ -29,20 +28,13 @@ def _processor():
     return Qwen2VLImageProcessorPil()
 
 
-@pytest.fixture(scope="module")
-def processor_dir(tmp_path_factory):
-    """A processor folder: a toy ChatML tokenizer with Qwen2-VL's image tokens, and Qwen2-VL's image processor."""
-    path = tmp_path_factory.mktemp("processor")
-    texts = ["what is in the picture? a cat on a mat, a dog in the fog"] * 20
-    add_vision_tokens(build_toy_tokenizer(texts, style="chatml", vocab_size=300)).save_pretrained(path)
-    _processor().save_pretrained(path)
-    return path
 
 
-def png(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
+def png(width: int, height: int, seed: int = 0, fmt: str = "PNG", **save) -> bytes:
+    """A seeded random picture's bytes (``fmt``: any format Pillow writes; ``save``: its writer's options)."""
     pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
     buf = io.BytesIO()
-    PIL_Image.fromarray(pixels).save(buf, format=fmt)
+    PIL_Image.fromarray(pixels).save(buf, format=fmt, **save)
     return buf.getvalue()
 
 

@@ -4,7 +4,6 @@ store named twice in a config; a damaged spans.bin; a reply with nothing left to
 
 from __future__ import annotations
 
-import io
 import json
 
 import numpy as np
@@ -16,33 +15,19 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from conftest import write_jsonl  # noqa: E402
+from test_prepare_vision import png  # noqa: E402
 
 from prefpack.data.prepare import PrepareError, PrepareOptions, prepare  # noqa: E402
 from prefpack.data.store import Store  # noqa: E402
 from prefpack.tokenizer import load_tokenizer  # noqa: E402
-from prefpack.toy_tokenizer import add_vision_tokens, build_toy_tokenizer  # noqa: E402
 
 
 def quiet(_m):
     return None
 
 
-def png(width: int, height: int, seed: int = 0) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    PIL_Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
 
 
-@pytest.fixture(scope="module")
-def processor_dir(tmp_path_factory):
-    from transformers import Qwen2VLImageProcessorPil
-
-    path = tmp_path_factory.mktemp("processor")
-    texts = ["what is in the picture? a cat on a mat, a dog in the fog"] * 20
-    add_vision_tokens(build_toy_tokenizer(texts, style="chatml", vocab_size=300)).save_pretrained(path)
-    Qwen2VLImageProcessorPil().save_pretrained(path)
-    return path
 
 
 MESSAGES = datasets.List({"role": datasets.Value("string"),

@@ -17,31 +17,12 @@ import pytest
 PIL_Image = pytest.importorskip("PIL.Image")
 
 from conftest import write_jsonl  # noqa: E402
+from test_prepare_vision import png  # noqa: E402
 
 from prefpack.batching.vision import VisionSettings  # noqa: E402
 from prefpack.data.prepare import PrepareError, PrepareOptions, prepare  # noqa: E402
 from prefpack.data.store import Store  # noqa: E402
 from prefpack.data.vision_inputs import decode_image, processor_preprocess, read_batch_images  # noqa: E402
-from prefpack.toy_tokenizer import add_vision_tokens, build_toy_tokenizer  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def processor_dir(tmp_path_factory):
-    """A toy ChatML tokenizer with Qwen2-VL's image tokens, and Qwen2-VL's image processor."""
-    from transformers import Qwen2VLImageProcessorPil
-
-    path = tmp_path_factory.mktemp("processor")
-    texts = ["what is in the picture? a cat on a mat, a dog in the fog"] * 20
-    add_vision_tokens(build_toy_tokenizer(texts, style="chatml", vocab_size=300)).save_pretrained(path)
-    Qwen2VLImageProcessorPil().save_pretrained(path)
-    return path
-
-
-def png(width: int, height: int, seed: int = 0, fmt: str = "PNG", **save) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    PIL_Image.fromarray(pixels).save(buf, format=fmt, **save)
-    return buf.getvalue()
 
 
 def row(image, question: str = "what is it?", chosen: str = "a cat") -> dict:
