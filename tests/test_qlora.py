@@ -13,7 +13,6 @@ import pytest
 import torch
 from conftest import (
     cfg_for,
-    final_weights,
     metrics_lines,
     prepare_hh_splits,
     quiet,
@@ -21,12 +20,17 @@ from conftest import (
     seq_logp_f64,
     tiny_llama,
 )
-from invariance_cases import assert_same_runs
+from invariance_cases import (  # noqa: F401 - the invariances run here on this module's 4-bit `world`
+    baseline,
+    test_accumulation_1x8_equals_8x1,
+    test_packed_equals_padded,
+    test_resume_equals_uninterrupted,
+)
 
 from prefpack.config import ConfigError
 from prefpack.data.store import Store
 from prefpack.model import ModelError
-from prefpack.training import TrainingInterrupted, build, train
+from prefpack.training import build, train
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
@@ -43,14 +47,9 @@ def world(tmp_path_factory, toy_tokenizers, hh_train, one_thread):
     tok = toy_tokenizers["llama"]
     stores = prepare_hh_splits(root, tok, hh_train, {"train": 24})
     return {"root": root, "tok": tok, **stores, "settings": SETTINGS, "policy": tiny_llama(tok, root / "policy", 1),
-            "kind": "pairs", "keys": ("loss", "rewards/margins", "rewards/chosen")}
+            "kind": "pairs_shared", "keys": ("loss", "rewards/margins", "rewards/chosen")}
 
 
-@pytest.fixture(scope="module")
-def baseline(world):
-    run = world["root"] / "baseline"
-    train(cfg_for(world, run), progress=False, log=quiet)
-    return run
 
 
 def four_bit_base(path, kind="nf4"):
@@ -120,43 +119,10 @@ def test_first_step_loss_is_ln2_and_bfloat16_autocast_trains_float32_adapters(wo
     assert any("bfloat16 compute (autocast)" in line and "float32 LoRA adapters" in line for line in lines)
 
 
-# ---------------------------------------------------------------- the training invariances over a 4-bit base
-
-
-def test_packed_equals_padded(world, baseline, tmp_path):
-    padded = tmp_path / "padded"
-    train(cfg_for(world, padded, "data.packing=false", "data.prefix_sharing=false"), progress=False, log=quiet)
-    assert_same_runs(world, baseline, padded, atol=1e-5, grad_rtol=1e-4, weights_atol=2e-5, weights_rtol=1e-4)
-
-
-def test_accumulation_1x8_equals_8x1(world, baseline, tmp_path):
-    many = tmp_path / "many"
-    train(cfg_for(world, many, "train.micro_batch_tokens=16", "data.max_tokens_per_row=16"), progress=False,
-          log=quiet)
-    assert_same_runs(world, baseline, many, atol=1e-5, grad_rtol=1e-4, weights_atol=2e-5, weights_rtol=1e-4)
-
-
-def test_resume_equals_uninterrupted(world, tmp_path):
-    full, broken = tmp_path / "full", tmp_path / "broken"
-    args = ("train.max_steps=4", "run.save_every=2", "optim.schedule=cosine", "optim.warmup_steps=1")
-    train(cfg_for(world, full, *args), progress=False, log=quiet)
-    with pytest.raises(TrainingInterrupted):
-        train(cfg_for(world, broken, *args), stop_after_steps=3, progress=False, log=quiet)
-    train(cfg_for(world, broken, *args), resume=True, progress=False, log=quiet)
-    wa, wb = final_weights(full), final_weights(broken)
-    assert sorted(wa) == sorted(wb)
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), k
-    la, lb = metrics_lines(full), metrics_lines(broken)
-    assert [m["step"] for m in lb] == [1, 2, 3, 4]
-    for key in world["keys"]:
-        assert [m[key] for m in la] == [m[key] for m in lb], key
-
-
 # ---------------------------------------------------------------- the final folder
 
 
-def test_final_folder_is_lora_merged_into_the_dequantised_base(world, baseline):
+def test_final_folder_is_lora_merged_into_the_dequantised_base(world, baseline):  # noqa: F811 - the fixture
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
