@@ -127,6 +127,7 @@ def problems(cfg: Config, *, training: bool) -> list[str]:
              "model.compile=off")
 
     _quantization_problems(cfg, errs)
+    _reference_quantization_problems(cfg, errs)
     at_least("lora.r", lora.r, 1)
     positive("lora.alpha", lora.alpha)
     need(0.0 <= lora.dropout < 1.0, f"lora.dropout must be in [0, 1), got {lora.dropout}")
@@ -183,6 +184,29 @@ def _quantization_problems(cfg: Config, errs: list[str]) -> None:
     if cfg.distributed.strategy == "fsdp2":
         errs.append(f"distributed.strategy=fsdp2 cannot shard a model.quantization={q} base yet (its 4-bit "
                     "weights are not trained or saved through FSDP2 here); use distributed.strategy=ddp")
+
+
+def _reference_quantization_problems(cfg: Config, errs: list[str]) -> None:
+    """``reference.quantization`` (a 4-bit frozen copy beside a full-precision policy, ``engine/reference.py``)."""
+    ref = cfg.reference
+    q = ref.quantization
+    if q is None:
+        return
+    key = f"reference.quantization={q}"
+    if ref.mode != "copy":
+        errs.append(f"{key} loads the reference copy in 4 bits, but reference.mode is {ref.mode!r}" + {
+            "precomputed": " (the sidecar holds what precompute-ref computed with --model as it loads it)",
+            "adapter": " (the adapter-off policy is no separate copy)"}.get(ref.mode, "")
+            + "; set reference.mode=copy or reference.quantization=null")
+    elif ref.sync:
+        errs.append(f"{key} with reference.sync (TR-DPO) would mix the policy's full-precision weights into a 4-bit "
+                    "copy; set reference.sync=false or reference.quantization=null")
+    elif cfg.model.quantization is not None:
+        errs.append(f"{key} with model.quantization={cfg.model.quantization}: a copied reference is already loaded "
+                    "in 4 bits like the policy; set reference.quantization=null")
+    elif cfg.distributed.strategy == "fsdp2":
+        errs.append(f"distributed.strategy=fsdp2 cannot shard a {key} copy (4-bit weights are not sharded through "
+                    "FSDP2 here); use distributed.strategy=ddp or reference.quantization=null")
 
 
 def _loss_problems(cfg: Config, errs: list[str]) -> None:

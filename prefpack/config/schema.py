@@ -155,6 +155,10 @@ LossConfig = _loss_config()
 class ReferenceConfig:
     mode: ReferenceMode = _f("copy", "copy = frozen copy, adapter = LoRA base, precomputed = from store, none")
     model: str | None = _f(None, "reference weights for copy/precomputed; null = model.name_or_path")
+    quantization: Quantization | None = _f(
+        None, "mode copy with a full-precision policy: load the frozen reference copy's linear weights in 4 bits (nf4 "
+        "or fp4, double quantisation, needs bitsandbytes), about a quarter of their memory; its log-probs differ "
+        "slightly from the full-precision reference's (step 0's DPO loss is not exactly ln 2); null = as the policy")
     sync: bool = _f(False, "TR-DPO (TRL's sync_ref_model): every sync_steps optimizer steps the reference becomes "
                     "mixup_alpha * policy + (1 - mixup_alpha) * reference; mode copy only, no LoRA")
     mixup_alpha: float = _f(0.6, "TR-DPO alpha in (0, 1] (TRL's ref_model_mixup_alpha); 1 = copy the policy")

@@ -28,7 +28,7 @@ from prefpack.model import ModelError
 if TYPE_CHECKING:
     from prefpack.engine.core import Engine
 
-__all__ = ["QuantizeStage", "four_bit_config"]
+__all__ = ["QuantizeStage", "check_four_bit", "four_bit_config"]
 
 
 class QuantizeStage:
@@ -40,18 +40,22 @@ class QuantizeStage:
         m = engine.cfg.model
         if m.quantization is None:
             return
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError as exc:
-            raise ModelError(f"model.quantization={m.quantization} needs bitsandbytes: "
-                             "pip install 'prefpack[qlora]'") from exc
-        if engine.device.type not in ("cpu", "cuda"):
-            raise ModelError(f"model.quantization={m.quantization}: bitsandbytes' 4-bit weights run on cpu or cuda, "
-                             f"not {engine.device.type}; set train.device=cpu or cuda")
+        check_four_bit(engine, f"model.quantization={m.quantization}")
         kind, double = m.quantization, m.quantization_double
         engine.quantization = lambda compute: four_bit_config(kind, double=double, compute=compute)
         log(f"4-bit base weights ({kind}{', double quantisation' if double else ''}; model.quantization): LoRA "
             "adapters train over them, the final model is merged into the de-quantised base")
+
+
+def check_four_bit(engine: Engine, key: str) -> None:
+    """Refuse ``key`` (a 4-bit setting) in one line where bitsandbytes is missing or cannot run on the device."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as exc:
+        raise ModelError(f"{key} needs bitsandbytes: pip install 'prefpack[qlora]'") from exc
+    if engine.device.type not in ("cpu", "cuda"):
+        raise ModelError(f"{key}: bitsandbytes' 4-bit weights run on cpu or cuda, not {engine.device.type}; set "
+                         "train.device=cpu or cuda")
 
 
 def four_bit_config(kind: str, *, double: bool, compute: torch.dtype):
