@@ -81,6 +81,8 @@ def eval_config(opts: EvalOptions):
     cfg.model.allow_tokenizer_mismatch = opts.allow_tokenizer_mismatch
     cfg.model.trust_remote_code = opts.trust_remote_code or cfg.model.trust_remote_code
     cfg.reference.mode, cfg.reference.model = mode, opts.ref
+    if mode != "copy":  # a run's 4-bit reference copy: only a --ref model is loaded as the run loaded its own
+        cfg.reference.quantization = None
     cfg.reference.sync = False  # eval scores fixed models: a run's TR-DPO syncing does not apply
     cfg.lora.enabled = False  # a trained run's final model has its adapter merged
     cfg.train.micro_batch_tokens = "auto" if mbt == "auto" else int(mbt)
