@@ -85,6 +85,7 @@ def eval_config(opts: EvalOptions):
         cfg.reference.quantization = None
     cfg.reference.sync = False  # eval scores fixed models: a run's TR-DPO syncing does not apply
     cfg.lora.enabled = False  # a trained run's final model has its adapter merged
+    cfg.model.quantization = None  # ... into its de-quantised base (a QLoRA run's final/ holds no 4-bit weights)
     cfg.train.micro_batch_tokens = "auto" if mbt == "auto" else int(mbt)
     cfg.train.device = opts.device
     cfg.run.eval_every = cfg.run.save_every = 0
