@@ -163,3 +163,22 @@ def test_unknown_quantization_and_missing_bitsandbytes_are_refused(world, tmp_pa
     with pytest.raises(ModelError, match=r"needs bitsandbytes: pip install 'prefpack\[qlora\]'") as err:
         build(cfg_for(world, tmp_path / "b"), log=quiet)
     assert "\n" not in str(err.value)
+
+
+def test_eval_with_the_runs_config_scores_its_final_model_in_full_precision(world, baseline, tmp_path):  # noqa: F811
+    """`prefpack eval --config RUN/config.yaml` of a QLoRA run: final/ holds the adapters merged into the
+    de-quantised base, so it is scored as a plain model (no 4-bit rule refuses the run's own config), and its loss
+    against the starting weights is the one a full-precision copy reference gives."""
+    from prefpack.training import build, evaluate
+    from prefpack.training.scoring import EvalOptions, eval_config, score_store
+
+    opts = EvalOptions(model=str(baseline / "final"), data=str(world["train"]), config=str(baseline / "config.yaml"),
+                       ref=str(world["policy"]), device="cpu")
+    cfg = eval_config(opts)
+    cfg.validate()
+    assert cfg.model.quantization is None and cfg.reference.mode == "copy" and not cfg.lora.enabled
+    scored = score_store(opts, log=quiet)
+    plain = cfg_for(world, tmp_path / "plain", f"model.name_or_path={baseline / 'final'}", "model.quantization=null",
+                    "lora.enabled=false", "reference.mode=copy", f"reference.model={world['policy']}")
+    setup = build(plain, log=quiet)
+    assert scored["loss"] == pytest.approx(evaluate(setup.policy, setup.reference, setup.train_task)["loss"], abs=1e-6)
