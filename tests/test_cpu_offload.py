@@ -45,7 +45,7 @@ def world(tmp_path_factory, toy_tokenizers, hh_train):
 
 
 def _args(world, run_dir, *extra, stop=None, resume=False) -> list[str]:
-    return ["train", str(world["conf"]), f"run.output_dir={run_dir}", "--no-progress", *extra,
+    return ["train", str(world["conf"]), f"run.output_dir={run_dir}", "--no-progress", "--json", *extra,
             *([f"--stop-after-steps={stop}"] if stop else []), *(["--resume"] if resume else [])]
 
 

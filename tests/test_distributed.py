@@ -84,7 +84,7 @@ def test_token_balancing_beats_count_dealing_on_real_lengths(world):
 
 def _args(world, run_dir, *extra, stop=None, resume=False) -> list[str]:
     """`prefpack train` of the world's config into ``run_dir``."""
-    return ["train", str(world["conf"]), f"run.output_dir={run_dir}", "--no-progress", *extra,
+    return ["train", str(world["conf"]), f"run.output_dir={run_dir}", "--no-progress", "--json", *extra,
             *([f"--stop-after-steps={stop}"] if stop else []), *(["--resume"] if resume else [])]
 
 

@@ -145,6 +145,8 @@ def add_train(sub) -> None:
                    "the result (each change is printed and recorded in RUN_DIR/config_changes.jsonl)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (on a terminal) or progress lines "
                    "(off a terminal: one line per logged step)")
+    p.add_argument("--json", action="store_true", help="print the run summary as one JSON line (run folder, final "
+                   "model, last step's and last interval's train metrics, evaluations) instead of a table")
     # stops cleanly after N steps, as if interrupted (to test resuming); not for everyday use
     p.add_argument("--stop-after-steps", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -185,9 +187,7 @@ def run_train(args, argv) -> int:
     finally:
         shutdown()
     if _is_main_rank():
-        summary = {"run_dir": str(result.run_dir), "steps": result.steps, "final_model": str(result.final_dir),
-                   "train": result.last_train, "eval": result.eval_after}
-        print(json_line(summary))
+        print(json_line(result.to_json()) if args.json else result.summary(), flush=True)
     return 0
 
 

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from prefpack.distributed import Dist
+from prefpack.progress import clock, is_terminal
+from prefpack.training.report import IntervalMeans, eval_line
 
 __all__ = ["Cadence", "TrainingInterrupted", "log_line", "postfix"]
 
@@ -50,7 +52,7 @@ def log_line(done: int, n_steps: int, last: dict[str, float], eta_s: float | Non
     if last["positions"] < last["tokens"]:  # as the bar: the share of positions prompts laid out once saved
         parts.append(f"saved {1 - last['positions'] / last['tokens']:.0%}")
     if eta_s is not None:
-        parts.append(f"eta {time.strftime('%H:%M:%S', time.gmtime(eta_s)) if eta_s < 86400 else f'{eta_s / 3600:.0f}h'}")
+        parts.append(f"eta {clock(eta_s)}")
     if last.get("skipped_steps"):
         parts.append(f"skipped {int(last['skipped_steps'])}")
     return "train: " + ", ".join(parts)
@@ -59,10 +61,14 @@ def log_line(done: int, n_steps: int, last: dict[str, float], eta_s: float | Non
 class Cadence:
     """The run's clock for steps ``start + 1 .. n_steps``: :meth:`begin` before the first, :meth:`after_step` after
     each, :meth:`finish` after the last. ``evaluate`` (None without eval data) returns eval metrics; ``save(step)``
-    writes a checkpoint; ``metrics`` is the run's ``MetricsLogger``, closed by :meth:`finish` or on a stop."""
+    writes a checkpoint; ``metrics`` is the run's ``MetricsLogger``, closed by :meth:`finish` or on a stop.
+
+    Each evaluation is announced and its main metrics printed through ``log`` (above the bar on a terminal); the
+    time left counts the evaluations still to come; :attr:`interval` holds the train metrics averaged over the
+    steps of the last metrics line (the run summary's "train" block)."""
 
     def __init__(self, run: Any, n_steps: int, metrics: Any, ctx: Dist, *, evaluate: Callable[[], dict] | None,
-                 save: Callable[[int], None], stop_after_steps: int | None = None):
+                 save: Callable[[int], None], stop_after_steps: int | None = None, log: Callable[[str], None] = print):
         self.log_every, self.eval_every, self.save_every = run.log_every, run.eval_every, run.save_every
         self.n_steps = n_steps
         self.metrics = metrics
@@ -73,6 +79,10 @@ class Cadence:
         self.bar = None
         self.lines = False  # plain progress lines (stderr is not a terminal)
         self.clock: tuple[int, float] = (0, 0.0)  # (first step, its time), for the lines' time left
+        self.log = log
+        self.eval_seconds: list[float] = []  # how long each evaluation took, for the time left
+        self.window = IntervalMeans()  # train metrics since the last metrics line
+        self.interval: tuple[int, int, dict[str, float]] | None = None  # (first step, last step, their means)
 
     def _due(self, every: int | None, done: int) -> bool:
         """Every ``every`` steps (0 or None: never), short of the last step, which the run's end covers."""
@@ -83,10 +93,9 @@ class Cadence:
         the progress bar from ``start``. Returns that evaluation."""
         before = None
         if self.evaluate is not None and start == 0:
-            before = self.evaluate()
-            self.metrics.log(0, before, split="eval")
+            before = self._evaluate(0, "before training")
         self.clock = (start, time.monotonic())
-        if progress and not _is_terminal(sys.stderr):
+        if progress and not is_terminal(sys.stderr):
             self.lines = True
         elif progress:
             from tqdm import tqdm
@@ -98,17 +107,17 @@ class Cadence:
     def after_step(self, done: int, last: dict[str, float]) -> None:
         """After step ``done`` (counted from 1) with its metrics ``last``: whatever is due, in this order: the
         metrics line, the bar, an evaluation, a checkpoint, then a stop that ``stop_after_steps`` asks for."""
+        self.window.add(done, last)
         if done % self.log_every == 0 or done == self.n_steps:
             self.metrics.log(done, last)
+            self.interval = self.window.take()
             if self.lines:
-                first, t0 = self.clock
-                eta = (time.monotonic() - t0) / (done - first) * (self.n_steps - done) if done > first else None
-                print(log_line(done, self.n_steps, last, eta), file=sys.stderr, flush=True)
+                print(log_line(done, self.n_steps, last, self._eta(done)), file=sys.stderr, flush=True)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(postfix(last))
         if self.evaluate is not None and self._due(self.eval_every, done):
-            self.metrics.log(done, self.evaluate(), split="eval")
+            self._evaluate(done, f"at step {done}/{self.n_steps}")
         if self._due(self.save_every, done):
             self.save(done)
         if self.stop_after_steps is not None and done >= self.stop_after_steps and done < self.n_steps:
@@ -140,18 +149,45 @@ class Cadence:
         self._close_bar()
         after = None
         if self.evaluate is not None:
-            after = self.evaluate()
-            self.metrics.log(self.n_steps, after, split="eval")
+            after = self._evaluate(self.n_steps, "after training")
         self.metrics.close()
         return after
+
+    def _evaluate(self, step: int, when: str) -> dict[str, float]:
+        """One evaluation, announced first (it can take minutes), logged at ``step`` and printed."""
+        self._say(f"eval {when}: scoring the eval data")
+        t0 = time.monotonic()
+        result = self.evaluate()
+        self.eval_seconds.append(time.monotonic() - t0)
+        self.metrics.log(step, result, split="eval")
+        for line in eval_line(when, result, self.eval_seconds[-1]):
+            self._say(line)
+        return result
+
+    def _say(self, line: str) -> None:
+        if self.bar is not None:  # above the bar, which stays whole
+            self.bar.write(line, file=sys.stderr)
+        else:
+            self.log(line)
+
+    def _evals_left(self, done: int) -> int:
+        """Evaluations after step ``done``: those due in the steps still to run, and the one after training."""
+        if self.evaluate is None:
+            return 0
+        due = sum(1 for k in range(done + 1, self.n_steps) if self._due(self.eval_every, k)) if self.eval_every else 0
+        return due + 1
+
+    def _eta(self, done: int) -> float | None:
+        """Time left: the steps still to run at the rate so far (evaluations taken out of it), plus the evaluations
+        still to come at the mean time of those done."""
+        first, t0 = self.clock
+        if done <= first:
+            return None
+        evals = self.eval_seconds[1:] if self.eval_seconds and first == 0 else self.eval_seconds
+        stepping = max(time.monotonic() - t0 - sum(evals), 0.0)
+        eval_s = sum(self.eval_seconds) / len(self.eval_seconds) if self.eval_seconds else 0.0
+        return stepping / (done - first) * (self.n_steps - done) + eval_s * self._evals_left(done)
 
     def _close_bar(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def _is_terminal(stream) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):  # a replaced or closed stream
-        return False

@@ -74,6 +74,27 @@ class TrainResult:
     eval_before: dict[str, float] | None
     eval_after: dict[str, float] | None
     last_train: dict[str, float]
+    interval: tuple[int, int, dict[str, float]] | None = None  # the last metrics line's steps and their means
+    steps_run: int = 0  # steps this process ran (fewer than ``steps`` after a resume)
+    seconds: float = 0.0  # this process's wall time from the first step to the saved final model
+    tokens: float = 0.0  # real tokens this process's steps trained on
+    plotted: bool = False
+
+    def summary(self) -> str:
+        """The end of the run as a table (``prefpack train`` prints it; ``--json`` prints :meth:`to_json`)."""
+        from prefpack.training.report import summary_table
+
+        return summary_table(run_dir=self.run_dir, final_dir=self.final_dir, steps=self.steps,
+                             steps_run=self.steps_run, seconds=self.seconds, tokens=self.tokens,
+                             interval=self.interval, eval_before=self.eval_before, eval_after=self.eval_after,
+                             plotted=self.plotted)
+
+    def to_json(self) -> dict:
+        return {"run_dir": str(self.run_dir), "steps": self.steps, "final_model": str(self.final_dir),
+                "train": self.last_train, "eval": self.eval_after, "eval_before": self.eval_before,
+                "train_interval": None if self.interval is None else {
+                    "first_step": self.interval[0], "last_step": self.interval[1], "means": self.interval[2]},
+                "seconds": self.seconds, "tokens": self.tokens}
 
 
 def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log=print,
@@ -139,8 +160,9 @@ def _train(cfg, parallel: Parallel, *, resume: bool, stop_after_steps: int | Non
     cadence = Cadence(cfg.run, n_steps, metrics, ctx, evaluate=run_eval if feed.eval_tasks else None,
                       save=lambda done: save_checkpoint(run_dir, done, parts, feed.state_dict(),
                                                         cfg.run.keep_checkpoints, ctx, with_reference=synced),
-                      stop_after_steps=stop_after_steps)
+                      stop_after_steps=stop_after_steps, log=log)
     eval_before = cadence.begin(start, progress=progress)
+    t_run, tokens_run = time.perf_counter(), 0.0
     last: dict[str, float] = {}
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else float("inf")
     nonfinite = NonFiniteSteps(cfg.optim.lr, log)
@@ -202,6 +224,7 @@ def _train(cfg, parallel: Parallel, *, resume: bool, stop_after_steps: int | Non
             last.update({"lr": lr, "grad_norm": grad_norm, "epoch": work.epoch, "tokens/s": totals.real_tokens / dt,
                          "pairs/s": units / dt, "tokens": totals.real_tokens, "positions": totals.positions,
                          "scored": totals.scored, "skipped_steps": nonfinite.skipped})
+            tokens_run += totals.real_tokens
             cadence.after_step(step + 1, last)  # metrics line, bar, eval, checkpoint, stop: whatever is due
             if stop.due() and step + 1 < n_steps:  # SIGTERM: checkpoint this step, then stop (every rank here)
                 cadence.terminate(step + 1, stop.signum)
@@ -210,10 +233,11 @@ def _train(cfg, parallel: Parallel, *, resume: bool, stop_after_steps: int | Non
     _free_training_state(optimizer, reference, parts)
     final_dir = save_final(run_dir, policy, setup.tokenizer, module=module, ctx=ctx, strategy=strategy,
                            dtype=final_dtype(cfg, engine.precision), image_processor_dir=setup.image_processor_dir)
-    if cfg.run.plot and main:
-        _plot(run_dir, log)
+    plotted = bool(cfg.run.plot and main) and _plot(run_dir, log)
     ctx.barrier()
-    return TrainResult(run_dir, n_steps, final_dir, eval_before, eval_after, last)
+    return TrainResult(run_dir, n_steps, final_dir, eval_before, eval_after, last, interval=cadence.interval,
+                       steps_run=n_steps - start, seconds=time.perf_counter() - t_run, tokens=tokens_run,
+                       plotted=plotted)
 
 
 def _resume(run_dir: Path, parts: Checkpointed, n_steps: int, metrics, ctx: Dist, log) -> tuple[dict[str, Any], int]:
@@ -244,14 +268,16 @@ def _free_training_state(optimizer, reference, parts: Checkpointed) -> None:
     release_freed_memory()
 
 
-def _plot(run_dir: Path, log) -> None:
-    """curves.png; a missing plotting library must not fail a finished training run."""
+def _plot(run_dir: Path, log) -> bool:
+    """curves.png (True when drawn); a missing plotting library must not fail a finished training run."""
     try:
         from prefpack.plot import plot_run
 
         plot_run(run_dir)
+        return True
     except Exception as exc:
         log(f"note: no curves.png ({exc})")
+        return False
 
 
 def _quiet(*_args, **_kwargs) -> None:

@@ -20,6 +20,7 @@ from prefpack.objectives import (
     settings_from_config,
 )
 from prefpack.parallel import ONE_PROCESS, Parallel
+from prefpack.progress import progress as show_progress
 from prefpack.reference import (
     CopyReference,
     KeyedLogps,
@@ -93,12 +94,10 @@ def record_reference(task: Objective, model: nn.Module, *, parallel: Parallel = 
     table = np.zeros((4, space.size))  # sums, times scored, tails, times scored
     planned = [p for p, w in zip(share.planned, share.weights) if w]  # padding batches only keep ranks in step
     record = parallel.counts_sums  # every rank of a group returns the group's sums: recorded once
-    if progress and ctx.is_main:
-        from tqdm import tqdm
-
-        planned = tqdm(planned, desc="reference log-probs", unit="batch")
-    ahead = list(planned) if task.settings.vision is not None else []  # images: read the next ones meanwhile
-    for i, p in enumerate(planned):
+    ahead = planned if task.settings.vision is not None else []  # images: read the next ones meanwhile
+    # a bar on a terminal, plain lines in a batch log
+    shown = show_progress(planned, desc="reference log-probs", unit="batch", enabled=progress and ctx.is_main)
+    for i, p in enumerate(shown):
         if ahead:
             task.prefetch(ahead[i + 1:i + 3])
         for part in task.reference_batches(task.collate(p)):
