@@ -59,7 +59,17 @@ def _quiet_libraries() -> None:
         pass
 
 
+def _program(from_command_line: bool) -> str:
+    """How the user called prefpack, for commands printed back to paste (``.venv/bin/prefpack`` as typed; else
+    ``prefpack``)."""
+    import os
+
+    typed = sys.argv[0] if from_command_line and sys.argv else ""
+    return typed if os.path.basename(typed) == "prefpack" else "prefpack"
+
+
 def main(argv: list[str] | None = None) -> int:
+    program = _program(argv is None)
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -72,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return _commands()[args.command][1](args, ["prefpack", *argv])
+        return _commands()[args.command][1](args, [program, *argv])
     except USER_ERRORS as exc:
         print(f"prefpack {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -214,6 +214,7 @@ def test_validate_ok_and_partial():
         (["train.max_steps=0"], "train.max_steps must be >= 1"),
         (["optim.max_grad_norm=0"], "optim.max_grad_norm must be > 0"),
         (["loss.terms=[{name: sigmoidd, weight: 1}]"], "unknown loss 'sigmoidd' (did you mean 'sigmoid'?)"),
+        (["loss.terms=[{name: dpo}]"], "unknown loss 'dpo' (did you mean 'sigmoid'?)"),  # TRL's DPO, not ipo
         (["loss.terms=[]"], "loss.terms is empty"),
         (["loss.terms=[{name: ipo}, {name: ipo}]"], "more than once"),
         (["loss.terms=[{name: ipo, weight: 0}]"], "nothing would train"),

@@ -89,3 +89,9 @@ def test_time_left_counts_the_evaluations_still_to_come(monkeypatch):
     # 10 steps in 40 s of which 30 s were the step-10 evaluation: 1 s a step, 90 steps left; evaluations still due
     # at steps 20..90 (8) and after training (1), 30 s each
     assert cadence._eta(10) == pytest.approx(90 * 1.0 + 9 * 30.0)
+
+
+def test_eval_without_a_reference_names_ref_and_precompute(world, capsys):
+    assert cli_main(["eval", "--model", str(world["root"] / "policy"), "--data", str(world["eval"])]) == 2
+    err = capsys.readouterr().err
+    assert "--ref MODEL" in err and "prefpack precompute-ref" in err and "reference.mode" not in err

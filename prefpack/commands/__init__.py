@@ -275,7 +275,8 @@ def run_eval(args, argv) -> int:
     # token shards (as training does)
     parallel = start_parallel(args.device, sequence_parallel_of(options[0]))
     try:
-        results = [score_store(opts, parallel=parallel, log=_err) for opts in options]
+        say = _err if parallel.is_main else (lambda _line: None)  # set-up lines once, not once per rank
+        results = [score_store(opts, parallel=parallel, log=say) for opts in options]
     finally:
         shutdown()
     if not parallel.is_main:

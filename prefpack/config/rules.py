@@ -209,6 +209,10 @@ def _reference_quantization_problems(cfg: Config, errs: list[str]) -> None:
                     "FSDP2 here); use distributed.strategy=ddp or reference.quantization=null")
 
 
+# names a user brings from papers and other trainers, mapped to the term they mean (TRL's DPO is loss_type sigmoid)
+LOSS_ALIASES = {"dpo": "sigmoid", "slic": "hinge"}
+
+
 def _loss_problems(cfg: Config, errs: list[str]) -> None:
     from prefpack.losses import PAIR_LOSSES, UNPAIRED_LOSS_NAMES
 
@@ -221,7 +225,8 @@ def _loss_problems(cfg: Config, errs: list[str]) -> None:
     names = [t.name for t in terms]
     for i, t in enumerate(terms):
         if t.name not in valid:
-            hint = difflib.get_close_matches(t.name, valid, n=1)
+            alias = LOSS_ALIASES.get(t.name.lower())
+            hint = [alias] if alias else difflib.get_close_matches(t.name, valid, n=1)
             did = f" (did you mean {hint[0]!r}?)" if hint else ""
             errs.append(f"loss.terms[{i}].name: unknown loss {t.name!r}{did}; valid: {', '.join(valid)}")
         if not (math.isfinite(t.weight) and t.weight >= 0):

@@ -70,6 +70,12 @@ def eval_config(opts: EvalOptions):
     unpaired = trains_unpaired(cfg.loss.terms)  # the loss terms decide: --kto without --loss chose kto above
     sidecar = SIDECAR_NAMES["unpaired" if unpaired else Store(opts.data).kind]  # the key space the run reads
     mode = "copy" if opts.ref else ("precomputed" if (Path(opts.data) / sidecar).exists() else "none")
+    if mode == "none" and cfg.needs_reference():  # in eval's terms, not the config's reference.mode
+        terms = ", ".join(t.name for t in cfg.loss.terms)
+        raise ConfigError(
+            f"loss {terms} needs a reference, and {opts.data} has no precomputed reference ({sidecar}) and no --ref "
+            f"was given: give --ref MODEL (e.g. the initial model), run `prefpack precompute-ref --model MODEL --data "
+            f"{opts.data}` once, or score a reference-free loss (--loss simpo, orpo, nll ...)")
     mbt = opts.micro_batch_tokens
     if mbt != "auto" and not str(mbt).isdigit():
         raise ConfigError(f"--micro-batch-tokens must be a positive integer or auto, got {mbt!r}")
