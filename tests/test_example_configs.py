@@ -46,3 +46,17 @@ def test_trl_defaults_match_trl_1_16():
     assert cfg.optim.max_grad_norm == float(trl["max_grad_norm"])
     assert cfg.run.log_every == int(trl["logging_steps"]) and cfg.run.save_every == int(trl["save_steps"])
     assert cfg.run.report_to in ("none", ["none"]) and trl["report_to"] == "'none'"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_the_quick_check_docs_give_is_a_valid_config(path):
+    """docs/train-your-own.md tells users to check each config with a one-step override: those overrides, as
+    written there, must give a valid config for every example (once, the doc named a key that does not exist)."""
+    import re
+    import shlex
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "train-your-own.md").read_text()
+    check = re.search(r"with `(train\.max_steps=1[^`]*)`", doc)
+    assert check, "docs/train-your-own.md no longer gives the one-step check"
+    cfg = load_config(path, shlex.split(check.group(1)))
+    cfg.validate(training=True)
