@@ -417,3 +417,18 @@ def test_store_module_has_no_pickle():
     for module in (store_mod, store_writer):
         src = open(module.__file__).read()
         assert "pickle" not in src and "allow_pickle=True" not in src
+
+
+def test_a_few_repeated_prompts_are_counted_without_advising_grouping(tmp_path, toy_tokenizers, hh_train):
+    """4 of 2,000 pairs sharing prompts is not worth data.group_by_prompt; the count is still given. The columns no
+    layout reads are said once (the note during prepare), not again in the summary."""
+    rows = [r for r in hh_train if r["chosen"] != r["rejected"]][:100]
+    rows = [*rows, {**rows[0], "chosen": " Another reply."}, {"extra": 1, **rows[1], "chosen": " And another."}]
+    notes = []
+    opts = PrepareOptions(inputs=[str(write_jsonl(tmp_path / "d.jsonl", rows))], tokenizer=str(toy_tokenizers["llama"]),
+                          output=str(tmp_path / "s"), workers=1)
+    report = prepare(opts, log=notes.append)
+    assert report.repeated_prompts["pairs"] == 4
+    assert "4 pairs share 2 prompts with other pairs (too few" in report.summary()
+    assert "group_by_prompt=true" not in report.summary()
+    assert "extra" not in report.summary() and sum("'extra'" in n for n in notes) == 1

@@ -11,6 +11,7 @@ import numpy as np
 
 from prefpack.data.spans import scored_of
 from prefpack.data.store import FLAG_COMPLETION_TRUNCATED, FLAG_PROMPT_TRUNCATED, Store, StoreError
+from prefpack.data.store_format import grouping_pays
 from prefpack.data.truncation import describe
 from prefpack.vision_families import FAMILIES
 
@@ -167,7 +168,7 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
         shown = [f"{k}=" + (" ".join(f"{p}:{n}" for p, n in sorted(v.items())) if isinstance(v, dict) else str(v))
                  for k, v in kept.items()]
         lines.append("counted    " + ", ".join(shown))
-    if "repeated_prompts" in kept:
+    if "repeated_prompts" in kept and grouping_pays(kept["repeated_prompts"].get("pairs", 0), stats["examples"]):
         lines.append("           (pairs that repeat a prompt: data.group_by_prompt=true computes each prompt, and each "
                      "completion repeated in its pairs, once)")
     lines.append("")

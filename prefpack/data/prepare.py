@@ -35,7 +35,7 @@ from prefpack.data.image_files import DEFAULT_MAX_IMAGE_BYTES, ImageSource
 from prefpack.data.images import ProcessorError, load_vision, processor_identity
 from prefpack.data.sources import Source, file_sha256, peek_first_row, resolve_inputs
 from prefpack.data.store import StoreWriter, check_output, recover_interrupted
-from prefpack.data.store_format import FLAG_PROMPT_TRUNCATED, PROCESSOR_DIR
+from prefpack.data.store_format import FLAG_PROMPT_TRUNCATED, PROCESSOR_DIR, grouping_pays
 from prefpack.data.tokenize import TokenizeConfig
 from prefpack.data.truncation import DEFAULT_MIN_PROMPT_KEEP, TruncationStats, describe
 from prefpack.data.turns import TRAIN_ON
@@ -113,9 +113,11 @@ class PrepareReport:
         if self.repeated_prompts.get("prompts"):
             r = self.repeated_prompts
             uncut = " (prompts --max-length cut are not counted)" if (self.cuts.get("prompts") or {}).get("cut") else ""
-            lines.append(f"{r['pairs']} pairs share {r['prompts']} prompts with other pairs{uncut}: train with "
-                         "data.group_by_prompt=true to compute each such prompt, and each completion repeated in its "
-                         "pairs, once (a prompt's pairs then share a step); by default every pair computes its own")
+            advice = (": train with data.group_by_prompt=true to compute each such prompt, and each completion "
+                      "repeated in its pairs, once (a prompt's pairs then share a step); by default every pair "
+                      "computes its own") if grouping_pays(r["pairs"], self.examples) else \
+                " (too few to be worth data.group_by_prompt)"
+            lines.append(f"{r['pairs']} pairs share {r['prompts']} prompts with other pairs{uncut}{advice}")
         if self.dropped:
             lines.append("dropped (length policy): " + ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items())))
         cut = describe(self.cuts, self.max_length, self.truncated.get("cut_before_tokenising", 0))
@@ -124,8 +126,6 @@ class PrepareReport:
         if self.empty_completions:
             lines.append("kept empty or whitespace-only completions (each is its whitespace then EOS, as TRL "
                          "trains them): " + ", ".join(f"{k}={v}" for k, v in sorted(self.empty_completions.items())))
-        if self.unused_columns:
-            lines.append(f"not used (input columns): {', '.join(map(repr, self.unused_columns))}")
         if self.images:
             lines.append(f"images: {self.images} stored with their placeholders expanded to the processor's token "
                          "counts (images.bin); train a vision-language model on them (docs/images.md)")

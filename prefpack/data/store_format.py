@@ -65,3 +65,13 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def columns_for(kind: str) -> tuple[str, ...]:
     """The index.bin columns of a store kind."""
     return {"pairs": PAIR_COLUMNS, "ranked": RANKED_COLUMNS}.get(kind, UNPAIRED_COLUMNS)
+
+
+# below this share of a store's pairs, repeated prompts are counted but data.group_by_prompt is not advised: it would
+# save almost nothing and changes how steps are drawn
+GROUPING_ADVICE_SHARE = 0.05
+
+
+def grouping_pays(repeated_pairs: int, pairs: int) -> bool:
+    """Whether enough pairs repeat a prompt for ``data.group_by_prompt`` to be worth advising."""
+    return repeated_pairs > 0 and repeated_pairs >= GROUPING_ADVICE_SHARE * max(pairs, 1)
