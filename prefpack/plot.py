@@ -25,6 +25,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rewards", ("rewards/chosen", "rewards/rejected")),
     ("log-probs (completion sums)", ("logps/chosen", "logps/rejected")),
     ("KL reference point z0 (KTO)", ("kl",)),
+    ("token entropy (policy, scored tokens)", ("entropy/chosen", "entropy/rejected")),
     ("learning rate", ("lr",)),
     ("gradient norm", ("grad_norm",)),
     ("tokens / s", ("tokens/s",)),
@@ -97,6 +98,22 @@ def panels(records: list[dict]) -> list[tuple[str, list[tuple[str, str, str, lis
     return out
 
 
+def run_title(run_dir: Path) -> str:
+    """What the run was, from its config.yaml: loss terms, model and data (the folder's name alone says little)."""
+    name = run_dir.resolve().name
+    try:
+        import yaml
+
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {}
+        terms = " + ".join(str(t.get("name")) for t in cfg["loss"]["terms"])
+        model = Path(str(cfg["model"]["name_or_path"])).name
+        train = cfg["data"]["train"]
+        data = Path(str(train)).name if isinstance(train, str) else f"a mixture of {len(train)} stores"
+    except Exception:  # no config (an old or hand-made metrics file): the folder's name is what there is
+        return name
+    return f"{name}: {terms} on {model}, data {data}"
+
+
 def plot_run(run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None,
              log: Callable[[str], None] | None = None) -> Path:
     """Draw the run's curves (train as lines, eval as markers; a mixture's sources and a ``data.eval`` map's stores
@@ -150,11 +167,12 @@ def plot_run(run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.tick_params(labelsize=8)
         ax.grid(True, alpha=0.3)
-        if len(lines) > 1:
-            ax.legend(fontsize=7)
+        ax.ticklabel_format(axis="y", useOffset=False)  # KTO's loss near 0.5: values, not "+5e-1" offsets
+        if len(lines) > 1:  # beside the panel, never over its curves (a mixture has many)
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     for ax in axes[len(drawn):]:
         ax.set_visible(False)
-    fig.suptitle(run_dir.resolve().name, fontsize=11)
+    fig.suptitle(run_title(run_dir), fontsize=10)
 
     target = Path(out) if out is not None else run_dir / "curves.png"
     target.parent.mkdir(parents=True, exist_ok=True)

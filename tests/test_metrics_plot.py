@@ -268,3 +268,18 @@ def test_plot_draws_each_source_of_a_mixture(tmp_path):
     assert set(drawn) == {"loss", "reward accuracy", "learning rate"}
     pytest.importorskip("matplotlib")
     assert plot_run(tmp_path).read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_plot_title_names_the_run_and_entropy_gets_a_panel(tmp_path):
+    """The title says what was trained (loss terms, model, data) from config.yaml, not only the folder's name; the
+    policy's token entropy, logged every step, is drawn."""
+    from prefpack.plot import panels, run_title
+
+    (tmp_path / "config.yaml").write_text("model: {name_or_path: /m/qwen-0.5b}\ndata: {train: /s/hh-train}\n"
+                                          "loss: {terms: [{name: sigmoid, weight: 1.0}, {name: nll, weight: 0.2}]}\n")
+    assert run_title(tmp_path) == f"{tmp_path.name}: sigmoid + nll on qwen-0.5b, data hh-train"
+    (tmp_path / "config.yaml").write_text("not: [valid")
+    assert run_title(tmp_path) == tmp_path.name
+    records = [{"step": 1, "split": "train", "loss": 0.5, "entropy/chosen": 2.0, "entropy/rejected": 2.5}]
+    drawn = dict(panels(records))
+    assert [label for _, _, label, *_ in drawn["token entropy (policy, scored tokens)"]] == ["train", "train"]
