@@ -95,3 +95,13 @@ def test_eval_without_a_reference_names_ref_and_precompute(world, capsys):
     assert cli_main(["eval", "--model", str(world["root"] / "policy"), "--data", str(world["eval"])]) == 2
     err = capsys.readouterr().err
     assert "--ref MODEL" in err and "prefpack precompute-ref" in err and "reference.mode" not in err
+
+
+def test_every_command_line_argument_says_what_it_is_for():
+    from prefpack.cli import build_parser
+
+    parser = build_parser()
+    silent = [f"{name} {a.option_strings or a.dest}"
+              for name, sub in parser._subparsers._group_actions[0].choices.items()
+              for a in sub._actions if not a.help and "--help" not in a.option_strings]
+    assert silent == []

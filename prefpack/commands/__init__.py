@@ -92,7 +92,7 @@ def run_prepare(args, argv: list[str]) -> int:
 
 def add_inspect(sub) -> None:
     p = sub.add_parser("inspect", help="show a store's meta, length statistics and one decoded example")
-    p.add_argument("store", metavar="DIR")
+    p.add_argument("store", metavar="DIR", help="a store folder written by `prefpack prepare`")
     p.add_argument("--row", type=int, default=None, help="decode this example (0-based)")
     p.add_argument("--json", action="store_true", help="print one JSON object (keys meta, stats, row)")
     p.add_argument("--tokenizer", default=None, help="decode with this tokenizer (default: the store's copy)")
@@ -137,7 +137,7 @@ def add_train(sub) -> None:
                        "(e.g. optim.lr=1e-6 loss.beta=0.05).")
     p.add_argument("config", metavar="CONFIG.yaml", help="config file; may be left out when every key is given as an "
                    "override")
-    p.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config keys set on the command line, after the file (e.g. optim.lr=1e-6 train.max_steps=100); `prefpack train --help` lists no keys: see docs/config.md")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's newest intact checkpoint "
                    "(each is checked against its checksums; a damaged one is reported and the previous one used)")
     p.add_argument("--allow-config-change", action="store_true",
@@ -233,11 +233,11 @@ def add_eval(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed of the KTO KL pairing (as given to precompute-ref; "
                    "default: the --config run's train.seed, else 0)")
     p.add_argument("--micro-batch-tokens", default="auto", help="tokens per micro-batch (default: auto, from the device)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run (default auto: CUDA when there is a GPU, else CPU)")
     p.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16", "float16"),
                    help="compute dtype (default: the --config run's, else auto: bfloat16 on CUDA over float32 "
                    "weights, as training runs)")
-    p.add_argument("--allow-tokenizer-mismatch", action="store_true")
+    p.add_argument("--allow-tokenizer-mismatch", action="store_true", help="score even when the model's tokenizer differs from the store's (its token ids may mean other things; off by default for that reason)")
     p.add_argument("--trust-remote-code", action="store_true", help=REMOTE_CODE_HELP + " (also on when the --config "
                    "run set model.trust_remote_code)")
     _add_sequence_parallel(p, "(default: the --config run's distributed.sequence_parallel, else 1)")
@@ -311,9 +311,10 @@ def add_precompute(sub) -> None:
                    "that read the sidecar)")
     p.add_argument("--micro-batch-tokens", default="auto", help="tokens per micro-batch (default: auto, from the device)")
     p.add_argument("--chunk-size", default="auto", help="rows per chunk of the head (default: auto, from the device)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    p.add_argument("--allow-tokenizer-mismatch", action="store_true")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run (default auto: CUDA when there is a GPU, else CPU)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="compute dtype (default auto: bfloat16 on CUDA over float32 weights, float32 on CPU; use the dtype the runs that read the sidecar will train in)")
+    p.add_argument("--allow-tokenizer-mismatch", action="store_true", help="score even when the model's tokenizer differs from the store's (its token ids may mean other things; off by default for that reason)")
     p.add_argument("--trust-remote-code", action="store_true", help=REMOTE_CODE_HELP)
     _add_sequence_parallel(p, "(default 1)")
 
@@ -373,7 +374,7 @@ def add_quickstart(sub) -> None:
                    "training steps (default 30)")
     p.add_argument("--data", default=None, help="small: conversations to build the tokenizer and train on (pairs "
                    ".jsonl[.gz] or a text column; default: the bundled hh sample)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the data, the model's initial weights and the training order (default 0)")
 
 
 def run_quickstart(args, argv) -> int:
@@ -397,7 +398,7 @@ def run_quickstart(args, argv) -> int:
 
 def add_plot(sub) -> None:
     p = sub.add_parser("plot", help="draw RUN_DIR/curves.png from RUN_DIR/metrics.jsonl")
-    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (run.output_dir) holding metrics.jsonl")
 
 
 def run_plot(args, argv) -> int:
