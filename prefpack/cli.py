@@ -47,8 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _quiet_libraries() -> None:
     """prefpack prints its own progress; transformers' per-file loading bars only add noise."""
+    import logging
     import os
 
+    # bitsandbytes says on import, on CPUs with AVX512-BF16, that an optional CPU kernel package is missing: noise for
+    # every LoRA run (peft imports it), and a speed hint only for 4-bit weights on CPU (docs/gpu.md, Memory)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "warning")
     try:

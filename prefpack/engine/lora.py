@@ -3,6 +3,7 @@ model's layers (and the vision side's where not frozen) get them. The adapter re
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -33,4 +34,6 @@ def wrap_lora(model: nn.Module, cfg) -> nn.Module:
                               freeze_projector=cfg.model.freeze_projector)
     lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                       target_modules=target, task_type="CAUSAL_LM")
-    return get_peft_model(model, lcfg)
+    with warnings.catch_warnings():  # peft 0.21 reads transformers' deprecated name: not the user's to fix
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)
+        return get_peft_model(model, lcfg)
