@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
-__all__ = ["clock", "is_terminal", "progress"]
+__all__ = ["Every", "clock", "is_terminal", "progress"]
 
 T = TypeVar("T")
 
@@ -58,9 +58,28 @@ def progress(items: Iterable[T], *, total: int | None = None, desc: str, unit: s
 def _line(desc: str, unit: str, done: int, total: int | None, elapsed: float, *, finished: bool = False) -> str:
     rate = done / elapsed if elapsed > 0 else 0.0
     count = f"{done}/{total}" if total is not None else str(done)
-    parts = [f"{desc}: {count} {unit}s", f"{rate:.2f} {unit}/s"]
+    plural = unit + ("es" if unit.endswith(("ch", "s", "x")) else "s")
+    parts = [f"{desc}: {count} {plural}", f"{rate:.2f} {unit}/s"]
     if finished:
         parts.append(f"done in {clock(elapsed)}")
     elif total is not None and rate > 0:
         parts.append(f"eta {clock((total - done) / rate)}")
     return ", ".join(parts)
+
+
+class Every:
+    """True from :meth:`due` once every ``seconds`` (for a plain progress line where no total is known ahead)."""
+
+    def __init__(self, seconds: float = 30.0):
+        self.seconds = seconds
+        self.start = self.last = time.monotonic()
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self.last < self.seconds:
+            return False
+        self.last = now
+        return True
+
+    def elapsed(self) -> str:
+        return clock(time.monotonic() - self.start)

@@ -105,3 +105,25 @@ def test_every_command_line_argument_says_what_it_is_for():
               for name, sub in parser._subparsers._group_actions[0].choices.items()
               for a in sub._actions if not a.help and "--help" not in a.option_strings]
     assert silent == []
+
+
+def test_progress_off_a_terminal_is_plain_lines(monkeypatch):
+    import io
+
+    from prefpack.progress import progress
+
+    stream = io.StringIO()  # a batch log: no carriage returns, a line per interval and one at the end
+    assert list(progress(range(3), desc="reference log-probs", unit="batch", every_s=0.0, stream=stream)) == [0, 1, 2]
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue() and len(lines) == 4
+    assert lines[0].startswith("reference log-probs: 1/3 batches") and "eta" in lines[0]
+    assert lines[-1].startswith("reference log-probs: 3/3 batches") and "done in" in lines[-1]
+
+
+def test_eval_reports_progress_in_a_batch_log(world, capsys):
+    assert cli_main(["eval", "--model", str(world["root"] / "policy"), "--ref", str(world["root"] / "policy"),
+                     "--data", str(world["eval"]), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip().splitlines()[-1])["pairs"] == 4
+    done = [x for x in err.splitlines() if x.startswith("eval: ") and "done in" in x]
+    assert len(done) == 1 and "micro-batches" in done[0]

@@ -242,6 +242,8 @@ def add_eval(sub) -> None:
                    "run set model.trust_remote_code)")
     _add_sequence_parallel(p, "(default: the --config run's distributed.sequence_parallel, else 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (on a terminal) or progress lines "
+                   "(off a terminal: one every 30 s)")
 
 
 def _add_sequence_parallel(p, default: str) -> None:
@@ -276,7 +278,7 @@ def run_eval(args, argv) -> int:
     parallel = start_parallel(args.device, sequence_parallel_of(options[0]))
     try:
         say = _err if parallel.is_main else (lambda _line: None)  # set-up lines once, not once per rank
-        results = [score_store(opts, parallel=parallel, log=say) for opts in options]
+        results = [score_store(opts, parallel=parallel, log=say, progress=not args.no_progress) for opts in options]
     finally:
         shutdown()
     if not parallel.is_main:

@@ -40,6 +40,7 @@ from prefpack.data.tokenize import TokenizeConfig
 from prefpack.data.truncation import DEFAULT_MIN_PROMPT_KEEP, TruncationStats, describe
 from prefpack.data.turns import TRAIN_ON
 from prefpack.errors import PrefpackError
+from prefpack.progress import Every
 from prefpack.remote_code import check_processor_code
 from prefpack.tokenizer import HASH_VERSION, load_tokenizer, special_tokens, tokenizer_hash, tokenizer_name
 
@@ -219,7 +220,10 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     try:
         init = (tok, opts.tokenizer, opts.trust_remote_code, layout, field_names, tcfg)
         chunks = read_chunks(sources, opts.split, opts.chunk_rows, rows_per_file)
+        ticker = Every(30.0)  # a long prepare says how far it is, in a batch log too
         for res in ordered_map(process_chunk, chunks, workers, init):
+            if ticker.due():
+                log(f"prepare: {sum(rows_per_file.values()):,} rows read in {ticker.elapsed()}")
             for p in res.problems:
                 if p["kind"] == "dropped":
                     dropped[p["reason"]] += 1

@@ -10,12 +10,13 @@ from prefpack.distributed import Dist
 from prefpack.model import SequenceLogps
 from prefpack.objectives import Objective, StepTotals, release_images
 from prefpack.parallel import ONE_PROCESS, Parallel
+from prefpack.progress import progress as show_progress
 from prefpack.reference import Reference
 
 
 @torch.no_grad()
 def evaluate(policy: nn.Module, reference: Reference, task: Objective, *, module: nn.Module | None = None,
-             parallel: Parallel = ONE_PROCESS) -> dict[str, float]:
+             parallel: Parallel = ONE_PROCESS, progress: bool = False) -> dict[str, float]:
     """Mean loss and metrics over every example of a task's store (deterministic micro-batches, no grad).
 
     `module` is the (possibly wrapped) SequenceLogps of `policy`; with several ranks the micro-batches
@@ -38,15 +39,21 @@ def evaluate(policy: nn.Module, reference: Reference, task: Objective, *, module
         step_state = _windowed_state(task, module, reference, share.planned, counted, windows, ctx)
         collated = None
     totals = StepTotals()
+    # `prefpack eval` on a big store: a bar on a terminal, plain lines in a batch log (training announces its own)
+    ticks = iter(show_progress(range(len(share.planned)), desc="eval", unit="micro-batch",
+                               enabled=progress and ctx.is_main))
     for window in windows:
         if collated is None:
             task.prefetch([share.planned[k] for k in window])
         for k in window:
+            next(ticks, None)
             batch = collated[k] if collated is not None else task.collate(share.planned[k])
             out = task.loss(module, reference, batch, step_state)
             release_images(batch)
             if share.weights[k]:
                 totals.add(out, batch, counted=parallel.counts_sums)
+    for _ in ticks:  # the last line
+        pass
     policy.train(was_training)
     return reduce_totals(totals, ctx).means()
 

@@ -104,7 +104,7 @@ def eval_config(opts: EvalOptions):
     return cfg
 
 
-def score_store(opts: EvalOptions, *, parallel: Parallel = ONE_PROCESS, log=print) -> dict:
+def score_store(opts: EvalOptions, *, parallel: Parallel = ONE_PROCESS, log=print, progress: bool = False) -> dict:
     """``prefpack eval`` on one store: its metrics, counts and reference mode."""
     from prefpack.training.evaluation import evaluate
     from prefpack.training.setup import build
@@ -112,7 +112,7 @@ def score_store(opts: EvalOptions, *, parallel: Parallel = ONE_PROCESS, log=prin
     cfg = eval_config(opts)
     cfg.validate()
     setup = build(cfg, log=log, parallel=parallel, check_sidecar_reference=False)  # the sidecar IS the ref
-    result = evaluate(setup.policy, setup.reference, setup.train_task, parallel=parallel)
+    result = evaluate(setup.policy, setup.reference, setup.train_task, parallel=parallel, progress=progress)
     parallel.barrier()  # no rank leaves while another is still in a collective
     task = setup.train_task
     result.update(task.counts())
