@@ -38,11 +38,15 @@ class NonFiniteError(PrefpackError, ValueError):
 
 class StopSignal:
     """SIGTERM's handler while the loop runs (the previous handler is restored on exit); ``due()`` once per step says,
-    the same on every rank, whether to stop now."""
+    the same on every rank, whether to stop now.
+
+    A signal that arrives after the last step's ``due()`` was never acted on: on exit it is delivered again, to the
+    restored handler, so it is never swallowed (it once was: a run under torchrun finished after its SIGTERM)."""
 
     def __init__(self, ctx: Dist):
         self.ctx = ctx
         self.signum = 0
+        self.acted = False
         self.previous = None
 
     def __enter__(self) -> StopSignal:
@@ -54,17 +58,21 @@ class StopSignal:
         if self.previous is not None:
             signal.signal(signal.SIGTERM, self.previous)
             self.previous = None
+            if self.signum and not self.acted and exc[0] is None:
+                signal.raise_signal(self.signum)  # arrived after the last check: the handler outside the loop's
 
     def _handle(self, signum, _frame) -> None:
         self.signum = signum  # acted on between steps: a handler that raised here could cut a step or a write in half
 
     def due(self) -> bool:
         if not self.ctx.enabled:
-            return bool(self.signum)
-        flag = torch.tensor([float(bool(self.signum))], device=self.ctx.device)
-        got = float(self.ctx.all_reduce_sum(flag)) > 0
-        if got and not self.signum:
-            self.signum = signal.SIGTERM  # another rank received it
+            got = bool(self.signum)
+        else:
+            flag = torch.tensor([float(bool(self.signum))], device=self.ctx.device)
+            got = float(self.ctx.all_reduce_sum(flag)) > 0
+            if got and not self.signum:
+                self.signum = signal.SIGTERM  # another rank received it
+        self.acted = self.acted or got
         return got
 
 

@@ -226,7 +226,8 @@ def _train(cfg, parallel: Parallel, *, resume: bool, stop_after_steps: int | Non
                          "scored": totals.scored, "skipped_steps": nonfinite.skipped})
             tokens_run += totals.real_tokens
             cadence.after_step(step + 1, last)  # metrics line, bar, eval, checkpoint, stop: whatever is due
-            if stop.due() and step + 1 < n_steps:  # SIGTERM: checkpoint this step, then stop (every rank here)
+            if stop.due():  # SIGTERM: checkpoint this step, then stop (every rank here); after the last step too,
+                # so a run stopped before its final evaluation and model resumes to them instead of losing its steps
                 cadence.terminate(step + 1, stop.signum)
     eval_after = cadence.finish()
     check_finite_weights(params, ctx)  # never a NaN model saved as the result
