@@ -18,7 +18,7 @@ from prefpack.errors import PrefpackError
 
 __all__ = ["SWITCH", "RemoteCodeError", "check_model_code", "check_processor_code", "check_tokenizer_code"]
 
-SWITCH = ("pass --trust-remote-code (prepare, eval, precompute-ref) or set model.trust_remote_code=true (train) if "
+SWITCH = ("pass --trust-remote-code (prepare, inspect, eval, precompute-ref) or set model.trust_remote_code=true (train) if "
           "you trust it")
 
 # where transformers reads an image processor's or processor's class (config.json: its AutoImageProcessor and

@@ -207,3 +207,25 @@ def test_every_from_pretrained_passes_trust_remote_code():
                     and not any(k.arg == "trust_remote_code" for k in node.keywords)):
                 missing.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not missing, missing
+
+
+def test_inspect_refuses_a_store_tokenizer_naming_code_and_has_the_switch(assets, tmp_path, monkeypatch):
+    """`inspect --row` decodes with the store's tokenizer copy: one naming code is refused in one line, and the switch
+    the message names exists on inspect (it passes trust_remote_code=True to the loader; the code is not run here)."""
+    import transformers
+
+    marker = tmp_path / "marker"
+    store = Path(shutil.copytree(assets["store"], tmp_path / "store"))
+    name_code(store / "tokenizer", marker, "tokenizer_config.json", "AutoTokenizer", tokenizer_class="CustomTokenizer")
+    proc = batch_job("inspect", store, "--row", "0")
+    assert_refused(proc, store / "tokenizer", "tokenizer_config.json")
+    assert "inspect" in proc.stderr.split("--trust-remote-code")[1].split(")")[0]  # the switch's list names inspect
+    calls = Capture(monkeypatch, transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast)
+    from prefpack.data.inspect import inspect_store
+
+    (store / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(
+        {k: v for k, v in json.loads((store / "tokenizer" / "tokenizer_config.json").read_text()).items()
+         if k not in ("auto_map", "tokenizer_class")}))
+    inspect_store(str(store), row=0, trust_remote_code=True)
+    assert [k.get("trust_remote_code") for k in calls.kwargs] == [True]
+    assert not marker.exists()

@@ -97,12 +97,15 @@ def add_inspect(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (keys meta, stats, row)")
     p.add_argument("--tokenizer", default=None, help="decode with this tokenizer (default: the store's copy)")
     p.add_argument("--verify", action="store_true", help="also check file hashes and token ranges (reads everything)")
+    p.add_argument("--trust-remote-code", action="store_true", help=REMOTE_CODE_HELP + " (decoding --row with a "
+                   "tokenizer that names its own code)")
 
 
 def run_inspect(args, argv: list[str]) -> int:
     from prefpack.data.inspect import inspect_store
 
-    print(inspect_store(args.store, row=args.row, as_json=args.json, tokenizer=args.tokenizer, verify=args.verify))
+    print(inspect_store(args.store, row=args.row, as_json=args.json, tokenizer=args.tokenizer, verify=args.verify,
+                        trust_remote_code=args.trust_remote_code))
     return 0
 
 

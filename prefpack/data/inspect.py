@@ -210,7 +210,7 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
 
 
 def inspect_store(path: str, *, row: int | None = None, as_json: bool = False, tokenizer: str | None = None,
-                  verify: bool = False) -> str:
+                  verify: bool = False, trust_remote_code: bool = False) -> str:
     store = Store(path, verify=verify)
     if not verify:
         store.check_token_ids()  # cheap; --verify already did it with the hashes
@@ -219,7 +219,8 @@ def inspect_store(path: str, *, row: int | None = None, as_json: bool = False, t
     if row is not None:
         from prefpack.tokenizer import load_tokenizer
 
-        decoded = decode_row(store, row, load_tokenizer(tokenizer or store.tokenizer_path()))
+        decoded = decode_row(store, row, load_tokenizer(tokenizer or store.tokenizer_path(),
+                                                        trust_remote_code=trust_remote_code))
     if as_json:
         obj: dict[str, Any] = {"meta": store.meta, "stats": stats}
         if decoded is not None:
