@@ -59,6 +59,12 @@ class RewardModelScorer(Scorer):
 
     def score(self, rows: list[ScoreRow]) -> list[list[float]]:
         sequences = [r.prompt_ids + c for r in rows for c in r.completion_ids]
+        vocab = self.model.get_input_embeddings().num_embeddings
+        for r in rows:
+            top = max(max(r.prompt_ids), *(max(c, default=0) for c in r.completion_ids))
+            if top >= vocab:
+                raise ScorerError(f"--reward-model {self.folder!r}: row {r.row} holds token id {top}, but the model "
+                                  f"has {vocab} embeddings: the input's tokenizer is not the model's")
         flat = sequence_scores(self.model, sequences, self.batch_tokens, self.device)
         out, k = [], 0
         for r in rows:
@@ -71,6 +77,7 @@ def sequence_scores(model, sequences: list[list[int]], batch_tokens: int, device
     """The model's score of each sequence (prompt + completion ids) at its last token, as if run alone: sequences
     sorted by length, left-padded in batches of at most ``batch_tokens`` padded tokens (at least one sequence)."""
     import torch
+    from transformers.utils import logging as hf_logging
 
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     scores = [0.0] * len(sequences)
@@ -89,8 +96,13 @@ def sequence_scores(model, sequences: list[list[int]], batch_tokens: int, device
             mask[b, width - len(s):] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        with torch.no_grad():
-            logits = model(inputs_embeds=embed(ids), attention_mask=mask, position_ids=positions).logits
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # its note that pad ids go undetected in inputs_embeds: on purpose here
+        try:
+            with torch.no_grad():
+                logits = model(inputs_embeds=embed(ids), attention_mask=mask, position_ids=positions).logits
+        finally:
+            hf_logging.set_verbosity(verbosity)
         for i, value in zip(order[at:end], logits[:, 0].float().tolist()):
             scores[i] = value
         at = end

@@ -53,7 +53,8 @@ class ScoreRow:
 class ScoreInput:
     """An opened input: its kind, tokenizer (decodes ids; copied into the output store) and rows."""
 
-    def __init__(self, path: str | Path, *, tokenizer: str | None = None, trust_remote_code: bool = False):
+    def __init__(self, path: str | Path, *, tokenizer: str | None = None, fallback_tokenizer: str | None = None,
+                 trust_remote_code: bool = False):
         from prefpack.tokenizer import load_tokenizer, special_tokens
 
         self.path = Path(path)
@@ -75,8 +76,9 @@ class ScoreInput:
             recorded = self.meta.get("tokenizer") or {}
             if tokenizer is None and recorded.get("name") and Path(recorded["name"]).is_dir():
                 tokenizer = recorded["name"]
+        tokenizer = tokenizer or fallback_tokenizer
         if tokenizer is None:
-            raise ScoreInputError(f"{self.path}: give --tokenizer (the tokenizer its token ids are of)")
+            raise ScoreInputError(f"{self.path}: give --tokenizer (the tokenizer that reads its rows or wrote its ids)")
         self.tokenizer_dir = tokenizer
         self.tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
         self.specials = special_tokens(self.tok)

@@ -48,7 +48,8 @@ class ScoreOptions:
 def score(opts: ScoreOptions, log: Callable[[str], None] = print) -> dict:
     """Score ``opts.input`` into ``opts.output``; returns a summary (rows, completions, the scores' spread, pairs)."""
     _check(opts)
-    source = ScoreInput(opts.input, tokenizer=opts.tokenizer, trust_remote_code=opts.trust_remote_code)
+    source = ScoreInput(opts.input, tokenizer=opts.tokenizer, fallback_tokenizer=_model_tokenizer(opts.reward_model),
+                        trust_remote_code=opts.trust_remote_code)
     scorer = make_scorer(opts)
     identity = scorer.identity()
     partial = PartialScores(opts.output, {"input": source.identity(), "scorer": identity}, log=log)
@@ -91,6 +92,15 @@ def make_scorer(opts: ScoreOptions) -> Scorer:
 
     return RewardModelScorer(opts.reward_model, device=opts.device, dtype=opts.dtype, batch_tokens=opts.batch_tokens,
                              trust_remote_code=opts.trust_remote_code)
+
+
+def _model_tokenizer(folder: str | None) -> str | None:
+    """A reward model folder that holds its tokenizer (as an exported one does) reads text rows by default."""
+    from pathlib import Path
+
+    if folder and any((Path(folder) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return folder
+    return None
 
 
 def _check(opts: ScoreOptions) -> None:
