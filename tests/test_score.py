@@ -91,6 +91,8 @@ def test_samples_scored_by_a_reward_fn_keep_their_ids_train_and_show_in_inspect(
     assert main(["inspect", str(tmp_path / "ranked"), "--row", "4", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)["row"]
     assert shown["score"] == expected_reward(rows[1]["completions"][1], rows[1]["label"]) and shown["group"] == 1
+    assert main(["inspect", str(tmp_path / "ranked")]) == 0
+    assert f"scores     by reward_fn {fn}:reward: 30 completions" in capsys.readouterr().out
 
     # best_vs_worst as a pair store: each prompt's (max, min) completions, a tie skipped and counted
     assert cli(samples, "-o", tmp_path / "pairs", "--reward-fn", f"{fn}:reward", "--pairs", "best_vs_worst") == 0

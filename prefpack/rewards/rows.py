@@ -11,6 +11,7 @@ Three inputs:
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 from collections.abc import Iterator
@@ -105,7 +106,7 @@ class ScoreInput:
         """How many rows ``rows()`` yields (for the progress bar)."""
         if self.kind == "store":
             return len(self.store) if self.store.kind == "pairs" else len(self.store.group_starts()) - 1
-        with open(self.path, "rb") as fh:
+        with _open(self.path) as fh:
             return sum(1 for line in fh if line.strip())
 
     def rows(self) -> Iterator[ScoreRow]:
@@ -221,7 +222,7 @@ def _file_kind(path: Path) -> str:
 
 def _json_rows(path: Path) -> Iterator[tuple[int, dict]]:
     """(line number from 1, object) for each non-blank line of a JSONL file; a bad line is a one-line error."""
-    with open(path, encoding="utf-8") as fh:
+    with _open(path) as fh:
         for line_no, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
@@ -233,6 +234,11 @@ def _json_rows(path: Path) -> Iterator[tuple[int, dict]]:
             if not isinstance(row, dict):
                 raise ScoreInputError(f"{path} line {line_no}: a row must be a JSON object")
             yield line_no, row
+
+
+def _open(path: Path):
+    """A JSONL file, gzipped when its name ends in .gz."""
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
 
 
 def _ids(row: dict, name: str, where: str, vocab: int) -> list[int]:

@@ -46,10 +46,10 @@ class RewardFunctionScorer(Scorer):
     def __init__(self, spec: str):
         path, sep, fn_name = spec.rpartition(":")
         if not sep or not path or not fn_name:
-            raise ScorerError(f"--reward-fn {spec!r}: give it as path/to/file.py:function")
+            raise ScorerError(f"--reward-fn {spec}: give it as path/to/file.py:function")
         self.spec, self.path, self.fn_name = spec, Path(path), fn_name
         if not self.path.is_file():
-            raise ScorerError(f"--reward-fn {spec!r}: no such file {path!r}")
+            raise ScorerError(f"--reward-fn {spec}: no such file {path!r}")
         self.fn = _load_function(self.path, fn_name, spec)
         try:
             params = inspect.signature(self.fn).parameters.values()
@@ -84,7 +84,7 @@ def _load_function(path: Path, fn_name: str, spec: str):
     name = "prefpack_reward_fn_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
-        raise ScorerError(f"--reward-fn {spec!r}: {str(path)!r} is not a Python file")
+        raise ScorerError(f"--reward-fn {spec}: {str(path)!r} is not a Python file")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     try:
@@ -93,12 +93,12 @@ def _load_function(path: Path, fn_name: str, spec: str):
         sys.modules.pop(name, None)
         if isinstance(exc, KeyboardInterrupt):
             raise
-        raise ScorerError(f"--reward-fn {spec!r}: importing {path} failed: {type(exc).__name__}: "
+        raise ScorerError(f"--reward-fn {spec}: importing {path} failed: {type(exc).__name__}: "
                           f"{_one_line(exc)}") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         found = "not defined" if fn is None else f"a {type(fn).__name__}, not a function"
-        raise ScorerError(f"--reward-fn {spec!r}: {fn_name!r} is {found} in {path}")
+        raise ScorerError(f"--reward-fn {spec}: {fn_name!r} is {found} in {path}")
     return fn
 
 
