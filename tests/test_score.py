@@ -230,3 +230,37 @@ def test_pair_selection_modes_and_ties():
     assert pick([1.0, 1.1]) == [] and pick([2.0, 2.0, 2.0]) == [] and pick([0.0, 1.0]) == [(1, 0)]
     assert pick.counts() == {"mode": "best_vs_worst", "min_gap": 0.2, "prompts": 3, "pairs": 1, "tied_prompts": 2,
                              "mean_gap": 1.0}
+
+
+def test_a_pair_store_scored_keeps_its_ids_and_unscored_spans(tmp_path, toy_tokenizers):
+    """A pair store's pairs become ranked groups of two: the same ids, the same unscored tokens (spans.bin)."""
+    from prefpack.data.prepare import PrepareOptions, prepare
+    from prefpack.data.spans import scored_of
+
+    rows = [{"prompt": "Q: two plus two?\nA:", "chosen": " Four. [cite] done", "rejected": " Five.",
+             "loss_masking_spans": {"chosen": [[7, 13]], "rejected": []}},
+            {"prompt": "Q: a colour?\nA:", "chosen": " Blue.", "rejected": " A dog, [note] surely.",
+             "loss_masking_spans": {"chosen": [], "rejected": [[7, 14]]}}]
+    prepare(PrepareOptions(inputs=[str(write_jsonl(tmp_path / "pairs.jsonl", rows))],
+                           tokenizer=str(toy_tokenizers["neox"]), output=str(tmp_path / "pairs"), workers=1),
+            log=lambda m: None)
+    pairs = Store(tmp_path / "pairs")
+    assert len(pairs.spans) == 2
+    fn = tmp_path / "fn.py"
+    fn.write_text("def reward(prompt, completion):\n    return len(completion) / 10\n")
+    assert cli(tmp_path / "pairs", "-o", tmp_path / "ranked", "--reward-fn", f"{fn}:reward") == 0
+    ranked = Store(tmp_path / "ranked", verify=True)
+    assert ranked.meta["source_layout"] == "store" and len(ranked.spans) == 2
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(toy_tokenizers["neox"])
+    for i in range(len(pairs)):
+        prompt, chosen, rejected = pairs.pair(i)
+        got_prompt, comps = ranked.ranked_group(i)
+        assert got_prompt.tolist() == prompt.tolist()
+        for want, got in zip((chosen, rejected), comps):
+            assert got.tolist() == want.tolist()
+            mask_want, mask_got = scored_of(want), scored_of(got)
+            assert (mask_want is None and mask_got is None) or mask_got.tolist() == mask_want.tolist()
+        assert ranked.scores()[2 * i:2 * i + 2].tolist() == [len(tok.decode(c.tolist())) / 10 for c in (chosen,
+                                                                                                     rejected)]
