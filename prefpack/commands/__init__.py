@@ -413,6 +413,8 @@ def run_plot(args, argv) -> int:
     return 0
 
 
+from prefpack.commands.score import add_score, run_score  # noqa: E402
+
 COMMANDS = {
     "prepare": (add_prepare, run_prepare),
     "inspect": (add_inspect, run_inspect),
@@ -421,4 +423,5 @@ COMMANDS = {
     "precompute-ref": (add_precompute, run_precompute),
     "quickstart": (add_quickstart, run_quickstart),
     "plot": (add_plot, run_plot),
+    "score": (add_score, run_score),
 }

@@ -132,6 +132,10 @@ def marked_text(tok, ids: list[int], scored: list[bool]) -> str:
     return "".join(parts)
 
 
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
 def format_text(store: Store, stats: dict, row: dict | None) -> str:
     m = store.meta
     lines = [
@@ -145,6 +149,11 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
         lines.append(f"scoring    train_on={m.get('train_on') or '-'}; {m.get('num_spans', 0)} unscored spans: "
                      f"{stats['completion_tokens'] - stats['unscored_tokens']} of {stats['completion_tokens']} "
                      "completion tokens scored")
+    if m.get("scoring"):  # written by prefpack score
+        sc = m["scoring"]
+        by = sc.get("model") or f"{sc.get('file')}:{sc.get('function')}"
+        lines.append(f"scores     by {sc.get('scorer')} {by}: {sc.get('completions')} completions, min "
+                     f"{_num(sc.get('min'))}, mean {_num(sc.get('mean'))}, max {_num(sc.get('max'))}")
     if stats.get("images"):
         proc = m.get("processor") or {}
         family = FAMILIES.get(proc.get("kind"))  # older stores: none (Qwen2-VL's, shown as the class alone)

@@ -1,0 +1,181 @@
+"""``prefpack score`` as a library call: an input's rows scored by one scorer, checkpointed in ``OUT.partial`` every
+``checkpoint_rows`` rows (a killed run continues from there), then the output written in one pass over the input
+and the checkpointed scores, so a resumed run writes exactly what an uninterrupted one writes."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prefpack.errors import PrefpackError
+from prefpack.rewards.output import ScoreOutputError, store_meta, write_jsonl, write_store
+from prefpack.rewards.pairs import PAIR_MODES, PairSelection
+from prefpack.rewards.partial import PartialScores
+from prefpack.rewards.rows import ScoreInput, ScoreRow
+from prefpack.rewards.scorers import RewardFunctionScorer, Scorer, ScorerError
+
+OUTPUT_FORMATS = ("store", "jsonl")
+
+
+class ScoringInterrupted(Exception):
+    """Raised by the ``stop_after_rows`` hook: the run stops as a kill would, its checkpoints kept."""
+
+
+@dataclass
+class ScoreOptions:
+    input: str
+    output: str
+    reward_model: str | None = None
+    reward_fn: str | None = None  # path/to/file.py:function (user code: imported only when given)
+    tokenizer: str | None = None  # the input's tokenizer (a store's own copy by default)
+    format: str = "store"  # store (ranked, or pairs with `pairs`) | jsonl
+    pairs: str | None = None  # write a pair store of these pairs (pairs.PAIR_MODES) instead of a ranked store
+    min_gap: float = 0.0  # a pair's least score gap; prompts left with no pair are skipped and counted
+    checkpoint_rows: int = 64
+    overwrite: bool = False
+    device: str = "auto"
+    dtype: str = "float32"
+    batch_tokens: int = 8192
+    trust_remote_code: bool = False
+    progress: bool = True
+    stop_after_rows: int | None = None  # tests: stop (as if killed) once this many rows are checkpointed
+    argv: list[str] = field(default_factory=list)
+
+
+def score(opts: ScoreOptions, log: Callable[[str], None] = print) -> dict:
+    """Score ``opts.input`` into ``opts.output``; returns a summary (rows, completions, the scores' spread, pairs)."""
+    _check(opts)
+    source = ScoreInput(opts.input, tokenizer=opts.tokenizer, fallback_tokenizer=_model_tokenizer(opts.reward_model),
+                        trust_remote_code=opts.trust_remote_code)
+    scorer = make_scorer(opts)
+    identity = scorer.identity()
+    partial = PartialScores(opts.output, {"input": source.identity(), "scorer": identity}, log=log)
+    total = source.count_rows()
+    bar = Progress(total, len(partial), opts.progress, log)
+    pending: list[ScoreRow] = []
+    for row in source.rows():
+        if row.row < len(partial):
+            continue
+        pending.append(row)
+        if len(pending) == opts.checkpoint_rows:
+            _checkpoint(scorer, pending, partial, bar, opts)
+            pending = []
+    if pending:
+        _checkpoint(scorer, pending, partial, bar, opts)
+    bar.close()
+    scores = partial.scores
+    summary = {"input": str(source.path), "output": opts.output, "rows": len(scores),
+               "completions": sum(map(len, scores))}
+    if opts.format == "jsonl":
+        write_jsonl(_paired(source.rows(), scores), opts.output, overwrite=opts.overwrite)
+    else:
+        selection = PairSelection(opts.pairs, opts.min_gap) if opts.pairs else None
+        args = {"input": opts.input, "reward_model": opts.reward_model, "reward_fn": opts.reward_fn,
+                "pairs": opts.pairs, "min_gap": opts.min_gap}
+        meta = store_meta(source, identity, scores, {**args, "argv": opts.argv})
+        written = write_store(source, _paired(source.rows(), scores), opts.output, meta=meta, selection=selection,
+                              overwrite=opts.overwrite, log=log)
+        summary.update(examples=written["counts"]["examples"], skipped=written["counts"]["skipped"],
+                       scores=written["scoring"], **({"pairs": written["pairs"]} if selection else {}))
+    partial.remove()
+    return summary
+
+
+def make_scorer(opts: ScoreOptions) -> Scorer:
+    """The one scorer the options name; the reward function's file is imported here, never otherwise."""
+    if opts.reward_fn is not None:
+        return RewardFunctionScorer(opts.reward_fn)
+    from prefpack.rewards.reward_model import RewardModelScorer
+
+    return RewardModelScorer(opts.reward_model, device=opts.device, dtype=opts.dtype, batch_tokens=opts.batch_tokens,
+                             trust_remote_code=opts.trust_remote_code)
+
+
+def _model_tokenizer(folder: str | None) -> str | None:
+    """A reward model folder that holds its tokenizer (as an exported one does) reads text rows by default."""
+    from pathlib import Path
+
+    if folder and any((Path(folder) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return folder
+    return None
+
+
+def _check(opts: ScoreOptions) -> None:
+    if (opts.reward_model is None) == (opts.reward_fn is None):
+        raise PrefpackError("give one scorer: --reward-model FOLDER or --reward-fn path/to/file.py:function")
+    if opts.format not in OUTPUT_FORMATS:
+        raise PrefpackError(f"--format must be one of {', '.join(OUTPUT_FORMATS)}, not {opts.format!r}")
+    if opts.pairs is not None and (opts.pairs not in PAIR_MODES or opts.format != "store"):
+        raise PrefpackError(f"--pairs is one of {', '.join(PAIR_MODES)} and writes a pair store (--format store)")
+    if not opts.min_gap >= 0:
+        raise PrefpackError(f"--min-gap must be >= 0, not {opts.min_gap}")
+    if opts.checkpoint_rows < 1:
+        raise PrefpackError(f"--checkpoint-rows must be at least 1, not {opts.checkpoint_rows}")
+    from pathlib import Path
+
+    if Path(opts.output).exists() and not opts.overwrite:  # before any scoring: refuse at once
+        raise ScoreOutputError(f"output {opts.output!r} exists; pass --overwrite to replace it")
+
+
+def _checkpoint(scorer: Scorer, rows: list[ScoreRow], partial: PartialScores, bar: Progress,
+                opts: ScoreOptions) -> None:
+    scores = scorer.score(rows)
+    for row, values in zip(rows, scores):
+        if len(values) != len(row.completion_ids):
+            raise ScorerError(f"{scorer.name}: {len(values)} scores for the {len(row.completion_ids)} completions of "
+                              f"row {row.row}")
+        bad = next((k for k, v in enumerate(values) if not math.isfinite(v)), None)
+        if bad is not None:
+            raise ScorerError(f"{scorer.name}: row {row.row}, completion {bad}: score {values[bad]}, not a finite "
+                              "number")
+    partial.add([[float(v) for v in values] for values in scores])
+    bar.update(len(rows), sum(len(r.completion_ids) for r in rows))
+    if opts.stop_after_rows is not None and len(partial) >= opts.stop_after_rows:
+        bar.close()
+        raise ScoringInterrupted(f"stopped after {len(partial)} rows")
+
+
+def _paired(rows: Iterator[ScoreRow], scores: list[list[float]]) -> Iterator[tuple[ScoreRow, list[float]]]:
+    for row in rows:
+        yield row, scores[row.row]
+
+
+class Progress:
+    """A tqdm bar on a terminal; off one (a job's log file) a plain line at most every ``every`` seconds."""
+
+    def __init__(self, total: int, done: int, enabled: bool, log: Callable[[str], None], every: float = 30.0):
+        self.total, self.done, self.log, self.every = total, done, log, every
+        self.bar, self.lines = None, False
+        self.t0 = self.last = time.monotonic()
+        self.start, self.completions = done, 0
+        if enabled and _is_terminal(sys.stderr):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=done, desc="score", unit="row", file=sys.stderr, dynamic_ncols=True)
+        else:
+            self.lines = enabled
+
+    def update(self, rows: int, completions: int) -> None:
+        self.done += rows
+        self.completions += completions
+        if self.bar is not None:
+            self.bar.update(rows)
+        elif self.lines and (time.monotonic() - self.last >= self.every or self.done == self.total):
+            self.last = time.monotonic()
+            rate = self.completions / max(self.last - self.t0, 1e-9)
+            self.log(f"score: {self.done}/{self.total} rows ({rate:.1f} completions/s)")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
