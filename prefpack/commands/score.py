@@ -44,8 +44,10 @@ def add_score(sub) -> None:
                    help="checkpoint the scores every N input rows (default 64)")
     p.add_argument("--batch-tokens", type=int, default=8192, metavar="N",
                    help="--reward-model: padded tokens per forward (default 8192)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where the reward model runs "
+                   "(default auto: CUDA when there is a GPU, else CPU)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="the reward model's weights and compute (default float32)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run Python code the reward model or tokenizer folder names in its config (auto_map)")

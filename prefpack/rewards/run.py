@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prefpack.errors import PrefpackError
+from prefpack.progress import is_terminal
 from prefpack.rewards.output import ScoreOutputError, store_meta, write_jsonl, write_store
 from prefpack.rewards.pairs import PAIR_MODES, PairSelection
 from prefpack.rewards.partial import PartialScores
@@ -151,7 +152,7 @@ class Progress:
         self.bar, self.lines = None, False
         self.t0 = self.last = time.monotonic()
         self.start, self.completions = done, 0
-        if enabled and _is_terminal(sys.stderr):
+        if enabled and is_terminal(sys.stderr):
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=done, desc="score", unit="row", file=sys.stderr, dynamic_ncols=True)
@@ -173,9 +174,3 @@ class Progress:
             self.bar.close()
             self.bar = None
 
-
-def _is_terminal(stream) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
