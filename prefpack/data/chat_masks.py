@@ -81,7 +81,7 @@ def render_chat(tok, ex: Example, kwargs: dict[str, Any] | None = None, tools: l
         full, spans = render(conversation, template_kwargs, False, name, spans=markers and train_on != "all")
         if not full.startswith(prompt_text):
             raise InvalidRow("template_not_prefix_stable", name, _prompt_cause(render, ex.prompt, template_kwargs,
-                             prompt_text, full, name, template))
+                             prompt_text, full, name, template, _history_reply(template, earlier_reasoning, reply)))
         base = len(prompt_text)
         completion = full[base:]
         out.completions.append(completion)
@@ -192,13 +192,25 @@ def _family(template: ChatTemplate | None) -> str:
     return ""
 
 
+def _history_reply(template: ChatTemplate | None, earlier_reasoning: str | None, reply: list[dict]) -> bool:
+    """A training template with earlier turns' reasoning dropped, and a reply holding a user turn: the reply's first
+    assistant turn is then an earlier turn, rendered as history, not as the continuation of the generation prompt."""
+    return bool(template is not None and template.training and (earlier_reasoning or "dropped") == "dropped"
+                and any(m.get("role") == "user" for m in reply))
+
+
 def _prompt_cause(render: Renderer, prompt, kwargs, prompt_text: str, full: str, name: str,
-                  template: ChatTemplate | None) -> str:
+                  template: ChatTemplate | None, history_reply: bool = False) -> str:
     """Why the prompt (with its generation prompt) is no prefix of the conversation with reply `name`."""
     plain, _ = render(prompt, kwargs, False, None)
     if prompt_text.startswith(plain) and full.startswith(plain):
         header = prompt_text[len(plain):]
         got = full[len(plain):len(plain) + len(header) + 12]
+        if history_reply:
+            return (f"field {name!r} holds a user turn, so its first assistant turn is an earlier turn, which "
+                    f"--earlier-reasoning dropped (the default) renders as history ({got!r}...), not as the "
+                    f"continuation of the generation prompt {header!r}; pass --earlier-reasoning kept (or scored) to "
+                    "render earlier turns as the model wrote them")
         cause = (f"the template's generation prompt {header!r} is not how it renders the reply in field {name!r} "
                  f"(it renders {got!r}...), so no reply continues the prompt")
     else:

@@ -37,7 +37,7 @@ from prefpack.data.sources import Source, file_sha256, peek_first_row, resolve_i
 from prefpack.data.store import StoreWriter, check_output, recover_interrupted
 from prefpack.data.store_format import FLAG_PROMPT_TRUNCATED, PROCESSOR_DIR
 from prefpack.data.tokenize import TokenizeConfig
-from prefpack.data.training_templates import select_template, template_meta
+from prefpack.data.training_templates import ChatTemplateError, select_template, template_meta
 from prefpack.data.truncation import DEFAULT_MIN_PROMPT_KEEP, TruncationStats, describe
 from prefpack.data.turns import TRAIN_ON
 from prefpack.errors import PrefpackError
@@ -205,7 +205,10 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     layout, reason, field_names = _choose_layout(opts, sources)
     log(f"layout: {layout} ({reason})")
     template_kwargs, tools, tools_sha = _template_options(opts, layout)
-    template = select_template(tok, opts.chat_template, opts.earlier_reasoning, layout, log)
+    try:
+        template = select_template(tok, opts.chat_template, opts.earlier_reasoning, layout, log)
+    except ChatTemplateError as err:
+        raise PrepareError(str(err)) from None
     if opts.train_on is not None and opts.train_on not in TRAIN_ON:
         raise PrepareError(f"--train-on must be one of {', '.join(TRAIN_ON)}, not {opts.train_on!r}")
     train_on = opts.train_on or "assistant"
