@@ -229,7 +229,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     rows_per_file: Counter = Counter()
     repeats = PromptRepeats()
     unused: set = set()
-    left_out: list[str] = []
+    left_out: list[str] = []  # the first row whose chat template left reply text out, and what
+    left_out_rows = 0
     skipped_fh = None
     try:
         init = (tok, opts.tokenizer, opts.trust_remote_code, layout, field_names, tcfg)
@@ -255,9 +256,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
             empty.update(res.empty)
             chat.update(res.chat)
             unused |= res.unused
-            if not left_out:
-                left_out.extend(res.left_out[:1])
-            chat["left_out"] += len(res.left_out)
+            left_out.extend(res.left_out[:1] if not left_out else [])
+            left_out_rows += len(res.left_out)
             if res.images:
                 writer.append(res.tokens, res.index, res.spans, res.images)
             elif len(res.spans):
@@ -285,7 +285,7 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
             "counts": {"rows_read": rows_read, "examples": writer.n_rows, "skipped": dict(skipped),
                        "dropped": dict(dropped), "truncated": dict(truncated), "truncation": cuts.to_json(),
                        "empty_completions": dict(empty), "chat_examples": chat["examples"],
-                       "examples_with_tools": chat["with_tools"], "template_left_out": chat["left_out"],
+                       "examples_with_tools": chat["with_tools"], "template_left_out": left_out_rows,
                        **({"repeated_prompts": repeats.counts()} if kind == "pairs" else {})},
             "sources": [{"path": s.path, "kind": s.kind, "rows": rows_per_file[s.file_index],
                          "sha256": file_sha256(s.path)} for s in sources],
@@ -318,8 +318,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
         if (template_kwargs or tools is not None) and not chat["examples"]:
             log("note: --chat-template-kwargs / --tools had no effect: no row was rendered through the chat "
                 "template (the rows hold plain strings)")
-        if chat["left_out"]:
-            log(f"warning: the chat template left text of {chat['left_out']} rows' replies out of their rendering "
+        if left_out_rows:
+            log(f"warning: the chat template left text of {left_out_rows} rows' replies out of their rendering "
                 f"(not trained on); first: {left_out[0]}")
         path = writer.commit(meta, overwrite=opts.overwrite)
     except BaseException:
@@ -331,7 +331,7 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
                          dict(dropped), dict(truncated), time.perf_counter() - t0, dict(empty), dict(chat),
                          writer.n_groups if kind == "ranked" else None, repeats.counts(), sorted(unused),
                          writer.n_spans, cuts.to_json(), opts.max_length, writer.n_images,
-                         {"rows": chat["left_out"], "first": left_out[0]} if chat["left_out"] else {})
+                         {"rows": left_out_rows, "first": left_out[0]} if left_out_rows else {})
 
 
 def _image_source(opts: PrepareOptions) -> ImageSource:
