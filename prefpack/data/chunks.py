@@ -58,6 +58,7 @@ class ChunkResult:
     # vision rows: per image (its index row in this chunk, encoded bytes, width, height, where its image tokens
     # start in `tokens`, how many)
     images: list[tuple[int, bytes, int, int, int, int]]
+    left_out: list[str]  # per row whose chat template left text of a reply out: where, and what (counted, reported)
 
 
 def process_chunk(chunk: list[RawRow]) -> ChunkResult:
@@ -101,6 +102,7 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
         flat.extend(c)
 
     cuts = TruncationStats()
+    left_out: list[str] = []
     for raw, ex, res in zip(origin, examples, results):
         if isinstance(res, InvalidRow):
             where = prompt_field(layout, fields) if res.reason == BELOW_MINIMUM else res.field
@@ -111,6 +113,8 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
             continue
         assert isinstance(res, TokenizedExample)
         empty.update(ex.empty_fields())
+        if res.left_out:
+            left_out.append(f"{raw.loc}: {'; '.join(res.left_out)}")
         if ex.chat:
             chat["examples"] += 1
             chat["with_tools"] += bool(ex.tools if ex.tools is not None else tokenize.cfg.tools)
@@ -149,7 +153,7 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
     index = np.asarray(rows, dtype=np.int64).reshape(-1, width)
     problems.sort(key=lambda p: (p["file_index"], p["row"]))
     span_rows = np.concatenate(spans) if spans else np.zeros((0, 2), np.int64)
-    return ChunkResult(tokens, index, problems, truncated, empty, chat, span_rows, unused, cuts, images)
+    return ChunkResult(tokens, index, problems, truncated, empty, chat, span_rows, unused, cuts, images, left_out)
 
 
 def _score_bits(score: float) -> int:

@@ -37,6 +37,7 @@ from prefpack.data.sources import Source, file_sha256, peek_first_row, resolve_i
 from prefpack.data.store import StoreWriter, check_output, recover_interrupted
 from prefpack.data.store_format import FLAG_PROMPT_TRUNCATED, PROCESSOR_DIR, grouping_pays
 from prefpack.data.tokenize import TokenizeConfig
+from prefpack.data.training_templates import ChatTemplateError, select_template, template_meta
 from prefpack.data.truncation import DEFAULT_MIN_PROMPT_KEEP, TruncationStats, describe
 from prefpack.data.turns import TRAIN_ON
 from prefpack.errors import PrefpackError
@@ -71,6 +72,10 @@ class PrepareOptions:
     chat_template_kwargs: dict | str | None = None
     tools: str | list | None = None  # JSON file (or list) of tools for chat rows that have no `tools` of their own
     train_on: str | None = None  # chat replies: "assistant" (default), "last" or "all" (turns.TRAIN_ON)
+    # a Jinja file chat rows are rendered with ("tokenizer": the tokenizer's own even where prefpack ships a
+    # training template for it); None: a training template for a recognised template, else the tokenizer's own
+    chat_template: str | None = None
+    earlier_reasoning: str | None = None  # a training template's earlier turns' reasoning: dropped, kept, scored
     # a processor folder (image processor + tokenizer): vision rows are read, their images stored (docs/images.md)
     processor: str | None = None
     # image paths may lead inside the input file's folder or this folder, nowhere else (docs/images.md)
@@ -100,6 +105,7 @@ class PrepareReport:
     cuts: dict = field(default_factory=dict)  # TruncationStats.to_json(): prompts and completions cut, tokens removed
     max_length: int | None = None
     images: int = 0  # images stored (images.bin)
+    left_out: dict = field(default_factory=dict)  # {"rows": n, "first": "where: what"}: reply text not rendered
 
     def summary(self) -> str:
         what = f"{self.examples} examples" if self.groups is None else \
@@ -133,6 +139,9 @@ class PrepareReport:
         if self.spans:
             lines.append(f"unscored spans: {self.spans} token ranges inside completions get no loss (spans.bin; "
                          "`prefpack inspect --row N` shows them)")
+        if self.left_out.get("rows"):
+            lines.append(f"left out by the chat template: text of {self.left_out['rows']} rows' replies is not in "
+                         f"their rendering, so it is not trained on (first: {self.left_out['first']})")
         if self.chat.get("with_tools"):
             lines.append(f"rendered with tools: {self.chat['with_tools']} of {self.chat.get('examples', 0)} chat "
                          "examples")
@@ -197,6 +206,10 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     layout, reason, field_names = _choose_layout(opts, sources)
     log(f"layout: {layout} ({reason})")
     template_kwargs, tools, tools_sha = _template_options(opts, layout)
+    try:
+        template = select_template(tok, opts.chat_template, opts.earlier_reasoning, layout, log)
+    except ChatTemplateError as err:
+        raise PrepareError(str(err)) from None
     if opts.train_on is not None and opts.train_on not in TRAIN_ON:
         raise PrepareError(f"--train-on must be one of {', '.join(TRAIN_ON)}, not {opts.train_on!r}")
     train_on = opts.train_on or "assistant"
@@ -205,7 +218,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     workers = opts.workers or os.cpu_count() or 1
     tcfg = TokenizeConfig(max_length=opts.max_length, truncation=opts.truncation, min_prompt_keep=opts.min_prompt_keep,
                           chat_template_kwargs=template_kwargs, tools=tools, train_on=train_on, vision=vision,
-                          image_source=_image_source(opts))
+                          image_source=_image_source(opts), template=template,
+                          earlier_reasoning=opts.earlier_reasoning)
     writer = StoreWriter(opts.output, kind=kind, vocab_size=specials.vocab_size, overwrite=opts.overwrite, log=log)
     skipped: Counter = Counter()
     empty: Counter = Counter()
@@ -216,6 +230,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     rows_per_file: Counter = Counter()
     repeats = PromptRepeats()
     unused: set = set()
+    left_out: list[str] = []  # the first row whose chat template left reply text out, and what
+    left_out_rows = 0
     skipped_fh = None
     try:
         init = (tok, opts.tokenizer, opts.trust_remote_code, layout, field_names, tcfg)
@@ -244,6 +260,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
             empty.update(res.empty)
             chat.update(res.chat)
             unused |= res.unused
+            left_out.extend(res.left_out[:1] if not left_out else [])
+            left_out_rows += len(res.left_out)
             if res.images:
                 writer.append(res.tokens, res.index, res.spans, res.images)
             elif len(res.spans):
@@ -271,7 +289,7 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
             "counts": {"rows_read": rows_read, "examples": writer.n_rows, "skipped": dict(skipped),
                        "dropped": dict(dropped), "truncated": dict(truncated), "truncation": cuts.to_json(),
                        "empty_completions": dict(empty), "chat_examples": chat["examples"],
-                       "examples_with_tools": chat["with_tools"],
+                       "examples_with_tools": chat["with_tools"], "template_left_out": left_out_rows,
                        **({"repeated_prompts": repeats.counts()} if kind == "pairs" else {})},
             "sources": [{"path": s.path, "kind": s.kind, "rows": rows_per_file[s.file_index],
                          "sha256": file_sha256(s.path)} for s in sources],
@@ -282,7 +300,9 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
                      "allow_duplicate_inputs": opts.allow_duplicate_inputs,
                      "chat_template_kwargs": template_kwargs or None,
                      "tools": opts.tools, "train_on": opts.train_on,
-                     "tools_sha256": tools_sha},
+                     "tools_sha256": tools_sha, "chat_template": opts.chat_template,
+                     "earlier_reasoning": opts.earlier_reasoning},
+            "chat_template": template_meta(template, opts.earlier_reasoning) if chat["examples"] else None,
             "argv": opts.argv,
             "unused_columns": sorted(unused),
         }
@@ -302,6 +322,9 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
         if (template_kwargs or tools is not None) and not chat["examples"]:
             log("note: --chat-template-kwargs / --tools had no effect: no row was rendered through the chat "
                 "template (the rows hold plain strings)")
+        if left_out_rows:
+            log(f"warning: the chat template left text of {left_out_rows} rows' replies out of their rendering "
+                f"(not trained on); first: {left_out[0]}")
         path = writer.commit(meta, overwrite=opts.overwrite)
     except BaseException:
         if skipped_fh is not None:
@@ -311,7 +334,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     return PrepareReport(path, layout, reason, writer.n_rows, writer.n_tokens, rows_read, dict(skipped),
                          dict(dropped), dict(truncated), time.perf_counter() - t0, dict(empty), dict(chat),
                          writer.n_groups if kind == "ranked" else None, repeats.counts(), sorted(unused),
-                         writer.n_spans, cuts.to_json(), opts.max_length, writer.n_images)
+                         writer.n_spans, cuts.to_json(), opts.max_length, writer.n_images,
+                         {"rows": left_out_rows, "first": left_out[0]} if left_out_rows else {})
 
 
 def _image_source(opts: PrepareOptions) -> ImageSource:
