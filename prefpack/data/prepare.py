@@ -36,12 +36,20 @@ from prefpack.data.images import ProcessorError, load_vision, processor_identity
 from prefpack.data.sources import Source, file_sha256, peek_first_row, resolve_inputs
 from prefpack.data.store import StoreWriter, check_output, recover_interrupted
 from prefpack.data.store_format import FLAG_PROMPT_TRUNCATED, PROCESSOR_DIR
+from prefpack.data.template_vars import template_reads
 from prefpack.data.tokenize import TokenizeConfig
 from prefpack.data.truncation import DEFAULT_MIN_PROMPT_KEEP, TruncationStats, describe
 from prefpack.data.turns import TRAIN_ON
 from prefpack.errors import PrefpackError
 from prefpack.remote_code import check_processor_code
-from prefpack.tokenizer import HASH_VERSION, load_tokenizer, special_tokens, tokenizer_hash, tokenizer_name
+from prefpack.tokenizer import (
+    HASH_VERSION,
+    load_tokenizer,
+    special_tokens,
+    template_identity,
+    tokenizer_hash,
+    tokenizer_name,
+)
 
 
 class PrepareError(PrefpackError, ValueError):
@@ -99,6 +107,7 @@ class PrepareReport:
     cuts: dict = field(default_factory=dict)  # TruncationStats.to_json(): prompts and completions cut, tokens removed
     max_length: int | None = None
     images: int = 0  # images stored (images.bin)
+    null_keys: dict = field(default_factory=dict)  # {"keys": n, "rows": m}: Arrow's null keys dropped (arrow_rows)
 
     def summary(self) -> str:
         what = f"{self.examples} examples" if self.groups is None else \
@@ -124,6 +133,10 @@ class PrepareReport:
         if self.empty_completions:
             lines.append("kept empty or whitespace-only completions (each is its whitespace then EOS, as TRL "
                          "trains them): " + ", ".join(f"{k}={v}" for k, v in sorted(self.empty_completions.items())))
+        if self.null_keys.get("keys"):
+            lines.append(f"null keys dropped: {self.null_keys['keys']} in {self.null_keys['rows']} rows (Parquet / "
+                         "datasets fill every message, tool call and tool schema with the other rows' keys as null; "
+                         "they are dropped before rendering, docs/data.md)")
         if self.unused_columns:
             lines.append(f"not used (input columns): {', '.join(map(repr, self.unused_columns))}")
         if self.images:
@@ -132,6 +145,10 @@ class PrepareReport:
         if self.spans:
             lines.append(f"unscored spans: {self.spans} token ranges inside completions get no loss (spans.bin; "
                          "`prefpack inspect --row N` shows them)")
+        unread = {k.split(":", 1)[1]: n for k, n in self.chat.items() if k.startswith("unread:")}
+        if unread:  # a row's chat_template_kwargs the template never reads: passed, with no effect
+            lines.append("chat_template_kwargs the chat template never reads (no effect): "
+                         + ", ".join(f"{k!r} in {n} rows" for k, n in sorted(unread.items())))
         if self.chat.get("with_tools"):
             lines.append(f"rendered with tools: {self.chat['with_tools']} of {self.chat.get('examples', 0)} chat "
                          "examples")
@@ -196,6 +213,11 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     layout, reason, field_names = _choose_layout(opts, sources)
     log(f"layout: {layout} ({reason})")
     template_kwargs, tools, tools_sha = _template_options(opts, layout)
+    unread = template_reads(tok.chat_template).unread(template_kwargs)
+    if unread and tok.chat_template:
+        raise PrepareError(f"--chat-template-kwargs: the chat template of {opts.tokenizer!r} never reads "
+                           f"{', '.join(map(repr, unread))}, so setting it changes nothing; it reads "
+                           f"{', '.join(sorted(template_reads(tok.chat_template).variables))}")
     if opts.train_on is not None and opts.train_on not in TRAIN_ON:
         raise PrepareError(f"--train-on must be one of {', '.join(TRAIN_ON)}, not {opts.train_on!r}")
     train_on = opts.train_on or "assistant"
@@ -213,12 +235,13 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     cuts = TruncationStats()
     chat: Counter = Counter()
     rows_per_file: Counter = Counter()
+    nulls: Counter = Counter()  # null keys Arrow filled into messages, tool calls and tools, dropped
     repeats = PromptRepeats()
     unused: set = set()
     skipped_fh = None
     try:
         init = (tok, opts.tokenizer, opts.trust_remote_code, layout, field_names, tcfg)
-        chunks = read_chunks(sources, opts.split, opts.chunk_rows, rows_per_file)
+        chunks = read_chunks(sources, opts.split, opts.chunk_rows, rows_per_file, nulls)
         for res in ordered_map(process_chunk, chunks, workers, init):
             for p in res.problems:
                 if p["kind"] == "dropped":
@@ -264,10 +287,13 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
             "train_on": train_on if chat["examples"] else None,  # which chat messages are scored (None: no chat rows)
             "tokenizer": {"name": tokenizer_name(tok, opts.tokenizer), "hash": tokenizer_hash(tok),
                           "hash_version": HASH_VERSION, "has_chat_template": bool(tok.chat_template), **specials.to_json()},
+            # the chat template the rows were rendered with (not part of the hash: it does not change what ids mean)
+            "chat_template": template_identity(tok) if chat["examples"] else None,
             "counts": {"rows_read": rows_read, "examples": writer.n_rows, "skipped": dict(skipped),
                        "dropped": dict(dropped), "truncated": dict(truncated), "truncation": cuts.to_json(),
                        "empty_completions": dict(empty), "chat_examples": chat["examples"],
-                       "examples_with_tools": chat["with_tools"],
+                       "examples_with_tools": chat["with_tools"], "null_keys_dropped": dict(nulls),
+                       "unread_template_kwargs": {k[7:]: n for k, n in chat.items() if k.startswith("unread:")},
                        **({"repeated_prompts": repeats.counts()} if kind == "pairs" else {})},
             "sources": [{"path": s.path, "kind": s.kind, "rows": rows_per_file[s.file_index],
                          "sha256": file_sha256(s.path)} for s in sources],
@@ -307,7 +333,7 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     return PrepareReport(path, layout, reason, writer.n_rows, writer.n_tokens, rows_read, dict(skipped),
                          dict(dropped), dict(truncated), time.perf_counter() - t0, dict(empty), dict(chat),
                          writer.n_groups if kind == "ranked" else None, repeats.counts(), sorted(unused),
-                         writer.n_spans, cuts.to_json(), opts.max_length, writer.n_images)
+                         writer.n_spans, cuts.to_json(), opts.max_length, writer.n_images, dict(nulls))
 
 
 def _image_source(opts: PrepareOptions) -> ImageSource:

@@ -17,6 +17,7 @@ from typing import Any
 
 from prefpack.data.formats import Example, InvalidRow
 from prefpack.data.image_files import ImageSource, image_bytes, image_size, image_tokens
+from prefpack.data.template_vars import TOOL_VARIABLES, template_reads
 from prefpack.data.truncation import check_prompt_keep
 from prefpack.data.turns import Ranges, token_mask, unscored_chat_ranges
 from prefpack.tokenizer import SpecialTokens
@@ -74,8 +75,8 @@ def render_chat(tok, ex: Example, kwargs: dict[str, Any] | None = None, tools: l
                          "template; use a tokenizer with one, or give plain strings")
     template_kwargs = {**(kwargs or {}), **ex.template_kwargs}
     row_tools = ex.tools if ex.tools is not None else tools
-    if row_tools is not None:
-        template_kwargs["tools"] = row_tools
+    if row_tools is not None:  # as `tools`, or `xml_tools` for a template that reads only that (SmolLM3)
+        template_kwargs[template_reads(tok.chat_template).tools_variable or "tools"] = row_tools
     prompt_text = _apply(tok, ex.prompt, None, add_generation_prompt=True, **template_kwargs)
     completions, unscored = [], []
     for reply, name in zip(ex.completions, ex.completion_fields):
@@ -107,13 +108,6 @@ def _apply(tok, messages: list[dict], name: str | None, **kwargs) -> str:
                          f"{type(exc).__name__}: {exc}") from None
 
 
-def _template_source(tok) -> str:
-    template = tok.chat_template
-    if isinstance(template, dict):
-        return "\n".join(str(t) for t in template.values())
-    return str(template or "")
-
-
 class ExampleTokenizer:
     """Tokenises batches of examples with one batched call to the fast tokenizer."""
 
@@ -124,19 +118,17 @@ class ExampleTokenizer:
         self.specials = specials
         self.cfg = cfg
         self._ws_cache: dict[int, bool] = {}
-        source = _template_source(tok)
         # A template that never reads `tools` or `tool_calls` would silently drop them: refuse such rows.
-        self._template_reads_tools = "tools" in source
-        self._template_reads_tool_calls = "tool_calls" in source
+        self.reads = template_reads(tok.chat_template)
 
     def _check_tool_support(self, ex: Example) -> None:
         tools = ex.tools if ex.tools is not None else self.cfg.tools
-        if tools and not self._template_reads_tools:
+        if tools and self.reads.tools_variable is None:
             raise InvalidRow("template_ignores_tools", "tools", "the row has tools but the tokenizer's chat "
-                             "template never reads `tools`, so they would be left out of the prompt; use a "
-                             "tokenizer whose template supports tool use")
+                             f"template reads none of {', '.join(TOOL_VARIABLES)}, so they would be left out of the "
+                             "prompt; use a tokenizer whose template supports tool use")
         for part, name in ((ex.prompt, None), *zip(ex.completions, ex.completion_fields)):
-            if not self._template_reads_tool_calls and any(m.get("tool_calls") for m in part):
+            if not self.reads.reads_tool_calls and any(m.get("tool_calls") for m in part):
                 raise InvalidRow("template_ignores_tools", name, "a message has 'tool_calls' but the tokenizer's "
                                  "chat template never reads `tool_calls`, so the calls would be left out; use a "
                                  "tokenizer whose template supports tool use")
