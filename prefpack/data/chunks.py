@@ -74,7 +74,7 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
             continue
         unused.update(k for k in raw.row if k not in used)
         try:
-            ex = extract(raw.row, layout, fields, vision=vision)
+            ex = extract(raw.row, layout, fields, vision=vision, chat_template=bool(tokenize.tok.chat_template))
             if vision:  # the image token's text in a row would be image tokens with no image
                 check_no_image_token(raw.row, used - {IMAGES_FIELD, RLAIFV_IMAGE}, tokenize.cfg.vision.image_token)
             if ex.images:
@@ -111,6 +111,8 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
             continue
         assert isinstance(res, TokenizedExample)
         empty.update(ex.empty_fields())
+        if ex.prompt_at_difference:
+            chat["prompt_at_difference"] += 1
         if ex.chat:
             chat["examples"] += 1
             chat["with_tools"] += bool(ex.tools if ex.tools is not None else tokenize.cfg.tools)

@@ -149,6 +149,10 @@ class PrepareReport:
         if unread:  # a row's chat_template_kwargs the template never reads: passed, with no effect
             lines.append("chat_template_kwargs the chat template never reads (no effect): "
                          + ", ".join(f"{k!r} in {n} rows" for k, n in sorted(unread.items())))
+        if self.chat.get("prompt_at_difference"):
+            lines.append(f"implicit prompts without chat markers: {self.chat['prompt_at_difference']} rows' prompts are "
+                         "chosen and rejected's common prefix, cut where they first differ (TRL's extract_prompt); "
+                         "give a prompt column to choose it yourself")
         if self.chat.get("with_tools"):
             lines.append(f"rendered with tools: {self.chat['with_tools']} of {self.chat.get('examples', 0)} chat "
                          "examples")
@@ -221,7 +225,7 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     if opts.train_on is not None and opts.train_on not in TRAIN_ON:
         raise PrepareError(f"--train-on must be one of {', '.join(TRAIN_ON)}, not {opts.train_on!r}")
     train_on = opts.train_on or "assistant"
-    kind = {"unpaired": "unpaired", "ranked": "ranked"}.get(layout, "pairs")
+    kind = {"unpaired": "unpaired", "kto-messages": "unpaired", "ranked": "ranked"}.get(layout, "pairs")
     fields = resolve_fields(layout, field_names)
     workers = opts.workers or os.cpu_count() or 1
     tcfg = TokenizeConfig(max_length=opts.max_length, truncation=opts.truncation, min_prompt_keep=opts.min_prompt_keep,
@@ -293,6 +297,7 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
                        "dropped": dict(dropped), "truncated": dict(truncated), "truncation": cuts.to_json(),
                        "empty_completions": dict(empty), "chat_examples": chat["examples"],
                        "examples_with_tools": chat["with_tools"], "null_keys_dropped": dict(nulls),
+                       "prompts_at_first_difference": chat["prompt_at_difference"],
                        "unread_template_kwargs": {k[7:]: n for k, n in chat.items() if k.startswith("unread:")},
                        **({"repeated_prompts": repeats.counts()} if kind == "pairs" else {})},
             "sources": [{"path": s.path, "kind": s.kind, "rows": rows_per_file[s.file_index],
@@ -321,6 +326,13 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
         if opts.train_on is not None and not chat["examples"]:
             log("note: --train-on had no effect: no row holds chat messages (text rows are masked by their "
                 f"{fields.spans!r} column)")
+        if layout == "alpaca" and not tok.chat_template:
+            log("note: alpaca rows are stored as raw text: the tokenizer has no chat template, so each prompt is the "
+                "instruction, a newline and the input, followed directly by the reply (no role markers, no "
+                "separator); use a tokenizer with a chat template to have them rendered as chat")
+        elif tok.chat_template and not chat["examples"]:
+            log("note: the rows hold plain strings, tokenised as they are: the tokenizer's chat template is not "
+                "applied (as TRL does for such rows); give message lists to have it render them")
         if (template_kwargs or tools is not None) and not chat["examples"]:
             log("note: --chat-template-kwargs / --tools had no effect: no row was rendered through the chat "
                 "template (the rows hold plain strings)")
