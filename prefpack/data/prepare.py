@@ -9,7 +9,6 @@ parallel part is ``chunks``; this module holds the options, the layout choice, t
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import time
@@ -18,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-
-import numpy as np
 
 import prefpack
 from prefpack.data.chunks import ordered_map, process_chunk, read_chunks
@@ -33,9 +30,10 @@ from prefpack.data.formats import (
 )
 from prefpack.data.image_files import DEFAULT_MAX_IMAGE_BYTES, ImageSource
 from prefpack.data.images import ProcessorError, load_vision, processor_identity
+from prefpack.data.prompt_repeats import PromptRepeats
 from prefpack.data.sources import Source, file_sha256, peek_first_row, resolve_inputs
 from prefpack.data.store import StoreWriter, check_output, recover_interrupted
-from prefpack.data.store_format import FLAG_PROMPT_TRUNCATED, PROCESSOR_DIR
+from prefpack.data.store_format import PROCESSOR_DIR
 from prefpack.data.template_vars import template_reads
 from prefpack.data.tokenize import TokenizeConfig
 from prefpack.data.truncation import DEFAULT_MIN_PROMPT_KEEP, TruncationStats, describe
@@ -362,33 +360,6 @@ def _jsonable(value):
     if isinstance(value, bytes | bytearray | memoryview):
         return f"<{len(value)} bytes>"
     return str(value)
-
-
-class PromptRepeats:
-    """Counts pairs whose prompt (as tokens) another pair also has: training computes such a prompt once per pair,
-    which a ranked layout would avoid. Keeps an 8-byte digest per distinct prompt. Prompts --max-length cut are left
-    out: cut to their last tokens, unrelated prompts look alike (hh's cut to ``<s>:``)."""
-
-    def __init__(self):
-        self.seen: Counter = Counter()
-
-    def observe(self, tokens: np.ndarray, index: np.ndarray, images: list | None = None) -> None:
-        """`images`: the chunk's (row, bytes, ...) per image; a prompt's images are part of it (their image tokens
-        are the same placeholder ids whatever the image)."""
-        by_row: dict[int, list[bytes]] = {}
-        for row, data, *_ in images or ():
-            by_row.setdefault(row, []).append(data)
-        uncut = (index[:, 4] & FLAG_PROMPT_TRUNCATED) == 0  # the pair columns' flags
-        for row in np.flatnonzero(uncut).tolist():
-            offset, prompt_len = int(index[row, 0]), int(index[row, 1])
-            h = hashlib.blake2b(tokens[offset:offset + prompt_len].tobytes(), digest_size=8)
-            for data in by_row.get(row, ()):
-                h.update(hashlib.blake2b(data, digest_size=16).digest())
-            self.seen[h.digest()] += 1
-
-    def counts(self) -> dict[str, int]:
-        repeated = [n for n in self.seen.values() if n > 1]
-        return {"prompts": len(repeated), "pairs": sum(repeated)}
 
 
 def _template_options(opts: PrepareOptions, layout: str) -> tuple[dict, list | None, str | None]:
