@@ -161,8 +161,8 @@ def test_smollm3_generation_tags_give_the_masks(tmp_path, family_toks):
             "<tool_call>get_weather(Paris)</tool_call><|im_end|>\nIt is sunny.<|im_end|>\n"
             "<think>\nForecast.\n</think>\nProbably rain.<|im_end|>\n")
         assert "<|im_start|>assistant\n" in unscored_text(tok, chosen) and "sunny<|im_end|>" in unscored_text(tok, chosen)
-        assert st.meta["chat_template"] == {"name": "the tokenizer's own", "sha256": st.meta["chat_template"]["sha256"],
-                                            "generation_markers": True}
+        t = st.meta["chat_template"]
+        assert t == {"name": "the tokenizer's own", "sha256": t["sha256"], "chars": t["chars"], "generation_markers": True}
 
 
 def test_text_a_template_leaves_out_is_reported(tmp_path, family_toks, capsys):

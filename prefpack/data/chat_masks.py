@@ -18,6 +18,7 @@ from typing import Any
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from prefpack.data.formats import Example, InvalidRow
+from prefpack.data.template_vars import template_reads
 from prefpack.data.training_templates import ChatTemplate, has_generation_markers
 from prefpack.data.turns import Ranges, complement, turn_ranges
 
@@ -71,8 +72,8 @@ def render_chat(tok, ex: Example, kwargs: dict[str, Any] | None = None, tools: l
     render = Renderer(tok, template, earlier_reasoning)
     template_kwargs = {**(kwargs or {}), **ex.template_kwargs}
     row_tools = ex.tools if ex.tools is not None else tools
-    if row_tools is not None:
-        template_kwargs["tools"] = row_tools
+    if row_tools is not None:  # as `tools`, or `xml_tools` for a template that reads only that (SmolLM3)
+        template_kwargs[template_reads(render.source(row_tools)).tools_variable or "tools"] = row_tools
     markers = template.markers if template is not None else has_generation_markers(render.source(row_tools))
     prompt_text, _ = render(ex.prompt, template_kwargs, True, None)
     out = RenderedChat(prompt_text, [], [], [])

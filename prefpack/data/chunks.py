@@ -75,7 +75,7 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
             continue
         unused.update(k for k in raw.row if k not in used)
         try:
-            ex = extract(raw.row, layout, fields, vision=vision)
+            ex = extract(raw.row, layout, fields, vision=vision, chat_template=bool(tokenize.tok.chat_template))
             if vision:  # the image token's text in a row would be image tokens with no image
                 check_no_image_token(raw.row, used - {IMAGES_FIELD, RLAIFV_IMAGE}, tokenize.cfg.vision.image_token)
             if ex.images:
@@ -115,9 +115,12 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
         empty.update(ex.empty_fields())
         if res.left_out:
             left_out.append(f"{raw.loc}: {'; '.join(res.left_out)}")
+        if ex.prompt_at_difference:
+            chat["prompt_at_difference"] += 1
         if ex.chat:
             chat["examples"] += 1
             chat["with_tools"] += bool(ex.tools if ex.tools is not None else tokenize.cfg.tools)
+            chat.update(f"unread:{k}" for k in tokenize.reads.unread(ex.template_kwargs))
         if res.cut:  # texts far over --max-length, cut before tokenising (counted apart; not an index flag)
             truncated["cut_before_tokenising"] += res.cut
         if res.truncated:
@@ -182,13 +185,17 @@ class ChunkRow(RawRow):
     loc_file_index: int = 0
 
 
-def read_chunks(sources: list[Source], split: str | None, size: int, counts: Counter) -> Iterator[list[ChunkRow]]:
-    """The rows of every source in order, ``size`` a chunk; ``counts`` receives each file's row count."""
+def read_chunks(sources: list[Source], split: str | None, size: int, counts: Counter,
+                nulls: Counter | None = None) -> Iterator[list[ChunkRow]]:
+    """The rows of every source in order, ``size`` a chunk; ``counts`` receives each file's row count, ``nulls`` the
+    null keys dropped from Arrow rows ("keys") and the rows that had some ("rows")."""
     chunk: list[ChunkRow] = []
     for src in sources:
         n = 0
         for raw in iter_rows(src, split=split):
-            chunk.append(ChunkRow(raw.loc, raw.row, raw.error, raw.message, raw.raw, src.file_index))
+            chunk.append(ChunkRow(raw.loc, raw.row, raw.error, raw.message, raw.raw, loc_file_index=src.file_index))
+            if nulls is not None and raw.nulls_dropped:
+                nulls.update(keys=raw.nulls_dropped, rows=1)
             n += 1
             if len(chunk) >= size:
                 yield chunk

@@ -9,7 +9,6 @@ parallel part is ``chunks``; this module holds the options, the layout choice, t
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import time
@@ -18,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-
-import numpy as np
 
 import prefpack
 from prefpack.data.chunks import ordered_map, process_chunk, read_chunks
@@ -33,9 +30,11 @@ from prefpack.data.formats import (
 )
 from prefpack.data.image_files import DEFAULT_MAX_IMAGE_BYTES, ImageSource
 from prefpack.data.images import ProcessorError, load_vision, processor_identity
+from prefpack.data.prompt_repeats import PromptRepeats
 from prefpack.data.sources import Source, file_sha256, peek_first_row, resolve_inputs
 from prefpack.data.store import StoreWriter, check_output, recover_interrupted
-from prefpack.data.store_format import FLAG_PROMPT_TRUNCATED, PROCESSOR_DIR, grouping_pays
+from prefpack.data.store_format import PROCESSOR_DIR, grouping_pays
+from prefpack.data.template_vars import template_reads
 from prefpack.data.tokenize import TokenizeConfig
 from prefpack.data.training_templates import ChatTemplateError, select_template, template_meta
 from prefpack.data.truncation import DEFAULT_MIN_PROMPT_KEEP, TruncationStats, describe
@@ -43,7 +42,13 @@ from prefpack.data.turns import TRAIN_ON
 from prefpack.errors import PrefpackError
 from prefpack.progress import Every
 from prefpack.remote_code import check_processor_code
-from prefpack.tokenizer import HASH_VERSION, load_tokenizer, special_tokens, tokenizer_hash, tokenizer_name
+from prefpack.tokenizer import (
+    HASH_VERSION,
+    load_tokenizer,
+    special_tokens,
+    tokenizer_hash,
+    tokenizer_name,
+)
 
 
 class PrepareError(PrefpackError, ValueError):
@@ -106,6 +111,7 @@ class PrepareReport:
     max_length: int | None = None
     images: int = 0  # images stored (images.bin)
     left_out: dict = field(default_factory=dict)  # {"rows": n, "first": "where: what"}: reply text not rendered
+    null_keys: dict = field(default_factory=dict)  # {"keys": n, "rows": m}: Arrow's null keys dropped (arrow_rows)
 
     def summary(self) -> str:
         what = f"{self.examples} examples" if self.groups is None else \
@@ -133,6 +139,10 @@ class PrepareReport:
         if self.empty_completions:
             lines.append("kept empty or whitespace-only completions (each is its whitespace then EOS, as TRL "
                          "trains them): " + ", ".join(f"{k}={v}" for k, v in sorted(self.empty_completions.items())))
+        if self.null_keys.get("keys"):
+            lines.append(f"null keys dropped: {self.null_keys['keys']} in {self.null_keys['rows']} rows (Parquet / "
+                         "datasets fill every message, tool call and tool schema with the other rows' keys as null; "
+                         "they are dropped before rendering, docs/data.md)")
         if self.images:
             lines.append(f"images: {self.images} stored with their placeholders expanded to the processor's token "
                          "counts (images.bin); train a vision-language model on them (docs/images.md)")
@@ -142,6 +152,14 @@ class PrepareReport:
         if self.left_out.get("rows"):
             lines.append(f"left out by the chat template: text of {self.left_out['rows']} rows' replies is not in "
                          f"their rendering, so it is not trained on (first: {self.left_out['first']})")
+        unread = {k.split(":", 1)[1]: n for k, n in self.chat.items() if k.startswith("unread:")}
+        if unread:  # a row's chat_template_kwargs the template never reads: passed, with no effect
+            lines.append("chat_template_kwargs the chat template never reads (no effect): "
+                         + ", ".join(f"{k!r} in {n} rows" for k, n in sorted(unread.items())))
+        if self.chat.get("prompt_at_difference"):
+            lines.append(f"implicit prompts without chat markers: {self.chat['prompt_at_difference']} rows' prompts are "
+                         "chosen and rejected's common prefix, cut where they first differ (TRL's extract_prompt); "
+                         "give a prompt column to choose it yourself")
         if self.chat.get("with_tools"):
             lines.append(f"rendered with tools: {self.chat['with_tools']} of {self.chat.get('examples', 0)} chat "
                          "examples")
@@ -210,10 +228,15 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
         template = select_template(tok, opts.chat_template, opts.earlier_reasoning, layout, log)
     except ChatTemplateError as err:
         raise PrepareError(str(err)) from None
+    unread = template_reads(tok.chat_template).unread(template_kwargs)
+    if unread and tok.chat_template:
+        raise PrepareError(f"--chat-template-kwargs: the chat template of {opts.tokenizer!r} never reads "
+                           f"{', '.join(map(repr, unread))}, so setting it changes nothing; it reads "
+                           f"{', '.join(sorted(template_reads(tok.chat_template).variables))}")
     if opts.train_on is not None and opts.train_on not in TRAIN_ON:
         raise PrepareError(f"--train-on must be one of {', '.join(TRAIN_ON)}, not {opts.train_on!r}")
     train_on = opts.train_on or "assistant"
-    kind = {"unpaired": "unpaired", "ranked": "ranked"}.get(layout, "pairs")
+    kind = {"unpaired": "unpaired", "kto-messages": "unpaired", "ranked": "ranked"}.get(layout, "pairs")
     fields = resolve_fields(layout, field_names)
     workers = opts.workers or os.cpu_count() or 1
     tcfg = TokenizeConfig(max_length=opts.max_length, truncation=opts.truncation, min_prompt_keep=opts.min_prompt_keep,
@@ -228,6 +251,7 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     cuts = TruncationStats()
     chat: Counter = Counter()
     rows_per_file: Counter = Counter()
+    nulls: Counter = Counter()  # null keys Arrow filled into messages, tool calls and tools, dropped
     repeats = PromptRepeats()
     unused: set = set()
     left_out: list[str] = []  # the first row whose chat template left reply text out, and what
@@ -235,7 +259,7 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     skipped_fh = None
     try:
         init = (tok, opts.tokenizer, opts.trust_remote_code, layout, field_names, tcfg)
-        chunks = read_chunks(sources, opts.split, opts.chunk_rows, rows_per_file)
+        chunks = read_chunks(sources, opts.split, opts.chunk_rows, rows_per_file, nulls)
         ticker = Every(30.0)  # a long prepare says how far it is, in a batch log too
         for res in ordered_map(process_chunk, chunks, workers, init):
             if ticker.due():
@@ -286,10 +310,14 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
             "train_on": train_on if chat["examples"] else None,  # which chat messages are scored (None: no chat rows)
             "tokenizer": {"name": tokenizer_name(tok, opts.tokenizer), "hash": tokenizer_hash(tok),
                           "hash_version": HASH_VERSION, "has_chat_template": bool(tok.chat_template), **specials.to_json()},
+            # the chat template the rows were rendered with (not part of the hash: it does not change what ids mean)
             "counts": {"rows_read": rows_read, "examples": writer.n_rows, "skipped": dict(skipped),
                        "dropped": dict(dropped), "truncated": dict(truncated), "truncation": cuts.to_json(),
                        "empty_completions": dict(empty), "chat_examples": chat["examples"],
-                       "examples_with_tools": chat["with_tools"], "template_left_out": left_out_rows,
+                       "examples_with_tools": chat["with_tools"], "null_keys_dropped": dict(nulls),
+                       "template_left_out": left_out_rows,
+                       "prompts_at_first_difference": chat["prompt_at_difference"],
+                       "unread_template_kwargs": {k[7:]: n for k, n in chat.items() if k.startswith("unread:")},
                        **({"repeated_prompts": repeats.counts()} if kind == "pairs" else {})},
             "sources": [{"path": s.path, "kind": s.kind, "rows": rows_per_file[s.file_index],
                          "sha256": file_sha256(s.path)} for s in sources],
@@ -319,6 +347,13 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
         if opts.train_on is not None and not chat["examples"]:
             log("note: --train-on had no effect: no row holds chat messages (text rows are masked by their "
                 f"{fields.spans!r} column)")
+        if layout == "alpaca" and not tok.chat_template:
+            log("note: alpaca rows are stored as raw text: the tokenizer has no chat template, so each prompt is the "
+                "instruction, a newline and the input, followed directly by the reply (no role markers, no "
+                "separator); use a tokenizer with a chat template to have them rendered as chat")
+        elif tok.chat_template and not chat["examples"]:
+            log("note: the rows hold plain strings, tokenised as they are: the tokenizer's chat template is not "
+                "applied (as TRL does for such rows); give message lists to have it render them")
         if (template_kwargs or tools is not None) and not chat["examples"]:
             log("note: --chat-template-kwargs / --tools had no effect: no row was rendered through the chat "
                 "template (the rows hold plain strings)")
@@ -335,7 +370,7 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
                          dict(dropped), dict(truncated), time.perf_counter() - t0, dict(empty), dict(chat),
                          writer.n_groups if kind == "ranked" else None, repeats.counts(), sorted(unused),
                          writer.n_spans, cuts.to_json(), opts.max_length, writer.n_images,
-                         {"rows": left_out_rows, "first": left_out[0]} if left_out_rows else {})
+                         {"rows": left_out_rows, "first": left_out[0]} if left_out_rows else {}, dict(nulls))
 
 
 def _image_source(opts: PrepareOptions) -> ImageSource:
@@ -352,33 +387,6 @@ def _jsonable(value):
     if isinstance(value, bytes | bytearray | memoryview):
         return f"<{len(value)} bytes>"
     return str(value)
-
-
-class PromptRepeats:
-    """Counts pairs whose prompt (as tokens) another pair also has: training computes such a prompt once per pair,
-    which a ranked layout would avoid. Keeps an 8-byte digest per distinct prompt. Prompts --max-length cut are left
-    out: cut to their last tokens, unrelated prompts look alike (hh's cut to ``<s>:``)."""
-
-    def __init__(self):
-        self.seen: Counter = Counter()
-
-    def observe(self, tokens: np.ndarray, index: np.ndarray, images: list | None = None) -> None:
-        """`images`: the chunk's (row, bytes, ...) per image; a prompt's images are part of it (their image tokens
-        are the same placeholder ids whatever the image)."""
-        by_row: dict[int, list[bytes]] = {}
-        for row, data, *_ in images or ():
-            by_row.setdefault(row, []).append(data)
-        uncut = (index[:, 4] & FLAG_PROMPT_TRUNCATED) == 0  # the pair columns' flags
-        for row in np.flatnonzero(uncut).tolist():
-            offset, prompt_len = int(index[row, 0]), int(index[row, 1])
-            h = hashlib.blake2b(tokens[offset:offset + prompt_len].tobytes(), digest_size=8)
-            for data in by_row.get(row, ()):
-                h.update(hashlib.blake2b(data, digest_size=16).digest())
-            self.seen[h.digest()] += 1
-
-    def counts(self) -> dict[str, int]:
-        repeated = [n for n in self.seen.values() if n > 1]
-        return {"prompts": len(repeated), "pairs": sum(repeated)}
 
 
 def _template_options(opts: PrepareOptions, layout: str) -> tuple[dict, list | None, str | None]:

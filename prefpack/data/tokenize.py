@@ -17,6 +17,7 @@ from typing import Any
 from prefpack.data.chat_masks import render_chat
 from prefpack.data.formats import Example, InvalidRow
 from prefpack.data.image_files import ImageSource, image_bytes, image_size, image_tokens
+from prefpack.data.template_vars import TOOL_VARIABLES, template_reads
 from prefpack.data.training_templates import ChatTemplate
 from prefpack.data.truncation import check_prompt_keep
 from prefpack.data.turns import Ranges, token_mask
@@ -84,17 +85,19 @@ class ExampleTokenizer:
         self._ws_cache: dict[int, bool] = {}
         source = cfg.template.source if cfg.template is not None else _template_source(tok)
         # A template that never reads `tools` or `tool_calls` would silently drop them: refuse such rows.
-        self._template_reads_tools = "tools" in source
-        self._template_reads_tool_calls = "tool_calls" in source
+        self.reads = template_reads(source)  # the template rows are rendered with
+        # a chat reply that ends with one of these (the template's own end of turn) gets no EOS after it
+        self._turn_ends = {specials.eos_id, *tok.all_special_ids,
+                           *(i for i, t in tok.added_tokens_decoder.items() if t.special)}
 
     def _check_tool_support(self, ex: Example) -> None:
         tools = ex.tools if ex.tools is not None else self.cfg.tools
-        if tools and not self._template_reads_tools:
+        if tools and self.reads.tools_variable is None:
             raise InvalidRow("template_ignores_tools", "tools", "the row has tools but the tokenizer's chat "
-                             "template never reads `tools`, so they would be left out of the prompt; use a "
-                             "tokenizer whose template supports tool use")
+                             f"template never reads `tools` (nor any of {', '.join(TOOL_VARIABLES[1:])}), so they would be "
+                             "left out of the prompt; use a tokenizer whose template supports tool use")
         for part, name in ((ex.prompt, None), *zip(ex.completions, ex.completion_fields)):
-            if not self._template_reads_tool_calls and any(m.get("tool_calls") for m in part):
+            if not self.reads.reads_tool_calls and any(m.get("tool_calls") for m in part):
                 raise InvalidRow("template_ignores_tools", name, "a message has 'tool_calls' but the tokenizer's "
                                  "chat template never reads `tool_calls`, so the calls would be left out; use a "
                                  "tokenizer whose template supports tool use")
@@ -107,12 +110,15 @@ class ExampleTokenizer:
             self._ws_cache[tid] = hit
         return hit
 
-    def _ends_with_eos(self, ids: list[int]) -> bool:
-        """True if the ids end with EOS, possibly followed by whitespace tokens (ChatML's '<|im_end|>\\n')."""
+    def _ends_with_eos(self, ids: list[int], chat: bool = False) -> bool:
+        """True if the ids end with EOS, possibly followed by whitespace tokens (ChatML's '<|im_end|>\\n'); for a
+        chat reply also with any special token, the template's own end of turn (Gemma's '<end_of_turn>\\n'): no
+        EOS is added after it (TRL adds none to conversational rows)."""
+        ends = self._turn_ends if chat else {self.specials.eos_id}
         i = len(ids) - 1
-        while i >= 0 and ids[i] != self.specials.eos_id and self._is_whitespace(ids[i]):
+        while i >= 0 and ids[i] not in ends and self._is_whitespace(ids[i]):
             i -= 1
-        return i >= 0 and ids[i] == self.specials.eos_id
+        return i >= 0 and ids[i] in ends
 
     def __call__(self, examples: list[Example]) -> list[TokenizedExample | InvalidRow | Dropped]:
         texts: list[str] = []
@@ -247,7 +253,7 @@ class ExampleTokenizer:
                 where = ex.unscored_fields[k] if ex.unscored_fields else name
                 raise InvalidRow("no_scored_tokens", where, f"field {where!r}: no token of the completion "
                                  f"{name!r} is left scored, so it would carry no training signal")
-            if not self._ends_with_eos(c):  # an empty completion becomes [EOS]: "answer nothing", as in TRL
+            if not self._ends_with_eos(c, ex.chat):  # an empty completion becomes [EOS]: "answer nothing", as in TRL
                 c = c + [sp.eos_id]
                 m = None if m is None else m + [True]
             finished.append(c)

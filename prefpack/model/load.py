@@ -17,7 +17,7 @@ from prefpack.errors import PrefpackError
 from prefpack.model.attention.kernels import kernel_named, pick_attention
 from prefpack.precision import Precision, set_compute_dtype
 from prefpack.remote_code import check_model_code
-from prefpack.tokenizer import TokenizerError, load_tokenizer, tokenizer_hash, tokenizer_matches
+from prefpack.tokenizer import TokenizerError, load_tokenizer, template_sha, tokenizer_hash, tokenizer_matches
 from prefpack.tokenizer import hub_reachable as _hub_reachable  # one TCP try, cached (tests replace it here)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -262,7 +262,7 @@ def resolve_tokenizer(model_path: str, store_meta: dict, store_tokenizer: Path, 
             return load_tokenizer(store_tokenizer, trust_remote_code=trust_remote_code)
         raise
     want = store_meta["tokenizer"]["hash"]
-    if not tokenizer_matches(tok, store_meta["tokenizer"]) and not allow_mismatch:
+    if not _same_ids(tok, store_meta["tokenizer"], store_tokenizer, trust_remote_code) and not allow_mismatch:
         raise ModelError(
             f"the tokenizer of {source!r} differs from the one the store was prepared with "
             f"({store_meta['tokenizer']['name']!r}, hash {want[:12]}): token ids would mean different things. "
@@ -270,6 +270,21 @@ def resolve_tokenizer(model_path: str, store_meta: dict, store_tokenizer: Path, 
             "know the ids agree."
         )
     return tok
+
+
+def _same_ids(tok, recorded: dict, store_tokenizer: Path, trust_remote_code: bool) -> bool:
+    """True when `tok` gives the store's token ids their meaning. A store hashed before version 3 recorded a hash
+    that covers the chat template too; when that one differs, the store's own tokenizer copy (saved by prepare) is
+    compared instead, by the version-3 hash, if the copy is the one the store recorded."""
+    if tokenizer_matches(tok, recorded):
+        return True
+    if int(recorded.get("hash_version", 1)) >= 3 or not has_tokenizer_files(str(store_tokenizer)):
+        return False
+    try:
+        copy = load_tokenizer(store_tokenizer, trust_remote_code=trust_remote_code)
+    except TokenizerError:
+        return False
+    return tokenizer_matches(copy, recorded) and tokenizer_hash(copy) == tokenizer_hash(tok)
 
 
 @dataclass(frozen=True)
@@ -284,14 +299,15 @@ class TokenizerHandle:
     source: str
     content_hash: str
     trust_remote_code: bool = False
+    template: str | None = None  # the chat template's sha256: saved with the final model, so a change is refused too
 
     @classmethod
     def of(cls, tok, *, trust_remote_code: bool = False) -> TokenizerHandle:
-        return cls(str(tok.name_or_path), tokenizer_hash(tok), trust_remote_code)
+        return cls(str(tok.name_or_path), tokenizer_hash(tok), trust_remote_code, template_sha(tok.chat_template))
 
     def load(self):
         tok = load_tokenizer(self.source, trust_remote_code=self.trust_remote_code)
-        if tokenizer_hash(tok) != self.content_hash:
+        if tokenizer_hash(tok) != self.content_hash or template_sha(tok.chat_template) != self.template:
             raise ModelError(f"the tokenizer at {self.source!r} changed while the run was training; the final model "
                              "is saved without it (copy the tokenizer the data was prepared with next to it)")
         return tok

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 from prefpack.errors import PrefpackError
+from prefpack.tokenizer import template_sha
 
 EARLIER_REASONING = ("dropped", "kept", "scored")  # what a training template does with earlier turns' reasoning
 OWN = "tokenizer"  # --chat-template tokenizer: the tokenizer's own template, even when prefpack knows a better one
@@ -60,10 +61,11 @@ class ChatTemplate:
     resembles: str | None = None  # the tokenizer's own looks like this family's but is not the one known
 
     def to_json(self) -> dict:
-        return {"name": self.name, "sha256": self.sha256, "generation_markers": self.markers}
+        return {"name": self.name, "sha256": self.sha256, "chars": len(self.source), "generation_markers": self.markers}
 
 
-def template_sha(source: str) -> str:
+def family_sha(source: str) -> str:
+    """The key of a known template in ``FAMILIES`` (stripped, so a trailing newline a copy gained still matches)."""
     return hashlib.sha256(source.strip().encode("utf-8")).hexdigest()
 
 
@@ -86,7 +88,7 @@ def choose(own: str | None, given: str | None = None, given_name: str | None = N
         return make(given, given_name or "--chat-template", training="earlier_reasoning" in given)
     if not own:
         return None
-    family = FAMILIES.get(template_sha(own))
+    family = FAMILIES.get(family_sha(own))
     if family is not None:
         return make(training_template(family), f"prefpack's training template for {family.name} "
                     f"(data/training_templates/{family.file})", training=True)
