@@ -38,12 +38,15 @@ _DROPS_POSITIONS = ("Llama4TextDecoderLayer",)
 
 
 def chunk_of(module: nn.Module) -> int | None:
-    """The chunk size of a chunked-attention layer (``config.layer_types[layer_idx] == "chunked_attention"``)."""
-    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
-    types = getattr(config, "layer_types", None)
-    if index is None or not types or types[index] != "chunked_attention":
+    """The chunk size of a chunked-attention layer (``config.layer_types[layer_idx] == "chunked_attention"``). The
+    layer index is read only for a model with such layers: a compiled layer specialises on it (a graph per layer)."""
+    types = getattr(getattr(module, "config", None), "layer_types", None) or ()
+    if "chunked_attention" not in types:
         return None
-    return getattr(config, "attention_chunk_size", None)
+    index = getattr(module, "layer_idx", None)
+    if index is None or types[index] != "chunked_attention":
+        return None
+    return getattr(module.config, "attention_chunk_size", None)
 
 
 def has_sinks(model: nn.Module) -> bool:
