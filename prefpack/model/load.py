@@ -110,7 +110,7 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
     except Exception as exc:  # transformers raises OSError/ValueError/HF errors for bad paths and configs
         raise ModelError(f"cannot load model {name_or_path!r}: {exc}") from exc
     features.restore_positions(model)  # Llama-4's layers drop position ids before attention
-    why = features.unsupported(model, kernel_of(model))
+    why = features.unsupported(model, kernel_of(model), packed=packed)
     if why:
         raise ModelError(f"model {name_or_path!r} {why}")
     disable_dropout(model)

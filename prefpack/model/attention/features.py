@@ -59,14 +59,15 @@ def has_chunks(model: nn.Module) -> bool:
     return "chunked_attention" in (getattr(config, "layer_types", None) or ())
 
 
-def unsupported(model: nn.Module, kernel) -> str | None:
-    """Why ``kernel`` (a kernel-table row) cannot run this model exactly, or None."""
+def unsupported(model: nn.Module, kernel, packed: bool = True) -> str | None:
+    """Why ``kernel`` (a kernel-table row) cannot run this model exactly (``packed``: on packed rows), or None."""
     if has_sinks(model) and not kernel.sinks:
         return (f"has attention sinks, which the {kernel.name!r} kernel leaves out; set model.attn_implementation="
                 "varlen or packed_sdpa")
-    if has_chunks(model) and not kernel.chunks:
-        return (f"has chunked local attention, which the {kernel.name!r} kernel leaves out; set "
-                "model.attn_implementation=varlen or packed_sdpa")
+    if packed and has_chunks(model) and not kernel.chunks:
+        return (f"has chunked local attention, which the {kernel.name!r} kernel counts from the packed row's start "
+                "rather than each sequence's; set model.attn_implementation=varlen or packed_sdpa, or "
+                "data.packing=false")
     return None
 
 

@@ -47,7 +47,8 @@ class Kernel:
     runs_vision_tower: bool = False
     # model features it computes exactly (``features.unsupported`` refuses a model with one it leaves out):
     sinks: bool = False  # attention sinks, one more softmax term per head (gpt-oss)
-    chunks: bool = False  # chunked local attention (Llama-4's ``chunked_attention`` layers)
+    chunks: bool = False  # chunked local attention per packed sequence (Llama-4's ``chunked_attention`` layers;
+    # transformers' masks count chunks from the row's start: right when padded, wrong for a row's later sequences)
 
     def available(self, device_type: str, compute_dtype: Any = None) -> bool:
         """Whether ``auto`` may pick this kernel for a device type and compute dtype (None: float32)."""
@@ -111,8 +112,8 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("varlen", register=_ours("varlen"), auto=True, devices=("cuda",), half_only=True,
            installed=_torch_varlen_installed, flattens_rows=True, reads_prompt_groups=True, boundary_kwargs=True,
            prefix_sharing_auto=True, shards_sequences=True, refuses=(_SOFTCAP,), sinks=True, chunks=True),
-    Kernel("sdpa", auto=True, fallback="eager", cudnn_sdp_off=True, runs_vision_tower=True, chunks=True),
-    Kernel("eager", runs_vision_tower=True, sinks=True, chunks=True),  # a family's own eager attention
+    Kernel("sdpa", auto=True, fallback="eager", cudnn_sdp_off=True, runs_vision_tower=True),
+    Kernel("eager", runs_vision_tower=True, sinks=True),  # a family's own eager attention computes its sinks
 )
 
 # transformers' own kernels the config does not offer, which a vision tower may run all the same
