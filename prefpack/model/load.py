@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from prefpack.errors import PrefpackError
-from prefpack.model.attention.kernels import kernel_named, pick_attention
+from prefpack.model.attention import features
+from prefpack.model.attention.kernels import kernel_named, kernel_of, pick_attention
 from prefpack.precision import Precision, set_compute_dtype
 from prefpack.remote_code import check_model_code
 from prefpack.tokenizer import TokenizerError, load_tokenizer, template_sha, tokenizer_hash, tokenizer_matches
@@ -100,11 +101,18 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
         except ValueError as exc:
             if kernel.fallback is None or "scaled_dot_product_attention" not in str(exc):
                 raise
-            warnings.warn(f"model {name_or_path!r} has no sdpa attention; using {kernel.fallback} attention",
-                          stacklevel=2)
             model = load(kernel.fallback)
+            if features.takes_over_eager(model, kernel):  # gpt-oss: no sdpa because of its sinks, which ours compute
+                model.config._attn_implementation = kernel.name
+            else:
+                warnings.warn(f"model {name_or_path!r} has no sdpa attention; using {kernel.fallback} attention",
+                              stacklevel=2)
     except Exception as exc:  # transformers raises OSError/ValueError/HF errors for bad paths and configs
         raise ModelError(f"cannot load model {name_or_path!r}: {exc}") from exc
+    features.restore_positions(model)  # Llama-4's layers drop position ids before attention
+    why = features.unsupported(model, kernel_of(model), packed=packed)
+    if why:
+        raise ModelError(f"model {name_or_path!r} {why}")
     disable_dropout(model)
     if quantization_config is not None:
         one_cpu_kernel(model)
