@@ -162,6 +162,15 @@ def test_a_kernel_that_drops_sinks_or_chunks_is_refused(saved):
     with pytest.raises(ModelError, match=r"chunked local attention.*'sdpa'.*row's start.*varlen or packed_sdpa"):
         load_causal_lm(saved(llama4), attn_implementation="sdpa", device=CPU, dtype=torch.float32)
     load_causal_lm(saved(llama4), attn_implementation="sdpa", device=CPU, dtype=torch.float32, packed=False)
+    # sequence parallelism splits the heads over ranks, and the sinks are not split with them: refused at start
+    from prefpack.model.sharded import check_model
+    from prefpack.sequence_parallel import SequenceParallelError
+
+    class TwoShards:
+        size, enabled = 2, True
+
+    with pytest.raises(SequenceParallelError, match=r"attention sinks .*distributed.sequence_parallel=1"):
+        check_model(_ours(saved(gpt_oss)), TwoShards())
 
 
 def test_docs_list_matches_the_table():
