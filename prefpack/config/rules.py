@@ -289,7 +289,7 @@ def _loss_problems(cfg: Config, errs: list[str]) -> None:
                         f"{', '.join(sorted(F_DIVERGENCE_LOSSES))} (TRL 1.16's list; nll and sft may be added): "
                         f"{', '.join(refused)} {'has' if len(refused) == 1 else 'have'} no f-divergence form; use "
                         f"loss.f_divergence_type=reverse_kl with {'it' if len(refused) == 1 else 'them'}")
-    if cfg.reference.mode == "none" and with_ref:
+    if cfg.reference.mode == "none" and with_ref and cfg.train.objective != "reward":  # a reward model reads none
         errs.append(
             f"reference.mode is 'none' but loss {', '.join(repr(n) for n in with_ref)} needs a reference; "
             f"use reference.mode 'copy' (or 'adapter'/'precomputed') or only reference-free losses "

@@ -60,7 +60,7 @@ def read_positions(batch: Batch) -> torch.Tensor:
 
 def sequence_rewards(model: nn.Module, batch: Batch, *, flatten: bool | None = None,
                      seq: SeqPar = SINGLE_SP) -> torch.Tensor:
-    """[S] float32 rewards of a micro-batch's sequences (sequence ``2p`` / ``2p + 1``: pair p's chosen / rejected;
+    """[S] rewards (float32; float64 for a float64 model) of a micro-batch's sequences (sequence ``2p`` / ``2p + 1``: pair p's chosen / rejected;
     a prompt group's completions in order), with gradient under autograd.
 
     ``model`` is a reward model (``AutoModelForSequenceClassification`` with ``num_labels=1``, maybe LoRA-wrapped):
@@ -90,7 +90,8 @@ def sequence_rewards(model: nn.Module, batch: Batch, *, flatten: bool | None = N
     with compute_context(model, device):
         _, hidden, _ = body_forward(body, batch, flatten, extra)
         h = hidden.reshape(-1, hidden.shape[-1])[at.to(device)]
-        return score(h).squeeze(-1).float()
+        out = score(h).squeeze(-1)
+    return out if out.dtype == torch.float64 else out.float()  # bfloat16 compute: float32 rewards for the loss
 
 
 class SequenceRewards(nn.Module):
