@@ -116,6 +116,7 @@ def test_ranked_store_all_pairs_prompts_once_equal_prompts_repeated(tmp_path, to
     forward whatever the layout, the loss the Bradley-Terry formula over rewards computed alone."""
     from conftest import make_task
 
+    from prefpack.model.reward import SequenceRewards
     from prefpack.objectives.base import Planned
     from prefpack.objectives.reward import RewardGroupTask
     from prefpack.reference import NoReference
@@ -125,8 +126,6 @@ def test_ranked_store_all_pairs_prompts_once_equal_prompts_repeated(tmp_path, to
                            output=str(tmp_path / "ranked"), workers=1), log=quiet)
     store = Store(tmp_path / "ranked")
     model = float64_classifier(vocab=600)
-    from prefpack.model.reward import SequenceRewards
-
     module = SequenceRewards(model)
     outs = {}
     for name, extra in {"shared": ["data.prefix_sharing=true"], "repeated": ["data.prefix_sharing=false"],
@@ -221,14 +220,14 @@ def test_training_and_export_equal_trl_reward_trainer(trl_store, tmp_path, one_t
 
 
 def test_trl_margin_column_formula_on_prefpack_rewards(trl_store):
-    """TRL's per-pair `margin` column (and with centring): its loss over prefpack's rewards of TRL's weights."""
-    from prefpack.engine import build_engine  # noqa: F401 - loaded as a run loads it
+    """TRL's per-pair `margin` column (and with centring): its loss over prefpack's rewards of TRL's weights, loaded
+    as a run loads them (the new head initialised as TRL's after the same seed)."""
+    from conftest import make_task
+
     from prefpack.model.load import load_causal_lm
+    from prefpack.model.reward import SequenceRewards
     from prefpack.objectives.base import Planned
     from prefpack.objectives.reward import RewardPairTask
-    from conftest import make_task
-    from prefpack.model.reward import SequenceRewards
-    from prefpack.reference import NoReference
 
     torch.manual_seed(TRL["seed"])
     model = load_causal_lm(str(TRL_ASSETS / "reference"), attn_implementation="packed_sdpa",
@@ -244,7 +243,6 @@ def test_trl_margin_column_formula_on_prefpack_rewards(trl_store):
         rec = _trl_case(margin=True, **({} if center is None else {"center_rewards_coefficient": center}))
         out = bradley_terry_loss(rewards[0::2], rewards[1::2], margin=margin, center_rewards_coefficient=center)
         assert float(out.loss.mean()) == pytest.approx(rec["eval"]["eval_loss"], abs=1e-5)
-    NoReference  # noqa: B018
 
 
 def test_lora_reward_resume_equals_uninterrupted_and_exports_merged(trl_store, tmp_path, one_thread):
