@@ -250,12 +250,12 @@ def test_lora_reward_resume_equals_uninterrupted_and_exports_merged(trl_store, t
 
     from prefpack.training import TrainingInterrupted, train
 
-    args = ("train.max_steps=3", "run.save_every=1", "lora.enabled=true", "lora.r=4", "train.global_batch_pairs=4",
+    args = ("train.max_steps=2", "run.save_every=1", "lora.enabled=true", "lora.r=4", "train.global_batch_pairs=4",
             "data.eval=null", "optim.lr=1e-2")
     full, broken = tmp_path / "full", tmp_path / "broken"
     train(_reward_cfg(full, trl_store, *args), progress=False, log=quiet)
     with pytest.raises(TrainingInterrupted):
-        train(_reward_cfg(broken, trl_store, *args), stop_after_steps=2, progress=False, log=quiet)
+        train(_reward_cfg(broken, trl_store, *args), stop_after_steps=1, progress=False, log=quiet)
     train(_reward_cfg(broken, trl_store, *args), resume=True, progress=False, log=quiet)
     wa, wb = final_weights(full), final_weights(broken)
     assert sorted(wa) == sorted(wb) and not any("lora" in k for k in wa)  # merged
