@@ -241,7 +241,8 @@ def add_eval(sub) -> None:
     p.add_argument("--kto", action="store_true", help="read a pair store as KTO examples (chosen = desirable, "
                    "rejected = undesirable)")
     p.add_argument("--ranked-pairs", default=None, choices=("best_vs_rest", "all_pairs"),
-                   help="a ranked store's pairs (default: the --config run's data.ranked_pairs, else best_vs_rest)")
+                   help="a ranked store's pairs (default: the --config run's data.ranked_pairs, else best_vs_rest; "
+                   "all_pairs for a reward model)")
     p.add_argument("--seed", type=int, default=None, help="seed of the KTO KL pairing (as given to precompute-ref; "
                    "default: the --config run's train.seed, else 0)")
     p.add_argument("--micro-batch-tokens", default="auto", help="tokens per micro-batch (default: auto, from the device)")

@@ -46,9 +46,11 @@ def disable_dropout(model: nn.Module) -> None:
 def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch.device,
                    precision: Precision | None = None, dtype: torch.dtype | None = None,
                    trust_remote_code: bool = False, packed: bool = True,
-                   compile_layers: bool | str = False, quantization_config=None) -> nn.Module:
+                   compile_layers: bool | str = False, quantization_config=None, reward: bool = False) -> nn.Module:
     """Load a model for training or scoring, in ``precision.weights``, to run in ``precision.compute`` (or
-    all in ``dtype``).
+    all in ``dtype``). ``reward``: a reward model (``AutoModelForSequenceClassification`` with one label), from a
+    causal LM (its new ``score`` head initialised by transformers, as TRL's ``RewardTrainer`` loads it) or from a
+    sequence classifier with one label.
 
     A model without sdpa support falls back to eager attention (with a warning); with ``packed`` (prefpack's
     default batching) a model whose attention crosses packed sequences is refused, naming the padded fallback.
@@ -83,7 +85,24 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
     quantized = {} if quantization_config is None else {"quantization_config": quantization_config,
                                                          "device_map": {"": str(device)}}
 
+    if reward and vision is not None:
+        raise ModelError(f"model {name_or_path!r} is a vision-language model; reward models train on text models")
+    if reward:
+        check_reward_source(name_or_path, trust_remote_code)
+
     def load(attn: str) -> nn.Module:
+        if reward:
+            from transformers import AutoModelForSequenceClassification
+            from transformers.utils import logging as hf_logging
+
+            verbosity = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()  # "newly initialized: score.weight" is what a reward model starts with
+            try:
+                return AutoModelForSequenceClassification.from_pretrained(
+                    name_or_path, dtype=dtype, attn_implementation=attn, trust_remote_code=trust_remote_code,
+                    num_labels=1, **quantized)
+            finally:
+                hf_logging.set_verbosity(verbosity)
         if vision is not None:  # the language model runs the kernel, the vision tower a transformers one
             from transformers import AutoModelForImageTextToText
 
@@ -141,6 +160,34 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
         raise ModelError(f"model {name_or_path!r}: model.compile found no list of decoder layers to compile; "
                          "set model.compile=false")
     return model
+
+
+def check_reward_source(name_or_path: str, trust_remote_code: bool = False) -> None:
+    """A sequence classifier with another number of labels than 1 is not a reward model: refused by name (loading
+    it with ``num_labels=1`` would silently replace its head)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except Exception:  # loading the model itself reports a bad path or config
+        return
+    classifier = any(str(a).endswith("ForSequenceClassification") for a in getattr(config, "architectures", None) or [])
+    if classifier and getattr(config, "num_labels", 1) != 1:
+        raise ModelError(f"model {name_or_path!r} is a sequence classifier with {config.num_labels} labels; a reward "
+                         "model has one (num_labels=1). Start from its causal LM, or from a one-label classifier")
+
+
+def is_reward_checkpoint(name_or_path: str, trust_remote_code: bool = False) -> bool:
+    """Whether a model folder holds a reward model (a ``...ForSequenceClassification`` with one label), so that
+    ``prefpack eval --model`` scores it as one."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except Exception:
+        return False
+    archs = getattr(config, "architectures", None) or []
+    return any(str(a).endswith("ForSequenceClassification") for a in archs) and getattr(config, "num_labels", 0) == 1
 
 
 def one_cpu_kernel(model: nn.Module) -> None:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from prefpack.distributed import SINGLE, Dist
-from prefpack.model import ModelError, TokenizerHandle
+from prefpack.model import ModelError, TokenizerHandle, is_reward_model
 from prefpack.tokenizer import TokenizerError
 from prefpack.training.checkpoint.files import _MARGIN, _discard, _disown, _own, _tensor_bytes, _writing
 
@@ -60,10 +60,14 @@ def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module
                 policy.save_pretrained(tmp / "adapter")
                 model = merged_dequantized(policy) if is_four_bit(policy) else policy.merge_and_unload()
             if full_state is not None:
-                from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+                from transformers import (
+                    AutoModelForCausalLM,
+                    AutoModelForImageTextToText,
+                    AutoModelForSequenceClassification,
+                )
 
                 auto = AutoModelForImageTextToText if getattr(policy.config, "vision_config", None) is not None \
-                    else AutoModelForCausalLM
+                    else AutoModelForSequenceClassification if is_reward_model(policy) else AutoModelForCausalLM
                 model = auto.from_config(policy.config)
                 model.load_state_dict(full_state)
             if dtype is not None:  # run.save_dtype: cast after merging LoRA, so the merge happens in full precision
