@@ -12,7 +12,9 @@ Anything else (a cache, a padding mask, one sequence per row) runs the layer's o
 
 from __future__ import annotations
 
+import functools
 import inspect
+import sys
 import types
 
 import torch
@@ -132,17 +134,21 @@ def _boundary_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwa
     return _run(self, kind, hidden_states, segments)
 
 
-@torch.compiler.disable  # a loop over host-read blocks: eager inside a compiled layer
 def _run(layer: nn.Module, kind: LayerKind, hidden: torch.Tensor, segments: Segments) -> torch.Tensor:
+    if "torch._dynamo" in sys.modules and torch.compiler.is_compiling():  # inside a compiled decoder layer
+        return _eager_run()(layer, kind, hidden, segments)
     if hidden.device.type == "cuda" and _kernels(kind):
         return run_gathered(layer, kind, hidden, segments)
     return run_blocks(layer, hidden, segments)
 
 
-_KERNELS: dict[str, bool] = {}
+@functools.cache
+def _eager_run():
+    """``_run`` kept out of a compiled graph (a loop over host-read blocks): made when first compiled, so a run
+    that never compiles never imports the compiler."""
+    return torch.compiler.disable(_run)
 
 
+@functools.cache
 def _kernels(kind: LayerKind) -> bool:
-    if kind.name not in _KERNELS:
-        _KERNELS[kind.name] = kind.kernels_installed()
-    return _KERNELS[kind.name]
+    return kind.kernels_installed()
