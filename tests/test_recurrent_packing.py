@@ -210,3 +210,12 @@ def test_the_load_guard_packs_covered_hybrids_and_refuses_other_recurrent_layers
     assert "\n" not in str(err.value)
     model = load_causal_lm(jamba, dtype=torch.float64, attn_implementation="packed_sdpa", device=cpu, packed=False)
     assert uncovered_layers(model) == ["JambaMambaMixer"]
+
+
+def test_token_shards_refuse_recurrent_layers(pairs):
+    """A sequence split over the ranks of a sequence group would start its second shard from a zero state: refused
+    on every rank alike, before any collective."""
+    from prefpack.sequence_parallel import SeqPar, SequenceParallelError
+
+    with pytest.raises(SequenceParallelError, match="recurrent layers.*sequence_parallel=1"):
+        sequence_logps(hybrid("nemotron_h"), collate_packed(pairs, [[0, 1]]), seq=SeqPar(size=2))

@@ -24,7 +24,7 @@ from prefpack.model.recurrent.kind import LayerKind, run_blocks, run_gathered
 from prefpack.model.recurrent.layout import Segments, read_segments
 from prefpack.model.recurrent.table import kind_of, looks_recurrent
 
-__all__ = ["SEGMENTS", "install_boundaries", "installed_kinds", "uncovered_layers"]
+__all__ = ["SEGMENTS", "has_recurrent_boundaries", "install_boundaries", "installed_kinds", "uncovered_layers"]
 
 SEGMENTS = "prefpack_segments"  # the layer keyword carrying a packed forward's blocks
 _MARK = "_prefpack_recurrent_kind"  # on a recurrent layer whose forward keeps boundaries: its LayerKind
@@ -57,6 +57,11 @@ def install_boundaries(model: nn.Module) -> list[str]:
         module.forward = types.MethodType(_boundary_forward, module)
         _hook_body(body, layers)
     return sorted(kinds)
+
+
+def has_recurrent_boundaries(module: nn.Module) -> bool:
+    """Whether ``module`` holds recurrent layers kept within boundaries (token shards cannot run them)."""
+    return any(m.__dict__.get("_prefpack_current") is not None for m in module.modules())
 
 
 def installed_kinds(model: nn.Module) -> list[str]:
