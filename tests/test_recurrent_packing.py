@@ -27,11 +27,12 @@ MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=
 
 def hybrid_config(kind: str):
     """A two-layer config of the family: a recurrent layer, then an attention layer (chunk sizes of 8, so a
-    sequence spans several chunks of the Mamba-2 scan)."""
+    sequence spans several chunks of the Mamba-2 scan); Qwen3.5 and Nemotron-H have a second recurrent layer."""
     import transformers as tf
 
     if kind == "qwen3_5":
-        return tf.Qwen3_5TextConfig(**SMALL, head_dim=8, **GDN)
+        return tf.Qwen3_5TextConfig(**{**SMALL, "num_hidden_layers": 3}, head_dim=8, **{
+            **GDN, "layer_types": ["linear_attention", "full_attention", "linear_attention"]})
     if kind == "qwen3_next":  # dense MLPs: the experts' grouped matmul has no float64 kernel
         return tf.Qwen3NextConfig(**SMALL, head_dim=8, **GDN, num_experts=4, num_experts_per_tok=2,
                                   moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[0, 1])
@@ -40,7 +41,7 @@ def hybrid_config(kind: str):
     if kind == "nemotron_h":
         return tf.NemotronHConfig(**{k: v for k, v in SMALL.items() if k != "num_hidden_layers"}, head_dim=8,
                                   mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2, chunk_size=8,
-                                  layers_block_type=["linear_attention", "full_attention"])
+                                  layers_block_type=["linear_attention", "full_attention", "linear_attention"])
     if kind == "granitemoehybrid":
         return tf.GraniteMoeHybridConfig(**SMALL, **MAMBA2, layer_types=["mamba", "attention"], num_local_experts=0,
                                          shared_intermediate_size=64)

@@ -43,6 +43,7 @@ def install_boundaries(model: nn.Module) -> list[str]:
     are, for the load-time leak guard to refuse."""
     parents = {child: parent for parent in model.modules() for child in parent.children()}
     kinds: dict[str, LayerKind] = {}
+    bodies: dict[int, tuple[nn.Module, nn.ModuleList]] = {}
     for module in list(model.modules()):
         kind = kind_of(module)
         if kind is None or module.__dict__.get(_MARK) is not None:
@@ -55,6 +56,8 @@ def install_boundaries(model: nn.Module) -> list[str]:
         kinds[kind.name] = kind
         setattr(module, _MARK, kind)
         module.forward = types.MethodType(_boundary_forward, module)
+        bodies[id(body)] = body, layers
+    for body, layers in bodies.values():  # once every layer is marked: the hooks read which layers are recurrent
         _hook_body(body, layers)
     return sorted(kinds)
 
