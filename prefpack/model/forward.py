@@ -56,13 +56,14 @@ from prefpack.model.attention.kernels import KERNELS, kernel_of, reads_prompt_gr
 from prefpack.model.head import body_and_head, head_spec
 from prefpack.model.logprobs import DEFAULT_CHUNK_SIZE, completion_logprobs
 from prefpack.model.offload_activations import offload_saved_tensors, offloading_device
+from prefpack.model.recurrent.install import has_recurrent_boundaries
 from prefpack.model.sharded import sharded_logps
 from prefpack.model.sums import SequenceOutput, reduce_sequences
 from prefpack.model.sums import boundary_kwargs as _boundary_kwargs
 from prefpack.model.sums import hidden_of as _hidden
 from prefpack.model.sums import tail_mask as _tail_mask  # noqa: F401 - read by tests
 from prefpack.precision import compute_context
-from prefpack.sequence_parallel import SINGLE_SP, SeqPar
+from prefpack.sequence_parallel import SINGLE_SP, SeqPar, SequenceParallelError
 
 __all__ = [
     "PairSums",
@@ -179,6 +180,9 @@ def sequence_logps(
                              "(distributed.sequence_parallel); set distributed.sequence_parallel=1")
         if aux is not None:
             raise ValueError("the MoE router loss is not computed over token shards (distributed.sequence_parallel)")
+        if has_recurrent_boundaries(body):  # a shard's sequences would start without the state the rank before holds
+            raise SequenceParallelError(f"{type(model).__name__} has recurrent layers, which do not run on token "
+                                        "shards (distributed.sequence_parallel); set distributed.sequence_parallel=1")
         with compute_context(model, device):
             return sharded_logps(body, spec, kernel, batch, seq, flatten=flatten, chunk_size=chunk_size,
                                  pair_tails=pair_tails, wpo=wpo, entropy=entropy)

@@ -62,6 +62,7 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
 
     from prefpack.model.checks import packing_leak, sibling_leak
     from prefpack.model.compile import compile_decoder_layers
+    from prefpack.model.recurrent import install_boundaries, packed_families, uncovered_layers
 
     kernel = kernel_named(attn_implementation)
     if kernel.register is not None:  # only the kernel this model runs: transformers checks the name it loads
@@ -141,9 +142,16 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
             raise ModelError(f"model {name_or_path!r} {why}")
     model = model.to(device)
     set_compute_dtype(model, precision)
+    install_boundaries(model)  # recurrent layers start each packed sequence from a zero state (model/recurrent)
     if packed:
         leak = packing_leak(model, siblings=False)
         impl = getattr(model.config, "_attn_implementation", "?")
+        if leak > PACKING_LEAK_TOLERANCE and uncovered_layers(model):
+            raise ModelError(
+                f"model {name_or_path!r} ({type(model).__name__}) has recurrent layers prefpack cannot keep within "
+                f"packed sequences ({', '.join(uncovered_layers(model))}: their state moved a sequence by {leak:.2g}, "
+                f"relative, when the other sequence of its row changed; packed hybrids: {packed_families()}); set "
+                "data.packing=false for the padded fallback")
         if leak > PACKING_LEAK_TOLERANCE:
             raise ModelError(
                 f"model {name_or_path!r} ({type(model).__name__}, attention {impl!r}) lets packed sequences attend "
