@@ -19,6 +19,9 @@ BEGIN, END = "<!-- families: begin (generated from tests/model_families.py) -->"
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=8, max_position_embeddings=256, tie_word_embeddings=False)
 SLIDING = ["sliding_attention", "full_attention"]
+# Gated DeltaNet (Qwen3.5, Qwen3-Next): a linear-attention layer, then an attention layer
+GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+           layer_types=["linear_attention", "full_attention"])
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,24 @@ FAMILIES: tuple[Family, ...] = (
                 intermediate_size_mlp=64, interleave_moe_layer_step=1),
            what="chunked local attention, a NoPE layer with query temperature, mixture of experts",
            float32_inside=True),  # its rotary embedding and router
-    # recurrent families (issue 38 items 1-2: Qwen3.5, Qwen3-Next, Nemotron-H, GraniteMoeHybrid): rows land here
+    # hybrids: recurrent layers start each packed sequence from a zero state (prefpack/model/recurrent/)
+    Family("qwen3_5_text", "Qwen3.5 (text)", "packs", GDN, what="Gated DeltaNet linear-attention layers"),
+    Family("qwen3_next", "Qwen3-Next", "packs",
+           dict(**GDN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=32, mlp_only_layers=[0, 1]),
+           what="Gated DeltaNet linear-attention layers"),
+    Family("nemotron_h", "Nemotron-H", "packs",
+           dict(mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2, chunk_size=8,
+                layers_block_type=["linear_attention", "full_attention"]),
+           what="Mamba-2 state-space layers", float32_inside=True),  # transformers returns its logits in float32
+    Family("granitemoehybrid", "Granite 4 hybrid", "packs",
+           dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=8,
+                layer_types=["mamba", "attention"], num_local_experts=0, shared_intermediate_size=64),
+           what="Mamba-2 state-space layers"),
+    Family("jamba", "Jamba", "padded-only",
+           dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=100, expert_layer_offset=50,
+                num_experts=1, mamba_d_state=8, mamba_dt_rank=4),
+           what="Mamba-1 layers: no sequence boundaries in their recurrence yet"),
     Family("bloom", "BLOOM", "padded-only", dict(hidden_size=32, n_head=4, n_layer=2), small=False,
            what="ALiBi attention reads no position ids, so packed sequences would see each other"),
 )
