@@ -9,6 +9,8 @@ import math
 import sys
 from pathlib import Path
 
+from prefpack.commands.generate import add_generate, run_generate
+
 # ---------------------------------------------------------------- prepare, inspect
 
 # the one switch (model.trust_remote_code in a config): without it a folder naming code is refused (remote_code.py)
@@ -414,4 +416,6 @@ COMMANDS = {
     "precompute-ref": (add_precompute, run_precompute),
     "quickstart": (add_quickstart, run_quickstart),
     "plot": (add_plot, run_plot),
+    "generate": (add_generate, run_generate),
 }
+
