@@ -16,7 +16,7 @@ from prefpack.data.store import Store
 from prefpack.generation.engine import GenerationError, PromptJob, SamplingSettings, finish
 from prefpack.generation.hf_engine import TransformersEngine
 from prefpack.generation.prompts import RowPrompts, StorePrompts
-from prefpack.generation.run import sample_prompts
+from prefpack.generation.run import model_eos_ids, sample_prompts
 from prefpack.generation.stops import stop_token_ids
 
 CHATS = [[{"role": "user", "content": c}] for c in ("How do I bake bread?", "Hi",
@@ -107,6 +107,13 @@ def test_stop_tokens_are_the_templates_end_of_turn_and_eos(toy_tokenizers):
                             "{% endfor %}{% if add_generation_prompt %}<|start|>assistant\n{% endif %}")
     eot = llama3.convert_tokens_to_ids("<|eot_id|>")
     assert stop_token_ids(llama3, [eot, 5]) == (eot, llama3.eos_token_id, 5)
+
+
+def test_the_model_folders_generation_config_adds_stop_ids(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128009]}))
+    assert model_eos_ids(str(tmp_path)) == [128001, 128009]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert model_eos_ids(str(tmp_path)) == [7] and model_eos_ids(None) == []
 
 
 def read(path):

@@ -6,6 +6,7 @@ builds the prompt source and the engine from options, runs it and stops the engi
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -116,9 +117,23 @@ def build_engine(opts: GenerateOptions, source: PromptSource) -> GenerationEngin
 
 
 def settings_of(opts: GenerateOptions, source: PromptSource) -> SamplingSettings:
+    stops = stop_token_ids(source.tok, model_eos_ids(opts.model), opts.stop_token_ids)
     return SamplingSettings(n=opts.n, temperature=opts.temperature, top_p=opts.top_p,
-                            max_new_tokens=opts.max_new_tokens, seed=opts.seed,
-                            stop_token_ids=stop_token_ids(source.tok, opts.stop_token_ids)).check()
+                            max_new_tokens=opts.max_new_tokens, seed=opts.seed, stop_token_ids=stops).check()
+
+
+def model_eos_ids(model: str | None) -> list[int]:
+    """The EOS ids a model folder's generation_config.json names (Llama 3 Instruct lists its end-of-turn there
+    too); vLLM stops at them by default, so the transformers engine does as well."""
+    path = Path(model) / "generation_config.json" if model else None
+    if path is None or not path.is_file():
+        return []
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise GenerationError(f"{path}: unreadable ({exc})") from None
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
 
 
 def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> GenerateReport:
