@@ -131,3 +131,24 @@ def test_generate_command_names_the_url(tmp_path, toy_tokenizers, capsys):
                  "--engine", "vllm", "--vllm-url", f"http://127.0.0.1:{port}"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and f"127.0.0.1:{port}" in err
+
+
+def test_a_killed_round_continues_with_only_the_missing_prompts(stub, tmp_path, toy_tokenizers):
+    from prefpack.generation.prompts import RowPrompts
+    from prefpack.generation.run import sample_prompts
+
+    rows = tmp_path / "p.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"Human: question {i}\n\nAssistant:", "id": i}) + "\n"
+                            for i in range(5)))
+    source = RowPrompts([str(rows)], str(toy_tokenizers["llama"]))
+    engine = VllmEngine(stub.url, concurrency=2)
+    sample_prompts(source, engine, SETTINGS, tmp_path / "a.jsonl", log=lambda m: None)
+    whole = (tmp_path / "a.jsonl").read_text()
+    (tmp_path / "b.jsonl").write_text("".join(whole.splitlines(True)[:2]))  # as a run killed after two rows
+    (tmp_path / "b.meta.json").write_text((tmp_path / "a.meta.json").read_text())
+    stub.requests.clear()
+    report = sample_prompts(source, engine, SETTINGS, tmp_path / "b.jsonl", log=lambda m: None)
+    assert sorted(r["seed"] for r in stub.requests) == sorted(prompt_seed(11, row) for row in (2, 3, 4))
+    assert (tmp_path / "b.jsonl").read_text() == whole and report.written == 3
+    first = json.loads(whole.splitlines()[0])
+    assert first["prompt_ids"] == list(next(iter(source)).ids) and first["id"] == 0

@@ -77,7 +77,10 @@ class GenerationEngine(Protocol):
     samples; ``describe`` what the samples' meta records of it; ``close`` frees what it holds (a server it
     started)."""
 
+
     name: str
+    batch_prompts: int  # prompts the loop hands ``generate`` at once (and the rows a killed run may redo)
+    batch_dependent: bool  # whether a prompt's samples depend on the others in its call (then a redo is whole)
 
     def generate(self, jobs: Sequence[PromptJob], settings: SamplingSettings) -> list[list[Sample]]: ...
 

@@ -26,6 +26,7 @@ DEFAULT_BATCH_PROMPTS = 8
 
 class TransformersEngine:
     name = "transformers"
+    batch_dependent = True  # a batch shares one stream of random draws
 
     def __init__(self, model, *, pad_id: int, batch_size: int = DEFAULT_BATCH_PROMPTS, source: str | None = None):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:

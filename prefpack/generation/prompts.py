@@ -108,8 +108,8 @@ class StorePrompts(PromptSource):
             origin = sources[f].get("path") if 0 <= f < len(sources) and isinstance(sources[f], dict) else None
             yield Prompt(row, tuple(int(t) for t in ids), None, {"source_file": origin, "source_row": int(row_col[at])})
         if self.repeats:
-            self.notes.append(f"{self.repeats} examples repeat an earlier prompt of the store; each prompt was sampled "
-                              "once (its first example's row)")
+            self.notes = [f"{self.repeats} examples repeat an earlier prompt of the store; each prompt was sampled "
+                              "once (its first example's row)"]
 
     def tokenizer_record(self) -> dict:
         return self.store.meta["tokenizer"]
@@ -148,7 +148,7 @@ class RowPrompts(PromptSource):
                 yield prompt
                 n += 1
         if dropped:
-            self.notes.append(f"input fields not passed through (the samples' own keys): {sorted(dropped)}")
+            self.notes = [f"input fields not passed through (the samples' own keys): {sorted(dropped)}"]
 
     def _field_of(self, row: dict) -> str:
         if self.field:
@@ -169,10 +169,13 @@ class RowPrompts(PromptSource):
         chat = isinstance(row.get(name), list)
         value = get_messages(row, name, allow_empty=True) if chat else get_str(row, name)
         ex = Example(value, (), chat=chat)
+        tools = parse_tools(row.get(TOOLS_FIELD), TOOLS_FIELD)
+        kwargs = {k: v for k, v in parse_template_kwargs(row.get(KWARGS_FIELD), KWARGS_FIELD).items() if v is not None}
         if chat:
-            ex.tools = parse_tools(row.get(TOOLS_FIELD), TOOLS_FIELD)
-            ex.template_kwargs = {k: v for k, v in parse_template_kwargs(row.get(KWARGS_FIELD), KWARGS_FIELD).items()
-                                  if v is not None}
+            ex.tools, ex.template_kwargs = tools, kwargs
+        elif tools or kwargs:  # as prepare: they only reach the model through the chat template
+            raise InvalidRow("tools_without_chat", TOOLS_FIELD if tools else KWARGS_FIELD, f"field {name!r} is a "
+                             "plain string, tokenised as it is: tools and chat_template_kwargs need a message list")
         ids = self.encoder.encode_prompt(ex)
         fields = {k: v for k, v in row.items() if k != name and k not in RESERVED}
         return Prompt(n, tuple(ids), value if chat else None, fields)

@@ -183,8 +183,9 @@ def _chunk(chunk: list[Prompt], engine, settings, writer: SamplesWriter, tok, co
     todo = [p for p in chunk if p.row not in writer.done]
     if not todo:
         return
-    results = engine.generate([PromptJob(p.row, p.ids) for p in chunk], settings)
-    for prompt, samples in zip(chunk, results):
+    asked = chunk if getattr(engine, "batch_dependent", True) else todo  # redo a batch whole where it matters
+    results = engine.generate([PromptJob(p.row, p.ids) for p in asked], settings)
+    for prompt, samples in zip(asked, results):
         if prompt.row in writer.done:
             continue
         row = {"prompt_ids": list(prompt.ids), "completion_ids": [list(s.ids) for s in samples],

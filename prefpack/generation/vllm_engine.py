@@ -23,6 +23,7 @@ from prefpack.generation.engine import GenerationError, PromptJob, Sample, Sampl
 
 DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds one completions request may take (n long samples of a big model)
 DEFAULT_CONCURRENCY = 32  # requests in flight; vLLM batches them
+CHUNK_REQUESTS = 8  # prompts per call of generate, in units of the concurrency (rows are written after each call)
 
 TRANSPORT_ERRORS = (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError,
                     OSError)
@@ -74,11 +75,13 @@ class VllmEngine:
     is stopped by ``close`` and named in errors."""
 
     name = "vllm"
+    batch_dependent = False  # each request carries its prompt's seed
 
     def __init__(self, url: str, *, model: str | None = None, request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
                  concurrency: int = DEFAULT_CONCURRENCY, server=None, connect_timeout: float = 10.0):
         self.url, self.server, self.timeout = base_url(url), server, float(request_timeout)
-        self.batch_prompts = max(1, int(concurrency))
+        self.concurrency = max(1, int(concurrency))
+        self.batch_prompts = CHUNK_REQUESTS * self.concurrency  # the pool keeps `concurrency` of them in flight
         try:
             self.model = served_model(self.url, timeout=connect_timeout) if model is None else model
         except TRANSPORT_ERRORS as exc:
@@ -90,7 +93,7 @@ class VllmEngine:
         return f"the vLLM server at {self.url} {what}; check that it runs and serves the completions API"
 
     def describe(self) -> dict:
-        out = {"model": self.model, "url": self.url, "concurrency": self.batch_prompts}
+        out = {"model": self.model, "url": self.url, "concurrency": self.concurrency}
         if self.server is not None:
             out.update(self.server.describe())
         return out
@@ -110,9 +113,12 @@ class VllmEngine:
     def generate(self, jobs: Sequence[PromptJob], settings: SamplingSettings) -> list[list[Sample]]:
         if not jobs:
             return []
-        with ThreadPoolExecutor(max_workers=min(self.batch_prompts, len(jobs))) as pool:
+        pool = ThreadPoolExecutor(max_workers=min(self.concurrency, len(jobs)))
+        try:
             futures = [pool.submit(self._one, job, settings) for job in jobs]
             return [f.result() for f in futures]
+        finally:  # on a failure, the requests not yet sent are not sent
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def _one(self, job: PromptJob, s: SamplingSettings) -> list[Sample]:
         try:
