@@ -34,7 +34,7 @@ def world(tmp_path_factory, toy_tokenizers, one_thread):
                            workers=1), log=quiet)
     model = tiny_llama(toy_tokenizers["chatml"], root / "model", 0)
     engine = TransformersEngine.load(str(model), pad_id=0, batch_size=3)
-    return {"root": root, "rows": rows_file, "store": root / "store", "engine": engine}
+    return {"root": root, "rows": rows_file, "store": root / "store", "engine": engine, "model": model}
 
 
 def greedy_alone(model, ids, steps):
@@ -160,3 +160,20 @@ def test_same_seed_same_file_and_a_killed_run_continues_to_it(world, tmp_path):
         json.loads((tmp_path / "a.meta.json").read_text())["counts"]
     with pytest.raises(GenerationError, match="other settings"):
         sample_prompts(source, engine, other, tmp_path / "d.jsonl", log=quiet)
+
+
+def test_the_command_samples_a_stores_prompts(world, tmp_path, capsys):
+    from prefpack.cli import main
+
+    out = tmp_path / "round" / "samples.jsonl"
+    argv = ["generate", "--store", str(world["store"]), "--model", str(world["model"]), "-o", str(out), "--n", "2",
+            "--max-new-tokens", "4", "--seed", "3", "--batch-size", "2"]
+    assert main(argv) == 0 and "wrote" in capsys.readouterr().out
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    store = Store(world["store"])
+    assert [r["prompt_ids"] for r in rows] == [[int(t) for t in store.pair(i).prompt] for i in range(len(store))]
+    assert all(len(c) <= 4 for r in rows for c in r["completion_ids"])
+    assert [r["truncated"] for r in rows] == [[not c or c[-1] != 2 for c in r["completion_ids"]] for r in rows]
+    meta = json.loads((tmp_path / "round" / "samples.meta.json").read_text())
+    assert meta["complete"] and meta["tokenizer"] == store.meta["tokenizer"]
+    assert meta["generation"]["settings"]["seed"] == 3 and meta["generation"]["batch_size"] == 2

