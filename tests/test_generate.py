@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from conftest import quiet, tiny_llama, write_jsonl
+from transformers import GenerationConfig
 
 from prefpack.data.prepare import PrepareOptions, prepare
 from prefpack.data.store import Store
@@ -177,3 +178,20 @@ def test_the_command_samples_a_stores_prompts(world, tmp_path, capsys):
     meta = json.loads((tmp_path / "round" / "samples.meta.json").read_text())
     assert meta["complete"] and meta["tokenizer"] == store.meta["tokenizer"]
     assert meta["generation"]["settings"]["seed"] == 3 and meta["generation"]["batch_size"] == 2
+
+
+def test_the_model_folders_sampling_defaults_do_not_leak_in(world):
+    """A generation_config.json's min_p, repetition penalty... would change what is sampled behind the settings'
+    back (transformers merges them into a given config); vLLM requests set them off too."""
+    engine, model = world["engine"], world["engine"].model
+    jobs = [PromptJob(p.row, p.ids) for p in StorePrompts(str(world["store"]))][:2]
+    settings = SamplingSettings(n=3, max_new_tokens=6, seed=1, stop_token_ids=(599,))
+    saved = model.generation_config
+    try:
+        model.generation_config = GenerationConfig()
+        plain = engine.generate(jobs, settings)
+        model.generation_config = GenerationConfig(min_p=0.999, repetition_penalty=50.0, top_k=1)
+        assert engine.generate(jobs, settings) == plain
+    finally:
+        model.generation_config = saved
+    assert len({s.ids for s in plain[0]}) == 3

@@ -44,6 +44,7 @@ def test_request_shape_and_samples(stub):
             (MODEL_ID, 3, 6, 0.7, 0.9)
         assert body["seed"] == prompt_seed(11, job.row) and body["stop_token_ids"] == [2, 7]
         assert body["return_token_ids"] is True
+        assert (body["top_k"], body["min_p"], body["repetition_penalty"]) == (-1, 0.0, 1.0)  # the model's own, off
         want = [stub_choice(body, k) for k in range(3)]
         assert [list(s.ids) for s in samples] == [c["token_ids"] for c in want]
         assert [s.truncated for s in samples] == [c["finish_reason"] == "length" for c in want]

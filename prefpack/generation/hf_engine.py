@@ -81,9 +81,15 @@ class TransformersEngine:
                                   max_new_tokens=s.max_new_tokens, num_return_sequences=s.n,
                                   eos_token_id=list(s.stop_token_ids), pad_token_id=self.pad_id)
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            torch.manual_seed(prompt_seed(s.seed, jobs[0].row))
-            seqs = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                       generation_config=config)
+        # transformers fills what a given config leaves unset from the model's generation_config (a folder's min_p,
+        # repetition penalty...): blanked for the call, so the settings alone say what is sampled
+        own, self.model.generation_config = self.model.generation_config, GenerationConfig()
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                torch.manual_seed(prompt_seed(s.seed, jobs[0].row))
+                seqs = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                           generation_config=config)
+        finally:
+            self.model.generation_config = own
         new = seqs[:, width:].tolist()
         return [[finish(new[i * s.n + k], s.stop_token_ids) for k in range(s.n)] for i in range(len(jobs))]

@@ -107,6 +107,9 @@ class VllmEngine:
         body = {"model": self.model, "prompt": list(job.ids), "n": s.n, "max_tokens": s.max_new_tokens,
                 "temperature": s.temperature, "top_p": s.top_p, "seed": prompt_seed(s.seed, job.row),
                 "stop_token_ids": list(s.stop_token_ids), "ignore_eos": False, "return_token_ids": True,
+                # off, whatever the model's generation_config.json says (vLLM applies it by default)
+                "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                "frequency_penalty": 0.0,
                 "logprobs": 0, "return_tokens_as_token_ids": True, "skip_special_tokens": False}
         return body
 
