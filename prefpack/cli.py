@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command in ("train", "eval", "precompute-ref", "quickstart", "score"):
+    if args.command in ("train", "eval", "precompute-ref", "quickstart", "generate", "score"):
         _quiet_libraries()
     if extra:
         # `key.sub=value` overrides may follow options (argparse stops collecting positionals at the first flag)

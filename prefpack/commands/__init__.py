@@ -1,5 +1,5 @@
 """Every subcommand as a pair: `add_X` declares its arguments, `run_X` turns them into options and calls the library
-(prepare, inspect, train, eval, precompute-ref, quickstart, plot). `prefpack.cli` assembles and dispatches them."""
+(prepare, inspect, train, eval, precompute-ref, quickstart, plot; generate in its own module). `prefpack.cli` assembles and dispatches them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import json
 import math
 import sys
 from pathlib import Path
+
+from prefpack.commands.generate import add_generate, run_generate
 
 # ---------------------------------------------------------------- prepare, inspect
 
@@ -433,5 +435,7 @@ COMMANDS = {
     "precompute-ref": (add_precompute, run_precompute),
     "quickstart": (add_quickstart, run_quickstart),
     "plot": (add_plot, run_plot),
+    "generate": (add_generate, run_generate),
     "score": (add_score, run_score),
 }
+

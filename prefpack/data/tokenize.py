@@ -238,15 +238,30 @@ class ExampleTokenizer:
                 done.discard(k)
         return ids, {k: round(len(ids[k]) * (len(texts[k]) / chars - 1)) for k in done}
 
-    def _finish(self, ex: Example, prompt: list[int], comps: list[list[int]], masks: list[list[bool] | None],
-                unseen: list[int]) -> TokenizedExample:
-        sp = self.specials
-        prefix = list(sp.prefix_ids)
+    def _with_prefix(self, prompt: list[int]) -> list[int]:
+        prefix = list(self.specials.prefix_ids)
         if prefix and prompt[: len(prefix)] != prefix:
             prompt = prefix + prompt  # BOS by the tokenizer's convention, once (not if the text already has it)
         if not prompt:
             raise InvalidRow("empty_prompt", None, "the prompt is empty and the tokenizer adds no BOS, so the first "
                              "completion token would have no context to be predicted from")
+        return prompt
+
+    def encode_prompt(self, ex: Example) -> list[int]:
+        """The token ids of an example's prompt alone, rendered and tokenised as :meth:`__call__` does for a whole
+        example (``prefpack generate`` samples replies to them); no --max-length cut."""
+        if ex.chat:
+            self._check_tool_support(ex)
+            text = render_chat(self.tok, ex, self.cfg.chat_template_kwargs, self.cfg.tools, self.cfg.train_on,
+                               self.cfg.template, self.cfg.earlier_reasoning).prompt
+        else:
+            text = ex.prompt
+        return self._with_prefix(self.tok.backend_tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+
+    def _finish(self, ex: Example, prompt: list[int], comps: list[list[int]], masks: list[list[bool] | None],
+                unseen: list[int]) -> TokenizedExample:
+        sp = self.specials
+        prompt = self._with_prefix(prompt)
         finished, scored = [], []
         for k, (c, m, name) in enumerate(zip(comps, masks, ex.completion_fields)):
             if m is not None and not any(m):

@@ -1,0 +1,106 @@
+"""The one interface both sampling engines answer (``GenerationEngine``), the sampling settings, and the rules they
+share: how a prompt's seed is derived and where a sample ends.
+
+An engine turns prompts (token ids, never text) into ``n`` completions each, as token ids. A completion ends at its
+first stop token (the template's end-of-turn and EOS), which it keeps, as prepare keeps EOS at a completion's end;
+one that reaches ``max_new_tokens`` without a stop token is marked ``truncated``. Each prompt's sampling is seeded
+from ``(seed, row)`` so that an engine that can seed each prompt (vLLM) gives samples independent of batching.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+from prefpack.errors import PrefpackError
+
+
+class GenerationError(PrefpackError, ValueError):
+    """A generation setting, prompt or engine (a server that does not start or answer) that stops generate."""
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How each prompt is sampled; the same settings mean the same thing to both engines."""
+
+    n: int = 4  # completions per prompt
+    temperature: float = 1.0  # 0: greedy (then n must be 1)
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # end-of-turn and EOS ids (stops.stop_token_ids)
+
+    def check(self) -> SamplingSettings:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise GenerationError(f"n (completions per prompt) must be a positive integer, not {self.n!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise GenerationError(f"temperature must be 0 (greedy) or positive, not {self.temperature!r}")
+        if self.temperature == 0 and self.n > 1:
+            raise GenerationError(f"temperature 0 is greedy decoding: its {self.n} completions of a prompt would all "
+                                  "be the same; use n=1 or a positive temperature")
+        if not 0 < self.top_p <= 1:
+            raise GenerationError(f"top_p must be in (0, 1], not {self.top_p!r}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be a positive integer, not {self.max_new_tokens!r}")
+        if not self.stop_token_ids:
+            raise GenerationError("no stop token: a completion could never end before max_new_tokens")
+        return self
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["stop_token_ids"] = list(self.stop_token_ids)
+        return out
+
+
+@dataclass(frozen=True)
+class PromptJob:
+    """One prompt to sample: its row (which seeds it) and its token ids, exactly as training reads them."""
+
+    row: int
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion: its token ids (ending with the stop token when one was sampled) and whether the length
+    limit cut it (no stop token)."""
+
+    ids: tuple[int, ...]
+    truncated: bool
+
+
+class GenerationEngine(Protocol):
+    """What generate (and the rounds driver) reads of an engine. ``generate`` returns, per job in order, ``n``
+    samples; ``describe`` what the samples' meta records of it; ``close`` frees what it holds (a server it
+    started)."""
+
+
+    name: str
+    batch_prompts: int  # prompts the loop hands ``generate`` at once (and the rows a killed run may redo)
+    batch_dependent: bool  # whether a prompt's samples depend on the others in its call (then a redo is whole)
+
+    def generate(self, jobs: Sequence[PromptJob], settings: SamplingSettings) -> list[list[Sample]]: ...
+
+    def describe(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+def prompt_seed(seed: int, row: int) -> int:
+    """A 31-bit seed for one prompt, from the run's seed and the prompt's row: seeds of nearby rows and runs are
+    unrelated (``seed + row`` would make seed 1 row 0 repeat seed 0 row 1)."""
+    digest = hashlib.blake2b(f"{int(seed)}:{int(row)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def finish(ids: Sequence[int], stop_ids: Sequence[int]) -> Sample:
+    """A raw continuation cut after its first stop token (what follows is padding or never sampled); truncated when
+    it holds none."""
+    stops = set(stop_ids)
+    for k, tid in enumerate(ids):
+        if tid in stops:
+            return Sample(tuple(int(t) for t in ids[: k + 1]), False)
+    return Sample(tuple(int(t) for t in ids), True)

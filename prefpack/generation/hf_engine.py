@@ -1,0 +1,95 @@
+"""The in-process engine: transformers' ``generate`` on batches of left-padded prompts, ``num_return_sequences`` =
+n, on CPU or GPU; the default. It also takes a model already in memory (the rounds driver's policy).
+
+Sampling draws from torch's global generator, seeded per batch from ``(seed, first row of the batch)`` inside
+``fork_rng`` (the caller's random state is left as it was): the same seed and batch size give the same samples;
+another batch size gives other (equally valid) samples, since a batch's prompts share one stream of draws.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from prefpack.generation.engine import (
+    GenerationError,
+    PromptJob,
+    Sample,
+    SamplingSettings,
+    finish,
+    prompt_seed,
+)
+
+DEFAULT_BATCH_PROMPTS = 8
+
+
+class TransformersEngine:
+    name = "transformers"
+    batch_dependent = True  # a batch shares one stream of random draws
+
+    def __init__(self, model, *, pad_id: int, batch_size: int = DEFAULT_BATCH_PROMPTS, source: str | None = None):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise GenerationError(f"batch size (prompts per generate call) must be a positive integer, not "
+                                  f"{batch_size!r}")
+        self.model, self.pad_id, self.batch_prompts, self.source = model, int(pad_id), batch_size, source
+        self.device = next(model.parameters()).device
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+
+    @classmethod
+    def load(cls, path: str, *, pad_id: int, batch_size: int = DEFAULT_BATCH_PROMPTS, device: str = "auto",
+             dtype: str = "auto", trust_remote_code: bool = False) -> TransformersEngine:
+        """A model folder loaded for sampling: sdpa attention, bfloat16 on CUDA and float32 on CPU by default."""
+        from prefpack.model.load import load_causal_lm, pick_device
+
+        dev = pick_device(device)
+        if dtype == "auto":
+            dtype = "bfloat16" if dev.type == "cuda" else "float32"
+        model = load_causal_lm(path, attn_implementation="sdpa", device=dev, dtype=getattr(torch, dtype),
+                               trust_remote_code=trust_remote_code, packed=False)
+        return cls(model.eval(), pad_id=pad_id, batch_size=batch_size, source=path)
+
+    def describe(self) -> dict:
+        return {"model": self.source, "batch_size": self.batch_prompts, "device": str(self.device),
+                "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch.")}
+
+    def close(self) -> None:
+        self.model = None
+
+    def generate(self, jobs: Sequence[PromptJob], settings: SamplingSettings) -> list[list[Sample]]:
+        out: list[list[Sample]] = []
+        for start in range(0, len(jobs), self.batch_prompts):
+            out.extend(self._batch(jobs[start:start + self.batch_prompts], settings))
+        return out
+
+    def _batch(self, jobs: Sequence[PromptJob], s: SamplingSettings) -> list[list[Sample]]:
+        from transformers import GenerationConfig
+
+        width = max(len(j.ids) for j in jobs)
+        if self.max_positions and width + s.max_new_tokens > self.max_positions:
+            long = max(jobs, key=lambda j: len(j.ids))
+            raise GenerationError(f"row {long.row}: its prompt ({len(long.ids)} tokens) and max_new_tokens "
+                                  f"({s.max_new_tokens}) exceed the model's {self.max_positions} positions")
+        ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(jobs), width), dtype=torch.long)
+        for i, job in enumerate(jobs):  # left padding: every prompt ends where generation starts
+            ids[i, width - len(job.ids):] = torch.tensor(job.ids, dtype=torch.long)
+            mask[i, width - len(job.ids):] = 1
+        sample = s.temperature > 0
+        config = GenerationConfig(do_sample=sample, temperature=s.temperature if sample else None,
+                                  top_p=s.top_p if sample else None, top_k=0 if sample else None,
+                                  max_new_tokens=s.max_new_tokens, num_return_sequences=s.n,
+                                  eos_token_id=list(s.stop_token_ids), pad_token_id=self.pad_id)
+        devices = [self.device] if self.device.type == "cuda" else []
+        # transformers fills what a given config leaves unset from the model's generation_config (a folder's min_p,
+        # repetition penalty...): blanked for the call, so the settings alone say what is sampled
+        own, self.model.generation_config = self.model.generation_config, GenerationConfig()
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                torch.manual_seed(prompt_seed(s.seed, jobs[0].row))
+                seqs = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                           generation_config=config)
+        finally:
+            self.model.generation_config = own
+        new = seqs[:, width:].tolist()
+        return [[finish(new[i * s.n + k], s.stop_token_ids) for k in range(s.n)] for i in range(len(jobs))]

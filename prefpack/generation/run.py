@@ -1,0 +1,202 @@
+"""`prefpack generate` as a library call: prompts from a store or rows, an engine, the samples file.
+
+``sample_prompts`` is the loop the rounds driver calls with its own engine (the policy in memory); ``generate``
+builds the prompt source and the engine from options, runs it and stops the engine (and a server it started).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefpack.generation.engine import GenerationEngine, GenerationError, PromptJob, SamplingSettings
+from prefpack.generation.prompts import Prompt, PromptSource, RowPrompts, StorePrompts
+from prefpack.generation.samples import SamplesWriter, meta_path
+from prefpack.generation.stops import stop_token_ids
+
+ENGINES = ("transformers", "vllm")
+
+
+@dataclass
+class GenerateOptions:
+    output: str
+    model: str | None = None  # the model folder (transformers; vLLM's {model} when prefpack starts the server)
+    store: str | None = None  # prompts of a prepared store, or ...
+    inputs: list[str] = field(default_factory=list)  # ... rows of prompts / messages
+    tokenizer: str | None = None  # rows' tokenizer (default: the model folder's)
+    prompt_field: str | None = None
+    chat_template_kwargs: dict | None = None
+    tools: list | None = None
+    engine: str = "transformers"
+    n: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    seed: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)  # besides end-of-turn and EOS
+    batch_size: int = 8  # transformers: prompts per generate call
+    device: str = "auto"
+    dtype: str = "auto"
+    vllm_url: str | None = None
+    vllm_command: str | None = None  # e.g. "vllm serve {model} --port {port}"
+    vllm_start_timeout: float = 900.0
+    request_timeout: float = 600.0
+    concurrency: int = 32
+    overwrite: bool = False
+    trust_remote_code: bool = False
+
+
+@dataclass
+class GenerateReport:
+    path: Path
+    prompts: int
+    written: int  # rows this run wrote (the others were done before)
+    samples: int
+    truncated: int
+    tokens: int  # completion tokens this run sampled
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        resumed = f" ({self.prompts - self.written} done before, continued)" if self.written < self.prompts else ""
+        lines = [f"wrote {self.path}: {self.prompts} prompts{resumed}, {self.samples} samples, {self.truncated} cut "
+                 f"by max_new_tokens; {self.tokens} tokens in {self.seconds:.1f}s "
+                 f"({self.tokens / max(self.seconds, 1e-9):,.0f} tokens/s)"]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def prompt_source(opts: GenerateOptions) -> PromptSource:
+    if bool(opts.store) == bool(opts.inputs):
+        raise GenerationError("give prompts as --store DIR (a prepared store) or as input files, one of the two")
+    if opts.store:
+        return StorePrompts(opts.store, trust_remote_code=opts.trust_remote_code)
+    tokenizer = opts.tokenizer or opts.model
+    if not tokenizer:
+        raise GenerationError("rows of prompts need a tokenizer: give --tokenizer (or --model, a folder holding one)")
+    return RowPrompts(opts.inputs, tokenizer, field=opts.prompt_field, chat_template_kwargs=opts.chat_template_kwargs,
+                      tools=opts.tools, trust_remote_code=opts.trust_remote_code)
+
+
+def build_engine(opts: GenerateOptions, source: PromptSource) -> GenerationEngine:
+    if opts.engine not in ENGINES:
+        raise GenerationError(f"unknown engine {opts.engine!r}; choose {', '.join(ENGINES)}")
+    if opts.engine == "transformers":
+        if opts.vllm_url or opts.vllm_command:
+            raise GenerationError("--vllm-url and --vllm-command go with --engine vllm")
+        if not opts.model:
+            raise GenerationError("--engine transformers needs --model (a model folder)")
+        from prefpack.generation.hf_engine import TransformersEngine
+
+        tok = source.tok
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        return TransformersEngine.load(opts.model, pad_id=pad, batch_size=opts.batch_size, device=opts.device,
+                                       dtype=opts.dtype, trust_remote_code=opts.trust_remote_code)
+    from prefpack.generation.vllm_engine import VllmEngine
+
+    if bool(opts.vllm_url) == bool(opts.vllm_command):
+        raise GenerationError("--engine vllm needs --vllm-url URL (a running server) or --vllm-command CMD (prefpack "
+                              "starts it on --model), one of the two")
+    if opts.vllm_url:
+        return VllmEngine(opts.vllm_url, request_timeout=opts.request_timeout, concurrency=opts.concurrency)
+    if not opts.model:
+        raise GenerationError("--vllm-command needs --model: the checkpoint it serves ({model} in the command)")
+    from prefpack.generation.server import VllmServer
+
+    log = meta_path(opts.output).with_name(Path(opts.output).name.removesuffix(".jsonl") + ".vllm.log")
+    server = VllmServer(opts.vllm_command, model=opts.model, log_path=log, start_timeout=opts.vllm_start_timeout)
+    server.start()
+    try:
+        return VllmEngine(server.url, request_timeout=opts.request_timeout, concurrency=opts.concurrency,
+                          server=server)
+    except BaseException:
+        server.stop()
+        raise
+
+
+def settings_of(opts: GenerateOptions, source: PromptSource) -> SamplingSettings:
+    stops = stop_token_ids(source.tok, model_eos_ids(opts.model), opts.stop_token_ids)
+    return SamplingSettings(n=opts.n, temperature=opts.temperature, top_p=opts.top_p,
+                            max_new_tokens=opts.max_new_tokens, seed=opts.seed, stop_token_ids=stops).check()
+
+
+def model_eos_ids(model: str | None) -> list[int]:
+    """The EOS ids a model folder's generation_config.json names (Llama 3 Instruct lists its end-of-turn there
+    too); vLLM stops at them by default, so the transformers engine does as well."""
+    path = Path(model) / "generation_config.json" if model else None
+    if path is None or not path.is_file():
+        return []
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise GenerationError(f"{path}: unreadable ({exc})") from None
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> GenerateReport:
+    source = prompt_source(opts)
+    settings = settings_of(opts, source)
+    engine = build_engine(opts, source)
+    try:
+        return sample_prompts(source, engine, settings, opts.output, overwrite=opts.overwrite, log=log)
+    finally:
+        engine.close()
+
+
+def sample_prompts(source: PromptSource, engine: GenerationEngine, settings: SamplingSettings, output: str | Path, *,
+                   overwrite: bool = False, log: Callable[[str], None] = print) -> GenerateReport:
+    """Every prompt of ``source`` sampled by ``engine`` into ``output``, in chunks of the engine's
+    ``batch_prompts``; a chunk whose rows a previous run wrote is skipped, one it left part-done is made again
+    whole (so the rows equal an uninterrupted run's) and only its missing rows written."""
+    t0 = time.perf_counter()
+    meta = {"tokenizer": source.tokenizer_record(), "chat_template": source.chat_template_record(),
+            "prompts": source.describe(),
+            "generation": {"engine": engine.name, "settings": settings.to_json(), **engine.describe()}}
+    writer = SamplesWriter(output, meta, overwrite=overwrite)
+    if writer.done:
+        log(f"continuing {output}: {len(writer.done)} rows were written by an earlier run")
+    tok = source.tok
+    counts = {"prompts": 0, "tokens": 0, "written": 0, **writer.prior}
+    try:
+        chunk: list[Prompt] = []
+        for prompt in source:
+            counts["prompts"] += 1
+            chunk.append(prompt)
+            if len(chunk) == engine.batch_prompts:
+                _chunk(chunk, engine, settings, writer, tok, counts)
+                chunk = []
+        if chunk:
+            _chunk(chunk, engine, settings, writer, tok, counts)
+        if not counts["prompts"]:
+            raise GenerationError("no prompt to sample: the source is empty")
+        writer.finish({k: counts[k] for k in ("prompts", "samples", "truncated")})
+    finally:
+        writer.close()
+    return GenerateReport(Path(output), counts["prompts"], counts["written"], counts["samples"], counts["truncated"],
+                          counts["tokens"], time.perf_counter() - t0, list(source.notes))
+
+
+def _chunk(chunk: list[Prompt], engine, settings, writer: SamplesWriter, tok, counts: dict) -> None:
+    todo = [p for p in chunk if p.row not in writer.done]
+    if not todo:
+        return
+    asked = chunk if getattr(engine, "batch_dependent", True) else todo  # redo a batch whole where it matters
+    results = engine.generate([PromptJob(p.row, p.ids) for p in asked], settings)
+    for prompt, samples in zip(asked, results):
+        if prompt.row in writer.done:
+            continue
+        row = {"prompt_ids": list(prompt.ids), "completion_ids": [list(s.ids) for s in samples],
+               "prompt": tok.decode(list(prompt.ids), skip_special_tokens=False),
+               "completions": [tok.decode(list(s.ids), skip_special_tokens=True) for s in samples],
+               "truncated": [s.truncated for s in samples], "row": prompt.row}
+        if prompt.messages is not None:
+            row["messages"] = prompt.messages
+        row.update(prompt.fields)
+        writer.write(row)
+        counts["written"] += 1
+        counts["tokens"] += sum(len(s.ids) for s in samples)
+        counts["samples"] += len(samples)
+        counts["truncated"] += sum(s.truncated for s in samples)
