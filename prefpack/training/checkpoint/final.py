@@ -49,17 +49,18 @@ def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module
         shutil.rmtree(tmp)
     try:
         needed = _tensor_bytes(full_state if full_state is not None else policy.state_dict())
-        if full_state is None and is_four_bit(policy):
+        if is_four_bit(policy):
             needed *= 8  # two 4-bit weights a byte, saved de-quantised: at most 4 bytes each
         needed += _MARGIN
         with _writing(tmp, final, needed=needed, run_dir=run_dir):
             tmp.mkdir()
             _own(tmp)
             model = policy
-            if hasattr(policy, "merge_and_unload"):
-                policy.save_pretrained(tmp / "adapter")
-                model = merged_dequantized(policy) if is_four_bit(policy) else policy.merge_and_unload()
-            if full_state is not None:
+            if hasattr(policy, "merge_and_unload"):  # LoRA; under FSDP2 from the gathered state (rank 0's is sharded)
+                policy.save_pretrained(tmp / "adapter", **({} if full_state is None else {"state_dict": full_state}))
+                model = merged_dequantized(policy, full_state) if full_state is not None or is_four_bit(policy) \
+                    else policy.merge_and_unload()
+            elif full_state is not None:
                 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
                 auto = AutoModelForImageTextToText if getattr(policy.config, "vision_config", None) is not None \
@@ -87,15 +88,19 @@ def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module
 
 
 def is_four_bit(model: nn.Module) -> bool:
-    """Whether the model holds bitsandbytes 4-bit weights (``model.quantization``)."""
-    return any(getattr(p, "quant_state", None) is not None for p in model.parameters())
+    """Whether the model holds bitsandbytes 4-bit weights (``model.quantization``); under FSDP2 the sharded weight
+    loses its ``quant_state``, which its layer keeps."""
+    return any(getattr(m, "quant_state", None) is not None or getattr(getattr(m, "weight", None), "quant_state", None)
+               is not None for m in model.modules())
 
 
-def merged_dequantized(policy: nn.Module) -> nn.Module:
-    """A plain float32 copy of a LoRA-wrapped 4-bit model (on CPU): each 4-bit weight de-quantised, plus its
+def merged_dequantized(policy: nn.Module, state: dict | None = None) -> nn.Module:
+    """A plain float32 copy of a LoRA-wrapped (4-bit) model (on CPU): each 4-bit weight de-quantised, plus its
     adapters' product (``W + scale * B @ A``, what the trained layer computes), the other weights as they are, in a
     model built from the config without its ``quantization_config``, so transformers loads the folder without
-    bitsandbytes. Merging into the 4-bit layer (peft's ``merge_and_unload``) would round the sum back to 4 bits."""
+    bitsandbytes. Merging into the 4-bit layer (peft's ``merge_and_unload``) would round the sum back to 4 bits.
+    ``state``: the policy's full state dict gathered from FSDP2's shards, read instead of its (sharded) tensors; the
+    4-bit layers' quantisation states are whole on every rank."""
     import copy
 
     from bitsandbytes.functional import dequantize_4bit
@@ -115,16 +120,30 @@ def merged_dequantized(policy: nn.Module) -> nn.Module:
         path, _, leaf = key.rpartition(".")
         module = base.get_submodule(path)
         layer = module.get_base_layer() if isinstance(module, LoraLayer) else module
-        t = getattr(layer, leaf)
-        quant = getattr(t, "quant_state", None)
-        t = (dequantize_4bit(t.data, quant) if quant is not None else t.detach()).float()
-        if isinstance(module, LoraLayer) and leaf == "weight":
+        lora = isinstance(module, LoraLayer)
+        t = getattr(layer, leaf) if state is None else state[_peft_key(path, leaf, lora)]
+        quant = getattr(t, "quant_state", None) or (getattr(layer, "quant_state", None) if leaf == "weight" else None)
+        t = (dequantize_4bit(t.data.contiguous(), quant) if quant is not None else t.detach()).float()
+        if lora and leaf == "weight":
             for name in module.active_adapters:
                 if name in module.lora_A:
-                    t = t + module.get_delta_weight(name).float()
+                    t = t + (module.get_delta_weight(name) if state is None else _delta(module, path, name, state)).float()
         with torch.no_grad():
             target.copy_(t)
     return plain
+
+
+def _peft_key(path: str, leaf: str, lora: bool) -> str:
+    """The key of a plain model's ``path.leaf`` in the LoRA-wrapped model's state dict."""
+    return f"base_model.model.{path}{'.base_layer' if lora else ''}.{leaf}".replace("model..", "model.")
+
+
+def _delta(module, path: str, name: str, state: dict) -> torch.Tensor:
+    """``scale * B @ A`` of adapter ``name`` from full (gathered) tensors: peft's ``get_delta_weight``."""
+    a = state[f"base_model.model.{path}.lora_A.{name}.weight"].float()
+    b = state[f"base_model.model.{path}.lora_B.{name}.weight"].float()
+    delta = (b @ a) * module.scaling[name]
+    return delta.T if getattr(module, "fan_in_fan_out", False) else delta
 
 
 USER_FILES = ("*.md", "*.txt")  # a model card and notes: save_pretrained never writes them
