@@ -16,13 +16,13 @@ import transformers as tf
 from prefpack.engine import budgets as b
 from prefpack.engine.memory import Holding, estimate_memory, static_bytes
 
-H, I, LAYERS, HEADS, KV, V = 32, 64, 2, 4, 2, 600  # conftest.tiny_llama's shape
+H, INTER, LAYERS, HEADS, KV, V = 32, 64, 2, 4, 2, 600  # conftest.tiny_llama's shape
 CUDA = torch.device("cuda")
 BF16 = Holding(compute=torch.bfloat16, autocast=True)
 
 
 def _config() -> tf.LlamaConfig:
-    return tf.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=LAYERS,
+    return tf.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=INTER, num_hidden_layers=LAYERS,
                           num_attention_heads=HEADS, num_key_value_heads=KV, tie_word_embeddings=False)
 
 
@@ -32,9 +32,9 @@ def _llama() -> tf.LlamaForCausalLM:
 
 
 # the parameters by hand: untied embeddings and head, per layer q/o (H x H), k/v (H x KV heads of H/HEADS), the MLP's
-# three H x I matrices and two norms; a final norm
+# three H x INTER matrices and two norms; a final norm
 KV_DIM = KV * H // HEADS
-LINEARS = [H * H, H * KV_DIM, H * KV_DIM, H * H, H * I, H * I, I * H]  # q k v o gate up down
+LINEARS = [H * H, H * KV_DIM, H * KV_DIM, H * H, H * INTER, H * INTER, INTER * H]  # q k v o gate up down
 LAYER = sum(LINEARS) + 2 * H
 ROOT = 2 * V * H + H
 PARAMS = ROOT + LAYERS * LAYER
@@ -43,7 +43,7 @@ PARAMS = ROOT + LAYERS * LAYER
 def _per_token(offloaded=False, autocast=False) -> int:
     """Activations a token keeps (engine/budgets.py's doc): per layer 20H + 8I bytes in float32 (34H + 10I under
     autocast); all layers, or two with activation offloading."""
-    per_layer = 34 * H + 10 * I if autocast else 20 * H + 8 * I
+    per_layer = 34 * H + 10 * INTER if autocast else 20 * H + 8 * INTER
     return (2 if offloaded else LAYERS) * per_layer
 
 
@@ -57,7 +57,7 @@ def test_full_fine_tuning_with_a_reference_copy():
     est = estimate_memory(policy, reference, Holding(), activation_per_token=_per_token(), micro_batch_tokens=4096,
                           chunk_size=1024)
     assert (est.weights, est.grads, est.optimizer) == (2 * 4 * PARAMS, 4 * PARAMS, 8 * PARAMS)
-    assert est.activations == 4096 * LAYERS * (20 * H + 8 * I) + _head(1024)
+    assert est.activations == 4096 * LAYERS * (20 * H + 8 * INTER) + _head(1024)
     assert est.total == 20 * PARAMS + est.activations  # two copies of the weights, gradients, AdamW
     # under bfloat16 autocast backward also keeps a bfloat16 copy of each trained float32 weight
     assert static_bytes(policy, None, BF16) == (4 * PARAMS + 2 * PARAMS, 4 * PARAMS, 8 * PARAMS)
@@ -105,7 +105,7 @@ def test_four_bit_lora(lora_models):
     # float32 adapters and their bfloat16 autocast copies; gradients and AdamW moments for the adapters only
     assert est.weights == linear + others + 4 * ADAPTERS + 2 * ADAPTERS
     assert (est.grads, est.optimizer) == (4 * ADAPTERS, 8 * ADAPTERS)
-    assert est.activations == 4096 * LAYERS * (34 * H + 10 * I) + _head(1024)
+    assert est.activations == 4096 * LAYERS * (34 * H + 10 * INTER) + _head(1024)
     plain = static_bytes(lora_models["plain"], None, BF16)
     assert plain[0] == 2 * PARAMS + 6 * ADAPTERS and plain[1:] == (est.grads, est.optimizer)
 
@@ -150,7 +150,7 @@ def test_activation_offloading_keeps_two_layers_per_token():
     moved = b.activation_bytes_per_token(config, autocast=False, checkpointing=False, offloaded=True)
     assert (kept, moved) == (_per_token(), _per_token(offloaded=True))
     est = estimate_memory(policy, None, Holding(), activation_per_token=moved, micro_batch_tokens=8192, chunk_size=512)
-    assert est.activations == 8192 * 2 * (20 * H + 8 * I) + _head(512)
+    assert est.activations == 8192 * 2 * (20 * H + 8 * INTER) + _head(512)
 
 
 def test_cpu_offload_loads_the_weights_into_host_memory(monkeypatch):
