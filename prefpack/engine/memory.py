@@ -7,7 +7,7 @@ weights may not be on the device yet (CPU offload keeps them in host memory; FSD
 counts, per device:
 
 - weights: every parameter's bytes as held (a bitsandbytes 4-bit weight: its packed bytes, half a byte a weight,
-  plus its quantisation state), of the policy and a reference copy; under autocast the compute-dtype copies of the
+  plus its quantisation state, which FSDP2 leaves whole on every rank), of the policy and a reference copy; under autocast the compute-dtype copies of the
   trained float32 weights that backward keeps. Under FSDP2 over several ranks, a 1/world shard of each (none with
   ``distributed.cpu_offload``: the shards live in host memory) plus the unsharded layers in flight: the root group
   (embeddings, head, final norm; FSDP2 keeps it gathered from forward to backward) and two decoder layers (the one
@@ -140,7 +140,9 @@ def _held(model: nn.Module, holding: Holding, *, trained: bool) -> tuple[int, in
     layer_grads = _bytes([p for p in layer_params if p.requires_grad], holding) if grads else 0
     if holding.cpu_offload:
         return in_flight, layer_grads
-    return _bytes(params, holding) // holding.world + in_flight, _bytes(grads, holding) // holding.world + layer_grads
+    quant = sum(tensor_bytes(p) - p.numel() * p.element_size() for p in params)  # whole on every rank, not sharded
+    shards = (_bytes(params, holding) - quant) // holding.world + quant
+    return shards + in_flight, _bytes(grads, holding) // holding.world + layer_grads
 
 
 def static_bytes(policy: nn.Module, reference: nn.Module | None, holding: Holding) -> tuple[int, int, int]:
