@@ -43,4 +43,7 @@ LOSS_PARAMS: dict[str, LossParam] = {p.name: p for p in (
               "(TRL's router_aux_loss_coef): null = the model config's router_aux_loss_coef, 0 = off; only for "
               "models whose config has output_router_logits (Mixtral, Qwen2/3-MoE), an error otherwise; pair "
               "losses only (not KTO)", ()),
+    LossParam("center_rewards_coefficient", None, "train.objective=reward: add coef * mean((r_chosen + r_rejected)^2) "
+              "to the Bradley-Terry loss, so rewards stay centred on 0 (TRL's center_rewards_coefficient); null = off",
+              ()),
 )}

@@ -1,10 +1,13 @@
 """Tokenizer loading, content hashing and special-token conventions.
 
-The store records a hash of what the tokenizer *does to text* (vocabulary, merges, normaliser,
-pre-tokeniser, the tokens added around a text, special tokens, chat template) so a model can later refuse
-a store tokenised by something else. File bytes and the Python class that loaded the tokenizer are not
-hashed: the same tokenizer.json loaded next to a Mistral or a GPT-NeoX config must hash the same.
-Version 1 hashed the backend's whole serialisation and is kept to check stores written before version 2.
+The store records a hash of what decides the token ids (vocabulary, merges, normaliser, pre-tokeniser, the
+tokens added around a text, added and special tokens) so a model can later refuse a store whose ids would mean
+something else. The chat template is not part of it (version 3): it decides which text is tokenised, not what an id
+means, so a store prepared with a training template (or a tokenizer copy with another template) trains with the
+model's own tokenizer; the template used is recorded beside the hash instead (``meta.json``'s ``chat_template``). File bytes
+and the Python class that loaded the tokenizer are not hashed either: the same tokenizer.json loaded next to a
+Mistral or a GPT-NeoX config must hash the same. Versions 1 (the backend's whole serialisation) and 2 (version 3
+plus the chat template) are kept to check stores written before.
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ def hub_reachable() -> bool:
         return False
 
 
-HASH_VERSION = 2  # recorded in meta.json as tokenizer.hash_version; absent in stores hashed with version 1
+HASH_VERSION = 3  # recorded in meta.json as tokenizer.hash_version; absent in stores hashed with version 1
 
 
 def _backend_digest(tok) -> str:
@@ -185,7 +188,8 @@ def _decoder_view(dec):
     return dec
 
 
-def _hash_v2(tok) -> str:
+def _hash_v2(tok, *, with_template: bool = True) -> str:
+    """Version 2 hashes the chat template too; version 3 is the same content without it."""
     head, options, data = _split_backend(tok.backend_tokenizer.to_str())
     for key in ("continuing_subword_prefix", "end_of_word_suffix"):
         if key in options and options[key] is None:
@@ -204,8 +208,9 @@ def _hash_v2(tok) -> str:
         # pad is left out: it only fills padded batches (masked out); classes pick different defaults
         "special_tokens": {k: (str(getattr(tok, f"{k}_token")), getattr(tok, f"{k}_token_id"))
                            for k in ("bos", "eos", "unk")},
-        "chat_template": tok.chat_template,
     }
+    if with_template:
+        content["chat_template"] = tok.chat_template
     return _sha(content)
 
 
@@ -215,6 +220,8 @@ def tokenizer_hash(tok, version: int = HASH_VERSION) -> str:
         return _hash_v1(tok)
     if version == 2:
         return _hash_v2(tok)
+    if version == 3:
+        return _hash_v2(tok, with_template=False)
     raise TokenizerError(f"tokenizer hash version {version} is unknown to this prefpack (it knows 1..{HASH_VERSION}); "
                          "the store was written by a newer prefpack")
 
@@ -222,9 +229,18 @@ def tokenizer_hash(tok, version: int = HASH_VERSION) -> str:
 def tokenizer_matches(tok, recorded: dict) -> bool:
     """True if `tok` is the tokenizer recorded in a store's `meta["tokenizer"]` (hash and hash_version).
 
-    The hash is computed the way the store computed it, so stores written before version 2 keep working.
+    The hash is computed the way the store computed it, so stores written before version 3 keep working (and are
+    judged as they were: their hash covers the chat template; ``model.load.resolve_tokenizer`` looks further).
     """
     return tokenizer_hash(tok, int(recorded.get("hash_version", 1))) == recorded.get("hash")
+
+
+def template_sha(template: str | dict | None) -> str | None:
+    """sha256 of a chat template (a named set of templates hashed as its sorted JSON); None for no template."""
+    if not template:
+        return None
+    text = template if isinstance(template, str) else json.dumps(template, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -333,8 +333,19 @@ def test_implicit_prompt_ends_after_the_last_assistant_marker(tmp_path, toy_toke
         chosen + tok.eos_token)
 
 
-def test_implicit_prompt_without_any_marker_is_refused(tmp_path, toy_tokenizers):
-    rows = [{"chosen": "User: hi\nBot: hello", "rejected": "User: hi\nBot: go away"}]
-    with pytest.raises(PrepareError, match=r"no_shared_prompt") as err:
-        run([write_jsonl(tmp_path / "c.jsonl", rows)], toy_tokenizers["neox"], tmp_path / "s")
-    assert "<start_of_turn>model" in str(err.value) and "<|assistant|>" in str(err.value)
+def test_implicit_prompt_without_any_marker_is_cut_where_trl_cuts_it(tmp_path, toy_tokenizers):
+    """No assistant marker: the prompt is the common prefix less the space the replies start with, as TRL's
+    extract_prompt gives it (its own example: "The sky is" + " blue." / " green."), and the summary counts it."""
+    rows = [{"chosen": "User: hi\nBot: hello", "rejected": "User: hi\nBot: go away"},
+            {"chosen": "The sky is blue.", "rejected": "The sky is green."}]
+    report = run([write_jsonl(tmp_path / "c.jsonl", rows)], toy_tokenizers["neox"], tmp_path / "s")
+    assert report.chat["prompt_at_difference"] == 2 and "extract_prompt" in report.summary()
+    tok = load_tokenizer(toy_tokenizers["neox"])
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    store = Store(tmp_path / "s")
+    for i, (prompt, chosen, rejected) in enumerate([("User: hi\nBot:", " hello", " go away"),
+                                                    ("The sky is", " blue.", " green.")]):
+        pair = store.pair(i)
+        assert [int(t) for t in pair.prompt] == enc(prompt)
+        assert [int(t) for t in pair.chosen] == enc(chosen) + [tok.eos_token_id]
+        assert [int(t) for t in pair.rejected] == enc(rejected) + [tok.eos_token_id]

@@ -9,7 +9,7 @@ import pytest
 from prefpack.config import load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "examples" / "configs").glob("*.yaml"))
-RECIPES = {"dpo", "quickstart", "trl_defaults", "kto", "simpo", "lora", "precomputed", "fsdp2", "images"}
+RECIPES = {"dpo", "quickstart", "trl_defaults", "kto", "simpo", "lora", "precomputed", "fsdp2", "images", "reward"}
 
 
 def test_every_recipe_is_there():

@@ -297,8 +297,10 @@ def test_stores_hashed_the_old_way_still_match(tmp_path, toy_tokenizers):
     r = run([write_jsonl(tmp_path / "d.jsonl", PAIRS)], toy_tokenizers["neox"], tmp_path / "s")
     tok, other = load_tokenizer(toy_tokenizers["neox"]), load_tokenizer(toy_tokenizers["llama"])
     new = Store(r.path).meta["tokenizer"]
-    assert new["hash_version"] == 2 and tokenizer_matches(tok, new) and not tokenizer_matches(other, new)
+    assert new["hash_version"] == 3 and tokenizer_matches(tok, new) and not tokenizer_matches(other, new)
     old = {k: v for k, v in new.items() if k != "hash_version"}  # as written before version 2
     old["hash"] = tokenizer_hash(tok, 1)
     assert tokenizer_matches(tok, old) and not tokenizer_matches(other, old)
     assert old["hash"] != new["hash"]
+    v2 = {**new, "hash_version": 2, "hash": tokenizer_hash(tok, 2)}  # as written before version 3
+    assert tokenizer_matches(tok, v2) and not tokenizer_matches(other, v2) and v2["hash"] != new["hash"]

@@ -394,7 +394,10 @@ def test_tokenizer_hash_is_content_based(tmp_path, toy_tokenizers):
     same = load_tokenizer(tmp_path / "b")
     same.backend_tokenizer.enable_truncation(16)  # a runtime setting, not content
     assert tokenizer_hash(same) == tokenizer_hash(tok)
-    tok.chat_template = tok.chat_template + " "
+    tok.chat_template = tok.chat_template + " "  # another template: the same ids (version 3; version 2 told it apart)
+    assert tokenizer_hash(tok) == tokenizer_hash(load_tokenizer(tmp_path / "b"))
+    assert tokenizer_hash(tok, 2) != tokenizer_hash(load_tokenizer(tmp_path / "b"), 2)
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>"]})  # a new special token: ids differ
     assert tokenizer_hash(tok) != tokenizer_hash(load_tokenizer(tmp_path / "b"))
 
 

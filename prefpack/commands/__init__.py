@@ -69,6 +69,14 @@ def add_prepare(sub) -> None:
                    help="chat replies (message lists): score each assistant message's own tokens, tool calls and "
                    "end-of-turn, not tool results, user turns or role headers (assistant, default); only the final "
                    "assistant message (last); or every completion token (all)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="render chat rows with this Jinja template instead (mark assistant text with {%% generation "
+                   "%%} to take the scored tokens from one rendering); 'tokenizer': the tokenizer's own even where "
+                   "prefpack ships a training template for it (default: Qwen3, Qwen3.5, DeepSeek-R1 and gpt-oss "
+                   "templates are rendered with prefpack's training templates, others with their own)")
+    p.add_argument("--earlier-reasoning", choices=("dropped", "kept", "scored"), default=None,
+                   help="with a training template, the reasoning of assistant turns before the last user message: "
+                   "dropped as the model's own template does (default), kept but not scored, or kept and scored")
 
 
 def run_prepare(args, argv: list[str]) -> int:
@@ -83,6 +91,7 @@ def run_prepare(args, argv: list[str]) -> int:
         skip_invalid=args.skip_invalid, overwrite=args.overwrite, trust_remote_code=args.trust_remote_code,
         allow_duplicate_inputs=args.allow_duplicate_inputs,
         chat_template_kwargs=args.chat_template_kwargs, tools=args.tools, train_on=args.train_on,
+        chat_template=args.chat_template, earlier_reasoning=args.earlier_reasoning,
         processor=args.processor, image_root=args.image_root, max_image_bytes=args.max_image_bytes, argv=argv,
     )
     report = prepare(opts, log=lambda m: print(m, file=sys.stderr))
@@ -232,7 +241,8 @@ def add_eval(sub) -> None:
     p.add_argument("--kto", action="store_true", help="read a pair store as KTO examples (chosen = desirable, "
                    "rejected = undesirable)")
     p.add_argument("--ranked-pairs", default=None, choices=("best_vs_rest", "all_pairs"),
-                   help="a ranked store's pairs (default: the --config run's data.ranked_pairs, else best_vs_rest)")
+                   help="a ranked store's pairs (default: the --config run's data.ranked_pairs, else best_vs_rest; "
+                   "all_pairs for a reward model)")
     p.add_argument("--seed", type=int, default=None, help="seed of the KTO KL pairing (as given to precompute-ref; "
                    "default: the --config run's train.seed, else 0)")
     p.add_argument("--micro-batch-tokens", default="auto", help="tokens per micro-batch (default: auto, from the device)")

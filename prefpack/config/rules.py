@@ -34,6 +34,28 @@ def warnings(cfg: Config) -> list[str]:
     return out
 
 
+def _reward_problems(cfg: Config, errs: list[str]) -> None:
+    """``train.objective=reward`` (docs/reward-models.md): what a reward model does not combine with."""
+    coef = cfg.loss.center_rewards_coefficient
+    if coef is not None and not (math.isfinite(coef) and coef >= 0):
+        errs.append(f"loss.center_rewards_coefficient must be finite and >= 0 (or null = off), got {coef}")
+    if cfg.train.objective != "reward":
+        if coef is not None:
+            errs.append("loss.center_rewards_coefficient is read by reward models only; set train.objective=reward "
+                        "or remove it")
+        return
+    if cfg.data.paired_as_kto or any(t.name in ("kto", "apo_zero_unpaired") for t in cfg.loss.terms):
+        errs.append("train.objective=reward trains on pairs and rankings (Bradley-Terry), not KTO examples; remove "
+                    "data.paired_as_kto and the unpaired loss terms")
+    if cfg.distributed.sequence_parallel > 1:
+        errs.append("train.objective=reward does not run on token shards yet; set distributed.sequence_parallel=1")
+    if cfg.reference.sync:
+        errs.append("train.objective=reward has no reference model; set reference.sync=false")
+    if cfg.model.quantization is not None:
+        errs.append("train.objective=reward with model.quantization (4-bit) is not supported yet; train in full "
+                    "precision (LoRA works)")
+
+
 def problems(cfg: Config, *, training: bool) -> list[str]:
     """``Config.validate``: every problem of ``cfg``, one message each (empty when it is valid)."""
     errs: list[str] = []
@@ -128,6 +150,7 @@ def problems(cfg: Config, *, training: bool) -> list[str]:
 
     _quantization_problems(cfg, errs)
     _reference_quantization_problems(cfg, errs)
+    _reward_problems(cfg, errs)
     at_least("lora.r", lora.r, 1)
     positive("lora.alpha", lora.alpha)
     need(0.0 <= lora.dropout < 1.0, f"lora.dropout must be in [0, 1), got {lora.dropout}")
@@ -272,7 +295,7 @@ def _loss_problems(cfg: Config, errs: list[str]) -> None:
                         f"{', '.join(sorted(F_DIVERGENCE_LOSSES))} (TRL 1.16's list; nll and sft may be added): "
                         f"{', '.join(refused)} {'has' if len(refused) == 1 else 'have'} no f-divergence form; use "
                         f"loss.f_divergence_type=reverse_kl with {'it' if len(refused) == 1 else 'them'}")
-    if cfg.reference.mode == "none" and with_ref:
+    if cfg.reference.mode == "none" and with_ref and cfg.train.objective != "reward":  # a reward model reads none
         errs.append(
             f"reference.mode is 'none' but loss {', '.join(repr(n) for n in with_ref)} needs a reference; "
             f"use reference.mode 'copy' (or 'adapter'/'precomputed') or only reference-free losses "

@@ -46,10 +46,11 @@ Switch = bool | Literal["auto"]
 Quantization = Literal["nf4", "fp4"]  # bitsandbytes' 4-bit types (engine/quantize.py)
 ReferenceMode = Literal[REFERENCE_MODE_NAMES]  # the reference folder's table
 KLPairing = Literal["step", "fixed"]
-RankedPairs = Literal["best_vs_rest", "all_pairs"]
+RankedPairs = Literal["auto", "best_vs_rest", "all_pairs"]
 FDivergence = Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"]  # losses.F_DIVERGENCES
 Schedule = Literal["cosine", "linear", "constant"]
 Device = Literal["auto", "cpu", "cuda"]
+Objective = Literal["preference", "reward"]
 ReportTo = Literal["tensorboard", "wandb", "mlflow", "none", "auto"]
 
 
@@ -109,9 +110,10 @@ class DataConfig:
                                 "ranked prompt's completions, KTO examples of one prompt; about 36% fewer positions "
                                 "on hh); auto = on with packing on the kernels that read prompt groups "
                                 "(packed_sdpa on CPU, varlen on CUDA); true = an error where no kernel reads them")
-    ranked_pairs: RankedPairs = _f("best_vs_rest", "pairs drawn from a ranked store (several scored completions per "
+    ranked_pairs: RankedPairs = _f("auto", "pairs drawn from a ranked store (several scored completions per "
                                    "prompt): best_vs_rest = the best completion against each lower-scored one, "
-                                   "all_pairs = every pair of completions whose scores differ; ties give no pair")
+                                   "all_pairs = every pair of completions whose scores differ; ties give no pair; "
+                                   "auto = best_vs_rest, all_pairs for train.objective=reward")
     group_by_prompt: bool = _f(False, "pair stores: train the pairs that share a prompt as one prompt group, as a "
                                "ranked store's prompt is (the prompt and each distinct completion computed once, the "
                                "group's pairs in one step, train.global_batch_pairs counting prompts); pays where "
@@ -194,6 +196,10 @@ class TrainConfig:
     global_batch_pairs: int = _f(8, "pairs (KTO: examples) per optimizer step (over all micro-batches and ranks)")
     micro_batch_tokens: Budget = _f("auto", "token budget of one micro-batch (all its rows); auto = 4096 on CPU, "
                                     "sized from free memory and the model on CUDA")
+    objective: Objective = _f("preference", "what the run trains: preference = the policy by its loss.terms (DPO family, "
+                              "KTO); reward = a reward model (a sequence classifier, hidden -> 1, read at each "
+                              "completion's last scored token) by the Bradley-Terry loss, no reference "
+                              "(docs/reward-models.md)")
     epochs: float = _f(1.0, "passes over the training store (fractions allowed)")
     max_steps: int | None = _f(None, "optimizer steps to run; overrides epochs when set")
     seed: int = _f(0, "seed for shuffling, dropout and initialisation")
@@ -266,8 +272,11 @@ class Config:
         return [LossTerm(t.name, float(t.weight)) for t in self.loss.terms]
 
     def needs_reference(self) -> bool:
-        """Whether any loss term reads reference log-probs."""
+        """Whether any loss term reads reference log-probs (a reward model's objective reads none)."""
         from prefpack.losses import PAIR_LOSSES
+
+        if self.train.objective == "reward":
+            return False
 
         return any(t.name not in PAIR_LOSSES or PAIR_LOSSES[t.name].needs_reference for t in self.loss.terms)
 

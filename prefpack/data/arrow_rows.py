@@ -4,11 +4,14 @@ Read raw so that every row reaches prepare's per-row checks as a JSON row does: 
 ``{"bytes", "path"}`` struct (decoding it would raise on one bad image, or fetch a URL path, while reading), and a
 ``Sequence`` of structs stays a list of objects.
 
-Arrow gives every struct of a column the union of the keys of all its rows, the missing ones null. Inside tool
-calls and tool schemas that is wrong, not merely noisy: a function's ``parameters.properties`` would list other
-tools' parameters (as null) and a call's ``arguments`` other calls' arguments. So the null keys are dropped there,
-at any depth: in the ``tools`` column and in each message's ``tool_calls``. (A JSON row keeps its nulls: there they
-were written on purpose.)
+Arrow gives every struct of a column the union of the keys of all its rows, the missing ones null. Inside messages,
+tool calls and tool schemas that is wrong, not merely noisy: a template reads ``'tool_calls' in message`` (Llama 3.1)
+or prints a null ``content``, a function's ``parameters.properties`` would list other tools' parameters (as null) and
+a call's ``arguments`` other calls' arguments (``{"city": "Paris", "query": null}``, scored). So the null keys are
+dropped there, at any depth: in the ``tools`` column, in every message (a dict with a ``role``, or ShareGPT's
+``from``) with its tool calls, arguments and content parts, and they are counted (prepare's summary). A null
+top-level column stays: it means the row has no such value. A JSON row keeps its nulls: there they were written on
+purpose.
 """
 
 from __future__ import annotations
@@ -17,42 +20,46 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 TOOLS_COLUMN = "tools"  # as row_checks.TOOLS_FIELD (TRL's name)
+MESSAGE_KEYS = ("role", "from")  # a dict holding one of these is a message (ShareGPT's messages have `from`)
 
 
-def plain_rows(batches: Iterable) -> Iterator[dict]:
-    """The rows of `batches` (pyarrow RecordBatches or Tables) in order, each a dict of plain values."""
+def plain_rows(batches: Iterable) -> Iterator[tuple[dict, int]]:
+    """The rows of `batches` (pyarrow RecordBatches or Tables) in order, each a dict of plain values, with the
+    number of null keys dropped from it."""
     for batch in batches:
         for row in batch.to_pylist():
             yield drop_unified_nulls(row)
 
 
-def drop_unified_nulls(row: dict) -> dict:
-    """`row` with null keys dropped inside its `tools` column and its messages' `tool_calls`."""
+def drop_unified_nulls(row: dict) -> tuple[dict, int]:
+    """`row` with null keys dropped inside its `tools` column and its messages, and how many were dropped."""
+    dropped = [0]
     out = {}
     for key, value in row.items():
         if key == TOOLS_COLUMN and isinstance(value, list):
-            value = [_without_nulls(tool) for tool in value]
+            value = [_without_nulls(tool, dropped) for tool in value]
         else:
-            value = _clean_calls(value)
+            value = _clean_messages(value, dropped)
         out[key] = value
-    return out
+    return out, dropped[0]
 
 
-def _clean_calls(value: Any) -> Any:
-    """Messages anywhere in a value (a list of them, ranked completions holding them) with their tool calls
-    cleaned."""
+def _clean_messages(value: Any, dropped: list[int]) -> Any:
+    """Messages anywhere in a value (a list of them, ranked completions or a single reply holding them) without
+    their null keys."""
     if isinstance(value, list):
-        return [_clean_calls(v) for v in value]
+        return [_clean_messages(v, dropped) for v in value]
     if isinstance(value, dict):
-        if "role" in value and isinstance(value.get("tool_calls"), list):
-            return {**value, "tool_calls": [_without_nulls(call) for call in value["tool_calls"]]}
-        return {k: _clean_calls(v) for k, v in value.items()}
+        if any(isinstance(value.get(k), str) for k in MESSAGE_KEYS):
+            return _without_nulls(value, dropped)
+        return {k: _clean_messages(v, dropped) for k, v in value.items()}
     return value
 
 
-def _without_nulls(value: Any) -> Any:
+def _without_nulls(value: Any, dropped: list[int]) -> Any:
     if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+        dropped[0] += sum(v is None for v in value.values())
+        return {k: _without_nulls(v, dropped) for k, v in value.items() if v is not None}
     if isinstance(value, list):
-        return [_without_nulls(v) for v in value]
+        return [_without_nulls(v, dropped) for v in value]
     return value

@@ -58,6 +58,7 @@ class ChunkResult:
     # vision rows: per image (its index row in this chunk, encoded bytes, width, height, where its image tokens
     # start in `tokens`, how many)
     images: list[tuple[int, bytes, int, int, int, int]]
+    left_out: list[str]  # per row whose chat template left text of a reply out: where, and what (counted, reported)
 
 
 def process_chunk(chunk: list[RawRow]) -> ChunkResult:
@@ -74,7 +75,7 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
             continue
         unused.update(k for k in raw.row if k not in used)
         try:
-            ex = extract(raw.row, layout, fields, vision=vision)
+            ex = extract(raw.row, layout, fields, vision=vision, chat_template=bool(tokenize.tok.chat_template))
             if vision:  # the image token's text in a row would be image tokens with no image
                 check_no_image_token(raw.row, used - {IMAGES_FIELD, RLAIFV_IMAGE}, tokenize.cfg.vision.image_token)
             if ex.images:
@@ -101,6 +102,7 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
         flat.extend(c)
 
     cuts = TruncationStats()
+    left_out: list[str] = []
     for raw, ex, res in zip(origin, examples, results):
         if isinstance(res, InvalidRow):
             where = prompt_field(layout, fields) if res.reason == BELOW_MINIMUM else res.field
@@ -111,9 +113,14 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
             continue
         assert isinstance(res, TokenizedExample)
         empty.update(ex.empty_fields())
+        if res.left_out:
+            left_out.append(f"{raw.loc}: {'; '.join(res.left_out)}")
+        if ex.prompt_at_difference:
+            chat["prompt_at_difference"] += 1
         if ex.chat:
             chat["examples"] += 1
             chat["with_tools"] += bool(ex.tools if ex.tools is not None else tokenize.cfg.tools)
+            chat.update(f"unread:{k}" for k in tokenize.reads.unread(ex.template_kwargs))
         if res.cut:  # texts far over --max-length, cut before tokenising (counted apart; not an index flag)
             truncated["cut_before_tokenising"] += res.cut
         if res.truncated:
@@ -149,7 +156,7 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
     index = np.asarray(rows, dtype=np.int64).reshape(-1, width)
     problems.sort(key=lambda p: (p["file_index"], p["row"]))
     span_rows = np.concatenate(spans) if spans else np.zeros((0, 2), np.int64)
-    return ChunkResult(tokens, index, problems, truncated, empty, chat, span_rows, unused, cuts, images)
+    return ChunkResult(tokens, index, problems, truncated, empty, chat, span_rows, unused, cuts, images, left_out)
 
 
 def _score_bits(score: float) -> int:
@@ -178,13 +185,17 @@ class ChunkRow(RawRow):
     loc_file_index: int = 0
 
 
-def read_chunks(sources: list[Source], split: str | None, size: int, counts: Counter) -> Iterator[list[ChunkRow]]:
-    """The rows of every source in order, ``size`` a chunk; ``counts`` receives each file's row count."""
+def read_chunks(sources: list[Source], split: str | None, size: int, counts: Counter,
+                nulls: Counter | None = None) -> Iterator[list[ChunkRow]]:
+    """The rows of every source in order, ``size`` a chunk; ``counts`` receives each file's row count, ``nulls`` the
+    null keys dropped from Arrow rows ("keys") and the rows that had some ("rows")."""
     chunk: list[ChunkRow] = []
     for src in sources:
         n = 0
         for raw in iter_rows(src, split=split):
-            chunk.append(ChunkRow(raw.loc, raw.row, raw.error, raw.message, raw.raw, src.file_index))
+            chunk.append(ChunkRow(raw.loc, raw.row, raw.error, raw.message, raw.raw, loc_file_index=src.file_index))
+            if nulls is not None and raw.nulls_dropped:
+                nulls.update(keys=raw.nulls_dropped, rows=1)
             n += 1
             if len(chunk) >= size:
                 yield chunk

@@ -15,11 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefpack.data.foreign_layouts import canonical_row
 from prefpack.data.image_files import refuse_url
 from prefpack.data.layouts import (
     ASSISTANT_MARKER_FAMILIES,
     ASSISTANT_MARKERS,
     FIELD_HELP,
+    FOREIGN_PROMPT_FIELDS,
     IMAGES_FIELD,
     LAYOUTS,
     RANKED_COMPLETIONS_FIELDS,
@@ -38,6 +40,7 @@ from prefpack.data.layouts import (
     ranked_fields,
     resolve_fields,
     used_fields,
+    whole_conversation,
 )
 from prefpack.data.row_checks import (
     KWARGS_FIELD,
@@ -109,6 +112,7 @@ class Example:
     images: tuple[Any, ...] = ()  # vision rows: the prompt's images in order, as given (path, bytes, dict)
     images_field: str | None = None  # where they came from
     image_dir: str | None = None  # the input file's folder, where relative image paths are read from
+    prompt_at_difference: bool = False  # implicit text rows with no chat marker: prompt cut where the replies differ
 
     def empty_fields(self) -> tuple[str, ...]:
         """Completions that are empty or only whitespace: kept (they become their whitespace and EOS, as in
@@ -122,10 +126,13 @@ def _is_empty(value: Any) -> bool:
     return not any(content_text(m.get("content")).strip() or m.get("tool_calls") for m in value)
 
 
-def extract(row: dict, layout: str, f: Fields, *, vision: bool = False) -> Example:
+def extract(row: dict, layout: str, f: Fields, *, vision: bool = False, chat_template: bool = True) -> Example:
     """Check one row's fields and types and return its example, or raise InvalidRow. With `vision` (prepare
     --processor) TRL's image rows (pairs, unpaired and ranked message prompts with an images column) and RLAIF-V's
-    are read; without it any image or video column is refused."""
+    are read; without it any image or video column is refused. LLaMA-Factory's layouts are read as the layout they
+    stand for (``foreign_layouts``); `chat_template`: the tokenizer has one (else alpaca rows stay raw text)."""
+    if layout in FOREIGN_PROMPT_FIELDS:
+        row, layout, f = canonical_row(row, layout, f, chat=chat_template)
     if vision and layout in ("messages", "rlaif-v"):
         return _extract_vision(row, layout, f)
     if vision and layout in ("unpaired", "ranked") and (isinstance(row.get(f.prompt), list)
@@ -236,6 +243,12 @@ def _refuse_urls(images: Any, name: str) -> None:
 def _extract(row: dict, layout: str, f: Fields) -> Example:
     if layout in ("pairs", "text-pairs"):
         prompt = get_str(row, f.prompt)
+        for name in (f.chosen, f.rejected):
+            if whole_conversation(row.get(name)):
+                raise InvalidRow("wrong_type", name, f"field {name!r} is a whole conversation (a message list opening "
+                                 f"with a user turn) but {f.prompt!r} is a string: read the row with --format implicit "
+                                 f"(the prompt is the conversations' shared prefix; {f.prompt!r} is not read), or give "
+                                 f"{f.prompt!r} as a message list and {name!r} as the reply alone")
         chosen = get_str(row, f.chosen)
         rejected = get_str(row, f.rejected)
         _check_distinct(chosen, rejected, f)
@@ -291,11 +304,23 @@ def _extract_implicit(row: dict, f: Fields) -> Example:
     rejected = get_str(row, f.rejected)
     _check_distinct(chosen, rejected, f)
     prompt = implicit_prompt(chosen, rejected)
-    if prompt is None:
-        raise InvalidRow("no_shared_prompt", f.chosen, f"fields {f.chosen!r} and {f.rejected!r} share no prefix "
-                         f"ending at an assistant turn (looked for {', '.join(repr(m) for m in ASSISTANT_MARKERS)})")
+    at_difference = prompt is None
+    if at_difference:  # no chat markers at all: TRL's rule (trl.data_utils.extract_prompt), counted in the summary
+        prompt = first_difference_prompt(chosen, rejected)
     c_reply, r_reply = chosen[len(prompt):], rejected[len(prompt):]
-    return Example(prompt, (c_reply, r_reply), chat=False, completion_fields=(f.chosen, f.rejected))
+    return Example(prompt, (c_reply, r_reply), chat=False, completion_fields=(f.chosen, f.rejected),
+                   prompt_at_difference=at_difference)
+
+
+def first_difference_prompt(chosen: str, rejected: str) -> str:
+    """TRL's implicit prompt of two strings without chat markers: their common prefix, less a space it ends with
+    (that space starts the replies: "The sky is" + " blue." / " green.")."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if n > 0 and chosen[n - 1] == " ":
+        n -= 1
+    return chosen[:n]
 
 
 def implicit_prompt(chosen: str, rejected: str) -> str | None:

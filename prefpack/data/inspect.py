@@ -145,6 +145,11 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
         f"hash {m['tokenizer']['hash'][:12]})",
         f"examples   {stats['examples']} from {m['counts']['rows_read']} rows; {stats['tokens']} tokens",
     ]
+    if m.get("chat_template"):  # stores from before version 3 of the tokenizer hash record none
+        t = m["chat_template"]
+        marks = ", {% generation %} masks" if t.get("generation_markers") else ""
+        lines.insert(3, f"template   {t.get('name', '?')} (sha256 {t['sha256'][:12]}, {t.get('chars', '?')} "
+                        f"characters{marks})")
     if m.get("train_on") or stats["unscored_tokens"]:
         lines.append(f"scoring    train_on={m.get('train_on') or '-'}; {m.get('num_spans', 0)} unscored spans: "
                      f"{stats['completion_tokens'] - stats['unscored_tokens']} of {stats['completion_tokens']} "
@@ -170,7 +175,8 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
                    (c.get("truncated") or {}).get("cut_before_tokenising", 0))
     if cut:  # stores from before the cut counts have none
         lines.append(f"{'':<10} {cut}")
-    kept = {k: c[k] for k in ("empty_completions", "chat_examples", "examples_with_tools") if c.get(k)}
+    kept = {k: c[k] for k in ("empty_completions", "chat_examples", "examples_with_tools", "null_keys_dropped",
+                               "unread_template_kwargs") if c.get(k)}
     if (c.get("repeated_prompts") or {}).get("prompts"):  # pairs sharing a prompt with other pairs
         kept["repeated_prompts"] = c["repeated_prompts"]
     if kept:  # counted, not skipped: what prepare kept that a reader may want to know about

@@ -10,6 +10,9 @@ Layouts:
   "\\n\\nHuman: ...\\n\\nAssistant: ..." or a message list); the prompt is their shared prefix cut back
   to the last assistant-turn boundary.
 - `unpaired`: prompt / completion / label (KTO); prompt and completion are strings or message lists.
+- `sharegpt`, `kto-messages`, `alpaca`: LLaMA-Factory's (``foreign_layouts``): ShareGPT ``conversations`` with one
+  ``chosen`` / ``rejected`` message each; ``messages`` + ``label`` (the last message is the completion);
+  ``instruction`` / ``input`` / ``chosen`` / ``rejected`` strings.
 - `ranked`: prompt / completions, a list of several completions of one prompt with a score or a rank each
   (UltraFeedback-style: ``{"prompt": ..., "completions": [{"text": ..., "score": 8.5}, ...]}``, or plain texts with
   a parallel ``scores`` / ``ranks`` list; UltraFeedback's and Nectar's own field names are detected); stored with
@@ -22,7 +25,10 @@ from dataclasses import dataclass
 
 from prefpack.data.row_checks import KWARGS_FIELD, TOOLS_FIELD, InvalidRow
 
-LAYOUTS = ("pairs", "text-pairs", "messages", "implicit", "unpaired", "ranked", "rlaif-v")
+LAYOUTS = ("pairs", "text-pairs", "messages", "implicit", "unpaired", "ranked", "rlaif-v", "sharegpt", "kto-messages",
+           "alpaca")
+# LLaMA-Factory's layouts (``foreign_layouts`` turns their rows into rows of the layouts above), by their prompt field
+FOREIGN_PROMPT_FIELDS = {"sharegpt": "conversations", "kto-messages": "messages", "alpaca": "instruction"}
 
 # Vision-language rows (read only with prepare --processor, docs/images.md). TRL's layout: the `messages` layout whose
 # prompt holds {"type": "image"} parts, with the images, in order, in an `images` column; TRL's unpaired (KTO) vision
@@ -78,6 +84,12 @@ def used_fields(layout: str, f: Fields) -> frozenset[str]:
     if layout == "ranked":
         return frozenset({f.prompt, f.completions, *({f.scores} - {None}), *RANKED_SCORE_LISTS, RANKED_RANK_LIST,
                           IMAGES_FIELD, *chat})
+    if layout == "sharegpt":
+        return frozenset({f.prompt, f.chosen, f.rejected, "system", *chat})
+    if layout == "kto-messages":
+        return frozenset({f.prompt, f.label, "system", *chat})
+    if layout == "alpaca":
+        return frozenset({f.prompt, "input", "system", "history", f.chosen, f.rejected})
     return frozenset({f.prompt, f.chosen, f.rejected, *chat})
 
 
@@ -108,7 +120,7 @@ class Fields:
 
 def resolve_fields(layout: str, overrides: dict[str, str | None]) -> Fields:
     """Default field names for a layout, with the user's overrides applied."""
-    base = {"prompt": "text" if layout == "text-pairs" else "prompt"}
+    base = {"prompt": "text" if layout == "text-pairs" else FOREIGN_PROMPT_FIELDS.get(layout, "prompt")}
     base.update({k: v for k, v in overrides.items() if v})
     return Fields(**base)
 
@@ -123,16 +135,27 @@ def detect_layout(row: dict, overrides: dict[str, str | None]) -> tuple[str, str
         if has(RLAIFV_IMAGE) and has(RLAIFV_QUESTION) and not any(has(p) for p in prompt_names):
             return "rlaif-v", (f"fields {RLAIFV_IMAGE!r}, {RLAIFV_QUESTION!r}, {f.chosen!r}, {f.rejected!r} "
                                "(RLAIF-V: one image per row)")
+        if not overrides.get("prompt") and isinstance(row.get("conversations"), list):
+            return "sharegpt", f"fields 'conversations', {f.chosen!r}, {f.rejected!r} (ShareGPT, LLaMA-Factory)"
+        if not overrides.get("prompt") and not any(has(p) for p in prompt_names) and has("instruction"):
+            return "alpaca", f"fields 'instruction', {f.chosen!r}, {f.rejected!r} (alpaca, LLaMA-Factory)"
         for pname in prompt_names:
             if has(pname):
                 if isinstance(row[pname], list):
                     return "messages", f"fields {pname!r} (message list), {f.chosen!r}, {f.rejected!r}"
+                if whole_conversation(row[f.chosen]):
+                    return "implicit", (f"field {pname!r} is a string but {f.chosen!r} and {f.rejected!r} are whole "
+                                        "conversations (UltraFeedback-binarized): the prompt is their shared prefix, "
+                                        f"and {pname!r} is not read")
                 layout = "text-pairs" if pname == "text" else "pairs"
                 return layout, f"fields {pname!r}, {f.chosen!r}, {f.rejected!r}"
         return "implicit", f"only {f.chosen!r} and {f.rejected!r}: the prompt is their shared prefix"
     pname = overrides.get("prompt") or "prompt"
     if has(pname) and has(f.completion) and has(f.label):
         return "unpaired", f"fields {pname!r}, {f.completion!r}, {f.label!r}"
+    kto = overrides.get("prompt") or "messages"
+    if has(kto) and has(f.label) and isinstance(row[kto], list):
+        return "kto-messages", f"fields {kto!r}, {f.label!r}: the last message is the completion (LLaMA-Factory's KTO)"
     ranked = ranked_fields(row, overrides)
     if ranked is not None:
         rp, rc = ranked
@@ -141,10 +164,17 @@ def detect_layout(row: dict, overrides: dict[str, str | None]) -> tuple[str, str
         "unknown_layout",
         None,
         f"cannot detect the layout from the fields {sorted(keys)}; expected prompt/chosen/rejected, "
-        "text/chosen/rejected, chosen/rejected, prompt/completion/label, or prompt/completions (scored). Force one with --format and "
+        "text/chosen/rejected, chosen/rejected, prompt/completion/label, prompt/completions (scored), "
+        "conversations/chosen/rejected, messages/label or instruction/chosen/rejected. Force one with --format and "
         "name fields with --prompt-field, --chosen-field, --rejected-field, --completion-field, --label-field, "
         "--completions-field",
     )
+
+
+def whole_conversation(value) -> bool:
+    """A message list that opens with a user or system turn: a whole conversation, not a reply."""
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict) and \
+        value[0].get("role") in ("user", "system")
 
 
 def ranked_fields(row: dict, overrides: dict[str, str | None]) -> tuple[str, str] | None:

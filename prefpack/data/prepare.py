@@ -9,7 +9,6 @@ parallel part is ``chunks``; this module holds the options, the layout choice, t
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import time
@@ -18,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-
-import numpy as np
 
 import prefpack
 from prefpack.data.chunks import ordered_map, process_chunk, read_chunks
@@ -33,16 +30,26 @@ from prefpack.data.formats import (
 )
 from prefpack.data.image_files import DEFAULT_MAX_IMAGE_BYTES, ImageSource
 from prefpack.data.images import ProcessorError, load_vision, processor_identity
+from prefpack.data.prepare_report import PrepareReport
+from prefpack.data.prompt_repeats import PromptRepeats
 from prefpack.data.sources import Source, file_sha256, peek_first_row, resolve_inputs
 from prefpack.data.store import StoreWriter, check_output, recover_interrupted
-from prefpack.data.store_format import FLAG_PROMPT_TRUNCATED, PROCESSOR_DIR, grouping_pays
+from prefpack.data.store_format import PROCESSOR_DIR
+from prefpack.data.template_vars import template_reads
 from prefpack.data.tokenize import TokenizeConfig
-from prefpack.data.truncation import DEFAULT_MIN_PROMPT_KEEP, TruncationStats, describe
+from prefpack.data.training_templates import ChatTemplateError, select_template, template_meta
+from prefpack.data.truncation import DEFAULT_MIN_PROMPT_KEEP, TruncationStats
 from prefpack.data.turns import TRAIN_ON
 from prefpack.errors import PrefpackError
 from prefpack.progress import Every
 from prefpack.remote_code import check_processor_code
-from prefpack.tokenizer import HASH_VERSION, load_tokenizer, special_tokens, tokenizer_hash, tokenizer_name
+from prefpack.tokenizer import (
+    HASH_VERSION,
+    load_tokenizer,
+    special_tokens,
+    tokenizer_hash,
+    tokenizer_name,
+)
 
 
 class PrepareError(PrefpackError, ValueError):
@@ -71,72 +78,16 @@ class PrepareOptions:
     chat_template_kwargs: dict | str | None = None
     tools: str | list | None = None  # JSON file (or list) of tools for chat rows that have no `tools` of their own
     train_on: str | None = None  # chat replies: "assistant" (default), "last" or "all" (turns.TRAIN_ON)
+    # a Jinja file chat rows are rendered with ("tokenizer": the tokenizer's own even where prefpack ships a
+    # training template for it); None: a training template for a recognised template, else the tokenizer's own
+    chat_template: str | None = None
+    earlier_reasoning: str | None = None  # a training template's earlier turns' reasoning: dropped, kept, scored
     # a processor folder (image processor + tokenizer): vision rows are read, their images stored (docs/images.md)
     processor: str | None = None
     # image paths may lead inside the input file's folder or this folder, nowhere else (docs/images.md)
     image_root: str | None = None
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # the largest image file (or bytes value) read
     argv: list[str] = field(default_factory=list)
-
-
-@dataclass
-class PrepareReport:
-    path: Path
-    layout: str
-    layout_reason: str
-    examples: int
-    tokens: int
-    rows_read: int
-    skipped: dict[str, int]
-    dropped: dict[str, int]
-    truncated: dict[str, int]
-    seconds: float
-    empty_completions: dict[str, int] = field(default_factory=dict)
-    chat: dict[str, int] = field(default_factory=dict)  # "examples" rendered by the chat template, "with_tools"
-    groups: int | None = None  # ranked stores: prompts (each with several completions, the examples)
-    repeated_prompts: dict[str, int] = field(default_factory=dict)  # pair stores: {"prompts": n, "pairs": m}
-    unused_columns: list[str] = field(default_factory=list)  # input columns prepare did not read
-    spans: int = 0  # unscored token ranges stored (spans.bin)
-    cuts: dict = field(default_factory=dict)  # TruncationStats.to_json(): prompts and completions cut, tokens removed
-    max_length: int | None = None
-    images: int = 0  # images stored (images.bin)
-
-    def summary(self) -> str:
-        what = f"{self.examples} examples" if self.groups is None else \
-            f"{self.groups} prompts with {self.examples} scored completions"
-        lines = [
-            f"wrote {self.path}: {what}, {self.tokens} tokens from {self.rows_read} rows "
-            f"in {self.seconds:.1f}s ({self.tokens / max(self.seconds, 1e-9):,.0f} tokens/s)",
-        ]
-        if self.skipped:
-            lines.append("skipped (invalid): " + ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items()))
-                         + f"; every skipped row is in {self.path / 'skipped.jsonl'}")
-        if self.repeated_prompts.get("prompts"):
-            r = self.repeated_prompts
-            uncut = " (prompts --max-length cut are not counted)" if (self.cuts.get("prompts") or {}).get("cut") else ""
-            advice = (": train with data.group_by_prompt=true to compute each such prompt, and each completion "
-                      "repeated in its pairs, once (a prompt's pairs then share a step); by default every pair "
-                      "computes its own") if grouping_pays(r["pairs"], self.examples) else \
-                " (too few to be worth data.group_by_prompt)"
-            lines.append(f"{r['pairs']} pairs share {r['prompts']} prompts with other pairs{uncut}{advice}")
-        if self.dropped:
-            lines.append("dropped (length policy): " + ", ".join(f"{k}={v}" for k, v in sorted(self.dropped.items())))
-        cut = describe(self.cuts, self.max_length, self.truncated.get("cut_before_tokenising", 0))
-        if cut:  # the examples cut (self.truncated, in meta.json) told apart by part and tokens
-            lines.append(cut)
-        if self.empty_completions:
-            lines.append("kept empty or whitespace-only completions (each is its whitespace then EOS, as TRL "
-                         "trains them): " + ", ".join(f"{k}={v}" for k, v in sorted(self.empty_completions.items())))
-        if self.images:
-            lines.append(f"images: {self.images} stored with their placeholders expanded to the processor's token "
-                         "counts (images.bin); train a vision-language model on them (docs/images.md)")
-        if self.spans:
-            lines.append(f"unscored spans: {self.spans} token ranges inside completions get no loss (spans.bin; "
-                         "`prefpack inspect --row N` shows them)")
-        if self.chat.get("with_tools"):
-            lines.append(f"rendered with tools: {self.chat['with_tools']} of {self.chat.get('examples', 0)} chat "
-                         "examples")
-        return "\n".join(lines)
 
 
 class PrepareWriteError(PrefpackError, OSError):
@@ -197,15 +148,25 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     layout, reason, field_names = _choose_layout(opts, sources)
     log(f"layout: {layout} ({reason})")
     template_kwargs, tools, tools_sha = _template_options(opts, layout)
+    try:
+        template = select_template(tok, opts.chat_template, opts.earlier_reasoning, layout, log)
+    except ChatTemplateError as err:
+        raise PrepareError(str(err)) from None
+    unread = template_reads(tok.chat_template).unread(template_kwargs)
+    if unread and tok.chat_template:
+        raise PrepareError(f"--chat-template-kwargs: the chat template of {opts.tokenizer!r} never reads "
+                           f"{', '.join(map(repr, unread))}, so setting it changes nothing; it reads "
+                           f"{', '.join(sorted(template_reads(tok.chat_template).variables))}")
     if opts.train_on is not None and opts.train_on not in TRAIN_ON:
         raise PrepareError(f"--train-on must be one of {', '.join(TRAIN_ON)}, not {opts.train_on!r}")
     train_on = opts.train_on or "assistant"
-    kind = {"unpaired": "unpaired", "ranked": "ranked"}.get(layout, "pairs")
+    kind = {"unpaired": "unpaired", "kto-messages": "unpaired", "ranked": "ranked"}.get(layout, "pairs")
     fields = resolve_fields(layout, field_names)
     workers = opts.workers or os.cpu_count() or 1
     tcfg = TokenizeConfig(max_length=opts.max_length, truncation=opts.truncation, min_prompt_keep=opts.min_prompt_keep,
                           chat_template_kwargs=template_kwargs, tools=tools, train_on=train_on, vision=vision,
-                          image_source=_image_source(opts))
+                          image_source=_image_source(opts), template=template,
+                          earlier_reasoning=opts.earlier_reasoning)
     writer = StoreWriter(opts.output, kind=kind, vocab_size=specials.vocab_size, overwrite=opts.overwrite, log=log)
     skipped: Counter = Counter()
     empty: Counter = Counter()
@@ -214,12 +175,15 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     cuts = TruncationStats()
     chat: Counter = Counter()
     rows_per_file: Counter = Counter()
+    nulls: Counter = Counter()  # null keys Arrow filled into messages, tool calls and tools, dropped
     repeats = PromptRepeats()
     unused: set = set()
+    left_out: list[str] = []  # the first row whose chat template left reply text out, and what
+    left_out_rows = 0
     skipped_fh = None
     try:
         init = (tok, opts.tokenizer, opts.trust_remote_code, layout, field_names, tcfg)
-        chunks = read_chunks(sources, opts.split, opts.chunk_rows, rows_per_file)
+        chunks = read_chunks(sources, opts.split, opts.chunk_rows, rows_per_file, nulls)
         ticker = Every(30.0)  # a long prepare says how far it is, in a batch log too
         for res in ordered_map(process_chunk, chunks, workers, init):
             if ticker.due():
@@ -244,6 +208,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
             empty.update(res.empty)
             chat.update(res.chat)
             unused |= res.unused
+            left_out.extend(res.left_out[:1] if not left_out else [])
+            left_out_rows += len(res.left_out)
             if res.images:
                 writer.append(res.tokens, res.index, res.spans, res.images)
             elif len(res.spans):
@@ -268,10 +234,14 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
             "train_on": train_on if chat["examples"] else None,  # which chat messages are scored (None: no chat rows)
             "tokenizer": {"name": tokenizer_name(tok, opts.tokenizer), "hash": tokenizer_hash(tok),
                           "hash_version": HASH_VERSION, "has_chat_template": bool(tok.chat_template), **specials.to_json()},
+            # the chat template the rows were rendered with (not part of the hash: it does not change what ids mean)
             "counts": {"rows_read": rows_read, "examples": writer.n_rows, "skipped": dict(skipped),
                        "dropped": dict(dropped), "truncated": dict(truncated), "truncation": cuts.to_json(),
                        "empty_completions": dict(empty), "chat_examples": chat["examples"],
-                       "examples_with_tools": chat["with_tools"],
+                       "examples_with_tools": chat["with_tools"], "null_keys_dropped": dict(nulls),
+                       "template_left_out": left_out_rows,
+                       "prompts_at_first_difference": chat["prompt_at_difference"],
+                       "unread_template_kwargs": {k[7:]: n for k, n in chat.items() if k.startswith("unread:")},
                        **({"repeated_prompts": repeats.counts()} if kind == "pairs" else {})},
             "sources": [{"path": s.path, "kind": s.kind, "rows": rows_per_file[s.file_index],
                          "sha256": file_sha256(s.path)} for s in sources],
@@ -282,7 +252,9 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
                      "allow_duplicate_inputs": opts.allow_duplicate_inputs,
                      "chat_template_kwargs": template_kwargs or None,
                      "tools": opts.tools, "train_on": opts.train_on,
-                     "tools_sha256": tools_sha},
+                     "tools_sha256": tools_sha, "chat_template": opts.chat_template,
+                     "earlier_reasoning": opts.earlier_reasoning},
+            "chat_template": template_meta(template, opts.earlier_reasoning) if chat["examples"] else None,
             "argv": opts.argv,
             "unused_columns": sorted(unused),
         }
@@ -299,9 +271,19 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
         if opts.train_on is not None and not chat["examples"]:
             log("note: --train-on had no effect: no row holds chat messages (text rows are masked by their "
                 f"{fields.spans!r} column)")
+        if layout == "alpaca" and not tok.chat_template:
+            log("note: alpaca rows are stored as raw text: the tokenizer has no chat template, so each prompt is the "
+                "instruction, a newline and the input, followed directly by the reply (no role markers, no "
+                "separator); use a tokenizer with a chat template to have them rendered as chat")
+        elif tok.chat_template and not chat["examples"]:
+            log("note: the rows hold plain strings, tokenised as they are: the tokenizer's chat template is not "
+                "applied (as TRL does for such rows); give message lists to have it render them")
         if (template_kwargs or tools is not None) and not chat["examples"]:
             log("note: --chat-template-kwargs / --tools had no effect: no row was rendered through the chat "
                 "template (the rows hold plain strings)")
+        if left_out_rows:
+            log(f"warning: the chat template left text of {left_out_rows} rows' replies out of their rendering "
+                f"(not trained on); first: {left_out[0]}")
         path = writer.commit(meta, overwrite=opts.overwrite)
     except BaseException:
         if skipped_fh is not None:
@@ -311,7 +293,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     return PrepareReport(path, layout, reason, writer.n_rows, writer.n_tokens, rows_read, dict(skipped),
                          dict(dropped), dict(truncated), time.perf_counter() - t0, dict(empty), dict(chat),
                          writer.n_groups if kind == "ranked" else None, repeats.counts(), sorted(unused),
-                         writer.n_spans, cuts.to_json(), opts.max_length, writer.n_images)
+                         writer.n_spans, cuts.to_json(), opts.max_length, writer.n_images,
+                         {"rows": left_out_rows, "first": left_out[0]} if left_out_rows else {}, dict(nulls))
 
 
 def _image_source(opts: PrepareOptions) -> ImageSource:
@@ -328,33 +311,6 @@ def _jsonable(value):
     if isinstance(value, bytes | bytearray | memoryview):
         return f"<{len(value)} bytes>"
     return str(value)
-
-
-class PromptRepeats:
-    """Counts pairs whose prompt (as tokens) another pair also has: training computes such a prompt once per pair,
-    which a ranked layout would avoid. Keeps an 8-byte digest per distinct prompt. Prompts --max-length cut are left
-    out: cut to their last tokens, unrelated prompts look alike (hh's cut to ``<s>:``)."""
-
-    def __init__(self):
-        self.seen: Counter = Counter()
-
-    def observe(self, tokens: np.ndarray, index: np.ndarray, images: list | None = None) -> None:
-        """`images`: the chunk's (row, bytes, ...) per image; a prompt's images are part of it (their image tokens
-        are the same placeholder ids whatever the image)."""
-        by_row: dict[int, list[bytes]] = {}
-        for row, data, *_ in images or ():
-            by_row.setdefault(row, []).append(data)
-        uncut = (index[:, 4] & FLAG_PROMPT_TRUNCATED) == 0  # the pair columns' flags
-        for row in np.flatnonzero(uncut).tolist():
-            offset, prompt_len = int(index[row, 0]), int(index[row, 1])
-            h = hashlib.blake2b(tokens[offset:offset + prompt_len].tobytes(), digest_size=8)
-            for data in by_row.get(row, ()):
-                h.update(hashlib.blake2b(data, digest_size=16).digest())
-            self.seen[h.digest()] += 1
-
-    def counts(self) -> dict[str, int]:
-        repeated = [n for n in self.seen.values() if n > 1]
-        return {"prompts": len(repeated), "pairs": sum(repeated)}
 
 
 def _template_options(opts: PrepareOptions, layout: str) -> tuple[dict, list | None, str | None]:

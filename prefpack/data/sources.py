@@ -61,6 +61,7 @@ class RawRow:
     error: str | None = None  # reason code when the row could not be parsed
     message: str | None = None
     raw: str | None = None
+    nulls_dropped: int = 0  # Parquet / datasets rows: null keys Arrow filled in, dropped (``arrow_rows``)
 
 
 @dataclass(frozen=True)
@@ -287,8 +288,8 @@ def _iter_parquet(path: str) -> Iterator[RawRow]:
 
 def _arrow_rows(path: str, kind: str, batches) -> Iterator[RawRow]:
     try:
-        for i, row in enumerate(plain_rows(batches)):
-            yield RawRow(Location(path, i), row)
+        for i, (row, nulls) in enumerate(plain_rows(batches)):
+            yield RawRow(Location(path, i), row, nulls_dropped=nulls)
     except Exception as exc:  # a damaged page or file part: pyarrow raises many types
         if isinstance(exc, SourceError):
             raise

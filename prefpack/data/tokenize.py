@@ -1,10 +1,9 @@
 """Tokenise examples: prompt and completions apart, ids joined; BOS at most once, EOS exactly once.
 
 Tokenising the joined string would let BPE merge across the prompt/completion boundary and shift the
-split; tokenising apart keeps the boundary exact. Chat rows are rendered through the tokenizer's chat
-template: the prompt with the generation prompt, and each completion as what the full rendering adds
-after it (the template must be prefix-stable for that to be well defined). Both renderings get the same
-tools and template variables: the row's own, else those given to prepare (per key for the variables).
+split; tokenising apart keeps the boundary exact. Chat rows are rendered through the chat template
+(``chat_masks``: the prompt with the generation prompt, each completion as what the whole conversation
+adds after it, and which of its characters are scored).
 
 A completion may leave some of its tokens unscored (``--train-on`` for chat replies, ``loss_masking_spans`` for
 text): those are character ranges (``turns``), turned into a score mask per token through the tokenizer's offsets.
@@ -15,10 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefpack.data.chat_masks import render_chat
 from prefpack.data.formats import Example, InvalidRow
 from prefpack.data.image_files import ImageSource, image_bytes, image_size, image_tokens
+from prefpack.data.template_vars import TOOL_VARIABLES, template_reads
+from prefpack.data.training_templates import ChatTemplate
 from prefpack.data.truncation import check_prompt_keep
-from prefpack.data.turns import Ranges, token_mask, unscored_chat_ranges
+from prefpack.data.turns import Ranges, token_mask
 from prefpack.tokenizer import SpecialTokens
 
 TRUNCATION_POLICIES = ("prompt-left", "drop")
@@ -38,6 +40,8 @@ class TokenizeConfig:
     train_on: str = "assistant"  # chat replies: which messages are scored (turns.TRAIN_ON)
     vision: Any = None  # prepare --processor: an ``images.Vision`` (image rows' placeholders expanded exactly)
     image_source: ImageSource = field(default_factory=ImageSource)  # where image paths may lead, the size limit
+    template: ChatTemplate | None = None  # what chat rows are rendered with (None: the tokenizer's own)
+    earlier_reasoning: str | None = None  # a training template's earlier turns' reasoning (dropped, kept, scored)
 
 
 @dataclass
@@ -51,6 +55,7 @@ class TokenizedExample:
     before: tuple[int, ...] = ()  # prompt then completion lengths before --max-length cut (estimated if `cut`)
     # vision rows: per image (encoded bytes, width, height, where its image tokens start in the prompt, how many)
     images: tuple[tuple[bytes, int, int, int, int], ...] = ()
+    left_out: tuple[str, ...] = ()  # text of the replies' assistant messages the chat template did not render
 
 
 class Dropped(Exception):
@@ -59,52 +64,6 @@ class Dropped(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
-
-
-def render_chat(tok, ex: Example, kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None,
-                train_on: str = "all") -> tuple[str, list[str], list[Ranges | None]]:
-    """Render a chat example into a prompt string, one completion string per reply, and per reply the character
-    ranges of it that are not scored under `train_on` (None: all of it is).
-
-    `kwargs` and `tools` are the defaults given to prepare; the row's own tools replace `tools`, and its own
-    template variables override `kwargs` key by key. Messages go to the template unchanged.
-    """
-    if not tok.chat_template:
-        raise InvalidRow("no_chat_template", None, "the row holds chat messages but the tokenizer has no chat "
-                         "template; use a tokenizer with one, or give plain strings")
-    template_kwargs = {**(kwargs or {}), **ex.template_kwargs}
-    row_tools = ex.tools if ex.tools is not None else tools
-    if row_tools is not None:
-        template_kwargs["tools"] = row_tools
-    prompt_text = _apply(tok, ex.prompt, None, add_generation_prompt=True, **template_kwargs)
-    completions, unscored = [], []
-    for reply, name in zip(ex.completions, ex.completion_fields):
-        full = _apply(tok, list(ex.prompt) + list(reply), name, **template_kwargs)
-        if not full.startswith(prompt_text):
-            raise InvalidRow(
-                "template_not_prefix_stable", name,
-                "the chat template is not prefix-stable: rendering the prompt with the generation prompt "
-                f"does not give a prefix of the rendered conversation with field {name!r}, so the reply cannot "
-                "be cut out exactly. Use a template that renders earlier turns the same whatever follows.",
-            )
-        completions.append(full[len(prompt_text):])
-        render = lambda msgs, gen, name=name: _apply(tok, msgs, name, add_generation_prompt=gen, **template_kwargs)  # noqa: E731
-        try:
-            unscored.append(unscored_chat_ranges(render, ex.prompt, reply, prompt_text, full, train_on))
-        except ValueError as exc:
-            raise InvalidRow("template_not_prefix_stable", name, f"the chat template is not prefix-stable inside "
-                             f"field {name!r} ({exc}), so its assistant messages cannot be cut out exactly for "
-                             f"--train-on {train_on}; use such a template, or --train-on all") from None
-    return prompt_text, completions, unscored
-
-
-def _apply(tok, messages: list[dict], name: str | None, **kwargs) -> str:
-    try:
-        return tok.apply_chat_template(messages, tokenize=False, **kwargs)
-    except Exception as exc:  # jinja2 errors, templates' raise_exception(), str + None in a template...
-        what = "the prompt" if name is None else f"the conversation with field {name!r}"
-        raise InvalidRow("template_error", name, f"the chat template failed on {what}: "
-                         f"{type(exc).__name__}: {exc}") from None
 
 
 def _template_source(tok) -> str:
@@ -124,19 +83,21 @@ class ExampleTokenizer:
         self.specials = specials
         self.cfg = cfg
         self._ws_cache: dict[int, bool] = {}
-        source = _template_source(tok)
+        source = cfg.template.source if cfg.template is not None else _template_source(tok)
         # A template that never reads `tools` or `tool_calls` would silently drop them: refuse such rows.
-        self._template_reads_tools = "tools" in source
-        self._template_reads_tool_calls = "tool_calls" in source
+        self.reads = template_reads(source)  # the template rows are rendered with
+        # a chat reply that ends with one of these (the template's own end of turn) gets no EOS after it
+        self._turn_ends = {specials.eos_id, *tok.all_special_ids,
+                           *(i for i, t in tok.added_tokens_decoder.items() if t.special)}
 
     def _check_tool_support(self, ex: Example) -> None:
         tools = ex.tools if ex.tools is not None else self.cfg.tools
-        if tools and not self._template_reads_tools:
+        if tools and self.reads.tools_variable is None:
             raise InvalidRow("template_ignores_tools", "tools", "the row has tools but the tokenizer's chat "
-                             "template never reads `tools`, so they would be left out of the prompt; use a "
-                             "tokenizer whose template supports tool use")
+                             f"template never reads `tools` (nor any of {', '.join(TOOL_VARIABLES[1:])}), so they would be "
+                             "left out of the prompt; use a tokenizer whose template supports tool use")
         for part, name in ((ex.prompt, None), *zip(ex.completions, ex.completion_fields)):
-            if not self._template_reads_tool_calls and any(m.get("tool_calls") for m in part):
+            if not self.reads.reads_tool_calls and any(m.get("tool_calls") for m in part):
                 raise InvalidRow("template_ignores_tools", name, "a message has 'tool_calls' but the tokenizer's "
                                  "chat template never reads `tool_calls`, so the calls would be left out; use a "
                                  "tokenizer whose template supports tool use")
@@ -149,24 +110,31 @@ class ExampleTokenizer:
             self._ws_cache[tid] = hit
         return hit
 
-    def _ends_with_eos(self, ids: list[int]) -> bool:
-        """True if the ids end with EOS, possibly followed by whitespace tokens (ChatML's '<|im_end|>\\n')."""
+    def _ends_with_eos(self, ids: list[int], chat: bool = False) -> bool:
+        """True if the ids end with EOS, possibly followed by whitespace tokens (ChatML's '<|im_end|>\\n'); for a
+        chat reply also with any special token, the template's own end of turn (Gemma's '<end_of_turn>\\n'): no
+        EOS is added after it (TRL adds none to conversational rows)."""
+        ends = self._turn_ends if chat else {self.specials.eos_id}
         i = len(ids) - 1
-        while i >= 0 and ids[i] != self.specials.eos_id and self._is_whitespace(ids[i]):
+        while i >= 0 and ids[i] not in ends and self._is_whitespace(ids[i]):
             i -= 1
-        return i >= 0 and ids[i] == self.specials.eos_id
+        return i >= 0 and ids[i] in ends
 
     def __call__(self, examples: list[Example]) -> list[TokenizedExample | InvalidRow | Dropped]:
         texts: list[str] = []
         rendered: list[tuple[int, int] | InvalidRow] = []  # (start in texts, number of completions)
         masked: dict[int, Ranges] = {}  # text number -> its unscored character ranges
         images: dict[int, list] = {}  # example number -> its images (bytes, width, height, tokens)
+        left_out: dict[int, tuple[str, ...]] = {}  # example number -> what its template did not render
         for e, ex in enumerate(examples):
             try:
                 if ex.chat:
                     self._check_tool_support(ex)
-                    prompt, comps, unscored = render_chat(self.tok, ex, self.cfg.chat_template_kwargs,
-                                                          self.cfg.tools, self.cfg.train_on)
+                    chat = render_chat(self.tok, ex, self.cfg.chat_template_kwargs, self.cfg.tools, self.cfg.train_on,
+                                       self.cfg.template, self.cfg.earlier_reasoning)
+                    prompt, comps, unscored = chat.prompt, chat.completions, chat.unscored
+                    if chat.left_out:
+                        left_out[e] = tuple(chat.left_out)
                 else:
                     prompt, comps = ex.prompt, list(ex.completions)
                     unscored = list(ex.unscored or [None] * len(comps))
@@ -199,6 +167,7 @@ class ExampleTokenizer:
                                     [cut.get(k, 0) for k in range(start, start + 1 + n)])
                 if e in images:
                     done.images = self._place_images(ex, done, images[e])
+                done.left_out = left_out.get(e, ())
                 out.append(done)
                 out[-1].cut = sum(k in cut for k in range(start, start + 1 + n))
             except (InvalidRow, Dropped) as err:
@@ -284,7 +253,7 @@ class ExampleTokenizer:
                 where = ex.unscored_fields[k] if ex.unscored_fields else name
                 raise InvalidRow("no_scored_tokens", where, f"field {where!r}: no token of the completion "
                                  f"{name!r} is left scored, so it would carry no training signal")
-            if not self._ends_with_eos(c):  # an empty completion becomes [EOS]: "answer nothing", as in TRL
+            if not self._ends_with_eos(c, ex.chat):  # an empty completion becomes [EOS]: "answer nothing", as in TRL
                 c = c + [sp.eos_id]
                 m = None if m is None else m + [True]
             finished.append(c)

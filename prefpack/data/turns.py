@@ -5,7 +5,8 @@ A reply such as [assistant tool call, tool result, assistant answer] is rendered
 what the model wrote should get a loss. Each assistant message's text is cut out of that string by rendering the
 conversation up to it: with the generation prompt (the role header, which the model did not write) for where it
 starts, and with the message for where it ends (its content, tool calls and the end-of-turn the template writes).
-The same prefix stability prefpack already requires makes those cuts exact; a template that breaks it is refused.
+Prefix stability makes those cuts exact; ``chat_masks`` checks each cut holds its message's own text, and takes the
+masks from ``{% generation %}`` tags instead where the template has them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ def unscored_chat_ranges(render: Callable[[list[dict], bool], str], prompt: list
     a cut is not a prefix of the whole conversation (the template is not prefix-stable at that turn)."""
     if train_on == "all":
         return None
+    return complement(turn_ranges(render, prompt, reply, prompt_text, full, train_on), len(full) - len(prompt_text))
+
+
+def turn_ranges(render: Callable[[list[dict], bool], str], prompt: list[dict], reply: list[dict],
+                prompt_text: str, full: str, train_on: str) -> Ranges:
+    """Per scored assistant message of the reply, its character range ``[start, end)`` in the completion."""
     turns = [k for k, m in enumerate(reply) if m.get("role") == "assistant"]
     if train_on == "last":
         turns = turns[-1:]
@@ -38,7 +45,7 @@ def unscored_chat_ranges(render: Callable[[list[dict], bool], str], prompt: list
                 raise ValueError(f"rendering the conversation up to reply message {k} does not give a prefix of "
                                  "the whole conversation")
         scored.append((len(start) - base, len(end) - base))
-    return complement(scored, len(full) - base)
+    return scored
 
 
 def complement(scored: Ranges, length: int) -> Ranges | None:

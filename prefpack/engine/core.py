@@ -61,7 +61,7 @@ class Engine:
                               device=device or host or self.device,
                               trust_remote_code=cfg.model.trust_remote_code,
                               packed=packed, compile_layers=self.compile_layers if device is None else False,
-                              quantization_config=quantization)
+                              quantization_config=quantization, reward=cfg.train.objective == "reward")
 
 
 class Stage(Protocol):

@@ -34,7 +34,11 @@ class ReferenceStage:
         if cfg.reference.model and REFERENCE_MODES[mode].reads_weights:
             check_model_source(cfg.reference.model, "reference.model")
         terms = [] if engine.unpaired else [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
-        if not engine.unpaired and not needs_reference(terms) and mode != "none":
+        if cfg.train.objective == "reward":  # a reward model's Bradley-Terry loss reads no reference
+            if mode != "none":
+                log(f"note: train.objective=reward reads no reference; reference.mode {mode!r} is ignored")
+            mode = "none"
+        elif not engine.unpaired and not needs_reference(terms) and mode != "none":
             log(f"note: the losses {[t.name for t in terms]} need no reference; reference.mode {mode!r} is ignored")
             mode = "none"
         ref_path = cfg.reference.model or cfg.model.name_or_path

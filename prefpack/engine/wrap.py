@@ -11,7 +11,7 @@ from torch import nn
 
 from prefpack.distributed import Dist, wrap
 from prefpack.engine.offload import offload_policy
-from prefpack.model import SequenceLogps
+from prefpack.model import forward_module
 
 if TYPE_CHECKING:
     from prefpack.engine.core import Engine
@@ -20,14 +20,15 @@ __all__ = ["make_optimizer", "wrap_forward"]
 
 
 def wrap_forward(engine: Engine, forward_options: dict) -> nn.Module:
-    """The policy's SequenceLogps (with the objective's ``forward_options``: MoE aux loss, LD-DPO tails, WPO means),
+    """The policy's SequenceLogps (with the objective's ``forward_options``: MoE aux loss, LD-DPO tails, WPO means;
+    a reward model's SequenceRewards with ``rewards``),
     on this rank's sequence group, wrapped for the ranks; the reference's module to match."""
     cfg, parallel = engine.cfg, engine.parallel
     strategy, ctx = cfg.distributed.strategy, parallel.dist
     mixed = engine.precision.compute if engine.precision.sharded_mixed else None
     offload = offload_policy(cfg, ctx)  # distributed.cpu_offload: the reference copy's shards too (engine/offload)
-    module = wrap(SequenceLogps(engine.policy, chunk_size=engine.budgets.chunk_size, seq=parallel.seq,
-                                **forward_options), engine.policy, strategy, ctx, trainable=True, compute_dtype=mixed,
+    module = wrap(forward_module(engine.policy, chunk_size=engine.budgets.chunk_size, seq=parallel.seq,
+                                 **forward_options), engine.policy, strategy, ctx, trainable=True, compute_dtype=mixed,
                   offload_policy=offload)
     engine.reference.attach(partial(_wrap_frozen, strategy=strategy, ctx=ctx, compute_dtype=mixed,
                                     offload_policy=offload), module)

@@ -11,7 +11,7 @@ from torch import nn
 
 from prefpack.model.attention.kernels import kernel_of, reads_prompt_groups
 from prefpack.model.forward import _is_vlm, _vision_inputs
-from prefpack.model.head import body_and_head, head_spec
+from prefpack.model.head import body_and_head, head_spec, model_body
 from prefpack.model.logprobs import completion_logprobs
 from prefpack.model.sums import boundary_kwargs as _boundary_kwargs
 from prefpack.model.sums import hidden_of as _hidden
@@ -135,8 +135,8 @@ def _random_ids(model: nn.Module, n: int, g: torch.Generator) -> torch.Tensor:
 def _moved(model: nn.Module, rows: list[torch.Tensor], position_ids: torch.Tensor, part: slice) -> float:
     """Max |difference| of the hidden states at ``part`` between two one-row inputs (relative to their size), run
     as training runs them: eval mode, the compute dtype, the kernel's keywords for a flattened row."""
-    body, _ = body_and_head(model)
-    device = head_spec(model).weight.device
+    body = model_body(model)  # a causal LM's or a reward model's
+    device = model.get_input_embeddings().weight.device
     extra = _boundary_kwargs(position_ids, device) if kernel_of(model).boundary_kwargs else {}
     pos = _guard_positions(model, position_ids[None].to(device))
     outs = []

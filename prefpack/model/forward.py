@@ -56,16 +56,18 @@ from prefpack.model.attention.kernels import KERNELS, kernel_of, reads_prompt_gr
 from prefpack.model.head import body_and_head, head_spec
 from prefpack.model.logprobs import DEFAULT_CHUNK_SIZE, completion_logprobs
 from prefpack.model.offload_activations import offload_saved_tensors, offloading_device
+from prefpack.model.recurrent.install import has_recurrent_boundaries
 from prefpack.model.sharded import sharded_logps
 from prefpack.model.sums import SequenceOutput, reduce_sequences
 from prefpack.model.sums import boundary_kwargs as _boundary_kwargs
 from prefpack.model.sums import hidden_of as _hidden
 from prefpack.model.sums import tail_mask as _tail_mask  # noqa: F401 - read by tests
 from prefpack.precision import compute_context
-from prefpack.sequence_parallel import SINGLE_SP, SeqPar
+from prefpack.sequence_parallel import SINGLE_SP, SeqPar, SequenceParallelError
 
 __all__ = [
     "PairSums",
+    "body_forward",
     "SequenceOutput",
     "SequenceLogps",
     "pair_logps",
@@ -178,6 +180,9 @@ def sequence_logps(
                              "(distributed.sequence_parallel); set distributed.sequence_parallel=1")
         if aux is not None:
             raise ValueError("the MoE router loss is not computed over token shards (distributed.sequence_parallel)")
+        if has_recurrent_boundaries(body):  # a shard's sequences would start without the state the rank before holds
+            raise SequenceParallelError(f"{type(model).__name__} has recurrent layers, which do not run on token "
+                                        "shards (distributed.sequence_parallel); set distributed.sequence_parallel=1")
         with compute_context(model, device):
             return sharded_logps(body, spec, kernel, batch, seq, flatten=flatten, chunk_size=chunk_size,
                                  pair_tails=pair_tails, wpo=wpo, entropy=entropy)
@@ -266,29 +271,38 @@ def _aux_loss(out, aux, mask: torch.Tensor | None) -> torch.Tensor:
     return torch.as_tensor(value, dtype=torch.float32, device=logits[0].device).float()
 
 
-def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, extra: dict, aux=None,
-                    pair_tails: bool = False, wpo: bool = False, entropy: bool = False, vision=None) -> SequenceOutput:
+def body_forward(body, batch: Batch, flatten: bool, extra: dict, vision=None):
+    """The body run on a micro-batch as its layout asks (packed rows with restarting positions, a flattened row
+    of real tokens, or padded rows with an attention mask): ``(output, final hidden states, real-token mask or None)``.
+    The hidden states are [B, L, H], or [1, real tokens, H] for a flattened packed batch. The log-prob forward and
+    the reward forward (``prefpack.model.reward``) both run the body through here."""
     mask = None
     if vision is not None:  # a vision-language model: embeddings with image features, its position ids
         inputs = _vision_inputs(body, vision, batch, flatten and batch.packed)
-    shared = batch.score_positions is not None
     if batch.packed:
         input_ids, position_ids = batch.input_ids, batch.position_ids
-        loss_mask, targets, seq_index = batch.loss_mask, batch.target_ids, batch.seq_index
         if flatten:
             keep = batch.token_mask
             input_ids, position_ids = input_ids[keep][None], position_ids[keep][None]
-            loss_mask, targets, seq_index = loss_mask[keep][None], targets[keep][None], seq_index[keep][None]
         elif not bool(batch.token_mask.all()):
             mask = batch.token_mask.long()
         inputs = inputs if vision is not None else {"input_ids": input_ids, "position_ids": position_ids}
         out = body(**inputs, attention_mask=None, use_cache=False, **extra)
     else:
-        loss_mask, targets, seq_index = batch.loss_mask, batch.target_ids, batch.seq_index
         inputs = inputs if vision is not None else {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
         out = body(**inputs, attention_mask=batch.attention_mask, use_cache=False, **extra)
         mask = batch.attention_mask
-    hidden = _hidden(out)
+    return out, _hidden(out), mask
+
+
+def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, extra: dict, aux=None,
+                    pair_tails: bool = False, wpo: bool = False, entropy: bool = False, vision=None) -> SequenceOutput:
+    shared = batch.score_positions is not None
+    out, hidden, mask = body_forward(body, batch, flatten, extra, vision)
+    loss_mask, targets, seq_index = batch.loss_mask, batch.target_ids, batch.seq_index
+    if batch.packed and flatten:
+        keep = batch.token_mask
+        loss_mask, targets, seq_index = loss_mask[keep][None], targets[keep][None], seq_index[keep][None]
     if shared:  # a shared prompt's last position is scored once per completion it precedes
         at = batch.score_positions
         if flatten:  # indices into [B * L] -> into the flattened real tokens

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["HeadSpec", "body_and_head", "head_spec"]
+__all__ = ["HeadSpec", "body_and_head", "head_spec", "is_reward_model", "model_body", "score_head"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,38 @@ def body_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
             "returning the module that outputs the final hidden states"
         )
     return body, head
+
+
+def _hf_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside DDP / torch.compile / peft wrappers (peft's own ``.model`` is not the body)."""
+    model = _unwrap(model)
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
+
+
+def is_reward_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a sequence classifier with one label (``AutoModelForSequenceClassification``,
+    ``num_labels=1``): a reward model, whose forward ends at ``score`` instead of a vocabulary head."""
+    m = _hf_model(model)
+    return isinstance(getattr(m, "score", None), nn.Module) and getattr(m.config, "num_labels", None) == 1
+
+
+def score_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """``(decoder body, score head)`` of a reward model (transformers' ``XForSequenceClassification``: the body at
+    ``base_model_prefix``, ``score`` a linear layer hidden -> 1); under peft the trained copy of ``score`` (its
+    ``modules_to_save`` wrapper calls it)."""
+    m = _hf_model(model)
+    body = getattr(m, getattr(m, "base_model_prefix", "model"), None)
+    score = getattr(m, "score", None)
+    if not isinstance(body, nn.Module) or not isinstance(score, nn.Module):
+        raise TypeError(f"{type(m).__name__} is not a sequence classifier with a body and a `score` head "
+                        "(AutoModelForSequenceClassification of a decoder model)")
+    return body, score
+
+
+def model_body(model: nn.Module) -> nn.Module:
+    """The decoder body of a causal LM or of a reward model: the module that returns the final hidden states."""
+    return score_head(model)[0] if is_reward_model(model) else body_and_head(model)[0]
 
 
 def _config_value(model: nn.Module, name: str):

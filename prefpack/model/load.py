@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from prefpack.errors import PrefpackError
-from prefpack.model.attention.kernels import kernel_named, pick_attention
+from prefpack.model.attention import features
+from prefpack.model.attention.kernels import kernel_named, kernel_of, pick_attention
 from prefpack.precision import Precision, set_compute_dtype
 from prefpack.remote_code import check_model_code
-from prefpack.tokenizer import TokenizerError, load_tokenizer, tokenizer_hash, tokenizer_matches
+from prefpack.tokenizer import TokenizerError, load_tokenizer, template_sha, tokenizer_hash, tokenizer_matches
 from prefpack.tokenizer import hub_reachable as _hub_reachable  # one TCP try, cached (tests replace it here)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -45,9 +46,11 @@ def disable_dropout(model: nn.Module) -> None:
 def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch.device,
                    precision: Precision | None = None, dtype: torch.dtype | None = None,
                    trust_remote_code: bool = False, packed: bool = True,
-                   compile_layers: bool | str = False, quantization_config=None) -> nn.Module:
+                   compile_layers: bool | str = False, quantization_config=None, reward: bool = False) -> nn.Module:
     """Load a model for training or scoring, in ``precision.weights``, to run in ``precision.compute`` (or
-    all in ``dtype``).
+    all in ``dtype``). ``reward``: a reward model (``AutoModelForSequenceClassification`` with one label), from a
+    causal LM (its new ``score`` head initialised by transformers, as TRL's ``RewardTrainer`` loads it) or from a
+    sequence classifier with one label.
 
     A model without sdpa support falls back to eager attention (with a warning); with ``packed`` (prefpack's
     default batching) a model whose attention crosses packed sequences is refused, naming the padded fallback.
@@ -59,6 +62,7 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
 
     from prefpack.model.checks import packing_leak, sibling_leak
     from prefpack.model.compile import compile_decoder_layers
+    from prefpack.model.recurrent import install_boundaries, packed_families, uncovered_layers
 
     kernel = kernel_named(attn_implementation)
     if kernel.register is not None:  # only the kernel this model runs: transformers checks the name it loads
@@ -82,7 +86,24 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
     quantized = {} if quantization_config is None else {"quantization_config": quantization_config,
                                                          "device_map": {"": str(device)}}
 
+    if reward and vision is not None:
+        raise ModelError(f"model {name_or_path!r} is a vision-language model; reward models train on text models")
+    if reward:
+        check_reward_source(name_or_path, trust_remote_code)
+
     def load(attn: str) -> nn.Module:
+        if reward:
+            from transformers import AutoModelForSequenceClassification
+            from transformers.utils import logging as hf_logging
+
+            verbosity = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()  # "newly initialized: score.weight" is what a reward model starts with
+            try:
+                return AutoModelForSequenceClassification.from_pretrained(
+                    name_or_path, dtype=dtype, attn_implementation=attn, trust_remote_code=trust_remote_code,
+                    num_labels=1, **quantized)
+            finally:
+                hf_logging.set_verbosity(verbosity)
         if vision is not None:  # the language model runs the kernel, the vision tower a transformers one
             from transformers import AutoModelForImageTextToText
 
@@ -100,11 +121,18 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
         except ValueError as exc:
             if kernel.fallback is None or "scaled_dot_product_attention" not in str(exc):
                 raise
-            warnings.warn(f"model {name_or_path!r} has no sdpa attention; using {kernel.fallback} attention",
-                          stacklevel=2)
             model = load(kernel.fallback)
+            if features.takes_over_eager(model, kernel):  # gpt-oss: no sdpa because of its sinks, which ours compute
+                model.config._attn_implementation = kernel.name
+            else:
+                warnings.warn(f"model {name_or_path!r} has no sdpa attention; using {kernel.fallback} attention",
+                              stacklevel=2)
     except Exception as exc:  # transformers raises OSError/ValueError/HF errors for bad paths and configs
         raise ModelError(f"cannot load model {name_or_path!r}: {exc}") from exc
+    features.restore_positions(model)  # Llama-4's layers drop position ids before attention
+    why = features.unsupported(model, kernel_of(model), packed=packed)
+    if why:
+        raise ModelError(f"model {name_or_path!r} {why}")
     disable_dropout(model)
     if quantization_config is not None:
         one_cpu_kernel(model)
@@ -114,9 +142,16 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
             raise ModelError(f"model {name_or_path!r} {why}")
     model = model.to(device)
     set_compute_dtype(model, precision)
+    install_boundaries(model)  # recurrent layers start each packed sequence from a zero state (model/recurrent)
     if packed:
         leak = packing_leak(model, siblings=False)
         impl = getattr(model.config, "_attn_implementation", "?")
+        if leak > PACKING_LEAK_TOLERANCE and uncovered_layers(model):
+            raise ModelError(
+                f"model {name_or_path!r} ({type(model).__name__}) has recurrent layers prefpack cannot keep within "
+                f"packed sequences ({', '.join(uncovered_layers(model))}: their state moved a sequence by {leak:.2g}, "
+                f"relative, when the other sequence of its row changed; packed hybrids: {packed_families()}); set "
+                "data.packing=false for the padded fallback")
         if leak > PACKING_LEAK_TOLERANCE:
             raise ModelError(
                 f"model {name_or_path!r} ({type(model).__name__}, attention {impl!r}) lets packed sequences attend "
@@ -133,6 +168,34 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
         raise ModelError(f"model {name_or_path!r}: model.compile found no list of decoder layers to compile; "
                          "set model.compile=false")
     return model
+
+
+def check_reward_source(name_or_path: str, trust_remote_code: bool = False) -> None:
+    """A sequence classifier with another number of labels than 1 is not a reward model: refused by name (loading
+    it with ``num_labels=1`` would silently replace its head)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except Exception:  # loading the model itself reports a bad path or config
+        return
+    classifier = any(str(a).endswith("ForSequenceClassification") for a in getattr(config, "architectures", None) or [])
+    if classifier and getattr(config, "num_labels", 1) != 1:
+        raise ModelError(f"model {name_or_path!r} is a sequence classifier with {config.num_labels} labels; a reward "
+                         "model has one (num_labels=1). Start from its causal LM, or from a one-label classifier")
+
+
+def is_reward_checkpoint(name_or_path: str, trust_remote_code: bool = False) -> bool:
+    """Whether a model folder holds a reward model (a ``...ForSequenceClassification`` with one label), so that
+    ``prefpack eval --model`` scores it as one."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except Exception:
+        return False
+    archs = getattr(config, "architectures", None) or []
+    return any(str(a).endswith("ForSequenceClassification") for a in archs) and getattr(config, "num_labels", 0) == 1
 
 
 def one_cpu_kernel(model: nn.Module) -> None:
@@ -262,7 +325,7 @@ def resolve_tokenizer(model_path: str, store_meta: dict, store_tokenizer: Path, 
             return load_tokenizer(store_tokenizer, trust_remote_code=trust_remote_code)
         raise
     want = store_meta["tokenizer"]["hash"]
-    if not tokenizer_matches(tok, store_meta["tokenizer"]) and not allow_mismatch:
+    if not _same_ids(tok, store_meta["tokenizer"], store_tokenizer, trust_remote_code) and not allow_mismatch:
         raise ModelError(
             f"the tokenizer of {source!r} differs from the one the store was prepared with "
             f"({store_meta['tokenizer']['name']!r}, hash {want[:12]}): token ids would mean different things. "
@@ -270,6 +333,21 @@ def resolve_tokenizer(model_path: str, store_meta: dict, store_tokenizer: Path, 
             "know the ids agree."
         )
     return tok
+
+
+def _same_ids(tok, recorded: dict, store_tokenizer: Path, trust_remote_code: bool) -> bool:
+    """True when `tok` gives the store's token ids their meaning. A store hashed before version 3 recorded a hash
+    that covers the chat template too; when that one differs, the store's own tokenizer copy (saved by prepare) is
+    compared instead, by the version-3 hash, if the copy is the one the store recorded."""
+    if tokenizer_matches(tok, recorded):
+        return True
+    if int(recorded.get("hash_version", 1)) >= 3 or not has_tokenizer_files(str(store_tokenizer)):
+        return False
+    try:
+        copy = load_tokenizer(store_tokenizer, trust_remote_code=trust_remote_code)
+    except TokenizerError:
+        return False
+    return tokenizer_matches(copy, recorded) and tokenizer_hash(copy) == tokenizer_hash(tok)
 
 
 @dataclass(frozen=True)
@@ -284,14 +362,15 @@ class TokenizerHandle:
     source: str
     content_hash: str
     trust_remote_code: bool = False
+    template: str | None = None  # the chat template's sha256: saved with the final model, so a change is refused too
 
     @classmethod
     def of(cls, tok, *, trust_remote_code: bool = False) -> TokenizerHandle:
-        return cls(str(tok.name_or_path), tokenizer_hash(tok), trust_remote_code)
+        return cls(str(tok.name_or_path), tokenizer_hash(tok), trust_remote_code, template_sha(tok.chat_template))
 
     def load(self):
         tok = load_tokenizer(self.source, trust_remote_code=self.trust_remote_code)
-        if tokenizer_hash(tok) != self.content_hash:
+        if tokenizer_hash(tok) != self.content_hash or template_sha(tok.chat_template) != self.template:
             raise ModelError(f"the tokenizer at {self.source!r} changed while the run was training; the final model "
                              "is saved without it (copy the tokenizer the data was prepared with next to it)")
         return tok

@@ -111,6 +111,11 @@ def check_model(model: nn.Module, sp: SeqPar, *, router_aux: bool = False) -> No
         raise SequenceParallelError(f"{type(model).__name__} is a vision-language model, and those do not run on "
                                     "token shards yet: set distributed.sequence_parallel=1 (--sequence-parallel 1)")
 
+    from prefpack.model.attention import features
+
+    if features.has_sinks(model):  # each rank holds a share of the heads; their sinks are not split with them yet
+        raise SequenceParallelError(f"{type(model).__name__} has attention sinks (gpt-oss), which do not run on token "
+                                    "shards yet: set distributed.sequence_parallel=1 (--sequence-parallel 1)")
     kernel = kernel_of(model)
     if not kernel.shards_sequences:
         able = " or ".join(k.name for k in KERNELS if k.shards_sequences)

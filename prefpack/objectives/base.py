@@ -37,6 +37,7 @@ from torch import nn
 from prefpack.data.store import Store
 from prefpack.distributed import SINGLE, Dist
 from prefpack.losses import LossOutput
+from prefpack.losses.reward import SQUARED, reward_std
 from prefpack.objectives.settings import RunSettings
 from prefpack.reference import KeySpace, Reference
 
@@ -237,5 +238,8 @@ class StepTotals:
         out = {"loss": self.loss / max(self.examples, 1)}
         # a metric may cover a subset of examples (e.g. KTO's desirable ones): divide by its own count
         out.update({k: v / max(self.counts.get(k, 0.0), 1.0) for k, v in sorted(self.metrics.items())})
+        for k in [k for k in out if k.endswith(SQUARED)]:  # NAME^2: NAME's standard deviation (reward models)
+            base = k[:-len(SQUARED)]
+            out[f"{base}_std"] = reward_std(out.get(base, 0.0), out.pop(k))
         out["filling"] = self.positions / max(self.computed_tokens, 1)  # padding's share: real positions / computed
         return out

@@ -16,6 +16,7 @@ from prefpack.objectives.base import Objective
 from prefpack.objectives.groups import PromptGroupTask
 from prefpack.objectives.kto import KTOTask
 from prefpack.objectives.pairs import PairTask
+from prefpack.objectives.reward import RewardGroupTask, RewardPairTask
 
 __all__ = ["OBJECTIVES", "ObjectiveSpec", "objective_for", "read_only_unpaired", "trains_unpaired"]
 
@@ -36,6 +37,9 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {spec.name: spec for spec in (
     ObjectiveSpec("pairs", PairTask, ("pairs",)),
     ObjectiveSpec("groups", PromptGroupTask, ("ranked", "pairs")),  # a pair store grouped by prompt, or ranked
     ObjectiveSpec("kto", KTOTask, ("unpaired", "pairs"), unpaired=True),  # a pair store read as KTO examples
+    # a reward model (train.objective=reward): the pairs' and prompt groups' layouts, rewards instead of log-probs
+    ObjectiveSpec("reward", RewardPairTask, ("pairs",), output="rewards"),
+    ObjectiveSpec("reward_groups", RewardGroupTask, ("ranked", "pairs"), output="rewards"),
 )}
 """Every objective by name (``Objective.kind`` of its class is the store kind it lays out)."""
 
@@ -46,14 +50,17 @@ def trains_unpaired(terms: Iterable, *, paired_as_kto: bool = False) -> bool:
     return any(t.name in UNPAIRED_LOSS_NAMES for t in terms) or bool(paired_as_kto)
 
 
-def objective_for(store_kind: str, *, unpaired: bool, group_by_prompt: bool = False) -> ObjectiveSpec:
+def objective_for(store_kind: str, *, unpaired: bool, group_by_prompt: bool = False,
+                  reward: bool = False) -> ObjectiveSpec:
     """The objective that trains a store of ``store_kind`` in a run of this family: KTO's examples, a ranked store's
-    (or a grouped pair store's) prompt groups, else pairs."""
+    (or a grouped pair store's) prompt groups, else pairs; ``reward`` (``train.objective=reward``): the reward
+    model's on the same layouts."""
     if unpaired:
         return OBJECTIVES["kto"]
-    if store_kind == "ranked" or group_by_prompt:
-        return OBJECTIVES["groups"]
-    return OBJECTIVES["pairs"]
+    grouped = store_kind == "ranked" or group_by_prompt
+    if reward:
+        return OBJECTIVES["reward_groups" if grouped else "reward"]
+    return OBJECTIVES["groups" if grouped else "pairs"]
 
 
 def read_only_unpaired(store_kind: str) -> bool:

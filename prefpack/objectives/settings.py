@@ -112,8 +112,16 @@ def settings_from_config(cfg, *, pad_id: int, micro_batch_tokens: int | None = N
         packing=bool(d.packing), pad_to_multiple_of=d.pad_to_multiple_of,
         shares_prompts=bool(sharing) and bool(d.packing), pad_id=int(pad_id),
         global_batch=int(tr.global_batch_pairs), seed=int(tr.seed),
-        ranked_pairs=d.ranked_pairs, paired_as_kto=bool(d.paired_as_kto), loss=params,
+        ranked_pairs=ranked_pairs(cfg), paired_as_kto=bool(d.paired_as_kto), loss=params,
         router_aux_loss_coef=float(router_aux_loss_coef), vision=vision)
+
+
+def ranked_pairs(cfg) -> str:
+    """``data.ranked_pairs`` resolved: auto = all_pairs for a reward model (InstructGPT's every pair of a ranking),
+    else best_vs_rest."""
+    if cfg.data.ranked_pairs != "auto":
+        return cfg.data.ranked_pairs
+    return "all_pairs" if getattr(cfg.train, "objective", "preference") == "reward" else "best_vs_rest"
 
 
 def config_terms(cfg) -> list[Term]:

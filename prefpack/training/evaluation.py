@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from prefpack.distributed import Dist
-from prefpack.model import SequenceLogps
+from prefpack.model import forward_module
 from prefpack.objectives import Objective, StepTotals, release_images
 from prefpack.parallel import ONE_PROCESS, Parallel
 from prefpack.progress import progress as show_progress
@@ -23,8 +23,8 @@ def evaluate(policy: nn.Module, reference: Reference, task: Objective, *, module
     are dealt across them (a sequence group's ranks share theirs) and the sums all-reduced.
     """
     if module is None:
-        module = SequenceLogps(policy, chunk_size=task.settings.chunk_size, seq=parallel.seq,
-                               **task.forward_options())
+        module = forward_module(policy, chunk_size=task.settings.chunk_size, seq=parallel.seq,
+                                **task.forward_options())
     ctx = parallel.dist
     was_training = policy.training
     policy.eval()

@@ -67,9 +67,16 @@ def eval_config(opts: EvalOptions):
         cfg.loss.use_weighting = opts.use_weighting
     if opts.ranked_pairs:
         cfg.data.ranked_pairs = opts.ranked_pairs
+    from prefpack.model.load import is_reward_checkpoint
+
+    check_model_source(opts.model, "--model")  # one line at once, not hub retries
+    if is_reward_checkpoint(opts.model, opts.trust_remote_code or cfg.model.trust_remote_code):
+        cfg.train.objective = "reward"  # a one-label sequence classifier: scored as a reward model
     unpaired = trains_unpaired(cfg.loss.terms)  # the loss terms decide: --kto without --loss chose kto above
     sidecar = SIDECAR_NAMES["unpaired" if unpaired else Store(opts.data).kind]  # the key space the run reads
     mode = "copy" if opts.ref else ("precomputed" if (Path(opts.data) / sidecar).exists() else "none")
+    if cfg.train.objective == "reward":
+        mode = "none"  # a reward model reads no reference
     if mode == "none" and cfg.needs_reference():  # in eval's terms, not the config's reference.mode
         terms = ", ".join(t.name for t in cfg.loss.terms)
         raise ConfigError(

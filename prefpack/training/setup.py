@@ -185,6 +185,12 @@ def build(cfg, *, log=print, parallel: Parallel | None = None, check_sidecar_ref
     engine.reference.configure(chunk_size=engine.budgets.chunk_size, pair_tails=cfg.loss.ld_alpha is not None,
                                seq=parallel.seq)
     pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    if cfg.train.objective == "reward":  # saved with the reward model: transformers' classifier needs it
+        from prefpack.model.reward import set_pad_token
+
+        warning = set_pad_token(engine.policy, pad_id, tok.eos_token_id)
+        if warning:
+            log(f"warning: {warning}")
     tokenizer = TokenizerHandle.of(tok, trust_remote_code=cfg.model.trust_remote_code)
     del tok  # loaded again to be saved with the final model; training needs only the ids
     release_freed_memory()

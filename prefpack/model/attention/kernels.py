@@ -45,6 +45,10 @@ class Kernel:
     # a vision tower may run it (transformers' own kernels); a tower's attention is bidirectional over one image's
     # patches and never packed, so under any other kernel (prefpack's packed ones, hub kernels) it runs sdpa
     runs_vision_tower: bool = False
+    # model features it computes exactly (``features.unsupported`` refuses a model with one it leaves out):
+    sinks: bool = False  # attention sinks, one more softmax term per head (gpt-oss)
+    chunks: bool = False  # chunked local attention per packed sequence (Llama-4's ``chunked_attention`` layers;
+    # transformers' masks count chunks from the row's start: right when padded, wrong for a row's later sequences)
 
     def available(self, device_type: str, compute_dtype: Any = None) -> bool:
         """Whether ``auto`` may pick this kernel for a device type and compute dtype (None: float32)."""
@@ -101,15 +105,15 @@ _SOFTCAP = ("attn_logit_softcapping", "softcaps its attention logits, which the 
 # In order of preference for ``auto`` (the config lists its choices in this order too).
 KERNELS: tuple[Kernel, ...] = (
     Kernel("packed_sdpa", register=_ours("packed_sdpa"), auto=True, devices=("cpu",), reads_prompt_groups=True,
-           prefix_sharing_auto=True, fallback="eager", shards_sequences=True),
+           prefix_sharing_auto=True, fallback="eager", shards_sequences=True, sinks=True, chunks=True),
     Kernel("flash_attention_2", auto=True, devices=("cuda",), installed=_flash_attn_installed, needs_cuda=True,
            flattens_rows=True, runs_vision_tower=True),
     # prompts laid out once on varlen: 1.14x tokens/s and 12% less peak at 0.7B on an H100 (2026-11-24)
     Kernel("varlen", register=_ours("varlen"), auto=True, devices=("cuda",), half_only=True,
            installed=_torch_varlen_installed, flattens_rows=True, reads_prompt_groups=True, boundary_kwargs=True,
-           prefix_sharing_auto=True, shards_sequences=True, refuses=(_SOFTCAP,)),
+           prefix_sharing_auto=True, shards_sequences=True, refuses=(_SOFTCAP,), sinks=True, chunks=True),
     Kernel("sdpa", auto=True, fallback="eager", cudnn_sdp_off=True, runs_vision_tower=True),
-    Kernel("eager", runs_vision_tower=True),
+    Kernel("eager", runs_vision_tower=True, sinks=True),  # a family's own eager attention computes its sinks
 )
 
 # transformers' own kernels the config does not offer, which a vision tower may run all the same

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from prefpack.distributed import SINGLE, Dist
-from prefpack.model import ModelError, TokenizerHandle
+from prefpack.model import ModelError, TokenizerHandle, is_reward_model
 from prefpack.tokenizer import TokenizerError
 from prefpack.training.checkpoint.files import _MARGIN, _discard, _disown, _own, _tensor_bytes, _writing
 
@@ -61,10 +61,14 @@ def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module
                 model = merged_dequantized(policy, full_state) if full_state is not None or is_four_bit(policy) \
                     else policy.merge_and_unload()
             elif full_state is not None:
-                from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+                from transformers import (
+                    AutoModelForCausalLM,
+                    AutoModelForImageTextToText,
+                    AutoModelForSequenceClassification,
+                )
 
                 auto = AutoModelForImageTextToText if getattr(policy.config, "vision_config", None) is not None \
-                    else AutoModelForCausalLM
+                    else AutoModelForSequenceClassification if is_reward_model(policy) else AutoModelForCausalLM
                 model = auto.from_config(policy.config)
                 model.load_state_dict(full_state)
             if dtype is not None:  # run.save_dtype: cast after merging LoRA, so the merge happens in full precision
@@ -105,7 +109,11 @@ def merged_dequantized(policy: nn.Module, state: dict | None = None) -> nn.Modul
 
     from bitsandbytes.functional import dequantize_4bit
     from peft.tuners.lora import LoraLayer
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+    )
     from transformers.initialization import no_init_weights
 
     base = policy.get_base_model()
@@ -113,7 +121,8 @@ def merged_dequantized(policy: nn.Module, state: dict | None = None) -> nn.Modul
     for attr in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, attr):
             delattr(config, attr)
-    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None \
+        else AutoModelForSequenceClassification if is_reward_model(policy) else AutoModelForCausalLM
     with no_init_weights():  # every weight is written below: no random initialisation of a 7B model first
         plain = auto.from_config(config, dtype=torch.float32)
     for key, target in plain.state_dict().items():  # filled in place: one layer's float copy at a time
@@ -121,7 +130,7 @@ def merged_dequantized(policy: nn.Module, state: dict | None = None) -> nn.Modul
         module = base.get_submodule(path)
         layer = module.get_base_layer() if isinstance(module, LoraLayer) else module
         lora = isinstance(module, LoraLayer)
-        t = getattr(layer, leaf) if state is None else state[_peft_key(path, leaf, lora)]
+        t = getattr(layer, leaf) if state is None else _state_value(state, path, leaf, lora)
         quant = getattr(t, "quant_state", None) or (getattr(layer, "quant_state", None) if leaf == "weight" else None)
         t = (dequantize_4bit(t.data.contiguous(), quant) if quant is not None else t.detach()).float()
         if lora and leaf == "weight":
@@ -133,9 +142,12 @@ def merged_dequantized(policy: nn.Module, state: dict | None = None) -> nn.Modul
     return plain
 
 
-def _peft_key(path: str, leaf: str, lora: bool) -> str:
-    """The key of a plain model's ``path.leaf`` in the LoRA-wrapped model's state dict."""
-    return f"base_model.model.{path}{'.base_layer' if lora else ''}.{leaf}".replace("model..", "model.")
+def _state_value(state: dict, path: str, leaf: str, lora: bool) -> torch.Tensor:
+    """A plain model's ``path.leaf`` in the LoRA-wrapped model's (gathered) state dict: a layer's base weight, a
+    trained copy peft keeps (``modules_to_save``: a reward model's head), or a weight as it is."""
+    key = f"base_model.model.{path}{'.base_layer' if lora else ''}.{leaf}".replace("model..", "model.")
+    saved = f"base_model.model.{path}.modules_to_save.default.{leaf}"
+    return state[saved] if saved in state else state[key]
 
 
 def _delta(module, path: str, name: str, state: dict) -> torch.Tensor:

@@ -1,0 +1,248 @@
+"""A chat row rendered through its template: the prompt with the generation prompt, each completion as what the
+whole conversation adds after it, and per completion the character ranges that are not scored.
+
+Where the template marks assistant text with ``{% generation %}`` (SmolLM3's, prefpack's training templates, a
+``--chat-template`` file), the scored text comes from one rendering of each whole conversation: the generation
+spans inside the completion, less any generation prompt a span opens with (a role header the model did not write).
+Otherwise each assistant message is cut out by rendering the conversation up to it (``turns``), and each cut is
+checked to hold that message's own text. A row that cannot be cut or checked is refused with the cause found
+(a generation prompt no reply continues, an earlier turn the template rewrites) and the fix; text the template
+leaves out of a reply (content beside tool calls, reasoning, a second tool call) is reported, not refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from prefpack.data.formats import Example, InvalidRow
+from prefpack.data.template_vars import template_reads
+from prefpack.data.training_templates import ChatTemplate, has_generation_markers
+from prefpack.data.turns import Ranges, complement, turn_ranges
+
+FIX = ("render with a prefix-preserving template that marks assistant text with {% generation %}: "
+       "prepare --chat-template FILE (docs/data.md, 'Chat templates: which tokens are scored')")
+
+
+@dataclass
+class RenderedChat:
+    prompt: str
+    completions: list[str]
+    unscored: list[Ranges | None]
+    left_out: list[str]  # text of the reply's assistant messages the template did not render, described
+
+
+class Renderer:
+    """Renders messages through one template with a tokenizer's special tokens (as ``apply_chat_template``)."""
+
+    def __init__(self, tok, template: ChatTemplate | None, earlier_reasoning: str | None = None):
+        self.tok, self.template = tok, template
+        self.extra = {"earlier_reasoning": earlier_reasoning} if template and template.training else {}
+
+    def source(self, tools) -> str:
+        if self.template is not None:
+            return self.template.source
+        return self.tok.get_chat_template(None, tools)
+
+    def __call__(self, messages: list[dict], kwargs: dict[str, Any], generation_prompt: bool, name: str | None,
+                 spans: bool = False) -> tuple[str, list[tuple[int, int]]]:
+        kwargs = {**self.tok.special_tokens_map, **self.extra, **kwargs}
+        tools = kwargs.pop("tools", None)
+        try:
+            out, idx = render_jinja_template([messages], tools=tools, chat_template=self.source(tools),
+                                             return_assistant_tokens_mask=spans,
+                                             add_generation_prompt=generation_prompt, **kwargs)
+        except Exception as exc:  # jinja2 errors, templates' raise_exception(), str + None in a template...
+            what = "the prompt" if name is None else f"the conversation with field {name!r}"
+            raise InvalidRow("template_error", name, f"the chat template failed on {what}: "
+                             f"{type(exc).__name__}: {exc}") from None
+        return out[0], (idx[0] if spans else [])
+
+
+def render_chat(tok, ex: Example, kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None,
+                train_on: str = "all", template: ChatTemplate | None = None,
+                earlier_reasoning: str | None = None) -> RenderedChat:
+    """Render a chat example; `kwargs` and `tools` are prepare's defaults (the row's own tools replace `tools`, its
+    own template variables override `kwargs` key by key). Messages go to the template unchanged."""
+    if template is None and not tok.chat_template:
+        raise InvalidRow("no_chat_template", None, "the row holds chat messages but the tokenizer has no chat "
+                         "template; use a tokenizer with one, pass --chat-template FILE, or give plain strings")
+    render = Renderer(tok, template, earlier_reasoning)
+    template_kwargs = {**(kwargs or {}), **ex.template_kwargs}
+    row_tools = ex.tools if ex.tools is not None else tools
+    if row_tools is not None:  # as `tools`, or `xml_tools` for a template that reads only that (SmolLM3)
+        template_kwargs[template_reads(render.source(row_tools)).tools_variable or "tools"] = row_tools
+    markers = template.markers if template is not None else has_generation_markers(render.source(row_tools))
+    prompt_text, _ = render(ex.prompt, template_kwargs, True, None)
+    out = RenderedChat(prompt_text, [], [], [])
+    for reply, name in zip(ex.completions, ex.completion_fields):
+        conversation = list(ex.prompt) + list(reply)
+        full, spans = render(conversation, template_kwargs, False, name, spans=markers and train_on != "all")
+        if not full.startswith(prompt_text):
+            raise InvalidRow("template_not_prefix_stable", name, _prompt_cause(render, ex.prompt, template_kwargs,
+                             prompt_text, full, name, template, _history_reply(template, earlier_reasoning, reply)))
+        base = len(prompt_text)
+        completion = full[base:]
+        out.completions.append(completion)
+        out.left_out.extend(f"field {name!r}: {what}" for what in left_out(reply, completion))
+        if train_on == "all":
+            out.unscored.append(None)
+        elif markers:
+            out.unscored.append(_marked(render, ex.prompt, template_kwargs, prompt_text, full, spans, train_on, name))
+        else:
+            out.unscored.append(_cut(render, ex.prompt, reply, template_kwargs, prompt_text, full, train_on, name,
+                                     template))
+    return out
+
+
+def _generation_prompt(render: Renderer, prompt: list[dict], kwargs: dict, prompt_text: str) -> str:
+    """What the generation prompt adds after the prompt's messages (a role header, an opened <think>...)."""
+    plain, _ = render(prompt, kwargs, False, None)
+    return prompt_text[len(plain):] if prompt_text.startswith(plain) else ""
+
+
+def _marked(render: Renderer, prompt, kwargs, prompt_text: str, full: str, spans, train_on: str,
+            name: str) -> Ranges | None:
+    """The completion's unscored ranges from the generation spans of one rendering: each span clipped to the
+    completion, less the generation prompt it opens with (the model did not write it)."""
+    header = _generation_prompt(render, prompt, kwargs, prompt_text)
+    base, scored = len(prompt_text), []
+    for start, end in spans:
+        if header and full.startswith(header, start):
+            start += len(header)
+        start, end = max(start, base), min(end, len(full))
+        if start < end:
+            scored.append((start - base, end - base))
+    if not scored:
+        raise InvalidRow("no_generation_span", name, f"the chat template marks assistant text with {{% generation %}}"
+                         f" but marks none in field {name!r}; give a reply with an assistant message, or a template "
+                         "that marks every assistant message")
+    if train_on == "last":
+        scored = scored[-1:]
+    return complement(sorted(scored), len(full) - base)
+
+
+def _cut(render: Renderer, prompt, reply, kwargs, prompt_text: str, full: str, train_on: str, name: str,
+         template: ChatTemplate | None) -> Ranges | None:
+    """Per-message cuts (rendering up to each assistant message), each checked to hold the message's own text."""
+    def by_prefix(msgs, gen):
+        return render(msgs, kwargs, gen, name)[0]
+
+    try:
+        turns = turn_ranges(by_prefix, prompt, reply, prompt_text, full, train_on)
+    except ValueError:
+        raise InvalidRow("template_not_prefix_stable", name, _reply_cause(render, prompt, reply, kwargs, full, name,
+                         template)) from None
+    messages = [m for m in reply if m.get("role") == "assistant"][-len(turns):] if turns else []
+    completion = full[len(prompt_text):]
+    for k, (message, (a, b)) in enumerate(zip(messages, turns)):
+        for piece in own_text(message):
+            if piece in completion and piece not in completion[a:b]:
+                raise InvalidRow("unverified_turn", name, f"field {name!r}: the cut of assistant message {k} does not "
+                                 f"hold its own text {_short(piece)!r}, so what it scores cannot be verified; {FIX}")
+    return complement(turns, len(completion))
+
+
+def own_text(message: dict) -> list[str]:
+    """The pieces of an assistant message a template should render: its reasoning, its content (with any
+    <think>...</think> taken out) and each tool call's name; stripped, empty ones left out."""
+    content = message.get("content") if isinstance(message.get("content"), str) else ""
+    reasoning = next((message[k] for k in ("reasoning_content", "thinking", "reasoning")
+                      if isinstance(message.get(k), str)), "")
+    if "</think>" in content:
+        head, content = content.rsplit("</think>", 1)
+        reasoning = reasoning or head.split("<think>")[-1]
+    names = [(c.get("function") or c).get("name") for c in message.get("tool_calls") or [] if isinstance(c, dict)]
+    return [p.strip() for p in (reasoning, content, *[n for n in names if isinstance(n, str)]) if p and p.strip()]
+
+
+def left_out(reply: list[dict], completion: str) -> list[str]:
+    """What of the reply's assistant messages the rendered completion does not hold, one line each."""
+    out = []
+    for k, message in enumerate(reply):
+        if message.get("role") != "assistant":
+            continue
+        for piece in own_text(message):
+            if piece not in completion:
+                out.append(f"message {k}'s {_which(message, piece)} {_short(piece)!r}")
+    return out
+
+
+def _which(message: dict, piece: str) -> str:
+    names = [(c.get("function") or c).get("name") for c in message.get("tool_calls") or [] if isinstance(c, dict)]
+    if piece in names:
+        return "tool call"
+    content = message.get("content") if isinstance(message.get("content"), str) else ""
+    return "content" if piece == content.rsplit("</think>", 1)[-1].strip() else "reasoning"
+
+
+def _short(text: str, n: int = 40) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _differ(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _family(template: ChatTemplate | None) -> str:
+    if template is not None and template.resembles:
+        return (f" (the tokenizer's template looks like {template.resembles}'s but is not the one prefpack ships a "
+                "training template for)")
+    return ""
+
+
+def _history_reply(template: ChatTemplate | None, earlier_reasoning: str | None, reply: list[dict]) -> bool:
+    """A training template with earlier turns' reasoning dropped, and a reply holding a user turn: the reply's first
+    assistant turn is then an earlier turn, rendered as history, not as the continuation of the generation prompt."""
+    return bool(template is not None and template.training and (earlier_reasoning or "dropped") == "dropped"
+                and any(m.get("role") == "user" for m in reply))
+
+
+def _prompt_cause(render: Renderer, prompt, kwargs, prompt_text: str, full: str, name: str,
+                  template: ChatTemplate | None, history_reply: bool = False) -> str:
+    """Why the prompt (with its generation prompt) is no prefix of the conversation with reply `name`."""
+    plain, _ = render(prompt, kwargs, False, None)
+    if prompt_text.startswith(plain) and full.startswith(plain):
+        header = prompt_text[len(plain):]
+        got = full[len(plain):len(plain) + len(header) + 12]
+        if history_reply:
+            return (f"field {name!r} holds a user turn, so its first assistant turn is an earlier turn, which "
+                    f"--earlier-reasoning dropped (the default) renders as history ({got!r}...), not as the "
+                    f"continuation of the generation prompt {header!r}; pass --earlier-reasoning kept (or scored) to "
+                    "render earlier turns as the model wrote them")
+        cause = (f"the template's generation prompt {header!r} is not how it renders the reply in field {name!r} "
+                 f"(it renders {got!r}...), so no reply continues the prompt")
+    else:
+        i = _differ(prompt_text, full)
+        cause = (f"the template rewrites an earlier turn once the reply in field {name!r} follows: the prompt renders "
+                 f"{prompt_text[max(0, i - 30):i + 30]!r} but the whole conversation {full[max(0, i - 30):i + 30]!r}")
+    return f"the chat template is not prefix-stable{_family(template)}: {cause}; {FIX}"
+
+
+def _reply_cause(render: Renderer, prompt, reply, kwargs, full: str, name: str, template: ChatTemplate | None) -> str:
+    """Why an assistant message inside reply `name` cannot be cut out by rendering the conversation up to it."""
+    for k, message in enumerate(reply):
+        if message.get("role") != "assistant":
+            continue
+        upto = list(prompt) + list(reply[:k + 1])
+        alone, _ = render(upto, kwargs, False, name)
+        if not full.startswith(alone):
+            i = _differ(alone, full)
+            what = (f"assistant message {k} of field {name!r} renders as {alone[max(0, i - 30):i + 30]!r} when it is "
+                    f"last, but as {full[max(0, i - 30):i + 30]!r} once later messages follow (the template rewrites "
+                    "an earlier turn)")
+            break
+        if k:
+            before, _ = render(list(prompt) + list(reply[:k]), kwargs, True, name)
+            if not full.startswith(before):
+                i = _differ(before, full)
+                what = (f"the generation prompt before assistant message {k} of field {name!r} renders "
+                        f"{before[max(0, i - 30):]!r}, which the conversation does not continue "
+                        f"({full[max(0, i - 30):i + 30]!r})")
+                break
+    else:
+        what = f"a cut inside field {name!r} is no prefix of the whole conversation"
+    return (f"the chat template is not prefix-stable inside the reply{_family(template)}: {what}, so its assistant "
+            f"messages cannot be cut out exactly; {FIX} (--train-on all would score tool results too)")

@@ -1,0 +1,67 @@
+"""A reward model's objective (``train.objective=reward``): each pair's two rewards from the reward forward
+(``prefpack.model.reward``), the Bradley-Terry loss over them (``prefpack.losses.reward``), no reference.
+
+The layouts are the DPO family's, unchanged: a pair store's pairs (:class:`RewardPairTask`, both completions of a
+pair in one row, the prompt laid out once with ``data.prefix_sharing``), a ranked store's prompts or a pair store
+grouped by prompt (:class:`RewardGroupTask`: a prompt and its completions laid out once, each completion's reward
+computed once and gathered for every pair it is in). Planning, collation, dealing, mixtures and the step loop are
+the DPO family's, so every invariance they hold (packed = padded, 1x8 = 8x1, ranks, resume) holds here too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from prefpack.data.store import StoreError
+from prefpack.losses import LossOutput
+from prefpack.losses.reward import bradley_terry_loss
+from prefpack.objectives.base import StepState
+from prefpack.objectives.groups import PromptGroupTask
+from prefpack.objectives.pairs import PairTask
+from prefpack.reference import KeySpace, Reference
+
+__all__ = ["RewardGroupTask", "RewardPairTask"]
+
+
+class _BradleyTerry:
+    """The hooks both reward objectives share: the forward they read, the loss, and no reference."""
+
+    def forward_options(self) -> dict:
+        return {"rewards": True}
+
+    def key_space(self) -> KeySpace:
+        raise StoreError("a reward model reads no reference: precompute-ref has nothing to record for it")
+
+    def pair_rewards(self, rewards: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def loss(self, policy: nn.Module, reference: Reference, batch, step: StepState) -> LossOutput:
+        rewards = policy(batch)  # [S]: SequenceRewards, maybe wrapped
+        chosen, rejected, margin = self.pair_rewards(rewards, batch)
+        return bradley_terry_loss(chosen, rejected, margin=margin,
+                                  center_rewards_coefficient=self.settings.loss.center_rewards_coefficient)
+
+    def end_step(self, totals) -> None:
+        """No running state."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+
+class RewardPairTask(_BradleyTerry, PairTask):
+    """Bradley-Terry on a pair store: sequence 2p is pair p's chosen, 2p + 1 its rejected."""
+
+    def pair_rewards(self, rewards, batch):
+        return rewards[0::2], rewards[1::2], None
+
+
+class RewardGroupTask(_BradleyTerry, PromptGroupTask):
+    """Bradley-Terry on prompt groups: every pair a group's ranking yields (``data.ranked_pairs``; a reward run's
+    auto is ``all_pairs``), each completion's reward computed once."""
+
+    def pair_rewards(self, rewards, batch):
+        chosen, rejected, _ = self._drawn_pairs(batch.group_ids.numpy())
+        c = torch.as_tensor(chosen, dtype=torch.long, device=rewards.device)
+        r = torch.as_tensor(rejected, dtype=torch.long, device=rewards.device)
+        return rewards[c], rewards[r], None
