@@ -34,15 +34,23 @@ _ATTR = "_prefpack_compute_dtype"
 
 @dataclass(frozen=True)
 class Precision:
-    """``weights``: dtype the model is loaded in (the master weights); ``compute``: dtype its matmuls run in."""
+    """``weights``: dtype the model is loaded in (the master weights); ``compute``: dtype its matmuls run in;
+    ``four_bit``: the linear layers' base weights held in bitsandbytes' 4 bits instead (``nf4`` | ``fp4``, with
+    ``double_quant``: its scales quantised too), LoRA adapters trained over them."""
 
     weights: torch.dtype
     compute: torch.dtype
     autocast: bool = False
     sharded_mixed: bool = False  # FSDP2 casts per layer; no autocast
+    four_bit: str | None = None
+    double_quant: bool = False
 
     def describe(self) -> str:
         w, c = _name(self.weights), _name(self.compute)
+        if self.four_bit:
+            double = " (double quant)" if self.double_quant else ""
+            return (f"4-bit {self.four_bit.upper()} base weights{double}, embeddings, norms and head {w}, compute {c}"
+                    f"{' (autocast)' if self.autocast else ''}, LoRA adapters float32")
         if self.sharded_mixed:
             return f"{c} compute, {w} master weights (FSDP2 mixed precision)"
         if self.autocast and self.weights == self.compute:

@@ -24,6 +24,8 @@ from prefpack.data.prepare import PrepareOptions, prepare
 ATOL = 1e-5
 OFFLOAD = ("distributed.strategy=fsdp2", "distributed.cpu_offload=true")
 SYNC = ("reference.sync=true", "reference.sync_steps=2", "reference.mixup_alpha=0.5")
+QLORA = ("lora.enabled=true", "lora.r=4", "reference.mode=adapter", "model.quantization=nf4", "train.max_steps=2",
+         "run.save_every=1")
 
 
 @pytest.fixture(scope="module")
@@ -67,14 +69,17 @@ def _two_ranks(*commands) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def runs(world):
-    """One process (plain and with TR-DPO's sync), then in one 2-rank launch: FSDP2 without offload, with offload,
-    with offload stopped after step 3 and resumed, and with offload and the sync."""
-    names = ("one", "one-sync", "fsdp2", "offload", "cut", "offload-sync")
+    """One process (plain, with TR-DPO's sync, and LoRA over a 4-bit base), then in one 2-rank launch: FSDP2 without
+    offload, with offload, with offload stopped after step 3 and resumed, with offload and the sync, and FSDP2 over
+    the 4-bit base stopped after step 1 and resumed."""
+    names = ("one", "one-sync", "one-4bit", "fsdp2", "offload", "cut", "offload-sync", "fsdp2-4bit")
     r = {n: world["root"] / n for n in names}
-    run_prefpack(_args(world, r["one"]), _args(world, r["one-sync"], *SYNC))
+    run_prefpack(_args(world, r["one"]), _args(world, r["one-sync"], *SYNC), _args(world, r["one-4bit"], *QLORA))
+    four_bit = (*QLORA, "distributed.strategy=fsdp2")
     proc = _two_ranks(_args(world, r["fsdp2"], "distributed.strategy=fsdp2"), _args(world, r["offload"], *OFFLOAD),
                       _args(world, r["cut"], *OFFLOAD, stop=3), _args(world, r["cut"], *OFFLOAD, resume=True),
-                      _args(world, r["offload-sync"], *OFFLOAD, *SYNC))
+                      _args(world, r["offload-sync"], *OFFLOAD, *SYNC), _args(world, r["fsdp2-4bit"], *four_bit, stop=1),
+                      _args(world, r["fsdp2-4bit"], *four_bit, resume=True))
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     r["groups"] = [x["fsdp_groups"] for x in lines if "fsdp_groups" in x]
     r["summaries"] = [x for x in lines if "run_dir" in x]
@@ -119,7 +124,7 @@ def test_offload_holds_the_policy_and_the_reference_copy_on_the_cpu(runs):
     fsdp2, offload = runs["groups"][0], runs["groups"][1]
     assert fsdp2 == {"policy": [3, 0], "reference": [3, 0]}
     assert offload == {"policy": [3, 3], "reference": [3, 3]}
-    assert all(g == offload for g in runs["groups"][1:])  # the stopped, resumed and synced runs too
+    assert all(g == offload for g in runs["groups"][1:5])  # the stopped, resumed and synced runs too
 
 
 def test_offloaded_resume_equals_uninterrupted(runs):
@@ -128,7 +133,8 @@ def test_offloaded_resume_equals_uninterrupted(runs):
     assert (cut / "checkpoints" / "step-00000002" / "dcp").is_dir()  # the sharded (DCP) format
     # the stopped run printed no summary; every other run of the launch printed its own
     assert [(m["run_dir"], m["steps"]) for m in runs["summaries"]] == \
-        [(str(runs[n]), 4) for n in ("fsdp2", "offload", "cut", "offload-sync")]
+        [(str(runs[n]), s) for n, s in (("fsdp2", 4), ("offload", 4), ("cut", 4), ("offload-sync", 4),
+                                          ("fsdp2-4bit", 2))]
     assert _losses(full) == _losses(cut)
     w1, w2 = _weights(full), _weights(cut)
     for k in w1:
@@ -139,6 +145,24 @@ def test_offloaded_reference_sync_equals_one_process(runs):
     """TR-DPO mixes the offloaded policy's and reference's CPU shards in place: equal to one process."""
     assert _losses(runs["one"])[2][1] != pytest.approx(_losses(runs["one-sync"])[2][1], abs=1e-6)  # sync mattered
     _close(runs["offload-sync"], runs["one-sync"])
+
+
+def test_fsdp2_over_a_four_bit_base_with_lora_equals_one_process_and_resumes(runs):
+    """LoRA over a 4-bit (NF4) base sharded by FSDP2 on 2 ranks, stopped after step 1 and resumed: the losses and
+    gradient norms of one process, its adapter and its final folder (the adapters merged into the de-quantised
+    base, gathered from the shards)."""
+    from safetensors.torch import load_file
+
+    one, sharded = runs["one-4bit"], runs["fsdp2-4bit"]
+    # FSDP2 did shard the 4-bit policy (the adapter reference runs the policy's own module)
+    assert runs["groups"][5:] == [{"policy": [3, 0], "reference": [3, 0]}] * 2
+    assert (sharded / "checkpoints" / "step-00000001" / "dcp").is_dir()
+    assert len(_losses(one)) == 2 and _losses(one)[-1][1] != _losses(one)[0][1]
+    _close(sharded, one)
+    a1, a2 = (load_file(str(r / "final" / "adapter" / "adapter_model.safetensors")) for r in (one, sharded))
+    assert a1.keys() == a2.keys() and a1
+    for k in a1:
+        torch.testing.assert_close(a1[k], a2[k], atol=ATOL, rtol=0)
 
 
 def test_cpu_offload_without_fsdp2_is_refused_in_one_line(world):

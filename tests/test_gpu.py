@@ -125,9 +125,7 @@ def test_cuda_budgets_grow_with_free_memory():
     cfg = tf.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=8)
     model = tf.LlamaForCausalLM(cfg).cuda()
-    trainable = sum(p.numel() for p in model.parameters())
-    budgets, free = cuda_budgets(model, torch.device("cuda"), trainable_params=trainable, autocast=True,
-                                 checkpointing=False, flattened=True)
+    budgets, free = cuda_budgets(model, torch.device("cuda"), autocast=True, checkpointing=False, flattened=True)
     assert MIN_MICRO_BATCH_TOKENS <= budgets.micro_batch_tokens <= MAX_MICRO_BATCH_TOKENS
     assert budgets.chunk_size >= 1024 and budgets.row_tokens == min(budgets.micro_batch_tokens, 8192)
     assert free > 0

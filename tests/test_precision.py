@@ -141,3 +141,13 @@ def test_lora_in_bfloat16_keeps_float32_adapters_and_learns(world, tmp_path):  #
     assert dtypes == {True: torch.float32, False: torch.bfloat16}
     # the source checkpoint is float32, so run.save_dtype auto saves the merged model in float32
     assert {v.dtype for v in load_file(str(res.final_dir / "model.safetensors")).values()} == {torch.float32}
+
+
+def test_describe_names_four_bit_base_weights():
+    """A 4-bit base is not described as full-precision weights (the start-up line, issue 41)."""
+    from prefpack.precision import Precision
+
+    four = Precision(torch.float32, torch.float32, four_bit="fp4")
+    assert four.describe() == "4-bit FP4 base weights, embeddings, norms and head float32, compute float32, LoRA " \
+        "adapters float32"
+    assert Precision(torch.float32, torch.float32).describe() == "float32 weights and compute"

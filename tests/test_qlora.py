@@ -116,7 +116,9 @@ def test_first_step_loss_is_ln2_and_bfloat16_autocast_trains_float32_adapters(wo
     losses = [m["loss"] for m in metrics_lines(run)]
     assert losses[0] == pytest.approx(math.log(2), abs=1e-6)  # policy == adapter-off reference at step 0
     assert all(math.isfinite(x) for x in losses) and losses[-1] != losses[0]
-    assert any("bfloat16 compute (autocast)" in line and "float32 LoRA adapters" in line for line in lines)
+    # the start-up line says the base is 4-bit, not bfloat16 weights
+    assert any("precision: 4-bit NF4 base weights (double quant), embeddings, norms and head bfloat16, compute "
+               "bfloat16 (autocast), LoRA adapters float32;" in line for line in lines)
 
 
 # ---------------------------------------------------------------- the final folder
@@ -148,7 +150,7 @@ def test_final_folder_is_lora_merged_into_the_dequantised_base(world, baseline):
 @pytest.mark.parametrize("extra, match", [
     (("lora.enabled=false", "reference.mode=copy"), "model.quantization=nf4 holds the base weights in 4 bits"),
     (("reference.mode=copy",), "use reference.mode=adapter"),
-    (("distributed.strategy=fsdp2",), "distributed.strategy=fsdp2 cannot shard a model.quantization=nf4 base"),
+    (("distributed.strategy=fsdp2", "distributed.cpu_offload=true"), "distributed.cpu_offload with model.quantization"),
 ])
 def test_refusals_are_one_line(world, tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match) as err:

@@ -204,9 +204,10 @@ def _quantization_problems(cfg: Config, errs: list[str]) -> None:
             and cfg.needs_reference():
         errs.append(f"reference.mode 'copy' with model.quantization={q} would load a second 4-bit copy of the base "
                     "the policy already holds; use reference.mode=adapter (the same 4-bit base, adapter off: free)")
-    if cfg.distributed.strategy == "fsdp2":
-        errs.append(f"distributed.strategy=fsdp2 cannot shard a model.quantization={q} base yet (its 4-bit "
-                    "weights are not trained or saved through FSDP2 here); use distributed.strategy=ddp")
+    if cfg.distributed.cpu_offload:
+        errs.append(f"distributed.cpu_offload with model.quantization={q}: offload is for full fine-tuning; a 4-bit "
+                    "base is frozen and already small, and its 4-bit layers are not moved by FSDP2's offload here; "
+                    "set distributed.cpu_offload=false (FSDP2 shards the 4-bit base without it)")
 
 
 def _reference_quantization_problems(cfg: Config, errs: list[str]) -> None:

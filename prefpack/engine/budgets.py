@@ -2,8 +2,9 @@
 
 A 2-core CPU wants micro-batches of a few thousand tokens; a GPU wants tens of thousands, or it waits on many
 small kernels (at 4,096-token micro-batches and 1,024-token head chunks all matmuls were ~15% of an H100's time).
-On CUDA the budgets come from the memory left free after the models are loaded and an estimate of the
-activations one token keeps for backward; explicit values in the config are always kept.
+On CUDA the budgets come from the device's free memory less what the run will hold whatever the micro-batch (the
+weights as held: 4-bit, sharded or offloaded; gradients, optimizer state: ``engine/memory.py``) and an estimate of
+the activations one token keeps for backward; explicit values in the config are always kept.
 
 ``train.memory`` says what the free memory is for. ``first`` (the default) holds a run's peak under TRL's default
 run of the same model: gradient checkpointing on (TRL's default too), 1,024-token head chunks and at most TRL's
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from prefpack.engine.memory import Holding, device_bytes, estimate_memory, static_bytes
 
 __all__ = ["CPU_BUDGETS", "Budgets", "activation_bytes_per_token", "checkpointing_on", "cuda_budgets",
            "host_free_bytes", "resolve_budgets"]
@@ -85,24 +88,25 @@ def host_free_bytes() -> int:
     return free // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
 
 
-def cuda_budgets(model: nn.Module, device: torch.device, *, trainable_params: int, autocast: bool,
-                 checkpointing: bool, flattened: bool, memory_first: bool = False,
-                 offloaded: bool = False) -> tuple[Budgets, int]:
-    """``(budgets, free bytes)`` for a CUDA device whose models are already loaded.
+def cuda_budgets(model: nn.Module, device: torch.device, *, autocast: bool, checkpointing: bool, flattened: bool,
+                 memory_first: bool = False, offloaded: bool = False, holding: Holding | None = None,
+                 reference: nn.Module | None = None) -> tuple[Budgets, int]:
+    """``(budgets, free bytes)`` for a CUDA device.
 
-    What training will still allocate: float32 gradients and AdamW's two moments for the trained weights, and
-    under autocast one compute-dtype copy of the weights. Of what is left, 60% goes to activations and 8% to
-    the head's chunk of logits (about 8 bytes per logit at its peak in backward: the float32 logits, turned in
-    place into their gradient, and its compute-dtype copy). Rows: with a flattened micro-batch (a kernel
-    whose descriptor flattens rows: varlen, flash) a row only limits the longest packed line, so 8,192; masked
-    sdpa pays row^2 per row, so 2,048. With ``memory_first`` the micro-batch is at most TRL's default one and the
-    head chunk stays at 1,024. With ``offloaded`` activations the device keeps about two layers' worth per token,
-    and the host, which holds the rest, gives them at most half of its free memory (:func:`host_free_bytes`).
+    What the run holds whatever the micro-batch (``engine/memory.py``: the weights as ``holding`` says they are held,
+    4-bit or sharded or offloaded, of the policy and a ``reference`` copy; the trained weights' gradients and AdamW
+    state) comes off the free memory, counting back what of it is already on the device. Of what is left, 60% goes
+    to activations and 8% to the head's chunk of logits (about 8 bytes per logit at its peak in backward). Rows:
+    with a flattened micro-batch (a kernel whose descriptor flattens rows: varlen, flash) a row only limits the
+    longest packed line, so 8,192; masked sdpa pays row^2 per row, so 2,048. With ``memory_first`` the micro-batch
+    is at most TRL's default one and the head chunk stays at 1,024. With ``offloaded`` activations the device keeps
+    about two layers' worth per token, and the host, which holds the rest, gives them at most half of its free
+    memory (:func:`host_free_bytes`).
     """
+    holding = holding or Holding(compute=torch.bfloat16 if autocast else torch.float32, autocast=autocast)
     free, _ = torch.cuda.mem_get_info(device)
-    params = sum(p.numel() for p in model.parameters())
-    later = trainable_params * 12 + (params * 2 if autocast else 0)
-    room = max(free - later, 0) * 0.6
+    room_all = max(free + device_bytes([model, reference], device) - sum(static_bytes(model, reference, holding)), 0)
+    room = room_all * 0.6
     per_token = activation_bytes_per_token(model.config, autocast=autocast, checkpointing=checkpointing,
                                            offloaded=offloaded)
     micro = int(room // max(per_token, 1)) // 1024 * 1024
@@ -113,7 +117,7 @@ def cuda_budgets(model: nn.Module, device: torch.device, *, trainable_params: in
     micro = max(MIN_MICRO_BATCH_TOKENS, min(most, micro))
     vocab = int(model.get_input_embeddings().weight.shape[0])
     chunk = MEMORY_FIRST_CHUNK
-    while not memory_first and chunk < 16384 and 2 * chunk * vocab * 8 <= 0.08 * max(free - later, 0):
+    while not memory_first and chunk < 16384 and 2 * chunk * vocab * 8 <= 0.08 * room_all:
         chunk *= 2
     row = min(micro, 8192 if flattened else 2048)
     return Budgets(micro, row, chunk), free
@@ -148,10 +152,27 @@ class BudgetStage:
         from prefpack.model import attention_name, uses_flash_attention
 
         cfg, policy, device = engine.cfg, engine.policy, engine.device
-        trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+        on_gpu = device.type != "cpu"  # on a CPU the host is the device: offloading there holds nothing elsewhere
+        checkpointing = checkpointing_on(cfg.model.gradient_checkpointing, device, cfg.train.memory)
+        offloaded = bool(cfg.train.activation_offloading) and on_gpu
+        holding = run_holding(engine)
+        reference = engine.reference.model if engine.reference is not None else None
         engine.budgets, line = resolve_budgets(
-            cfg.train, cfg.data, policy, device, trainable_params=trainable, autocast=engine.precision.autocast,
-            checkpointing=checkpointing_on(cfg.model.gradient_checkpointing, device, cfg.train.memory),
-            memory_first=cfg.train.memory == "first", flattened=uses_flash_attention(policy),
-            offloaded=bool(cfg.train.activation_offloading))
+            cfg.train, cfg.data, policy, device, autocast=engine.precision.autocast, checkpointing=checkpointing,
+            memory_first=cfg.train.memory == "first", flattened=uses_flash_attention(policy), offloaded=offloaded,
+            holding=holding, reference=reference)
         log(f"{line}; precision: {engine.precision.describe()}; attention: {attention_name(policy) or engine.attn}")
+        per_token = activation_bytes_per_token(policy.config, autocast=engine.precision.autocast,
+                                               checkpointing=checkpointing, offloaded=offloaded)
+        log(estimate_memory(policy, reference, holding, activation_per_token=per_token,
+                            micro_batch_tokens=engine.budgets.micro_batch_tokens,
+                            chunk_size=engine.budgets.chunk_size).describe(device))
+
+
+def run_holding(engine) -> Holding:
+    """How this run holds its weights on each device (``engine/memory.py``)."""
+    cfg, world, precision = engine.cfg, engine.parallel.world, engine.precision
+    sharded = cfg.distributed.strategy == "fsdp2" and world > 1
+    return Holding(compute=precision.compute, autocast=precision.autocast, world=world, sharded=sharded,
+                   cast_per_layer=precision.sharded_mixed,
+                   cpu_offload=sharded and bool(cfg.distributed.cpu_offload) and engine.device.type != "cpu")

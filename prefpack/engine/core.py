@@ -42,6 +42,7 @@ class Engine:
     attn: str = ""
     compile_layers: bool | str = False
     quantization: Callable[[torch.dtype], Any] | None = None  # compute dtype -> 4-bit load config (engine/quantize.py)
+    load_device: torch.device | None = None  # where the weights load when not on ``device`` (CPU offload: the host)
     policy: nn.Module | None = None
     reference: Reference | None = None
     budgets: Any = None  # prefpack.engine.budgets.Budgets
@@ -49,14 +50,16 @@ class Engine:
 
     def load_like_policy(self, path: str, *, device: torch.device | None = None, packed: bool | None = None):
         """A model loaded as the policy is (precision, kernel, compiled layers): the policy itself, and the reference
-        (on another ``device``, e.g. only to be hashed: uncompiled)."""
-        from prefpack.model import load_causal_lm
+        (on another ``device``, e.g. only to be hashed: uncompiled); on ``load_device`` where a stage set one."""
+        from prefpack.model import kernel_named, load_causal_lm
 
         cfg = self.cfg
+        host = self.load_device if self.load_device is not None and not kernel_named(self.attn).needs_cuda else None
         packed = cfg.data.packing if packed is None else packed
         quantization = self.quantization(self.precision.compute) if self.quantization is not None else None
         return load_causal_lm(path, precision=self.precision, attn_implementation=self.attn,
-                              device=device or self.device, trust_remote_code=cfg.model.trust_remote_code,
+                              device=device or host or self.device,
+                              trust_remote_code=cfg.model.trust_remote_code,
                               packed=packed, compile_layers=self.compile_layers if device is None else False,
                               quantization_config=quantization, reward=cfg.train.objective == "reward")
 

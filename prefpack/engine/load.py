@@ -3,6 +3,7 @@ compiled layers where asked); a vision-language model's towers frozen or trained
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +34,9 @@ class LoadStage:
         engine.precision = resolve_precision(
             cfg.model.dtype, cfg.optim.master_dtype, device, lora=cfg.lora.enabled,
             fsdp_sharded=cfg.distributed.strategy == "fsdp2" and world > 1)
+        if cfg.model.quantization is not None:  # what the quantize stage holds the linear weights in
+            engine.precision = replace(engine.precision, four_bit=cfg.model.quantization,
+                                       double_quant=cfg.model.quantization_double)
         engine.attn = pick_attention(cfg.model.attn_implementation, device, engine.precision.compute)
         engine.compile_layers = wants_compile(cfg.model.compile, device, world)
         torch.manual_seed(cfg.train.seed)

@@ -6,11 +6,20 @@ gradient shards back, and the optimizer steps on the CPU (torchtitan's, NeMo-RL'
 reference copy is offloaded too: it is as large as the policy's weights, and TR-DPO's sync mixes the two shard by
 shard, which needs both on one device. One process has no FSDP2 (``distributed.wrap`` leaves it unwrapped), so
 offload is refused there before any weights load, naming what fits one GPU instead.
+
+The weights load into host memory (``Engine.load_device``), not onto the device: each rank would otherwise hold a
+whole copy on its GPU before sharding, which is what does not fit. ``fully_shard`` then moves one decoder layer at a
+time to the device, shards it and sends its shard back to the host (torch 2.13's ``_move_states_to_device`` skips
+layers already sharded), so while the run is set up the device holds one layer at a time, then the embeddings and
+head. A kernel that cannot run off CUDA (flash_attention_2) loads on the device as before: the load's packing check
+runs the model with it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+import torch
 
 from prefpack.distributed import Dist, LaunchError
 
@@ -36,8 +45,9 @@ class OffloadStage:
             return
         if not engine.parallel.dist.enabled:
             raise LaunchError(ONE_PROCESS)
-        log("distributed.cpu_offload: the shards of the parameters, gradients and optimizer state (and of a "
-            "reference copy) are held in CPU memory; the optimizer steps on the CPU")
+        engine.load_device = torch.device("cpu")
+        log("distributed.cpu_offload: the weights load into CPU memory, and the shards of the parameters, gradients "
+            "and optimizer state (and of a reference copy) stay there; the optimizer steps on the CPU")
 
 
 def offload_policy(cfg, ctx: Dist):

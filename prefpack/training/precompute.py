@@ -181,12 +181,13 @@ def _scoring_budgets(opts: PrecomputeOptions, model: nn.Module, device: torch.de
     from types import SimpleNamespace
 
     from prefpack.engine.budgets import resolve_budgets
+    from prefpack.engine.memory import Holding
     from prefpack.model import uses_flash_attention
 
     train = SimpleNamespace(micro_batch_tokens=opts.micro_batch_tokens, chunk_size=opts.chunk_size)
     budgets, line = resolve_budgets(train, SimpleNamespace(max_tokens_per_row="auto"), model, device,
-                                    trainable_params=0, autocast=False, checkpointing=False,
-                                    flattened=uses_flash_attention(model))
+                                    autocast=False, checkpointing=False, flattened=uses_flash_attention(model),
+                                    holding=Holding(training=False))
     log(line)
     return budgets
 

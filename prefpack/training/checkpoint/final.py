@@ -49,17 +49,18 @@ def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module
         shutil.rmtree(tmp)
     try:
         needed = _tensor_bytes(full_state if full_state is not None else policy.state_dict())
-        if full_state is None and is_four_bit(policy):
+        if is_four_bit(policy):
             needed *= 8  # two 4-bit weights a byte, saved de-quantised: at most 4 bytes each
         needed += _MARGIN
         with _writing(tmp, final, needed=needed, run_dir=run_dir):
             tmp.mkdir()
             _own(tmp)
             model = policy
-            if hasattr(policy, "merge_and_unload"):
-                policy.save_pretrained(tmp / "adapter")
-                model = merged_dequantized(policy) if is_four_bit(policy) else policy.merge_and_unload()
-            if full_state is not None:
+            if hasattr(policy, "merge_and_unload"):  # LoRA; under FSDP2 from the gathered state (rank 0's is sharded)
+                policy.save_pretrained(tmp / "adapter", **({} if full_state is None else {"state_dict": full_state}))
+                model = merged_dequantized(policy, full_state) if full_state is not None or is_four_bit(policy) \
+                    else policy.merge_and_unload()
+            elif full_state is not None:
                 from transformers import (
                     AutoModelForCausalLM,
                     AutoModelForImageTextToText,
@@ -91,20 +92,28 @@ def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module
 
 
 def is_four_bit(model: nn.Module) -> bool:
-    """Whether the model holds bitsandbytes 4-bit weights (``model.quantization``)."""
-    return any(getattr(p, "quant_state", None) is not None for p in model.parameters())
+    """Whether the model holds bitsandbytes 4-bit weights (``model.quantization``); under FSDP2 the sharded weight
+    loses its ``quant_state``, which its layer keeps."""
+    return any(getattr(m, "quant_state", None) is not None or getattr(getattr(m, "weight", None), "quant_state", None)
+               is not None for m in model.modules())
 
 
-def merged_dequantized(policy: nn.Module) -> nn.Module:
-    """A plain float32 copy of a LoRA-wrapped 4-bit model (on CPU): each 4-bit weight de-quantised, plus its
+def merged_dequantized(policy: nn.Module, state: dict | None = None) -> nn.Module:
+    """A plain float32 copy of a LoRA-wrapped (4-bit) model (on CPU): each 4-bit weight de-quantised, plus its
     adapters' product (``W + scale * B @ A``, what the trained layer computes), the other weights as they are, in a
     model built from the config without its ``quantization_config``, so transformers loads the folder without
-    bitsandbytes. Merging into the 4-bit layer (peft's ``merge_and_unload``) would round the sum back to 4 bits."""
+    bitsandbytes. Merging into the 4-bit layer (peft's ``merge_and_unload``) would round the sum back to 4 bits.
+    ``state``: the policy's full state dict gathered from FSDP2's shards, read instead of its (sharded) tensors; the
+    4-bit layers' quantisation states are whole on every rank."""
     import copy
 
     from bitsandbytes.functional import dequantize_4bit
     from peft.tuners.lora import LoraLayer
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+    )
     from transformers.initialization import no_init_weights
 
     base = policy.get_base_model()
@@ -112,23 +121,41 @@ def merged_dequantized(policy: nn.Module) -> nn.Module:
     for attr in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, attr):
             delattr(config, attr)
-    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None \
+        else AutoModelForSequenceClassification if is_reward_model(policy) else AutoModelForCausalLM
     with no_init_weights():  # every weight is written below: no random initialisation of a 7B model first
         plain = auto.from_config(config, dtype=torch.float32)
     for key, target in plain.state_dict().items():  # filled in place: one layer's float copy at a time
         path, _, leaf = key.rpartition(".")
         module = base.get_submodule(path)
         layer = module.get_base_layer() if isinstance(module, LoraLayer) else module
-        t = getattr(layer, leaf)
-        quant = getattr(t, "quant_state", None)
-        t = (dequantize_4bit(t.data, quant) if quant is not None else t.detach()).float()
-        if isinstance(module, LoraLayer) and leaf == "weight":
+        lora = isinstance(module, LoraLayer)
+        t = getattr(layer, leaf) if state is None else _state_value(state, path, leaf, lora)
+        quant = getattr(t, "quant_state", None) or (getattr(layer, "quant_state", None) if leaf == "weight" else None)
+        t = (dequantize_4bit(t.data.contiguous(), quant) if quant is not None else t.detach()).float()
+        if lora and leaf == "weight":
             for name in module.active_adapters:
                 if name in module.lora_A:
-                    t = t + module.get_delta_weight(name).float()
+                    t = t + (module.get_delta_weight(name) if state is None else _delta(module, path, name, state)).float()
         with torch.no_grad():
             target.copy_(t)
     return plain
+
+
+def _state_value(state: dict, path: str, leaf: str, lora: bool) -> torch.Tensor:
+    """A plain model's ``path.leaf`` in the LoRA-wrapped model's (gathered) state dict: a layer's base weight, a
+    trained copy peft keeps (``modules_to_save``: a reward model's head), or a weight as it is."""
+    key = f"base_model.model.{path}{'.base_layer' if lora else ''}.{leaf}".replace("model..", "model.")
+    saved = f"base_model.model.{path}.modules_to_save.default.{leaf}"
+    return state[saved] if saved in state else state[key]
+
+
+def _delta(module, path: str, name: str, state: dict) -> torch.Tensor:
+    """``scale * B @ A`` of adapter ``name`` from full (gathered) tensors: peft's ``get_delta_weight``."""
+    a = state[f"base_model.model.{path}.lora_A.{name}.weight"].float()
+    b = state[f"base_model.model.{path}.lora_B.{name}.weight"].float()
+    delta = (b @ a) * module.scaling[name]
+    return delta.T if getattr(module, "fan_in_fan_out", False) else delta
 
 
 USER_FILES = ("*.md", "*.txt")  # a model card and notes: save_pretrained never writes them
