@@ -288,7 +288,7 @@ MARGIN_PAIRS = [  # two prompts shared by two pairs each (data.group_by_prompt g
 ]
 
 
-def test_a_margin_column_is_stored_and_the_reward_loss_reads_it(tmp_path, toy_tokenizers):
+def test_a_margin_column_is_stored_and_the_reward_loss_reads_it(tmp_path, toy_tokenizers, capsys):
     """prepare stores each pair's `margin` (0 where a row has none; --margin-field renames it) in a version-4 store;
     the reward objective's per-pair loss is -logsigmoid(r_c - r_r - margin) (+ centring) over rewards of each
     sequence alone, in float64, pairs read alone or grouped by prompt; the same rows without margins make a store as
@@ -314,6 +314,11 @@ def test_a_margin_column_is_stored_and_the_reward_loss_reads_it(tmp_path, toy_to
     assert with_m.margins.dtype == np.float64 and with_m.margins.tolist() == want_m
     assert without.meta["format_version"] == 2 and without.margins is None
     assert not (tmp_path / "plain" / "margins.bin").exists()
+    from prefpack.cli import main
+
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "margins")]) == 0
+    assert "margins    4 of 5 pairs give one (the others 0): min -1.5, mean 0.3, max 2" in capsys.readouterr().out
 
     model = float64_classifier(vocab=600)
     module = SequenceRewards(model)
