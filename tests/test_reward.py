@@ -219,9 +219,10 @@ def test_training_and_export_equal_trl_reward_trainer(trl_store, tmp_path, one_t
         assert scored[key] == pytest.approx(res.eval_after[key], abs=1e-6), key
 
 
-def test_trl_margin_column_formula_on_prefpack_rewards(trl_store):
+def test_trl_margin_column_formula_on_prefpack_rewards(trl_store, tmp_path):
     """TRL's per-pair `margin` column (and with centring): its loss over prefpack's rewards of TRL's weights, loaded
-    as a run loads them (the new head initialised as TRL's after the same seed)."""
+    as a run loads them (the new head initialised as TRL's after the same seed); and the reward objective on the
+    same pairs prepared with their `margin` field (margins.bin) gives TRL's loss."""
     from conftest import make_task
 
     from prefpack.model.load import load_causal_lm
@@ -243,6 +244,14 @@ def test_trl_margin_column_formula_on_prefpack_rewards(trl_store):
         rec = _trl_case(margin=True, **({} if center is None else {"center_rewards_coefficient": center}))
         out = bradley_terry_loss(rewards[0::2], rewards[1::2], margin=margin, center_rewards_coefficient=center)
         assert float(out.loss.mean()) == pytest.approx(rec["eval"]["eval_loss"], abs=1e-5)
+    rows = [{**json.loads(line), "margin": m} for line, m in
+            zip((TRL_ASSETS / "pairs.jsonl").read_text(encoding="utf-8").splitlines(), TRL["margins"])]
+    prepare(PrepareOptions(inputs=[str(write_jsonl(tmp_path / "m.jsonl", rows))], tokenizer=str(TRL_ASSETS /
+                           "tokenizer"), output=str(tmp_path / "m"), max_length=512, workers=1), log=quiet)
+    task = make_task(RewardPairTask, Store(tmp_path / "m"), load_config(None, ["train.objective=reward"]))
+    with torch.no_grad():
+        out = task.loss(SequenceRewards(model), None, task.collate(Planned([list(range(16))], 0, 0)), None)
+    assert float(out.loss.mean()) == pytest.approx(_trl_case(margin=True)["eval"]["eval_loss"], abs=1e-5)
 
 
 def test_lora_reward_resume_equals_uninterrupted_and_exports_merged(trl_store, tmp_path, one_thread):
@@ -266,3 +275,68 @@ def test_lora_reward_resume_equals_uninterrupted_and_exports_merged(trl_store, t
     initial = torch.tensor(TRL["cases"][0]["score_weight"])
     assert not torch.allclose(model.score.weight.reshape(-1), initial)  # the new head trained (modules_to_save)
     assert math.isfinite(metrics_lines(full)[-1]["loss"])
+
+
+# ---------------------------------------------------------------- the per-pair margin column (margins.bin)
+
+MARGIN_PAIRS = [  # two prompts shared by two pairs each (data.group_by_prompt groups them), one row with no margin
+    {"prompt": "Q: two plus two?\nA:", "chosen": " Four.", "rejected": " Five.", "margin": 0.75},
+    {"prompt": "Q: two plus two?\nA:", "chosen": " It is four.", "rejected": " Five.", "margin": -1.5},
+    {"prompt": "Q: a colour?\nA:", "chosen": " Blue.", "rejected": " A dog.", "margin": 2},
+    {"prompt": "Q: a colour?\nA:", "chosen": " Red.", "rejected": " A dog."},
+    {"prompt": "Q: hello?\nA:", "chosen": " Hi!", "rejected": " Go away.", "margin": 0.25},
+]
+
+
+def test_a_margin_column_is_stored_and_the_reward_loss_reads_it(tmp_path, toy_tokenizers, capsys):
+    """prepare stores each pair's `margin` (0 where a row has none; --margin-field renames it) in a version-4 store;
+    the reward objective's per-pair loss is -logsigmoid(r_c - r_r - margin) (+ centring) over rewards of each
+    sequence alone, in float64, pairs read alone or grouped by prompt; the same rows without margins make a store as
+    before (version 2, no margins.bin) that trains with margin 0; a bad margin names its row and field."""
+    from conftest import make_task
+
+    from prefpack.data.prepare import PrepareError
+    from prefpack.model.reward import SequenceRewards
+    from prefpack.objectives.base import Planned
+    from prefpack.objectives.reward import RewardGroupTask, RewardPairTask
+    from prefpack.reference import NoReference
+
+    tok = str(toy_tokenizers["neox"])
+    renamed = [{("gap" if k == "margin" else k): v for k, v in r.items()} for r in MARGIN_PAIRS]
+    prepare(PrepareOptions(inputs=[str(write_jsonl(tmp_path / "m.jsonl", renamed))], tokenizer=tok,
+                           output=str(tmp_path / "margins"), fields={"margin": "gap"}, workers=1), log=quiet)
+    plain = [{k: v for k, v in r.items() if k != "margin"} for r in MARGIN_PAIRS]
+    prepare(PrepareOptions(inputs=[str(write_jsonl(tmp_path / "p.jsonl", plain))], tokenizer=tok,
+                           output=str(tmp_path / "plain"), workers=1), log=quiet)
+    with_m, without = Store(tmp_path / "margins", verify=True), Store(tmp_path / "plain", verify=True)
+    want_m = [float(r.get("margin", 0.0)) for r in MARGIN_PAIRS]
+    assert with_m.meta["format_version"] == 4 and with_m.meta["num_margins"] == 4
+    assert with_m.margins.dtype == np.float64 and with_m.margins.tolist() == want_m
+    assert without.meta["format_version"] == 2 and without.margins is None
+    assert not (tmp_path / "plain" / "margins.bin").exists()
+    from prefpack.cli import main
+
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "margins")]) == 0
+    assert "margins    4 of 5 pairs give one (the others 0): min -1.5, mean 0.3, max 2" in capsys.readouterr().out
+
+    model = float64_classifier(vocab=600)
+    module = SequenceRewards(model)
+    for store, margins in ((with_m, want_m), (without, [0.0] * 5)):
+        r = [[alone(model, p, c) for c in (c, rj)] for p, c, rj in map(store.pair, range(len(store)))]
+        want = [-log_sigmoid(rc - rr - m) + 0.1 * (rc + rr) ** 2 for (rc, rr), m in zip(r, margins)]
+        for cls, extra in ((RewardPairTask, []), (RewardGroupTask, ["data.group_by_prompt=true"])):
+            cfg = load_config(None, ["train.objective=reward", "loss.center_rewards_coefficient=0.1", *extra])
+            task = make_task(cls, store, cfg)
+            examples = list(range(len(task)))
+            with torch.no_grad():
+                out = task.loss(module, NoReference(), task.collate(Planned([examples], 0, 0)), None)
+            drawn = [row for i in examples for row in task.view.pair_rows[i]] if cls is RewardGroupTask else examples
+            assert len(task) == (3 if cls is RewardGroupTask else 5)
+            np.testing.assert_allclose(out.loss.numpy(), [want[i] for i in drawn], rtol=0, atol=1e-10)
+            assert ("rewards/target_margin" in out.metrics) == (store is with_m)
+
+    bad = [*MARGIN_PAIRS[:2], {**MARGIN_PAIRS[2], "margin": "wide"}]
+    with pytest.raises(PrepareError, match=r"bad.jsonl line 3, field 'margin': field 'margin' must be a finite number"):
+        prepare(PrepareOptions(inputs=[str(write_jsonl(tmp_path / "bad.jsonl", bad))], tokenizer=tok,
+                               output=str(tmp_path / "bad"), workers=1), log=quiet)

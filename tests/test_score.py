@@ -264,3 +264,58 @@ def test_a_pair_store_scored_keeps_its_ids_and_unscored_spans(tmp_path, toy_toke
             assert (mask_want is None and mask_got is None) or mask_got.tolist() == mask_want.tolist()
         assert ranked.scores()[2 * i:2 * i + 2].tolist() == [len(tok.decode(c.tolist())) / 10 for c in (chosen,
                                                                                                      rejected)]
+
+
+def test_a_reward_model_scores_a_ranked_store_packed_prompts_once_as_each_sequence_alone(tmp_path, toy_tokenizers,
+                                                                                        monkeypatch):
+    """A ranked store of 4 completions per prompt, scored in float64 under a small token budget (several
+    micro-batches, several groups per row): every prompt laid out once, no padding, and every score equal to
+    AutoModelForSequenceClassification run on that prompt + completion alone."""
+    import transformers as tf
+
+    import prefpack.model.reward as reward_forward
+    from prefpack.data.prepare import PrepareOptions, prepare
+
+    tok_dir = toy_tokenizers["llama"]
+    tok = tf.AutoTokenizer.from_pretrained(tok_dir)
+    torch.manual_seed(1)
+    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=None)
+    model = tf.LlamaForSequenceClassification(cfg).double().eval()
+    model.save_pretrained(tmp_path / "rm")
+    rows = [{"prompt": f"Q{i}: what is {i} plus {i}?" + " Think." * i,
+             "completions": [f" {2 * i}.", f" It is {2 * i + k}, I believe." * (k + 1), " No idea.", f" {k}{i}!"],
+             "scores": [3, 2, 1, 0]} for i, k in ((1, 0), (2, 1), (3, 2), (4, 0), (5, 1))]
+    prepare(PrepareOptions(inputs=[str(write_jsonl(tmp_path / "ranked.jsonl", rows))], tokenizer=str(tok_dir),
+                           output=str(tmp_path / "ranked"), workers=1), log=lambda m: None)
+    store = Store(tmp_path / "ranked")
+    batches = []
+    real = reward_forward.sequence_rewards
+
+    def spy(model, batch, **kw):
+        batches.append(batch)
+        return real(model, batch, **kw)
+
+    monkeypatch.setattr(reward_forward, "sequence_rewards", spy)
+    def opts(out, **kw):
+        return ScoreOptions(input=str(tmp_path / "ranked"), output=str(tmp_path / out), format="jsonl",
+                            reward_model=str(tmp_path / "rm"), dtype="float64", batch_tokens=150, checkpoint_rows=2,
+                            progress=False, **kw)
+
+    score(opts("scored.jsonl"), log=lambda m: None)
+    got = [json.loads(x) for x in (tmp_path / "scored.jsonl").read_text().splitlines()]
+    unique = sum(len(store.ranked_group(g)[0]) + sum(map(len, store.ranked_group(g)[1])) for g in range(len(rows)))
+    assert len(batches) >= 3 and any(len(b.group_ids) > 1 for b in batches)
+    assert all(b.score_positions is not None and b.packed for b in batches)  # prompts laid out once, packed
+    assert sum(b.positions for b in batches) == unique == sum(b.computed_tokens for b in batches)  # no padding
+    for g, out in enumerate(got):
+        prompt, comps = store.ranked_group(g)
+        assert len(comps) == 4 and out["completion_ids"] == [c.tolist() for c in comps]
+        for ids, value in zip(comps, out["scores"]):
+            with torch.no_grad():
+                alone = model(input_ids=torch.tensor([prompt.tolist() + ids.tolist()])).logits[0, 0].item()
+            assert value == pytest.approx(alone, rel=1e-10, abs=1e-12)
+    with pytest.raises(ScoringInterrupted):  # killed after 2 rows, then resumed: the same bytes
+        score(opts("resumed.jsonl", stop_after_rows=2), log=lambda m: None)
+    score(opts("resumed.jsonl"), log=lambda m: None)
+    assert (tmp_path / "resumed.jsonl").read_bytes() == (tmp_path / "scored.jsonl").read_bytes()

@@ -43,7 +43,8 @@ def add_score(sub) -> None:
     p.add_argument("--checkpoint-rows", type=int, default=64, metavar="N",
                    help="checkpoint the scores every N input rows (default 64)")
     p.add_argument("--batch-tokens", type=int, default=8192, metavar="N",
-                   help="--reward-model: padded tokens per forward (default 8192)")
+                   help="--reward-model: positions per forward, packed with each prompt laid out once for its completions "
+                   "(default 8192)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where the reward model runs "
                    "(default auto: CUDA when there is a GPU, else CPU)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),

@@ -59,6 +59,7 @@ class ChunkResult:
     # start in `tokens`, how many)
     images: list[tuple[int, bytes, int, int, int, int]]
     left_out: list[str]  # per row whose chat template left text of a reply out: where, and what (counted, reported)
+    margins: np.ndarray | None = None  # float64 per pair or unpaired index row, NaN where it gives no margin
 
 
 def process_chunk(chunk: list[RawRow]) -> ChunkResult:
@@ -95,6 +96,7 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
     groups = 0  # ranked rows written by this chunk (the store writer numbers them globally)
     spans: list[np.ndarray] = []
     images: list[tuple[int, bytes, int, int, int, int]] = []
+    margins: list[float] = []
 
     def add_completion(c: list[int], scored: list[bool] | None) -> None:
         if scored is not None:
@@ -146,6 +148,7 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
         if res.label is not None:
             lens.append(res.label)
         rows.append([offset, *lens, flags, raw.loc_file_index, raw.loc.row])
+        margins.append(np.nan if ex.margin is None else ex.margin)
         images.extend((len(rows) - 1, data, w, h, offset + start, n) for data, w, h, start, n in res.images)
         flat.extend(res.prompt)
         for c, scored in zip(res.completions, res.scored):
@@ -156,7 +159,8 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
     index = np.asarray(rows, dtype=np.int64).reshape(-1, width)
     problems.sort(key=lambda p: (p["file_index"], p["row"]))
     span_rows = np.concatenate(spans) if spans else np.zeros((0, 2), np.int64)
-    return ChunkResult(tokens, index, problems, truncated, empty, chat, span_rows, unused, cuts, images, left_out)
+    return ChunkResult(tokens, index, problems, truncated, empty, chat, span_rows, unused, cuts, images, left_out,
+                       np.asarray(margins, dtype=np.float64))
 
 
 def _score_bits(score: float) -> int:

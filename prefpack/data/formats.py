@@ -24,6 +24,7 @@ from prefpack.data.layouts import (
     FOREIGN_PROMPT_FIELDS,
     IMAGES_FIELD,
     LAYOUTS,
+    PAIR_LAYOUTS,
     RANKED_COMPLETIONS_FIELDS,
     RANKED_PROMPT_FIELDS,
     RANKED_RANK_KEY,
@@ -50,6 +51,7 @@ from prefpack.data.row_checks import (
     content_text,
     count_image_parts,
     get_label,
+    get_margin,
     get_messages,
     get_str,
     json_type,
@@ -113,6 +115,7 @@ class Example:
     images_field: str | None = None  # where they came from
     image_dir: str | None = None  # the input file's folder, where relative image paths are read from
     prompt_at_difference: bool = False  # implicit text rows with no chat marker: prompt cut where the replies differ
+    margin: float | None = None  # pair rows: the reward model's target margin (the optional ``margin`` field)
 
     def empty_fields(self) -> tuple[str, ...]:
         """Completions that are empty or only whitespace: kept (they become their whitespace and EOS, as in
@@ -130,7 +133,15 @@ def extract(row: dict, layout: str, f: Fields, *, vision: bool = False, chat_tem
     """Check one row's fields and types and return its example, or raise InvalidRow. With `vision` (prepare
     --processor) TRL's image rows (pairs, unpaired and ranked message prompts with an images column) and RLAIF-V's
     are read; without it any image or video column is refused. LLaMA-Factory's layouts are read as the layout they
-    stand for (``foreign_layouts``); `chat_template`: the tokenizer has one (else alpaca rows stay raw text)."""
+    stand for (``foreign_layouts``); `chat_template`: the tokenizer has one (else alpaca rows stay raw text). A pair
+    row's optional margin is read too."""
+    ex = _extract_checked(row, layout, f, vision=vision, chat_template=chat_template)
+    if layout in PAIR_LAYOUTS:
+        ex.margin = get_margin(row, f.margin)
+    return ex
+
+
+def _extract_checked(row: dict, layout: str, f: Fields, *, vision: bool, chat_template: bool) -> Example:
     if layout in FOREIGN_PROMPT_FIELDS:
         row, layout, f = canonical_row(row, layout, f, chat=chat_template)
     if vision and layout in ("messages", "rlaif-v"):

@@ -159,6 +159,10 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
         by = sc.get("model") or f"{sc.get('file')}:{sc.get('function')}"
         lines.append(f"scores     by {sc.get('scorer')} {by}: {sc.get('completions')} completions, min "
                      f"{_num(sc.get('min'))}, mean {_num(sc.get('mean'))}, max {_num(sc.get('max'))}")
+    if store.margins is not None:  # a pair store's margins.bin (version 4): a reward model's loss reads them
+        mg = np.asarray(store.margins)
+        lines.append(f"margins    {m.get('num_margins')} of {len(store)} pairs give one (the others 0): min "
+                     f"{_num(float(mg.min()))}, mean {_num(float(mg.mean()))}, max {_num(float(mg.max()))}")
     if stats.get("images"):
         proc = m.get("processor") or {}
         family = FAMILIES.get(proc.get("kind"))  # older stores: none (Qwen2-VL's, shown as the class alone)

@@ -27,6 +27,8 @@ from prefpack.data.row_checks import KWARGS_FIELD, TOOLS_FIELD, InvalidRow
 
 LAYOUTS = ("pairs", "text-pairs", "messages", "implicit", "unpaired", "ranked", "rlaif-v", "sharegpt", "kto-messages",
            "alpaca")
+# The layouts whose rows are pairs (a pair store): they may carry a numeric ``margin`` field
+PAIR_LAYOUTS = ("pairs", "text-pairs", "messages", "implicit", "rlaif-v", "sharegpt", "alpaca")
 # LLaMA-Factory's layouts (``foreign_layouts`` turns their rows into rows of the layouts above), by their prompt field
 FOREIGN_PROMPT_FIELDS = {"sharegpt": "conversations", "kto-messages": "messages", "alpaca": "instruction"}
 
@@ -72,9 +74,9 @@ VISION_FIELDS = ("images", "image", "videos", "video", "image_url", "image_path"
 
 def used_fields(layout: str, f: Fields) -> frozenset[str]:
     """The columns a row of `layout` is read from; prepare reports the others once, by name."""
-    chat = {TOOLS_FIELD, KWARGS_FIELD, f.spans}
+    chat = {TOOLS_FIELD, KWARGS_FIELD, f.spans, *({f.margin} if layout in PAIR_LAYOUTS else ())}
     if layout == "rlaif-v":
-        return frozenset({RLAIFV_IMAGE, RLAIFV_QUESTION, f.chosen, f.rejected})
+        return frozenset({RLAIFV_IMAGE, RLAIFV_QUESTION, f.chosen, f.rejected, f.margin})
     if layout == "messages":
         return frozenset({f.prompt, f.chosen, f.rejected, IMAGES_FIELD, *chat})
     if layout == "implicit":
@@ -89,7 +91,7 @@ def used_fields(layout: str, f: Fields) -> frozenset[str]:
     if layout == "kto-messages":
         return frozenset({f.prompt, f.label, "system", *chat})
     if layout == "alpaca":
-        return frozenset({f.prompt, "input", "system", "history", f.chosen, f.rejected})
+        return frozenset({f.prompt, "input", "system", "history", f.chosen, f.rejected, f.margin})
     return frozenset({f.prompt, f.chosen, f.rejected, *chat})
 
 
@@ -98,6 +100,8 @@ FIELD_HELP = {
     "prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "completion": "completion (unpaired rows)",
     "label": "label (unpaired rows)", "completions": "completions list (ranked rows)",
     "scores": "scores list beside a plain completions list (ranked rows; higher is better)",
+    "margin": "margin (pair rows: a number, how much the chosen reward must beat the rejected one by in a reward "
+              "model's loss, TRL's margin column; rows without it get 0)",
     "spans": "loss_masking_spans (text rows: character ranges [start, end) of a completion that are not scored; "
              "pair rows {\"chosen\": [[s, e], ...], \"rejected\": [...]}, unpaired rows a list)",
 }
@@ -113,6 +117,7 @@ class Fields:
     completions: str = "completions"
     scores: str | None = None  # ranked rows with a plain list of completions: the list of their scores
     spans: str = "loss_masking_spans"  # text rows: unscored character ranges of the completions (``text_spans``)
+    margin: str = "margin"  # pair rows: the reward model's target margin (``formats.read_margin``; optional)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)

@@ -210,8 +210,10 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
             unused |= res.unused
             left_out.extend(res.left_out[:1] if not left_out else [])
             left_out_rows += len(res.left_out)
-            if res.images:
-                writer.append(res.tokens, res.index, res.spans, res.images)
+            given = kind == "pairs" and res.margins is not None and bool((res.margins == res.margins).any())  # not NaN
+            margins = res.margins if given else None  # a block without: the writer fills 0.0 once it has margins
+            if res.images or margins is not None:
+                writer.append(res.tokens, res.index, res.spans, res.images, margins=margins)
             elif len(res.spans):
                 writer.append(res.tokens, res.index, res.spans)
             else:  # the call of a store without spans, as before
@@ -294,7 +296,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
                          dict(dropped), dict(truncated), time.perf_counter() - t0, dict(empty), dict(chat),
                          writer.n_groups if kind == "ranked" else None, repeats.counts(), sorted(unused),
                          writer.n_spans, cuts.to_json(), opts.max_length, writer.n_images,
-                         {"rows": left_out_rows, "first": left_out[0]} if left_out_rows else {}, dict(nulls))
+                         {"rows": left_out_rows, "first": left_out[0]} if left_out_rows else {}, dict(nulls),
+                         margins=writer.n_margins, margin_field=fields.margin)
 
 
 def _image_source(opts: PrepareOptions) -> ImageSource:

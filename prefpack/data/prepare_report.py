@@ -35,6 +35,8 @@ class PrepareReport:
     images: int = 0  # images stored (images.bin)
     left_out: dict = field(default_factory=dict)  # {"rows": n, "first": "where: what"}: reply text not rendered
     null_keys: dict = field(default_factory=dict)  # {"keys": n, "rows": m}: Arrow's null keys dropped (arrow_rows)
+    margins: int = 0  # pair rows that gave a margin (margins.bin)
+    margin_field: str = "margin"
 
     def summary(self) -> str:
         what = f"{self.examples} examples" if self.groups is None else \
@@ -72,6 +74,10 @@ class PrepareReport:
         if self.spans:
             lines.append(f"unscored spans: {self.spans} token ranges inside completions get no loss (spans.bin; "
                          "`prefpack inspect --row N` shows them)")
+        if self.margins:
+            lines.append(f"margins: {self.margins} of {self.examples} pairs give a {self.margin_field!r} (margins.bin, "
+                         "store version 4; 0 for the others): a reward model's loss reads them "
+                         "(-logsigmoid(r_chosen - r_rejected - margin), docs/reward-models.md)")
         if self.left_out.get("rows"):
             lines.append(f"left out by the chat template: text of {self.left_out['rows']} rows' replies is not in "
                          f"their rendering, so it is not trained on (first: {self.left_out['first']})")

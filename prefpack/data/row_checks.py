@@ -241,3 +241,16 @@ def get_label(row: dict, name: str) -> int:
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return int(value.strip().lower() == "true")
     raise InvalidRow("wrong_type", name, f"field {name!r} must be a boolean (true = desirable), got {value!r}")
+
+
+def get_margin(row: dict, name: str) -> float | None:
+    """A pair row's optional ``margin`` (TRL's reward-model column): a finite number, or None when the row has none
+    (absent or null: Parquet fills the keys other rows have with null)."""
+    value = row.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value or \
+            value in (float("inf"), float("-inf")):
+        raise InvalidRow("wrong_type", name, f"field {name!r} must be a finite number (how much the chosen reward "
+                         f"must beat the rejected one by), got {value!r}")
+    return float(value)

@@ -21,6 +21,7 @@ from prefpack.data.store_format import (
     IMAGE_COLUMNS,
     IMAGE_INDEX_FILE,
     IMAGES_FILE,
+    MARGINS_FILE,
     READABLE_VERSIONS,
     STORE_KINDS,
     StoreError,
@@ -99,6 +100,7 @@ class Store:
         self.image_index = np.zeros((0, len(IMAGE_COLUMNS)), np.int64)
         if self.num_images:
             self._open_images()
+        self.margins = self._open_margins()
         self._check_index()
         self._check_spans()
         if verify:
@@ -119,6 +121,21 @@ class Store:
                 ex.max() >= self.num_examples or (idx[:, 6] <= 0).any() or tok.max() > self.num_tokens:
             raise StoreError(f"{self.path}: {IMAGE_INDEX_FILE} is inconsistent with images.bin or index.bin: the "
                              "store is corrupt; prepare it again")
+
+    def _open_margins(self) -> np.ndarray | None:
+        """Version 4 pair stores: each pair's margin (float64; 0.0 where its row gave none), None without
+        margins.bin."""
+        if not int(self.meta.get("num_margins", 0) or 0):
+            return None
+        if self.kind != "pairs":
+            raise StoreError(f"{self.path}: meta.json counts margins, which only a pair store holds: the store is "
+                             "corrupt")
+        self._check_size(MARGINS_FILE, self.num_examples * 8)
+        margins = np.memmap(self.path / MARGINS_FILE, dtype=np.float64, mode="r")
+        if not np.isfinite(margins).all():
+            raise StoreError(f"{self.path}: {MARGINS_FILE} holds margins that are not finite numbers: the store is "
+                             "corrupt; prepare it again")
+        return margins
 
     def images_of(self, i: int) -> list[dict]:
         """Example ``i``'s images, in prompt order: each its encoded ``data`` (bytes, as read by prepare) and the

@@ -17,6 +17,11 @@ A store is one folder:
   (as read: PNG, JPEG...; no pixels) back to back, and int64 rows of ``IMAGE_COLUMNS``, one per image in store
   order (an example's images consecutive, in prompt order); `num_images` and `processor` (settings and hash) in
   meta.json; `processor/` a copy of the image processor's settings. A store without images is written as version 2.
+- `margins.bin` (version 4, pair stores only, only when some row gave a `margin` field): float64, one per pair in
+  index order, how much the chosen reward must beat the rejected one by in a reward model's Bradley-Terry loss
+  (TRL's `margin` column); 0.0 for a row without one; `num_margins` in meta.json counts the rows that gave one.
+  A store with margins is written as version 4 (with or without images), so an older prefpack refuses it rather
+  than train without its margins; one without is written as before.
 - `tokenizer/`: a copy of the tokenizer, so the store can be decoded and trained on by itself.
 - `skipped.jsonl` (only with --skip-invalid): every skipped row with its location and reason.
 
@@ -32,7 +37,9 @@ from prefpack.errors import PrefpackError
 FORMAT_NAME = "prefpack-store"
 FORMAT_VERSION = 2  # what prepare writes for text (version 1: no spans.bin; every completion token scored)
 IMAGE_FORMAT_VERSION = 3  # what prepare writes when the store holds images (images.bin, image_index.bin)
-READABLE_VERSIONS = (1, 2, 3)  # 2: may hold spans.bin, the completion tokens that are not scored (prefpack.data.spans)
+MARGIN_FORMAT_VERSION = 4  # what prepare writes when a pair store holds margins.bin (images may be there too)
+READABLE_VERSIONS = (1, 2, 3, 4)  # 2: may hold spans.bin, the completion tokens that are not scored (prefpack.data.spans)
+MARGINS_FILE = "margins.bin"
 IMAGES_FILE = "images.bin"
 IMAGE_INDEX_FILE = "image_index.bin"
 PROCESSOR_DIR = "processor"
@@ -54,7 +61,7 @@ class StoreError(PrefpackError, ValueError):
 
 # What prefpack itself writes in a store folder (besides the sidecars of precompute-ref).
 STORE_ENTRIES = {"meta.json", "tokens.bin", "index.bin", "spans.bin", "skipped.jsonl", "tokenizer", IMAGES_FILE,
-                 IMAGE_INDEX_FILE, PROCESSOR_DIR}
+                 IMAGE_INDEX_FILE, PROCESSOR_DIR, MARGINS_FILE}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

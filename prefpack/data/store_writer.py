@@ -25,6 +25,8 @@ from prefpack.data.store_format import (
     IMAGE_FORMAT_VERSION,
     IMAGE_INDEX_FILE,
     IMAGES_FILE,
+    MARGIN_FORMAT_VERSION,
+    MARGINS_FILE,
     STORE_KINDS,
     StoreError,
     columns_for,
@@ -78,16 +80,24 @@ class StoreWriter:
         self.n_images = 0
         self.n_image_bytes = 0
         self._images = self._image_index = None  # opened with the first image
+        self._margins = None  # margins.bin, opened with the first row that gives a margin
+        self._margin_hash = hashlib.sha256()
+        self.n_margins = 0  # rows that gave a margin
         self._img_hash = hashlib.sha256()
         self._img_idx_hash = hashlib.sha256()
         self._closed = False
 
     def append(self, tokens: np.ndarray, index_rows: np.ndarray, spans: np.ndarray | None = None,
-               images: list | None = None) -> None:
+               images: list | None = None, margins: np.ndarray | None = None) -> None:
         """Append a block: `tokens` for several examples and their index rows with offsets relative to it, and the
         block's unscored completion tokens as ``[start, end)`` rows relative to it too (sorted, apart; the store
         keeps them as absolute positions in tokens.bin, see ``prefpack.data.spans``); and its images, each
-        ``(row in the block, encoded bytes, width, height, token position in the block, tokens)``."""
+        ``(row in the block, encoded bytes, width, height, token position in the block, tokens)``; and a pair store's
+        margins, one float64 per row, NaN where the row gives none (written as 0.0)."""
+        if margins is not None and len(margins):
+            self._append_margins(np.asarray(margins, dtype=np.float64), self.n_rows)
+        elif self._margins is not None:
+            self._write_margins(np.zeros(len(np.asarray(index_rows).reshape(-1, len(self.columns))), np.float64))
         if images:
             self._append_images(images)
         if spans is not None and len(spans):
@@ -124,6 +134,23 @@ class StoreWriter:
         self._img_idx_hash.update(b)
         self.n_images += len(rows)
 
+    def _append_margins(self, margins: np.ndarray, rows_before: int) -> None:
+        given = ~np.isnan(margins)
+        if self._margins is None:
+            if not given.any():
+                return
+            if self.kind != "pairs":
+                raise StoreError(f"margins are a pair store's; this store holds {self.kind} examples")
+            self._margins = open(self.tmp / MARGINS_FILE, "wb")
+            self._write_margins(np.zeros(rows_before, np.float64))  # the rows before the first margin: none
+        self.n_margins += int(given.sum())
+        self._write_margins(np.where(given, margins, 0.0))
+
+    def _write_margins(self, values: np.ndarray) -> None:
+        b = np.ascontiguousarray(values, dtype=np.float64).tobytes()
+        self._margins.write(b)
+        self._margin_hash.update(b)
+
     def _append_spans(self, spans: np.ndarray, block: int) -> None:
         s = spans + self.n_tokens
         if (spans[:, 0] >= spans[:, 1]).any() or spans.min() < 0 or spans.max() > block or \
@@ -141,7 +168,8 @@ class StoreWriter:
         full = dict(meta)
         full.update({
             "format": FORMAT_NAME,
-            "format_version": IMAGE_FORMAT_VERSION if self.n_images else FORMAT_VERSION,
+            "format_version": MARGIN_FORMAT_VERSION if self.n_margins else IMAGE_FORMAT_VERSION if self.n_images
+            else FORMAT_VERSION,
             "kind": self.kind,
             "dtype": self.dtype.name,
             "index_columns": list(self.columns),
@@ -153,12 +181,15 @@ class StoreWriter:
                 "index.bin": {"bytes": self.n_rows * len(self.columns) * 8, "sha256": self._idx_hash.hexdigest()},
                 **({SPANS_FILE: {"bytes": self.n_spans * 16, "sha256": self._span_hash.hexdigest()}}
                    if self.n_spans else {}),
+                **({MARGINS_FILE: {"bytes": self.n_rows * 8, "sha256": self._margin_hash.hexdigest()}}
+                   if self.n_margins else {}),
                 **({IMAGES_FILE: {"bytes": self.n_image_bytes, "sha256": self._img_hash.hexdigest()},
                     IMAGE_INDEX_FILE: {"bytes": self.n_images * len(IMAGE_COLUMNS) * 8,
                                        "sha256": self._img_idx_hash.hexdigest()}} if self.n_images else {}),
             },
             "num_spans": self.n_spans,
             **({"num_images": self.n_images, "image_columns": list(IMAGE_COLUMNS)} if self.n_images else {}),
+            **({"num_margins": self.n_margins} if self.n_margins else {}),
         })
         if not self.n_spans:  # every completion token scored: no spans.bin, as in a version-1 store
             (self.tmp / SPANS_FILE).unlink()
@@ -200,6 +231,8 @@ class StoreWriter:
             self._tokens.close()
             self._index.close()
             self._spans.close()
+            if self._margins is not None:
+                self._margins.close()
             if self._images is not None:
                 self._images.close()
                 self._image_index.close()

@@ -6,14 +6,20 @@ pair in one row, the prompt laid out once with ``data.prefix_sharing``), a ranke
 grouped by prompt (:class:`RewardGroupTask`: a prompt and its completions laid out once, each completion's reward
 computed once and gathered for every pair it is in). Planning, collation, dealing, mixtures and the step loop are
 the DPO family's, so every invariance they hold (packed = padded, 1x8 = 8x1, ranks, resume) holds here too.
+
+A pair store with margins (``margins.bin``: the rows' ``margin`` field, TRL's column) gives each pair its margin in
+the loss, ``-logsigmoid(r_chosen - r_rejected - margin)``, read by the pair's store row (grouped by prompt too); a
+store without (and a ranked store) trains with none.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
 from prefpack.data.store import StoreError
+from prefpack.data.views import PairGroups
 from prefpack.losses import LossOutput
 from prefpack.losses.reward import bradley_terry_loss
 from prefpack.objectives.base import StepState
@@ -42,6 +48,14 @@ class _BradleyTerry:
         return bradley_terry_loss(chosen, rejected, margin=margin,
                                   center_rewards_coefficient=self.settings.loss.center_rewards_coefficient)
 
+    def margins_of(self, rows, device) -> torch.Tensor | None:
+        """The margins of the pairs at store ``rows`` (None: the store has none)."""
+        margins = self.store.margins if self.store.kind == "pairs" else None
+        if margins is None:
+            return None
+        at = np.asarray(rows, dtype=np.int64)
+        return torch.as_tensor(np.asarray(margins[at], dtype=np.float64), device=device)
+
     def end_step(self, totals) -> None:
         """No running state."""
 
@@ -53,7 +67,7 @@ class RewardPairTask(_BradleyTerry, PairTask):
     """Bradley-Terry on a pair store: sequence 2p is pair p's chosen, 2p + 1 its rejected."""
 
     def pair_rewards(self, rewards, batch):
-        return rewards[0::2], rewards[1::2], None
+        return rewards[0::2], rewards[1::2], self.margins_of(batch.group_ids.numpy(), rewards.device)
 
 
 class RewardGroupTask(_BradleyTerry, PromptGroupTask):
@@ -61,7 +75,10 @@ class RewardGroupTask(_BradleyTerry, PromptGroupTask):
     auto is ``all_pairs``), each completion's reward computed once."""
 
     def pair_rewards(self, rewards, batch):
-        chosen, rejected, _ = self._drawn_pairs(batch.group_ids.numpy())
+        groups = batch.group_ids.numpy()
+        chosen, rejected, _ = self._drawn_pairs(groups)
         c = torch.as_tensor(chosen, dtype=torch.long, device=rewards.device)
         r = torch.as_tensor(rejected, dtype=torch.long, device=rewards.device)
-        return rewards[c], rewards[r], None
+        rows = [row for g in groups for row in self.view.pair_rows[int(g)]] if isinstance(self.view, PairGroups) \
+            else None  # a pair store grouped by prompt: each drawn pair's store row, in the order drawn
+        return rewards[c], rewards[r], None if rows is None else self.margins_of(rows, rewards.device)

@@ -1,11 +1,15 @@
 """``--reward-model FOLDER``: a Hugging Face sequence-classification model with one label (what reward-model
-training exports) scores each prompt + completion sequence at its last token.
+training exports) scores each prompt + completion at its completion's last scored token.
 
-For now each sequence is scored on its own, left-padded in batches of similar lengths (:func:`sequence_scores`, the
-one function to switch to the packed ``prefpack.model.reward.sequence_rewards``, prompts laid out once, when it lands).
-The model reads ``inputs_embeds`` so that its own pooling takes the last position, which left padding makes every
-sequence's last token: pooling by ``pad_token_id`` would pick the wrong token when a completion ends with the pad id
-(EOS used as padding).
+Scoring runs prefpack's training forward (``prefpack.model.reward.sequence_rewards``) on prefpack's packed batches:
+a row's prompt and its completions are one group (``batching.collate.collate_groups``), planned into micro-batches
+of at most ``--batch-tokens`` positions (``batching.plan.plan_groups``), the prompt laid out once for all its
+completions when the attention kernel reads prompt groups (packed_sdpa on CPU, varlen on CUDA in half precision;
+otherwise each completion is packed after its own copy of the prompt). No padding, no position is computed twice,
+and each score equals the model's score of that sequence run alone (the head read at its last token; tested).
+A completion whose last tokens are unscored (a store's masked span) is read at its last scored token, as training
+reads it. Planning keeps the rows' order and needs no seed, so a resumed run scores each checkpoint's rows in the
+same micro-batches as an uninterrupted one: the same bytes.
 """
 
 from __future__ import annotations
@@ -13,11 +17,14 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import numpy as np
+
 from prefpack.remote_code import check_model_code
 from prefpack.rewards.rows import ScoreRow
 from prefpack.rewards.scorers import Scorer, ScorerError
 
-DEFAULT_BATCH_TOKENS = 8192  # padded tokens per forward
+DEFAULT_BATCH_TOKENS = 8192  # positions per forward (packed: real tokens, each shared prompt counted once)
+ROW_TOKENS = 4096  # at most this many positions per packed row (a micro-batch of --batch-tokens holds several)
 
 
 class RewardModelScorer(Scorer):
@@ -26,7 +33,10 @@ class RewardModelScorer(Scorer):
     def __init__(self, folder: str, *, device: str = "auto", dtype: str = "float32", batch_tokens: int =
                  DEFAULT_BATCH_TOKENS, trust_remote_code: bool = False):
         import torch
-        from transformers import AutoConfig, AutoModelForSequenceClassification
+        from transformers import AutoConfig
+
+        from prefpack.model.attention.kernels import kernel_of, pick_attention
+        from prefpack.model.load import load_causal_lm, pick_device
 
         self.folder = folder
         check_model_code(folder, allowed=trust_remote_code, what="--reward-model")
@@ -38,14 +48,15 @@ class RewardModelScorer(Scorer):
         if getattr(config, "num_labels", None) != 1:
             raise ScorerError(f"--reward-model {folder!r}: a reward model has one output (num_labels=1), this one has "
                               f"{getattr(config, 'num_labels', None)}")
-        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                                   "cpu" if device == "auto" else device)
+        if batch_tokens < 1:
+            raise ScorerError(f"--batch-tokens must be at least 1, not {batch_tokens}")
+        self.device = pick_device(device)
         self.dtype = getattr(torch, dtype)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            folder, dtype=self.dtype, trust_remote_code=trust_remote_code).to(self.device).eval()
-        if getattr(self.model.config, "pad_token_id", None) is None:
-            # it only gates the model's "batch > 1 needs a pad id" check: the last position is read, never the id
-            self.model.config.pad_token_id = 0
+        self.model = load_causal_lm(folder, attn_implementation=pick_attention("auto", self.device, self.dtype),
+                                    device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code,
+                                    reward=True).eval()
+        kernel = kernel_of(self.model)
+        self.share_prompts = kernel.runs_prompt_groups(kernel.flattens_rows)
         self.batch_tokens = batch_tokens
 
     def identity(self) -> dict:
@@ -58,14 +69,14 @@ class RewardModelScorer(Scorer):
                 "dtype": str(self.dtype).removeprefix("torch.")}
 
     def score(self, rows: list[ScoreRow]) -> list[list[float]]:
-        sequences = [r.prompt_ids + c for r in rows for c in r.completion_ids]
         vocab = self.model.get_input_embeddings().num_embeddings
         for r in rows:
-            top = max(max(r.prompt_ids), *(max(c, default=0) for c in r.completion_ids))
+            top = max(max(r.prompt_ids, default=0), *(max(c, default=0) for c in r.completion_ids))
             if top >= vocab:
                 raise ScorerError(f"--reward-model {self.folder!r}: row {r.row} holds token id {top}, but the model "
                                   f"has {vocab} embeddings: the input's tokenizer is not the model's")
-        flat = sequence_scores(self.model, sequences, self.batch_tokens, self.device)
+        groups = [_group(r) for r in rows]
+        flat = packed_scores(self.model, groups, self.batch_tokens, share_prompts=self.share_prompts)
         out, k = [], 0
         for r in rows:
             out.append(flat[k:k + len(r.completion_ids)])
@@ -73,37 +84,55 @@ class RewardModelScorer(Scorer):
         return out
 
 
-def sequence_scores(model, sequences: list[list[int]], batch_tokens: int, device) -> list[float]:
-    """The model's score of each sequence (prompt + completion ids) at its last token, as if run alone: sequences
-    sorted by length, left-padded in batches of at most ``batch_tokens`` padded tokens (at least one sequence)."""
-    import torch
-    from transformers.utils import logging as hf_logging
+def _group(r: ScoreRow) -> tuple[np.ndarray, list[np.ndarray]]:
+    """A row as the collator's group: its prompt and its completions, each carrying its score mask."""
+    from prefpack.data.spans import ScoredTokens
 
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    scores = [0.0] * len(sequences)
-    embed = model.get_input_embeddings()
-    at = 0
-    while at < len(order):
-        end = at + 1
-        while end < len(order) and len(sequences[order[end]]) * (end + 1 - at) <= batch_tokens:
-            end += 1
-        batch = [sequences[i] for i in order[at:end]]
-        width = max(len(s) for s in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for b, s in enumerate(batch):
-            ids[b, width - len(s):] = torch.tensor(s)
-            mask[b, width - len(s):] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()  # its note that pad ids go undetected in inputs_embeds: on purpose here
-        try:
-            with torch.no_grad():
-                logits = model(inputs_embeds=embed(ids), attention_mask=mask, position_ids=positions).logits
-        finally:
-            hf_logging.set_verbosity(verbosity)
-        for i, value in zip(order[at:end], logits[:, 0].float().tolist()):
-            scores[i] = value
-        at = end
+    prompt = np.asarray(r.prompt_ids, dtype=np.int64)
+    comps = []
+    for k, (ids, mask) in enumerate(zip(r.completion_ids, r.scored or [None] * len(r.completion_ids))):
+        ids = np.asarray(ids, dtype=np.int64)
+        scored = int(len(ids) if mask is None else np.asarray(mask, dtype=bool).sum())
+        if len(prompt) == 0 and len(ids) and (mask is None or bool(mask[0])):
+            scored -= 1  # with no prompt, the first completion token has no position that reads it
+        if scored < 1:
+            raise ScorerError(f"--reward-model: row {r.row}, completion {k}: no scored token to read a reward at "
+                              "(an empty completion, or one masked whole)")
+        comps.append(ids if mask is None else ScoredTokens(ids, mask))
+    return prompt, comps
+
+
+def packed_scores(model, groups: list[tuple[np.ndarray, list[np.ndarray]]], batch_tokens: int, *,
+                  share_prompts: bool) -> list[float]:
+    """The reward of every completion of ``groups`` (prompt, completions), in order: the groups planned into packed
+    micro-batches of at most ``batch_tokens`` positions (a group stays in one row; one longer than that gets a
+    micro-batch of its own), each prompt laid out once when ``share_prompts``, run through
+    :func:`prefpack.model.reward.sequence_rewards`."""
+    import torch
+
+    from prefpack.batching.collate import collate_groups
+    from prefpack.batching.plan import plan_groups
+    from prefpack.model.reward import sequence_rewards
+
+    prompts = np.array([len(p) for p, _ in groups], dtype=np.int64)
+    comps = np.array([sum(len(c) for c in cs) for _, cs in groups], dtype=np.int64)
+    sizes = np.array([len(cs) for _, cs in groups], dtype=np.int64)
+    cost = comps + prompts * (1 if share_prompts else sizes)
+    plans = plan_groups(cost, token_budget=batch_tokens, row_budget=min(batch_tokens, ROW_TOKENS), seed=None)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    scores = [0.0] * int(offsets[-1])
+    for mb in plans:
+        flat = [g for row in mb for g in row]
+        local, at = [], 0
+        for row in mb:
+            local.append(list(range(at, at + len(row))))
+            at += len(row)
+        batch = collate_groups([groups[g] for g in flat], local, ids=flat, share_prompts=share_prompts)
+        with torch.no_grad():
+            rewards = sequence_rewards(model, batch).double().cpu().tolist()
+        k = 0
+        for g in flat:
+            n = int(sizes[g])
+            scores[int(offsets[g]):int(offsets[g]) + n] = rewards[k:k + n]
+            k += n
     return scores
