@@ -85,6 +85,11 @@ def test_two_rounds_raise_the_reward_of_the_policy_samples(straight, task):
     for key in ("reward/max", "reward/min", "reward/gap", "generate/tokens_per_s", "seconds/generate",
                 "seconds/score", "seconds/train"):
         assert rounds[0][key] is not None, key
+    from prefpack.plot import panels  # prefpack plot draws the per-round reward curve
+
+    curve = dict(panels(lines))["policy sample reward (per on-policy round)"]
+    mean = next(line for line in curve if line[0] == "reward/mean" and line[1] == "round")
+    assert mean[3:] == ([0, STEPS], [first["reward/mean"], second["reward/mean"]])
 
 
 def test_the_learning_rate_schedule_spans_every_round(straight, task):
