@@ -19,6 +19,7 @@ __all__ = ["PANELS", "PlotError", "eval_store_names", "panels", "plot_run", "tra
 
 # (panel title, metric keys drawn in it); a panel appears only when one of its keys has a value.
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("policy sample reward (per on-policy round)", ("reward/mean", "reward/max", "reward/min", "eval_reward/mean")),
     ("loss", ("loss",)),
     ("reward accuracy", ("rewards/accuracies",)),
     ("reward margin", ("rewards/margins",)),
@@ -87,7 +88,7 @@ def panels(records: list[dict]) -> list[tuple[str, list[tuple[str, str, str, lis
         lines = []
         for key in keys:
             # (metric key in the record, split, label)
-            for full, split, label in [(key, "train", "train"), (key, "eval", "eval"),
+            for full, split, label in [(key, "train", "train"), (key, "eval", "eval"), (key, "round", "round"),
                                        *((f"{n}/{key}", "train", f"train {n}") for n in sources),
                                        *((f"{n}/{key}", "eval", f"eval {n}") for n in stores)]:
                 steps, values = _series(records, split, full)
@@ -159,6 +160,8 @@ def plot_run(run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None
             label = f"{name} ({where})" if name else where
             if split == "train":
                 ax.plot(steps, values, "-", color=color, linewidth=1.2, label=label)
+            elif split == "round":  # one point per on-policy round, at the step its samples were drawn
+                ax.plot(steps, values, "s-", color=color, linewidth=1.2, markersize=4, label=label)
             else:
                 ax.plot(steps, values, "o", color=color, markersize=5, markeredgecolor="black",
                         markeredgewidth=0.5, label=label)

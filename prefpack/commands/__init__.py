@@ -181,6 +181,8 @@ def run_train(args, argv) -> int:
     if args.allow_config_change and not args.resume:
         _err("prefpack train: error: --allow-config-change applies to --resume only")
         return 2
+    if cfg.rounds.count:  # on-policy rounds: generate, score, train, repeat (prefpack.rounds)
+        return _run_rounds(cfg, args, argv)
     try:
         if args.allow_config_change and _is_main_rank():
             accept_changes_from_newest_checkpoint(cfg, log=_err)
@@ -202,6 +204,26 @@ def run_train(args, argv) -> int:
         shutdown()
     if _is_main_rank():
         print(json_line(result.to_json()) if args.json else result.summary(), flush=True)
+    return 0
+
+
+def _run_rounds(cfg, args, argv) -> int:
+    from prefpack.rounds import run_rounds
+    from prefpack.training.guards import TrainingTerminated
+    from prefpack.training.resume_check import resume_hint
+
+    if args.allow_config_change or args.stop_after_steps is not None:
+        _err("prefpack train: error: --allow-config-change and --stop-after-steps do not apply to rounds")
+        return 2
+    try:
+        result = run_rounds(cfg, resume=args.resume, log=_err, progress=not args.no_progress)
+    except TrainingTerminated as term:
+        _err(resume_hint(cfg, argv, f"terminated by signal {term.signum} after step {term.step} of a round"))
+        return 128 + term.signum
+    except KeyboardInterrupt:
+        _err(resume_hint(cfg, argv))
+        return 130
+    print(json_line(result.to_json()) if args.json else result.summary(), flush=True)
     return 0
 
 

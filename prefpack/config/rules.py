@@ -78,7 +78,8 @@ def problems(cfg: Config, *, training: bool) -> list[str]:
     )
     if training:
         need(bool(m.name_or_path), "model.name_or_path is required: a local model folder or a hub id")
-        need(bool(d.train), "data.train is required: a store folder written by `prefpack prepare`")
+        need(bool(d.train) or cfg.rounds.count > 0,
+             "data.train is required: a store folder written by `prefpack prepare` (or rounds.count > 0)")
     need(not (tr.device == "cpu" and kernel_named(m.attn_implementation).needs_cuda),
          f"model.attn_implementation {m.attn_implementation!r} needs CUDA but train.device is 'cpu'")
     need(not (opt.master_dtype == "bfloat16" and m.dtype == "float32"),
@@ -92,6 +93,7 @@ def problems(cfg: Config, *, training: bool) -> list[str]:
         at_least("data.pad_to_multiple_of", d.pad_to_multiple_of, 1)
 
     _loss_problems(cfg, errs)
+    _rounds_problems(cfg, errs)
     positive("loss.beta", lo.beta)
     need(0.0 <= lo.label_smoothing < 0.5, f"loss.label_smoothing must be in [0, 0.5), got {lo.label_smoothing}")
     need(math.isfinite(lo.simpo_gamma), f"loss.simpo_gamma must be finite, got {lo.simpo_gamma}")
@@ -301,3 +303,35 @@ def _loss_problems(cfg: Config, errs: list[str]) -> None:
             f"use reference.mode 'copy' (or 'adapter'/'precomputed') or only reference-free losses "
             f"({', '.join(reference_free)})"
         )
+
+
+def _rounds_problems(cfg: Config, errs: list[str]) -> None:
+    """The ``rounds`` section (on-policy rounds: prefpack.rounds), checked only when it is on."""
+    r = cfg.rounds
+    if r.count < 0:
+        errs.append(f"rounds.count must be >= 0 (0 = off), got {r.count}")
+    if r.count <= 0:
+        return
+    if not r.prompts:
+        errs.append("rounds.prompts is required: a store folder or JSONL file(s) of prompts each round samples")
+    if (r.reward_fn is None) == (r.reward_model is None):
+        errs.append("rounds: give one scorer, rounds.reward_fn (path/to/file.py:function) or rounds.reward_model")
+    for key in ("samples_per_prompt", "max_new_tokens", "steps_per_round", "batch_size"):
+        if getattr(r, key) < 1:
+            errs.append(f"rounds.{key} must be >= 1, got {getattr(r, key)}")
+    if r.pairs == "best_vs_worst" and r.samples_per_prompt < 2:
+        errs.append("rounds.samples_per_prompt must be >= 2: pairs are drawn from a prompt's samples")
+    if not (math.isfinite(r.min_gap) and r.min_gap >= 0):
+        errs.append(f"rounds.min_gap must be a finite number >= 0, got {r.min_gap}")
+    if r.engine == "vllm" and (r.vllm_command is None) == (r.vllm_url is None):
+        errs.append("rounds.engine vllm: give rounds.vllm_command (started on each round's policy) or rounds.vllm_url")
+    if r.vllm_url is not None and r.count > 1:
+        errs.append("rounds.vllm_url serves one fixed model, so it cannot sample the policy of round 2 on; use "
+                    "rounds.vllm_command (prefpack serves each round's policy) or rounds.count=1")
+    if cfg.train.objective != "preference":
+        errs.append("rounds train the policy on preference pairs: train.objective must be preference")
+    if cfg.reference.mode not in ("copy", "none"):
+        errs.append(f"rounds: reference.mode {cfg.reference.mode!r} is not supported in rounds (copy or none)")
+    if cfg.lora.enabled:
+        errs.append("rounds with lora.enabled are not supported yet (each round starts from the last round's merged "
+                    "weights)")

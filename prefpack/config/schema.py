@@ -251,6 +251,45 @@ class DistributedConfig:
                                   "every layer and a CPU optimizer step")
 
 
+RoundsEngine = Literal["transformers", "vllm"]
+PairMode = Literal["best_vs_worst", "best_vs_rest", "all_pairs"]  # rewards.pairs.PAIR_MODES
+RoundsReference = Literal["initial", "round_start"]
+
+
+@dataclass
+class RoundsConfig:
+    """On-policy rounds (docs/on-policy.md): each round samples the current policy, scores, trains on the pairs."""
+
+    count: int = _f(0, "on-policy rounds; 0 = off (train on data.train); each round: generate, score, train "
+                    "(data.train is then ignored: each round trains on its own store)")
+    prompts: str | list[str] | None = _f(None, "prompts each round samples: a store folder, or JSONL file(s) of "
+                                         "prompt / messages rows (rendered and tokenised as prepare does)")
+    eval_prompts: str | list[str] | None = _f(None, "held-out prompts: sampled and scored each round, never trained "
+                                              "on (the eval_reward/* metrics)")
+    prompt_field: str | None = _f(None, "JSONL rows: the prompt's field; null = prompt, else messages")
+    tokenizer: str | None = _f(None, "JSONL rows' tokenizer; null = the model's")
+    samples_per_prompt: int = _f(4, "completions sampled per prompt (k)")
+    temperature: float = _f(1.0, "sampling temperature")
+    top_p: float = _f(1.0, "nucleus sampling threshold")
+    max_new_tokens: int = _f(256, "longest completion; a longer one is cut and counted (cut_samples)")
+    seed: int = _f(0, "sampling seed (round r samples with seed + r)")
+    engine: RoundsEngine = _f("transformers", "transformers = in process; vllm = a vLLM server on the round's policy")
+    batch_size: int = _f(8, "transformers engine: prompts per generate call")
+    vllm_command: str | None = _f(None, "vllm: the command that serves {model} on {port}, started and stopped each "
+                                  "round (e.g. 'vllm serve {model} --port {port}')")
+    vllm_url: str | None = _f(None, "vllm: a running server's URL (count must be 1: prefpack cannot load a new "
+                              "policy into it)")
+    reward_fn: str | None = _f(None, "scorer: path/to/file.py:function (prefpack score --reward-fn)")
+    reward_model: str | None = _f(None, "scorer: a reward model folder (prefpack score --reward-model)")
+    pairs: PairMode = _f("best_vs_worst", "pairs of a prompt's samples: best_vs_worst (RLHFlow's max-min), "
+                         "best_vs_rest, all_pairs")
+    min_gap: float = _f(0.0, "a pair's least score gap; a prompt left with no pair (a tie) is skipped and counted")
+    steps_per_round: int = _f(10, "optimizer steps each round; the learning-rate schedule spans count x "
+                              "steps_per_round")
+    reference: RoundsReference = _f("initial", "the reference of every round: initial = the initial policy "
+                                    "(reference.model when set), round_start = the policy at the round's start")
+
+
 @dataclass
 class Config:
     """The whole resolved config of one run. ``validate()`` before training."""
@@ -264,6 +303,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    rounds: RoundsConfig = field(default_factory=RoundsConfig)
 
     def loss_terms(self) -> list:
         """The terms as ``prefpack.losses.LossTerm`` objects (imports torch, hence lazily)."""

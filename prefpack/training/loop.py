@@ -98,18 +98,21 @@ class TrainResult:
 
 
 def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log=print,
-          progress: bool = True) -> TrainResult:
+          progress: bool = True, schedule_span: tuple[int, int] | None = None) -> TrainResult:
     """Train as the config says; returns where things were written and the last metrics.
 
     Under torchrun every rank runs this; only rank 0 prints, logs, plots and writes the final model.
+    ``schedule_span`` = (steps before this run, steps of the whole schedule): this run is one part of a longer
+    learning-rate schedule (an on-policy round: ``prefpack.rounds``); None = the schedule spans this run's steps.
     """
     check_trainable(cfg)
     parallel = start_parallel(cfg.train.device, cfg.distributed.sequence_parallel, balance=cfg.distributed.balance)
-    return _train(cfg, parallel, resume=resume, stop_after_steps=stop_after_steps, log=log, progress=progress)
+    return _train(cfg, parallel, resume=resume, stop_after_steps=stop_after_steps, log=log, progress=progress,
+                  schedule_span=schedule_span)
 
 
 def _train(cfg, parallel: Parallel, *, resume: bool, stop_after_steps: int | None, log,
-           progress: bool) -> TrainResult:
+           progress: bool, schedule_span: tuple[int, int] | None = None) -> TrainResult:
     from prefpack.metrics import MetricsLogger
 
     ctx = parallel.dist
@@ -130,8 +133,9 @@ def _train(cfg, parallel: Parallel, *, resume: bool, stop_after_steps: int | Non
     optimizer = make_optimizer(params, cfg)
     task = feed.objective
     n_steps = feed.num_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(cfg.optim.schedule, warmup_steps(cfg, n_steps), n_steps))
+    offset, span = schedule_span or (0, n_steps)
+    schedule = lr_lambda(cfg.optim.schedule, warmup_steps(cfg, span), span)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule(offset + step))
     metrics = MetricsLogger.from_config(cfg, run_dir, resume=resume, enabled=main)  # run.report_to
     if metrics.notice:
         log(metrics.notice)

@@ -1,0 +1,222 @@
+"""The round driver: for each round, generate (the round's policy samples every prompt k times), score (the samples
+ranked by the reward function or model, pairs drawn, the round's pair store written), train (the training loop on
+that store for ``rounds.steps_per_round`` steps, its learning rate one part of a schedule over every round).
+
+Each phase resumes the way its own command does: the samples file continues, the score partial continues, the
+round's training run resumes from its newest checkpoint; a finished phase's output is never written again. The
+policy each round samples is the last round's saved final model (the initial model first), read from disk, so a
+resumed run samples exactly what an uninterrupted one samples, and a vLLM server serves the same folder.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefpack.errors import PrefpackError
+from prefpack.generation.run import build_engine, prompt_source, sample_prompts, settings_of
+from prefpack.rewards.output import ScoreOutputError
+from prefpack.rewards.run import ScoringInterrupted, score
+from prefpack.rounds import plan
+from prefpack.rounds.metrics import (
+    ROUND_FILE,
+    copy_training_lines,
+    drop_unfinished,
+    read_json,
+    record_phase,
+    round_metrics,
+    write_json,
+)
+from prefpack.training.cadence import TrainingInterrupted
+
+
+class RoundsError(PrefpackError, ValueError):
+    """A round that cannot go on (every prompt's samples tie, a run folder that holds another run)."""
+
+
+class RoundsInterrupted(RuntimeError):
+    """Raised by the ``stop_at`` test hook: the run stops as a kill would in that phase, its files kept."""
+
+
+@dataclass
+class RoundsResult:
+    run_dir: Path
+    rounds: list[dict] = field(default_factory=list)  # each round's metrics line
+    final_dir: Path | None = None
+
+    def summary(self) -> str:
+        lines = [f"{'round':>5} {'reward mean':>12} {'min':>8} {'max':>8} {'pairs':>6} {'tied':>5} {'cut':>5}"]
+        for m in self.rounds:
+            lines.append(f"{m['round'] + 1:>5} {m['reward/mean']:>12.4f} {m['reward/min']:>8.3f} "
+                         f"{m['reward/max']:>8.3f} {m['pairs']:>6} {m['tied_prompts']:>5} {m['cut_samples']:>5}")
+        lines.append(f"final model: {self.final_dir}   metrics: {self.run_dir / 'metrics.jsonl'}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {"run_dir": str(self.run_dir), "final_model": str(self.final_dir), "rounds": self.rounds}
+
+
+class _StopAfterCalls:
+    """An engine that raises ``RoundsInterrupted`` once it has answered ``calls`` generate calls (test hook)."""
+
+    def __init__(self, engine, calls: int):
+        self.engine, self.calls = engine, calls
+        self.name, self.batch_prompts = engine.name, engine.batch_prompts
+        self.batch_dependent = getattr(engine, "batch_dependent", True)
+
+    def generate(self, jobs, settings):
+        if self.calls <= 0:
+            raise RoundsInterrupted("stopped in generate")
+        self.calls -= 1
+        return self.engine.generate(jobs, settings)
+
+    def describe(self) -> dict:
+        return self.engine.describe()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def run_rounds(cfg, *, resume: bool = False, log=print, progress: bool = True,
+               stop_at: tuple[int, str, int] | None = None) -> RoundsResult:
+    """Run ``cfg.rounds.count`` rounds into ``run.output_dir``. ``stop_at`` = (round, phase, count), tests only:
+    stop as if killed after ``count`` generate calls / scored rows / training steps of that round's phase."""
+    from prefpack.metrics import MetricsLogger
+    from prefpack.training.setup import check_trainable
+
+    check_trainable(cfg)
+    run_dir = _open_run_dir(cfg, resume)
+    rc = cfg.rounds
+    total = rc.count * rc.steps_per_round
+    finished = next((r for r in range(rc.count) if not (plan.round_dir(run_dir, r) / ROUND_FILE).is_file()), rc.count)
+    dropped = drop_unfinished(run_dir, finished)
+    if resume:
+        log(f"resuming at round {finished + 1} of {rc.count}" + (f" ({dropped} metrics lines of it dropped)"
+                                                                 if dropped else ""))
+    result = RoundsResult(run_dir)
+    metrics = MetricsLogger.from_config(cfg, run_dir, resume=True)
+    try:
+        for r in range(rc.count):
+            folder = plan.round_dir(run_dir, r)
+            if r < finished:
+                result.rounds.append(read_json(folder / ROUND_FILE))
+                continue
+            folder.mkdir(parents=True, exist_ok=True)
+            log(f"round {r + 1}/{rc.count}: policy {plan.policy_of(cfg, run_dir, r)}")
+            stop = stop_at[1:] if stop_at is not None and stop_at[0] == r else None
+            line = _round(cfg, run_dir, r, total, metrics, stop, log, progress)
+            result.rounds.append(line)
+            log(f"round {r + 1}: sample reward mean {line['reward/mean']:.4f} (min {line['reward/min']:.3f}, max "
+                f"{line['reward/max']:.3f}), {line['pairs']} pairs, {line['tied_prompts']} tied prompts skipped")
+    finally:
+        metrics.close()
+    result.final_dir = Path(plan.policy_of(cfg, run_dir, rc.count))
+    if cfg.run.plot:
+        try:
+            from prefpack.plot import plot_run
+
+            plot_run(run_dir)
+        except Exception as exc:  # a missing plotting library must not fail finished rounds
+            log(f"note: no curves.png ({exc})")
+    return result
+
+
+def _round(cfg, run_dir: Path, r: int, total: int, metrics, stop, log, progress: bool) -> dict:
+    from prefpack.training import train
+
+    folder = plan.round_dir(run_dir, r)
+    samples = folder / "samples.jsonl"
+    _generate(cfg, run_dir, r, cfg.rounds.prompts, samples, "generate", stop, log)
+    store = folder / "store"
+    if not (store / "meta.json").is_file():
+        t0 = time.perf_counter()
+        opts = plan.score_options(cfg, samples, store, pairs=True)
+        if stop is not None and stop[0] == "score":
+            opts.stop_after_rows, opts.checkpoint_rows = stop[1], stop[1]
+        try:
+            score(opts, log=log)
+        except ScoringInterrupted as exc:
+            raise RoundsInterrupted(str(exc)) from None
+        except ScoreOutputError as exc:
+            raise RoundsError(f"round {r + 1}: no preference pair to train on ({exc}); the policy's samples all tie "
+                              "under the scorer: sample more (rounds.samples_per_prompt, rounds.temperature) or use "
+                              "a finer reward") from None
+        record_phase(folder, "score", seconds=time.perf_counter() - t0)
+    eval_scores = _eval_prompts(cfg, run_dir, r, stop, log) if cfg.rounds.eval_prompts else None
+    t0 = time.perf_counter()
+    train_cfg = plan.train_config(cfg, run_dir, r)
+    train_dir = Path(train_cfg.run.output_dir)
+    steps = cfg.rounds.steps_per_round
+    stop_steps = stop[1] if stop is not None and stop[0] == "train" else None
+    try:
+        result = train(train_cfg, resume=train_dir.is_dir() and any(train_dir.iterdir()), log=log,
+                       progress=progress, stop_after_steps=stop_steps, schedule_span=(r * steps, total))
+    except TrainingInterrupted as exc:
+        raise RoundsInterrupted(str(exc)) from None
+    record_phase(folder, "train", seconds=time.perf_counter() - t0)
+    phases = read_json(folder / "phases.json")
+    from prefpack.data.store import Store
+
+    line = round_metrics(r, read_json(samples.with_name("samples.meta.json")), Store(store).meta, phases,
+                         result.eval_after, eval_scores)
+    copy_training_lines(metrics, train_dir, r, r * steps)
+    metrics.log(r * steps, line, split="round")
+    write_json(folder / ROUND_FILE, line)  # last: the round is done
+    return line
+
+
+def _generate(cfg, run_dir: Path, r: int, prompts, samples: Path, phase: str, stop, log) -> dict:
+    """The round's policy samples ``prompts`` into ``samples`` (continued when a killed run left part of it)."""
+    meta_file = samples.with_name(samples.name.removesuffix(".jsonl") + ".meta.json")
+    meta = read_json(meta_file)
+    if meta.get("complete"):
+        return meta
+    t0 = time.perf_counter()
+    opts = plan.generate_options(cfg, run_dir, r, prompts=prompts, output=samples)
+    source = prompt_source(opts)
+    settings = settings_of(opts, source)
+    engine = build_engine(opts, source)
+    if stop is not None and stop[0] == phase:
+        engine = _StopAfterCalls(engine, stop[1])
+    try:
+        report = sample_prompts(source, engine, settings, samples, log=log)
+    finally:
+        engine.close()
+    record_phase(samples.parent, phase, seconds=time.perf_counter() - t0, tokens=report.tokens)
+    log(report.summary())
+    return read_json(meta_file)
+
+
+def _eval_prompts(cfg, run_dir: Path, r: int, stop, log) -> list[float]:
+    """The held-out prompts sampled by the round's policy and scored (never trained on): their mean reward."""
+    import json
+
+    folder = plan.round_dir(run_dir, r)
+    samples, scored = folder / "eval_samples.jsonl", folder / "eval_scores.jsonl"
+    _generate(cfg, run_dir, r, cfg.rounds.eval_prompts, samples, "eval_prompts", stop, log)
+    if not scored.is_file():
+        score(plan.score_options(cfg, samples, scored, pairs=False), log=log)
+    with open(scored, encoding="utf-8") as fh:
+        return [s for line in fh if line.strip() for s in json.loads(line)["scores"]]
+
+
+def _open_run_dir(cfg, resume: bool) -> Path:
+    """RUN_DIR with the run's config.yaml; a folder that holds a run is continued only with --resume, and only with
+    the config it was started with."""
+    from prefpack.config import save_config
+    from prefpack.training.resume_check import config_unchanged
+
+    run_dir = Path(cfg.run.output_dir)
+    saved = run_dir / "config.yaml"
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not resume:
+            raise RoundsError(f"run folder {str(run_dir)!r} already holds a run; pass --resume to continue it or "
+                              "choose another run.output_dir")
+        if saved.is_file() and not config_unchanged(cfg, saved):
+            raise RoundsError(f"{saved}: the config differs from the one this run was started with; a resumed run "
+                              "takes the same config (its rounds' files were made with it)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not saved.is_file():
+        save_config(cfg, saved)
+    return run_dir

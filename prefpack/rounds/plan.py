@@ -1,0 +1,74 @@
+"""Where each round's files live and what each phase is asked: the round's policy folder, its generate options and
+score options, and the training config derived from the run's (the same keys, with the round's store, steps and
+folder). Pure functions of the config and the round, so a resumed run asks every phase exactly what it asked before.
+
+Round ``r`` (from 0) lives in ``RUN_DIR/rounds/NNN/`` (NNN = r + 1): ``samples.jsonl`` (+ ``samples.meta.json``), the
+scored pair store ``store/``, the round's training run ``train/`` (its checkpoints, metrics and ``final/`` model),
+``phases.json`` (the seconds and tokens of each finished phase) and ``round.json`` (written last: the round is done).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from prefpack.generation.run import GenerateOptions
+from prefpack.rewards.run import ScoreOptions
+
+
+def round_dir(run_dir: Path, r: int) -> Path:
+    return run_dir / "rounds" / f"{r + 1:03d}"
+
+
+def initial_policy(cfg) -> str:
+    return str(cfg.model.name_or_path)
+
+
+def policy_of(cfg, run_dir: Path, r: int) -> str:
+    """The policy round ``r`` samples and starts training from: the initial model, then the last round's final."""
+    return initial_policy(cfg) if r == 0 else str(round_dir(run_dir, r - 1) / "train" / "final")
+
+
+def prompt_inputs(value) -> tuple[str | None, list[str]]:
+    """(store folder, JSONL inputs) of ``rounds.prompts`` / ``rounds.eval_prompts``."""
+    items = [value] if isinstance(value, str) else list(value or [])
+    if len(items) == 1 and Path(items[0]).is_dir():
+        return items[0], []
+    return None, items
+
+
+def generate_options(cfg, run_dir: Path, r: int, *, prompts, output: Path) -> GenerateOptions:
+    rc = cfg.rounds
+    store, inputs = prompt_inputs(prompts)
+    return GenerateOptions(
+        output=str(output), model=policy_of(cfg, run_dir, r), store=store, inputs=inputs,
+        tokenizer=rc.tokenizer or cfg.model.tokenizer or initial_policy(cfg), prompt_field=rc.prompt_field,
+        engine=rc.engine, n=rc.samples_per_prompt, temperature=rc.temperature, top_p=rc.top_p,
+        max_new_tokens=rc.max_new_tokens, seed=rc.seed + r, batch_size=rc.batch_size, device=cfg.train.device,
+        vllm_url=rc.vllm_url, vllm_command=rc.vllm_command, trust_remote_code=cfg.model.trust_remote_code)
+
+
+def score_options(cfg, samples: Path, output: Path, *, pairs: bool) -> ScoreOptions:
+    rc = cfg.rounds
+    return ScoreOptions(input=str(samples), output=str(output), reward_model=rc.reward_model, reward_fn=rc.reward_fn,
+                        format="store" if pairs else "jsonl", pairs=rc.pairs if pairs else None,
+                        min_gap=rc.min_gap, device=cfg.train.device, trust_remote_code=cfg.model.trust_remote_code,
+                        progress=False)
+
+
+def train_config(cfg, run_dir: Path, r: int):
+    """The run's config for round ``r``'s training: its pair store, ``steps_per_round`` steps, its own folder, the
+    round's starting policy; the reference is the initial policy (``rounds.reference: initial``) or that policy."""
+    rc = cfg.rounds
+    out = copy.deepcopy(cfg)
+    out.rounds.count = 0
+    out.model.name_or_path = policy_of(cfg, run_dir, r)
+    out.data.train = str(round_dir(run_dir, r) / "store")
+    out.data.group_by_prompt = rc.pairs != "best_vs_worst"  # several pairs of one prompt: the prompt laid out once
+    out.train.max_steps = rc.steps_per_round
+    out.train.seed = cfg.train.seed + r
+    out.run.output_dir = str(round_dir(run_dir, r) / "train")
+    out.run.plot = False  # the whole run's curves are drawn once, from RUN_DIR/metrics.jsonl
+    if cfg.reference.mode == "copy":
+        out.reference.model = (cfg.reference.model or initial_policy(cfg)) if rc.reference == "initial" else None
+    return out

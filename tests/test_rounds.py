@@ -1,0 +1,134 @@
+"""On-policy rounds (prefpack.rounds) on the quickstart task: the policy's own samples scored by a reward function
+raise its reward over two rounds; a run killed in each phase and resumed writes the same round stores and final
+weights as an uninterrupted run; the sampled token ids reach the store unchanged; the learning
+rate follows one schedule over every round."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from prefpack.config import load_config
+from prefpack.data.store import Store
+from prefpack.rounds import RoundsInterrupted, run_rounds
+from tests.conftest import quiet, read_jsonl, write_jsonl
+
+# The reward: how close the sampled answer is to the review's true label (difflib's ratio: 1.0 exactly when it names
+# it). The plain "1 when it names the label" reward is too sparse for the untrained model: with a 400-token vocabulary
+# none of its 64 first-round samples names a label, every prompt ties and there is nothing to train on.
+REWARD = '''import difflib
+
+
+def reward(prompt, completion, row):
+    return difflib.SequenceMatcher(None, completion.strip().lower(), row["label"]).ratio()
+'''
+STEPS, ROUNDS, LR = 8, 2, 1e-2
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from prefpack.quickstart import _build_model, make_pairs
+    from prefpack.toy_tokenizer import build_toy_tokenizer
+
+    root = tmp_path_factory.mktemp("rounds")
+    rows = make_pairs(400, 0)
+    tok = build_toy_tokenizer([r["prompt"] + r["chosen"] for r in rows] + [" positive", " negative"],
+                              style="llama", vocab_size=400)
+    torch.manual_seed(0)
+    _build_model(tok, root / "init", 0)
+    label = [{"prompt": r["prompt"], "label": r["chosen"].strip()} for r in make_pairs(24, 2)]
+    write_jsonl(root / "prompts.jsonl", label[:16])
+    write_jsonl(root / "held_out.jsonl", label[16:])
+    (root / "reward.py").write_text(REWARD)
+    return root
+
+
+def config(task, run: str, *extra: str):
+    return load_config(None, [
+        f"model.name_or_path={task / 'init'}", "train.global_batch_pairs=8", f"optim.lr={LR}", "optim.schedule=cosine",
+        "loss.beta=0.1", f"run.output_dir={task / run}", "run.report_to=none", "run.plot=false", "run.save_every=3",
+        f"rounds.count={ROUNDS}", f"rounds.prompts={task / 'prompts.jsonl'}", "rounds.samples_per_prompt=4",
+        f"rounds.eval_prompts={task / 'held_out.jsonl'}", "rounds.max_new_tokens=1", "rounds.batch_size=4",
+        f"rounds.reward_fn={task / 'reward.py'}:reward", f"rounds.steps_per_round={STEPS}", *extra])
+
+
+@pytest.fixture(scope="module")
+def straight(task, one_thread):
+    return run_rounds(config(task, "straight"), log=quiet, progress=False)
+
+
+def test_two_rounds_raise_the_reward_of_the_policy_samples(straight, task):
+    first, second = straight.rounds
+    # every sample's reward, recomputed here from the samples file (the round line's mean is over all k samples)
+    import difflib
+
+    def mean_reward(name: str, r: int) -> float:
+        values = [difflib.SequenceMatcher(None, c.strip().lower(), row["label"]).ratio()
+                  for row in read_jsonl(task / "straight" / "rounds" / f"{r:03d}" / name) for c in row["completions"]]
+        return math.fsum(values) / len(values)
+
+    assert first["reward/mean"] == pytest.approx(mean_reward("samples.jsonl", 1))
+    assert second["reward/mean"] == pytest.approx(mean_reward("samples.jsonl", 2))
+    assert second["reward/mean"] > first["reward/mean"] + 0.05
+    # the held-out prompts (never trained on) score higher too
+    assert first["eval_reward/mean"] == pytest.approx(mean_reward("eval_samples.jsonl", 1))
+    assert second["eval_reward/mean"] > first["eval_reward/mean"]
+    assert first["samples"] == 64 and first["cut_samples"] == 64  # one token each, no stop token: all cut, counted
+    assert first["pairs"] + first["tied_prompts"] == 16
+    lines = [json.loads(x) for x in (task / "straight" / "metrics.jsonl").read_text().splitlines()]
+    rounds = [x for x in lines if x["split"] == "round"]
+    assert [x["round"] for x in rounds] == [0, 1] and [x["step"] for x in rounds] == [0, STEPS]
+    for key in ("reward/max", "reward/min", "reward/gap", "generate/tokens_per_s", "seconds/generate",
+                "seconds/score", "seconds/train"):
+        assert rounds[0][key] is not None, key
+    from prefpack.plot import panels  # prefpack plot draws the per-round reward curve
+
+    curve = dict(panels(lines))["policy sample reward (per on-policy round)"]
+    mean = next(line for line in curve if line[0] == "reward/mean" and line[1] == "round")
+    assert mean[3:] == ([0, STEPS], [first["reward/mean"], second["reward/mean"]])
+
+
+def test_the_learning_rate_schedule_spans_every_round(straight, task):
+    lines = [json.loads(x) for x in (task / "straight" / "metrics.jsonl").read_text().splitlines()]
+    train = sorted((x["step"], x["lr"]) for x in lines if x["split"] == "train")
+    total = ROUNDS * STEPS
+    assert [s for s, _ in train] == list(range(1, total + 1))
+    for step, lr in train:  # cosine over all rounds' steps, no warmup: step k trains at lr(k - 1)
+        assert lr == pytest.approx(LR * 0.5 * (1 + math.cos(math.pi * (step - 1) / total)), rel=1e-9)
+
+
+def test_sampled_token_ids_reach_the_store_unchanged(straight, task):
+    folder = task / "straight" / "rounds" / "002"
+    rows = read_jsonl(folder / "samples.jsonl")
+    store = Store(folder / "store")
+    assert store.meta["pairs"]["pairs"] == len(store) == straight.rounds[1]["pairs"]
+    scores = {json.dumps(r["row"]): r for r in rows}
+    for i in range(len(store)):
+        pair = store.pair(i)
+        row = scores[json.dumps(int(store.column("source_row")[i]))]
+        assert pair.prompt.tolist() == row["prompt_ids"]
+        assert pair.chosen.tolist() in row["completion_ids"] and pair.rejected.tolist() in row["completion_ids"]
+
+
+def test_resume_after_a_kill_in_each_phase_equals_the_uninterrupted_run(straight, task):
+    run = task / "resumed"
+    stops = [(0, "generate", 2), (0, "score", 8), (1, "generate", 1), (1, "train", 5)]
+    for k, stop in enumerate(stops):
+        with pytest.raises(RoundsInterrupted):
+            run_rounds(config(task, "resumed"), resume=k > 0, log=quiet, progress=False, stop_at=stop)
+    result = run_rounds(config(task, "resumed"), resume=True, log=quiet, progress=False)
+    for r in ("001", "002"):
+        for name in ("samples.jsonl", "store/tokens.bin", "store/index.bin"):  # meta.json names its own paths
+            a, b = task / "straight" / "rounds" / r / name, run / "rounds" / r / name
+            assert a.read_bytes() == b.read_bytes(), f"round {r}: {name}"
+    from safetensors.torch import load_file
+
+    a = load_file(str(straight.final_dir / "model.safetensors"))
+    b = load_file(str(result.final_dir / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [m["reward/mean"] for m in result.rounds] == [m["reward/mean"] for m in straight.rounds]
+    shutil.rmtree(run)
