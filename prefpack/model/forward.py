@@ -161,12 +161,7 @@ def sequence_logps(
     spec = head_spec(model)
     device = spec.weight.device
     kernel = kernel_of(model)
-    if flatten is None:
-        flatten = kernel.flattens_rows
-    if batch.score_positions is not None and not kernel.runs_prompt_groups(flatten):
-        readers = " and ".join(k.name for k in KERNELS if k.reads_prompt_groups)
-        raise ValueError(f"prompt-shared rows run on the {readers} kernels; this model's attention "
-                         f"({kernel.name or '?'}{', flattened' if flatten else ''}) does not read prompt groups")
+    flatten = resolve_flatten(kernel, batch, flatten)
     extra = {}
     if batch.packed and flatten and kernel.boundary_kwargs:
         extra = _boundary_kwargs(batch.position_ids[batch.token_mask], device)
@@ -269,6 +264,18 @@ def _aux_loss(out, aux, mask: torch.Tensor | None) -> torch.Tensor:
         raise ValueError("the model body returned no router_logits with output_router_logits=True")
     value = func(tuple(logits), n_experts, top_k, mask)
     return torch.as_tensor(value, dtype=torch.float32, device=logits[0].device).float()
+
+
+def resolve_flatten(kernel, batch: Batch, flatten: bool | None) -> bool:
+    """Whether to run ``batch``'s rows flattened into one (``None``: as the kernel prefers); refuses prompt-shared
+    rows a kernel would not keep apart (every forward over prefpack's batches asks this first)."""
+    if flatten is None:
+        flatten = kernel.flattens_rows
+    if batch.score_positions is not None and not kernel.runs_prompt_groups(flatten):
+        readers = " and ".join(k.name for k in KERNELS if k.reads_prompt_groups)
+        raise ValueError(f"prompt-shared rows run on the {readers} kernels; this model's attention "
+                         f"({kernel.name or '?'}{', flattened' if flatten else ''}) does not read prompt groups")
+    return flatten
 
 
 def body_forward(body, batch: Batch, flatten: bool, extra: dict, vision=None):

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from prefpack.batching.collate import Batch
-from prefpack.model.attention.kernels import KERNELS, kernel_of
-from prefpack.model.forward import SequenceLogps, body_forward
+from prefpack.model.attention.kernels import kernel_of
+from prefpack.model.forward import SequenceLogps, body_forward, resolve_flatten
 from prefpack.model.head import is_reward_model, score_head
 from prefpack.model.sums import boundary_kwargs
 from prefpack.precision import compute_context
@@ -75,12 +75,7 @@ def sequence_rewards(model: nn.Module, batch: Batch, *, flatten: bool | None = N
     body, score = score_head(model)
     device = score.weight.device if hasattr(score, "weight") else next(model.parameters()).device
     kernel = kernel_of(model)
-    if flatten is None:
-        flatten = kernel.flattens_rows
-    if batch.score_positions is not None and not kernel.runs_prompt_groups(flatten):
-        readers = " and ".join(k.name for k in KERNELS if k.reads_prompt_groups)
-        raise ValueError(f"prompt-shared rows run on the {readers} kernels; this model's attention "
-                         f"({kernel.name or '?'}{', flattened' if flatten else ''}) does not read prompt groups")
+    flatten = resolve_flatten(kernel, batch, flatten)
     at = read_positions(batch)
     flatten = flatten and batch.packed
     extra = boundary_kwargs(batch.position_ids[batch.token_mask], device) if flatten and kernel.boundary_kwargs else {}
