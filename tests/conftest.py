@@ -97,6 +97,27 @@ def run_prefpack(*commands: list[str], nproc: int = 1, timeout: int = 300) -> su
     return proc
 
 
+def run_here(*commands: list) -> list[str]:
+    """``prefpack`` command lines (argument lists) run in turn in this process on one torch thread, as
+    :func:`run_prefpack` runs them in a new one (and as each torchrun rank runs), without its seconds of start-up and
+    imports: for a test that needs what the commands compute, not the entry point. Asserts they all exited with 0;
+    returns the lines they printed."""
+    import contextlib
+    import io
+
+    from prefpack.cli import main
+
+    out, threads = io.StringIO(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out):
+            for argv in commands:
+                assert main([str(a) for a in argv]) == 0, argv
+    finally:
+        torch.set_num_threads(threads)
+    return out.getvalue().strip().splitlines()
+
+
 def tiny_llama(tok_dir, out, seed):
     """A 2-layer Llama (hidden 32, grouped-query heads) for a tokenizer folder, saved to ``out``."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM

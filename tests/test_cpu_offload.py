@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_prefpack, tiny_llama, write_jsonl
+from conftest import run_here, tiny_llama, write_jsonl
 
 from prefpack.cli import main as cli_main
 from prefpack.config import ConfigError, load_config
@@ -71,7 +71,7 @@ def runs(world):
     with offload stopped after step 3 and resumed, and with offload and the sync."""
     names = ("one", "one-sync", "fsdp2", "offload", "cut", "offload-sync")
     r = {n: world["root"] / n for n in names}
-    run_prefpack(_args(world, r["one"]), _args(world, r["one-sync"], *SYNC))
+    run_here(_args(world, r["one"]), _args(world, r["one-sync"], *SYNC))
     proc = _two_ranks(_args(world, r["fsdp2"], "distributed.strategy=fsdp2"), _args(world, r["offload"], *OFFLOAD),
                       _args(world, r["cut"], *OFFLOAD, stop=3), _args(world, r["cut"], *OFFLOAD, resume=True),
                       _args(world, r["offload-sync"], *OFFLOAD, *SYNC))
