@@ -78,12 +78,13 @@ def toy_tokenizers(tmp_path_factory, hh_train) -> dict[str, Path]:
     return out
 
 
-def run_prefpack(*commands: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_prefpack(*commands: list[str] | dict, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
     """``prefpack`` command lines (argument lists) run in turn in one new process, or in one torchrun launch of
-    ``nproc`` ranks on one torch thread each (tests/cli_runs.py): start-up is paid once. Asserts they all exited
-    with 0 and returns the finished process (its stdout holds what rank 0 printed)."""
+    ``nproc`` ranks on one torch thread each (tests/cli_runs.py): start-up is paid once; a dict between them is a
+    test's own step (cli_runs.py says how). Asserts they all exited with 0 and returns the finished process (its
+    stdout holds what rank 0 printed)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
-        json.dump([[str(a) for a in argv] for argv in commands], fh)
+        json.dump([argv if isinstance(argv, dict) else [str(a) for a in argv] for argv in commands], fh)
     script = str(Path(__file__).with_name("cli_runs.py"))
     cmd = [sys.executable, script, fh.name]
     if nproc > 1:
