@@ -78,12 +78,13 @@ def toy_tokenizers(tmp_path_factory, hh_train) -> dict[str, Path]:
     return out
 
 
-def run_prefpack(*commands: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_prefpack(*commands: list[str] | dict, nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
     """``prefpack`` command lines (argument lists) run in turn in one new process, or in one torchrun launch of
-    ``nproc`` ranks on one torch thread each (tests/cli_runs.py): start-up is paid once. Asserts they all exited
-    with 0 and returns the finished process (its stdout holds what rank 0 printed)."""
+    ``nproc`` ranks on one torch thread each (tests/cli_runs.py): start-up is paid once; a dict between them is a
+    test's own step (cli_runs.py says how). Asserts they all exited with 0 and returns the finished process (its
+    stdout holds what rank 0 printed)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
-        json.dump([[str(a) for a in argv] for argv in commands], fh)
+        json.dump([argv if isinstance(argv, dict) else [str(a) for a in argv] for argv in commands], fh)
     script = str(Path(__file__).with_name("cli_runs.py"))
     cmd = [sys.executable, script, fh.name]
     if nproc > 1:
@@ -95,6 +96,27 @@ def run_prefpack(*commands: list[str], nproc: int = 1, timeout: int = 300) -> su
         os.unlink(fh.name)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
+
+
+def run_here(*commands: list) -> list[str]:
+    """``prefpack`` command lines (argument lists) run in turn in this process on one torch thread, as
+    :func:`run_prefpack` runs them in a new one (and as each torchrun rank runs), without its seconds of start-up and
+    imports: for a test that needs what the commands compute, not the entry point. Asserts they all exited with 0;
+    returns the lines they printed."""
+    import contextlib
+    import io
+
+    from prefpack.cli import main
+
+    out, threads = io.StringIO(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out):
+            for argv in commands:
+                assert main([str(a) for a in argv]) == 0, argv
+    finally:
+        torch.set_num_threads(threads)
+    return out.getvalue().strip().splitlines()
 
 
 def tiny_llama(tok_dir, out, seed):

@@ -205,16 +205,23 @@ def _train(world, run_dir, *extra):
     return ["train", str(world["conf"]), f"run.output_dir={run_dir}", "--no-progress", *extra]
 
 
+def craft_planner_data(ckpt: str, marker: str) -> None:
+    """Between two runs of the launch below (tests/cli_runs.py, rank 0): the checkpoint's metadata made to create
+    ``marker`` when unpickled."""
+    assert (pathlib.Path(ckpt) / "dcp" / ".metadata").is_file()
+    rewrite_metadata(pathlib.Path(ckpt), lambda meta: setattr(meta, "planner_data", Touch(pathlib.Path(marker))))
+
+
 def test_torchrun_resume_refuses_a_crafted_fsdp2_checkpoint_and_resumes_from_the_previous_one(fsdp2_world):
     from safetensors.torch import load_file
 
     root = fsdp2_world["root"]
     full, cut, marker = root / "full", root / "cut", root / "ran"
-    run_prefpack(_train(fsdp2_world, full), _train(fsdp2_world, cut, "--stop-after-steps=3"), nproc=2)
-    newest_ckpt = cut / "checkpoints" / "step-00000003"
-    assert (newest_ckpt / "dcp" / ".metadata").is_file()
-    rewrite_metadata(newest_ckpt, lambda meta: setattr(meta, "planner_data", Touch(marker)))
-    proc = run_prefpack(_train(fsdp2_world, cut, "--resume"), nproc=2)
+    craft = {"call": f"{__name__}:craft_planner_data", "args": [str(cut / "checkpoints" / "step-00000003"),
+                                                                str(marker)]}
+    # one launch: the uninterrupted run, the run stopped after step 3, its newest checkpoint crafted, --resume
+    proc = run_prefpack(_train(fsdp2_world, full), _train(fsdp2_world, cut, "--stop-after-steps=3"), craft,
+                        _train(fsdp2_world, cut, "--resume"), nproc=2)
     said = proc.stdout + proc.stderr
     assert not marker.exists()
     assert "step-00000003/dcp/.metadata: refused" in said and "step-00000002 at step 2" in said

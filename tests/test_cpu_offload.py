@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_prefpack, tiny_llama, write_jsonl
+from conftest import run_here, tiny_llama, write_jsonl
 
 from prefpack.cli import main as cli_main
 from prefpack.config import ConfigError, load_config
@@ -74,7 +74,7 @@ def runs(world):
     the 4-bit base stopped after step 1 and resumed."""
     names = ("one", "one-sync", "one-4bit", "fsdp2", "offload", "cut", "offload-sync", "fsdp2-4bit")
     r = {n: world["root"] / n for n in names}
-    run_prefpack(_args(world, r["one"]), _args(world, r["one-sync"], *SYNC), _args(world, r["one-4bit"], *QLORA))
+    run_here(_args(world, r["one"]), _args(world, r["one-sync"], *SYNC), _args(world, r["one-4bit"], *QLORA))
     four_bit = (*QLORA, "distributed.strategy=fsdp2")
     proc = _two_ranks(_args(world, r["fsdp2"], "distributed.strategy=fsdp2"), _args(world, r["offload"], *OFFLOAD),
                       _args(world, r["cut"], *OFFLOAD, stop=3), _args(world, r["cut"], *OFFLOAD, resume=True),

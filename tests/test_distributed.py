@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import make_task, run_prefpack, write_jsonl
+from conftest import make_task, run_here, run_prefpack, write_jsonl
 
 from prefpack.batching.deal import deal_step, rank_tokens
 from prefpack.batching.schedule import StepKey
@@ -88,20 +89,6 @@ def _args(world, run_dir, *extra, stop=None, resume=False) -> list[str]:
             *([f"--stop-after-steps={stop}"] if stop else []), *(["--resume"] if resume else [])]
 
 
-def _full_and_resumed(world, name, *extra) -> tuple:
-    """An uninterrupted two-rank run and one stopped after step 3 (its last checkpoint at step 2) then resumed,
-    in one launch."""
-    full, cut = world["root"] / f"full-{name}", world["root"] / f"cut-{name}"
-    proc = run_prefpack(_args(world, full, *extra), _args(world, cut, *extra, stop=3),
-                        _args(world, cut, *extra, resume=True), nproc=2)
-    # the stopped run said so and printed no summary; the full and the resumed run each printed theirs
-    assert "continue with --resume" in proc.stderr
-    summaries = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    assert [(m["run_dir"], m["steps"]) for m in summaries] == [(str(full), 4), (str(cut), 4)]
-    assert (cut / "checkpoints" / "step-00000002").is_dir()
-    return full, cut
-
-
 def _weights(run_dir):
     from safetensors.torch import load_file
 
@@ -113,8 +100,6 @@ def _losses(run_dir):
     return [(m["step"], m["loss"], m["grad_norm"]) for m in lines if m["split"] == "train"]
 
 
-
-
 # Tolerance: the two ranks' gradients are summed by an all-reduce in another order than one process sums
 # them, so float32 results differ by rounding (about 1e-8 after 4 AdamW steps at lr 1e-3 with eps 1e-3,
 # measured); 1e-5 is far below any real error (a pair lost or counted twice moves weights by about 1e-4).
@@ -122,23 +107,60 @@ ATOL = 1e-5
 
 
 BCO = ("bco_pair", "bco_pair_running")
+SYNC = ("reference.sync=true", "reference.sync_steps=2", "reference.mixup_alpha=0.5")
 
 
 @pytest.fixture(scope="module")
-def bco_runs(world):
-    """Each BCO loss trained in one process and on two ranks (DDP)."""
-    runs = {(n, k): world["root"] / f"{n}-{k}" for n in BCO for k in ("one", "two")}
+def launch(world):
+    """Every run the tests below compare, the two-rank ones in one torchrun launch (start-up paid once), the one-process
+    ones in this process: each BCO loss (one process, DDP); FSDP2 uninterrupted, and stopped after step 3 (its last
+    checkpoint at step 2) then resumed; TR-DPO's reference sync (one process without and with it; DDP, FSDP2, and
+    FSDP2 stopped and resumed: the uninterrupted one is the FSDP2 run); precompute-ref then eval, each into a store
+    copy of its own."""
+    root = world["root"]
+    runs = {(n, k): root / f"{n}-{k}" for n in BCO for k in ("one", "two")}
+    runs |= {("fsdp2", k): root / f"{k}-fsdp2" for k in ("full", "cut")}
+    runs |= {("sync", k): root / f"sync-{k}" for k in ("plain", "one", "ddp", "fsdp2", "cut")}
     bco = {n: f"loss.terms=[{{name: {n}}}]" for n in BCO}
-    run_prefpack(*(_args(world, runs[n, "one"], bco[n]) for n in BCO))
-    run_prefpack(*(_args(world, runs[n, "two"], bco[n], "distributed.strategy=ddp") for n in BCO), nproc=2)
-    return runs
+    fsdp2, sync_fsdp2 = ("distributed.strategy=fsdp2",), ("distributed.strategy=fsdp2", *SYNC)
+    stores = {k: root / f"scoring-{k}" for k in ("one", "two")}
+    scoring = {}
+    for k, store in stores.items():
+        shutil.copytree(world["store"], store)
+        policy = root / "policy"
+        scoring[k] = [["precompute-ref", "--model", policy, "--data", store],
+                      ["eval", "--model", policy, "--data", store, "--loss", "sigmoid,nll", "--json"]]
+    one = run_here(*(_args(world, runs[n, "one"], bco[n]) for n in BCO),
+                    _args(world, runs["sync", "plain"]), _args(world, runs["sync", "one"], *SYNC), *scoring["one"])
+    proc = run_prefpack(
+        *(_args(world, runs[n, "two"], bco[n], "distributed.strategy=ddp") for n in BCO),
+        _args(world, runs["fsdp2", "full"], *fsdp2), _args(world, runs["fsdp2", "cut"], *fsdp2, stop=3),
+        _args(world, runs["fsdp2", "cut"], *fsdp2, resume=True),
+        _args(world, runs["sync", "ddp"], "distributed.strategy=ddp", *SYNC),
+        _args(world, runs["sync", "fsdp2"], *sync_fsdp2), _args(world, runs["sync", "cut"], *sync_fsdp2, stop=3),
+        _args(world, runs["sync", "cut"], *sync_fsdp2, resume=True),
+        *scoring["two"], nproc=2, timeout=900)
+    printed = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    return {"runs": runs, "stderr": proc.stderr, "stores": stores, "one": json.loads(one[-1]),
+            "scored": [m for m in printed if "run_dir" not in m], "summaries": [m for m in printed if "run_dir" in m]}
+
+
+def _resumed(launch, name) -> tuple:
+    """The uninterrupted run and the stopped-and-resumed one of ``name``; checks what the launch said of them."""
+    full, cut = launch["runs"][name, "fsdp2" if name == "sync" else "full"], launch["runs"][name, "cut"]
+    # the stopped run said so and printed no summary; the full and the resumed run each printed theirs
+    assert "continue with --resume" in launch["stderr"]
+    done = [(m["run_dir"], m["steps"]) for m in launch["summaries"]]
+    assert done.count((str(full), 4)) == 1 and done.count((str(cut), 4)) == 1
+    assert (cut / "checkpoints" / "step-00000002").is_dir()
+    return full, cut
 
 
 @pytest.mark.parametrize("name", BCO)
-def test_bco_pair_two_ranks_equal_one_rank(bco_runs, name):
+def test_bco_pair_two_ranks_equal_one_rank(launch, name):
     """TRL 1.16's bco_pair has no running mean, and bco_pair_running's comes from each step's sums over all ranks:
     neither update depends on the number of ranks."""
-    one, two = bco_runs[name, "one"], bco_runs[name, "two"]
+    one, two = launch["runs"][name, "one"], launch["runs"][name, "two"]
     for (s1, l1, g1), (s2, l2, g2) in zip(_losses(one), _losses(two), strict=True):
         assert s1 == s2 and l1 == pytest.approx(l2, abs=1e-6) and g1 == pytest.approx(g2, rel=1e-5)
     w1, w2 = _weights(one), _weights(two)
@@ -146,34 +168,26 @@ def test_bco_pair_two_ranks_equal_one_rank(bco_runs, name):
         torch.testing.assert_close(w1[k], w2[k], atol=ATOL, rtol=0)
 
 
-def test_distributed_resume_equals_uninterrupted(world):
-    full, cut = _full_and_resumed(world, "fsdp2", "distributed.strategy=fsdp2")
+def test_distributed_resume_equals_uninterrupted(launch):
+    full, cut = _resumed(launch, "fsdp2")
     w1, w2 = _weights(full), _weights(cut)
     for k in w1:
         assert torch.equal(w1[k], w2[k]), k
     assert _losses(full) == _losses(cut)
 
 
-def test_precompute_ref_and_eval_split_across_ranks(world, tmp_path):
-    import shutil
-
+def test_precompute_ref_and_eval_split_across_ranks(launch):
     from safetensors.numpy import load_file
 
-    store = tmp_path / "store"
-    shutil.copytree(world["store"], store)
-    policy = world["root"] / "policy"
-    reference = ["precompute-ref", "--model", str(policy), "--data", str(store)]
-    scoring = ["eval", "--model", str(policy), "--data", str(store), "--loss", "sigmoid,nll", "--json"]
-    single = json.loads(run_prefpack(reference, scoring).stdout.strip().splitlines()[-1])
-    one = load_file(str(store / "ref_logps.safetensors"))
-    lines = run_prefpack(reference, scoring, nproc=2).stdout.strip().splitlines()
-    two = load_file(str(store / "ref_logps.safetensors"))
+    single = launch["one"]
+    one = load_file(str(launch["stores"]["one"] / "ref_logps.safetensors"))
+    two = load_file(str(launch["stores"]["two"] / "ref_logps.safetensors"))
     assert np.isfinite(one["logps"]).all() and np.isfinite(two["tails"]).all()  # every key scored once
     np.testing.assert_allclose(one["logps"], two["logps"], atol=1e-6)
     np.testing.assert_allclose(one["tails"], two["tails"], atol=1e-6)
-    assert len(lines) == 2  # precompute-ref's line and eval's: only rank 0 prints
-    double = json.loads(lines[1])
-    assert single["pairs"] == double["pairs"] == len(Store(store))
+    assert len(launch["scored"]) == 2  # precompute-ref's line and eval's: only rank 0 prints
+    double = launch["scored"][1]
+    assert single["pairs"] == double["pairs"] == len(Store(launch["stores"]["two"]))
     for k in ("loss", "nll", "logps/chosen", "rewards/accuracies"):
         assert single[k] == pytest.approx(double[k], abs=1e-6)
 
@@ -221,36 +235,26 @@ def test_shutdown_frees_the_process_group_and_its_threads(tmp_path):
 
 # ---------------------------------------------------------------- TR-DPO reference syncing under torchrun
 
-SYNC = ("reference.sync=true", "reference.sync_steps=2", "reference.mixup_alpha=0.5")
-
-
-@pytest.fixture(scope="module")
-def sync_runs(world):
-    """One process without and with the reference sync, and two ranks with it under each strategy (one launch)."""
-    runs = {k: world["root"] / f"sync-{k}" for k in ("plain", "one", "ddp", "fsdp2")}
-    run_prefpack(_args(world, runs["plain"]), _args(world, runs["one"], *SYNC))
-    run_prefpack(*(_args(world, runs[s], f"distributed.strategy={s}", *SYNC) for s in ("ddp", "fsdp2")), nproc=2)
-    return runs
-
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_reference_sync_two_processes_equal_one_process(sync_runs, strategy):
+def test_reference_sync_two_processes_equal_one_process(launch, strategy):
     """Each rank mixes its own copy (DDP) or shard (FSDP2) of the reference: the losses after the sync at step 2
     (which read the synced reference) and the final weights match one process."""
-    one, two = _losses(sync_runs["one"]), _losses(sync_runs[strategy])
-    assert _losses(sync_runs["plain"])[2][1] != pytest.approx(one[2][1], abs=1e-6)  # the sync changed step 3's loss
+    runs = launch["runs"]
+    one, two = _losses(runs["sync", "one"]), _losses(runs["sync", strategy])
+    assert _losses(runs["sync", "plain"])[2][1] != pytest.approx(one[2][1], abs=1e-6)  # the sync changed step 3
     for (s1, l1, g1), (s2, l2, g2) in zip(one, two, strict=True):
         assert s1 == s2 and l1 == pytest.approx(l2, abs=1e-6) and g1 == pytest.approx(g2, rel=1e-5)
-    w1, w2 = _weights(sync_runs["one"]), _weights(sync_runs[strategy])
+    w1, w2 = _weights(runs["sync", "one"]), _weights(runs["sync", strategy])
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=ATOL, rtol=0)
 
 
-def test_reference_sync_distributed_resume_equals_uninterrupted(world):
+def test_reference_sync_distributed_resume_equals_uninterrupted(launch):
     """The DCP checkpoint holds the synced reference (key `reference`), and --resume restores it."""
     import torch.distributed.checkpoint as dcp
 
-    full, cut = _full_and_resumed(world, "sync-fsdp2", "distributed.strategy=fsdp2", *SYNC)
+    full, cut = _resumed(launch, "sync")
     meta = dcp.FileSystemReader(str(cut / "checkpoints" / "step-00000002" / "dcp")).read_metadata()
     assert any(k.startswith("reference.") for k in meta.state_dict_metadata)
     w1, w2 = _weights(full), _weights(cut)

@@ -10,6 +10,7 @@ from invariance_cases import (  # noqa: F401 - the tests and fixtures run here w
     baseline,
     one_rank,
     precomputed,
+    rank_runs,
     test_accumulation_1x8_equals_8x1,
     test_copy_and_precomputed_reference_agree,
     test_packed_equals_padded,
@@ -20,7 +21,14 @@ from invariance_cases import (  # noqa: F401 - the tests and fixtures run here w
 )
 from invariance_worlds import text_world
 
+KINDS = ["pairs", "pairs_shared", "spans_shared"]
 
-@pytest.fixture(scope="module", params=["pairs", "pairs_shared", "spans_shared"])
-def world(request, tmp_path_factory, toy_tokenizers, hh_train):
-    return text_world(request.param, tmp_path_factory, toy_tokenizers, hh_train)
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory, toy_tokenizers, hh_train):
+    return {kind: text_world(kind, tmp_path_factory, toy_tokenizers, hh_train) for kind in KINDS}
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def world(request, worlds):
+    return worlds[request.param]

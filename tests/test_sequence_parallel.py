@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_prefpack
+from conftest import run_here, run_prefpack
 from sp_cases import (
     ATTENTION_CASES,
     FORWARD_CASES,
@@ -105,9 +105,9 @@ def launch(world, tmp_path_factory):  # noqa: F811 - the imported fixture
                                       for n, o in RUNS.items()), [*cut, "--stop-after-steps=2"], [*cut, "--resume"],
                                     *scoring("two", "--sequence-parallel", "2")]))
     proc = torchrun("sp_ranks.py", out, commands)
-    one = run_prefpack(*(train(f"one-{n}", *o[1:]) for n, o in RUNS.items()), *scoring("one"))
+    one = run_here(*(train(f"one-{n}", *o[1:]) for n, o in RUNS.items()), *scoring("one"))
     return {"out": out, "conf": world["conf"], "store": world["store"], "log": proc.stdout + proc.stderr,
-            "scored": [_json_lines(proc.stdout), _json_lines(one.stdout)], "vocab": vocab,
+            "scored": [_json_lines(proc.stdout), _json_lines("\n".join(one))], "vocab": vocab,
             "ranks": [torch.load(out / f"attention-{r}.pt") for r in range(2)]}
 
 

@@ -25,6 +25,7 @@ from invariance_cases import (  # noqa: E402, F401 - the tests and fixtures run 
     baseline,
     one_rank,
     precomputed,
+    rank_runs,
     test_accumulation_1x8_equals_8x1,
     test_copy_and_precomputed_reference_agree,
     test_packed_equals_padded,
@@ -67,9 +68,20 @@ def _kto_rows(prompts: int, image_dir, seed: int, root) -> list[dict]:
     return first + second
 
 
-@pytest.fixture(scope="module", params=["img_pairs", "img_pairs_shared", "llava_pairs_shared", "kto_img_shared"])
-def world(request, tmp_path_factory):
-    kind = request.param
+KINDS = ["img_pairs", "img_pairs_shared", "llava_pairs_shared", "kto_img_shared"]
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    return {kind: _world(kind, tmp_path_factory) for kind in KINDS}
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def world(request, worlds):
+    return worlds[request.param]
+
+
+def _world(kind, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp(f"vision-invariance-{kind}")
     tok = vision_tokenizer()
     arch = "llava" if kind.startswith("llava") else "qwen2_vl"

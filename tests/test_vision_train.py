@@ -197,7 +197,7 @@ def test_two_ranks_equal_one_when_a_rank_has_no_image(tmp_path):
     runs the vision tower (a blank placeholder, times 0), so FSDP2's gathers and DDP's gradient buckets match across
     ranks (before, gloo failed on a collective mismatch), and two ranks train exactly as one: the tower trained (DDP,
     FSDP2), or frozen with the copied reference reading the policy's features (FSDP2)."""
-    from conftest import run_prefpack
+    from conftest import run_here, run_prefpack
 
     tok = vision_tokenizer()
     processor = save_processor_dir(tmp_path / "processor", "qwen2_vl", tok)
@@ -216,7 +216,7 @@ def test_two_ranks_equal_one_when_a_rank_has_no_image(tmp_path):
                 "run.plot=false", "run.tensorboard=false", *extra, "--no-progress"]
 
     # trained tower: DDP and FSDP2; frozen tower (the copied reference reads the policy's features): FSDP2
-    run_prefpack(args("one-trained", "false"), args("one-frozen", "true"))
+    run_here(args("one-trained", "false"), args("one-frozen", "true"))
     runs = {"ddp-trained": "one-trained", "fsdp2-trained": "one-trained", "fsdp2-frozen": "one-frozen"}
     run_prefpack(*(args(r, r.endswith("frozen"), f"distributed.strategy={r.split('-')[0]}") for r in runs), nproc=2,
                  timeout=240)
