@@ -187,7 +187,7 @@ def test_the_switch_passes_trust_remote_code_true_to_every_loader(assets, tmp_pa
                              "train.global_batch_pairs=4", "run.plot=false", "run.tensorboard=false"])
     build(cfg, log=quiet)
     assert [k.get("trust_remote_code") for k in images.kwargs] == [True]
-    assert eval_config(EvalOptions(model=str(assets["model"]), data=str(tmp_path / "store"),
+    assert eval_config(EvalOptions(model=str(assets["model"]), data=str(tmp_path / "store"), loss="simpo",
                                    trust_remote_code=True)).model.trust_remote_code
     images.kwargs.clear()
     precompute_reference(PrecomputeOptions(model=str(assets["model"]), data=str(tmp_path / "store"),

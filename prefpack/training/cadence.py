@@ -20,6 +20,8 @@ from prefpack.distributed import Dist
 from prefpack.progress import clock, is_terminal
 from prefpack.training.report import IntervalMeans, eval_line
 
+_is_terminal = is_terminal  # module-level, so tests can stand in a terminal
+
 __all__ = ["Cadence", "TrainingInterrupted", "log_line", "postfix"]
 
 
@@ -95,7 +97,7 @@ class Cadence:
         if self.evaluate is not None and start == 0:
             before = self._evaluate(0, "before training")
         self.clock = (start, time.monotonic())
-        if progress and not is_terminal(sys.stderr):
+        if progress and not _is_terminal(sys.stderr):
             self.lines = True
         elif progress:
             from tqdm import tqdm
