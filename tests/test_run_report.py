@@ -127,3 +127,6 @@ def test_eval_reports_progress_in_a_batch_log(world, capsys):
     assert json.loads(out.strip().splitlines()[-1])["pairs"] == 4
     done = [x for x in err.splitlines() if x.startswith("eval: ") and "done in" in x]
     assert len(done) == 1 and "micro-batches" in done[0]
+    # scoring holds no gradients nor optimizer state, and its memory estimate says so
+    estimate = next(x for x in err.splitlines() if x.startswith("estimated peak per device"))
+    assert "gradients 0.0 MiB, optimizer state 0.0 MiB" in estimate

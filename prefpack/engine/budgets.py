@@ -173,6 +173,7 @@ def run_holding(engine) -> Holding:
     """How this run holds its weights on each device (``engine/memory.py``)."""
     cfg, world, precision = engine.cfg, engine.parallel.world, engine.precision
     sharded = cfg.distributed.strategy == "fsdp2" and world > 1
-    return Holding(compute=precision.compute, autocast=precision.autocast, world=world, sharded=sharded,
+    return Holding(training=engine.training, compute=precision.compute, autocast=precision.autocast, world=world,
+                   sharded=sharded,
                    cast_per_layer=precision.sharded_mixed,
                    cpu_offload=sharded and bool(cfg.distributed.cpu_offload) and engine.device.type != "cpu")

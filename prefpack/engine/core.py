@@ -38,6 +38,7 @@ class Engine:
     device: torch.device
     unpaired: bool = False  # the run trains the KTO family (the objective registry decided)
     check_sidecar_reference: bool = True  # False: a precomputed reference is taken whatever weights computed it
+    training: bool = True  # False (eval): scored only, so no gradients nor optimizer state are held
     precision: Precision | None = None
     attn: str = ""
     compile_layers: bool | str = False
@@ -73,11 +74,12 @@ class Stage(Protocol):
 
 
 def build_engine(cfg, parallel: Parallel, device: torch.device, *, unpaired: bool, log=print,
-                 check_sidecar_reference: bool = True) -> Engine:
+                 check_sidecar_reference: bool = True, training: bool = True) -> Engine:
     """The run's weights, as the stages hold them (see the module doc)."""
     from prefpack.engine.stages import STAGES
 
-    engine = Engine(cfg, parallel, device, unpaired=unpaired, check_sidecar_reference=check_sidecar_reference)
+    engine = Engine(cfg, parallel, device, unpaired=unpaired, check_sidecar_reference=check_sidecar_reference,
+                    training=training)
     for stage in STAGES:
         stage.apply(engine, log)
     return engine

@@ -118,7 +118,8 @@ def score_store(opts: EvalOptions, *, parallel: Parallel = ONE_PROCESS, log=prin
 
     cfg = eval_config(opts)
     cfg.validate()
-    setup = build(cfg, log=log, parallel=parallel, check_sidecar_reference=False)  # the sidecar IS the ref
+    setup = build(cfg, log=log, parallel=parallel, check_sidecar_reference=False,  # the sidecar IS the ref
+                  training=False)
     result = evaluate(setup.policy, setup.reference, setup.train_task, parallel=parallel, progress=progress)
     parallel.barrier()  # no rank leaves while another is still in a collective
     task = setup.train_task

@@ -158,12 +158,14 @@ class Setup:
         return next(iter(self.feed.eval_tasks.values()), None)
 
 
-def build(cfg, *, log=print, parallel: Parallel | None = None, check_sidecar_reference: bool = True) -> Setup:
+def build(cfg, *, log=print, parallel: Parallel | None = None, check_sidecar_reference: bool = True,
+          training: bool = True) -> Setup:
     """Open the stores, hold the weights, and lay out what each step trains on, with every check up front.
 
     ``parallel``: the rank layout (default one process on ``train.device``). ``check_sidecar_reference=False``
     (``prefpack eval``): a precomputed reference is taken as the reference whatever model it was computed with;
-    training checks it was computed with its reference weights."""
+    training checks it was computed with its reference weights. ``training=False``: the weights are only scored
+    (no gradients nor optimizer state in the memory estimate)."""
     if not cfg.model.name_or_path:
         raise ModelError("model.name_or_path is required (a local model folder or a hub id)")
     if not cfg.data.train:
@@ -178,7 +180,7 @@ def build(cfg, *, log=print, parallel: Parallel | None = None, check_sidecar_ref
         device = parallel.device
     tok = _tokenizer(cfg, stores)
     engine = build_engine(cfg, parallel, device, unpaired=unpaired, log=log,
-                          check_sidecar_reference=check_sidecar_reference)
+                          check_sidecar_reference=check_sidecar_reference, training=training)
     for spec, (_, store) in zip(stores.specs, stores.train):
         check_vocab_fits(engine.policy, store.meta, spec.path)
     # LD-DPO weights the reference's sums too
