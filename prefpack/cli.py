@@ -72,19 +72,25 @@ def _program(from_command_line: bool) -> str:
     return typed if os.path.basename(typed) == "prefpack" else "prefpack"
 
 
-def main(argv: list[str] | None = None) -> int:
-    program = _program(argv is None)
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
+    """The parsed arguments, as `main` runs them (tests/test_docs_commands.py parses the documented commands so)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command in ("train", "eval", "precompute-ref", "quickstart", "generate", "score"):
-        _quiet_libraries()
     if extra:
         # `key.sub=value` overrides may follow options (argparse stops collecting positionals at the first flag)
         if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
             args.overrides = [*args.overrides, *extra]
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    program = _program(argv is None)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_command_line(argv)
+    if args.command in ("train", "eval", "precompute-ref", "quickstart", "generate", "score"):
+        _quiet_libraries()
     try:
         return _commands()[args.command][1](args, [program, *argv])
     except USER_ERRORS as exc:

@@ -194,3 +194,21 @@ def test_the_layers_of_one_forward_share_each_prompt_groups_mask(monkeypatch):
     mask = make(5, 3, None, torch.device("cpu"))
     assert torch.equal(mask == 0, torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0],
                                                 [1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool))
+
+
+@pytest.mark.parametrize("window", [None, 3, 40])
+def test_a_prompt_groups_mask_is_built_in_its_own_memory(window):
+    """The mask equals the position-difference rule (written out here), and building it allocates about the mask
+    itself: a difference matrix (int64) and boolean copies held 2.5x more on every sequence-parallel rank."""
+    from torch.profiler import profile
+
+    from prefpack.model.attention.packed_sdpa import _prefix_mask
+
+    prefix, length = 300, 200
+    q_pos, k_pos = np.arange(prefix, prefix + length)[:, None], np.arange(prefix + length)[None, :]
+    seen = (q_pos >= k_pos) & (True if window is None else (q_pos - k_pos < window))
+    with profile(profile_memory=True) as prof:
+        mask = _prefix_mask(prefix, length, window, torch.device("cpu"))
+    assert torch.equal(mask, torch.from_numpy(np.where(seen, 0.0, -np.inf)).float())
+    allocated = sum(max(e.self_cpu_memory_usage, 0) for e in prof.events())
+    assert allocated <= (2 if window else 1) * mask.numel() * 4 + 4096, allocated
