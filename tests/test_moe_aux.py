@@ -158,3 +158,25 @@ def test_coefficient_rule_follows_trl():
     assert router_aux_loss_coef(model, 0.5) == 0.5
     assert router_aux_loss_coef(model, 0.0) == 0.0
     assert Config().loss.router_aux_loss_coef is None
+
+
+def test_moe_families_without_routers_add_nothing():
+    """A MoE family's config with 0 experts (Granite 4 hybrid's dense sizes) is not MoE for the coefficient; one
+    whose layers are all dense (Qwen3-Next's ``mlp_only_layers``) returns no router logits: an aux loss of 0 (both
+    used to fail: "cannot tell its number of experts", an IndexError in transformers' function)."""
+    import transformers as tf
+
+    small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    granite = tf.GraniteMoeHybridForCausalLM(tf.GraniteMoeHybridConfig(
+        **small, layer_types=["attention", "attention"], mamba_n_heads=4, num_local_experts=0,
+        shared_intermediate_size=64))
+    assert granite.config.router_aux_loss_coef > 0 and router_aux_loss_coef(granite, None) == 0.0
+    torch.manual_seed(0)
+    dense = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(
+        **small, head_dim=8, layer_types=["full_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, mlp_only_layers=[0, 1]))
+    batch = collate(pairs(), [[0], [1, 2]], packing=True, pad_id=0)
+    with torch.no_grad():
+        out = sequence_logps(dense, batch, chunk_size=16, router_aux=True)
+    assert router_aux_loss_coef(dense, None) > 0 and float(out.aux_loss) == 0.0

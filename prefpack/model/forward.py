@@ -105,7 +105,9 @@ def router_aux_loss_coef(model: nn.Module, coef: float | None) -> float:
     """
     text_config = _text_config(model)
     value = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
-    moe = hasattr(text_config, "output_router_logits")
+    experts = [getattr(text_config, k, None) for k in ("num_local_experts", "num_experts")]
+    # a MoE family's config with 0 experts is a dense model (Granite 4 hybrid's dense sizes): no router to balance
+    moe = hasattr(text_config, "output_router_logits") and not any(n == 0 for n in experts)
     if coef and not moe:
         raise ValueError(f"loss.router_aux_loss_coef is {coef} but {type(model).__name__} is not a Mixture-of-Experts "
                          "model that returns its router logits, so there is no auxiliary loss to weight")
@@ -255,13 +257,15 @@ def _vision_inputs(body, vision, batch: Batch, flatten: bool) -> dict:
     return {"inputs_embeds": embeds, "position_ids": positions}
 
 
-def _aux_loss(out, aux, mask: torch.Tensor | None) -> torch.Tensor:
+def _aux_loss(out, aux, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """The model's load-balancing loss over its router logits; ``mask`` [B, L] is 1 on real tokens, 0 on padding
     (None: every position is real)."""
     func, n_experts, top_k = aux
     logits = getattr(out, "router_logits", None)
     if logits is None:
         raise ValueError("the model body returned no router_logits with output_router_logits=True")
+    if not logits:  # a MoE config whose layers are all dense (Qwen3-Next's mlp_only_layers): no router to balance
+        return torch.zeros((), dtype=torch.float32, device=device)
     value = func(tuple(logits), n_experts, top_k, mask)
     return torch.as_tensor(value, dtype=torch.float32, device=logits[0].device).float()
 
@@ -324,7 +328,7 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
                                    softcap=spec.softcap, with_log_sum_sq=wpo, with_entropy=entropy)
     sums = reduce_sequences(logp, index, batch.num_sequences, batch.completion_tokens, wpo=wpo, entropy=entropy,
                             pair_tails=pair_tails, tail_pairs=batch.tail_pairs)
-    return sums if aux is None else sums._replace(aux_loss=_aux_loss(out, aux, mask))
+    return sums if aux is None else sums._replace(aux_loss=_aux_loss(out, aux, mask, hidden.device))
 
 
 def split_pairs(logp_sum: torch.Tensor, n_tokens: torch.Tensor) -> PairSums:
