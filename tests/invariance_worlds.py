@@ -115,10 +115,10 @@ def text_world(kind, tmp_path_factory, toy_tokenizers, hh_train) -> dict:
     * spans_shared: pairs_shared's stores with unscored spans (``conftest.default_unscored``: a completion's first
       token, or a few inside), loss `sigmoid` + `ipo` (its per-token log-ratios count scored tokens);
     * kto_spans_shared: kto_shared's stores with unscored spans (in the main and the KL sequences);
-    * reward_pairs_shared: a reward model (`train.objective=reward`, no reference) on 16 train pairs (6 eval) with
-      a margin on two in three and unscored spans (``reward_unscored``: a third of the completions end unscored),
-      prompts laid out once, 8 pairs a step;
-    * reward_ranked_shared: a reward model on ranked_shared's stores (all pairs of each ranking, each completion's
+    * reward_pairs_shared: a reward model (`train.objective=reward`, no reference) on 16 train pairs (no eval
+      store) with a margin on two in three and unscored spans (``reward_unscored``: a third of the completions end
+      unscored), prompts laid out once, 8 pairs a step;
+    * reward_ranked_shared: a reward model on ranked_shared's train store (all pairs of each ranking, each completion's
       reward computed once), 3 prompts a step.
     """
     root = tmp_path_factory.mktemp(f"invariance-{kind}")
@@ -165,7 +165,8 @@ def text_world(kind, tmp_path_factory, toy_tokenizers, hh_train) -> dict:
         }
     elif kind in ("reward_pairs_shared", "reward_ranked_shared"):
         data = reward_pair_rows(hh_train) if kind == "reward_pairs_shared" else ranked_rows(hh_train)
-        stores = prepare_splits(root, tok, data)
+        # no eval store: only the reference tests (skipped for a reward model) read one
+        stores = prepare_splits(root, tok, {"train": data["train"]})
         keys = ("loss", "rewards/margins", "rewards/accuracies", "rewards/chosen", "rewards/rejected_std")
         if kind == "reward_pairs_shared":
             stores = {name: store_with_spans(path, root / f"{name}_spans", reward_unscored)
