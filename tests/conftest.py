@@ -326,7 +326,8 @@ def store_with_spans(src, dst, unscored=default_unscored):
     table = np.asarray(sorted(spans), dtype=np.int64).reshape(-1, 2)
     table.tofile(Path(dst) / "spans.bin")
     meta = json.loads((Path(dst) / "meta.json").read_text())
-    meta.update(format_version=2, num_spans=len(table))
+    # version 2 at least (a version 4 store, with margins.bin, stays 4)
+    meta.update(format_version=max(2, int(meta["format_version"])), num_spans=len(table))
     (Path(dst) / "meta.json").write_text(json.dumps(meta))
     return Path(dst)
 

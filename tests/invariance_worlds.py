@@ -70,6 +70,24 @@ def grouped_rows(hh_train) -> dict[str, list[dict]]:
     return {"train": interleaved(groups[:8]), "eval": interleaved(groups[8:12])}
 
 
+def reward_pair_rows(hh_train) -> dict[str, list[dict]]:
+    """Pair rows for a reward model: short, distinct prompts (as unpaired_rows), and on two rows in three a per-pair
+    `margin` (TRL's column: -0.5, 0, 0.5 or 1), so that each pair's margin must follow it through the layouts."""
+    rows = [{"prompt": f"Q{k}:{r['prompt'][-50:]}", "chosen": r["chosen"][:60], "rejected": r["rejected"][:60]}
+            for k, r in enumerate(hh_train[:60])]
+    rows = [r for r in rows if r["chosen"].strip() and r["rejected"].strip() and r["chosen"] != r["rejected"]]
+    rows = [{**r, **({"margin": (k % 4) * 0.5 - 0.5} if k % 3 else {})} for k, r in enumerate(rows)]
+    return {"train": rows[:16], "eval": rows[16:22]}
+
+
+def reward_unscored(row: int, side: int, n: int) -> list[tuple[int, int]]:
+    """Unscored ranges for a reward model's completions: on a third of them the last two tokens (the reward is then
+    read at the last scored token, two earlier), on another third the first token, the rest none."""
+    if n < 4:
+        return []
+    return [[(n - 2, n)], [(0, 1)], []][(row + side) % 3]
+
+
 def prepare_splits(root, tok, splits: dict[str, list[dict]], *args) -> dict:
     """Each split's rows prepared (`prefpack prepare`, 64 tokens at most) into ``root / name``."""
     for name, rows in splits.items():
@@ -96,7 +114,12 @@ def text_world(kind, tmp_path_factory, toy_tokenizers, hh_train) -> dict:
       `data.group_by_prompt=true` (each prompt and distinct completion once), 3 prompts a step;
     * spans_shared: pairs_shared's stores with unscored spans (``conftest.default_unscored``: a completion's first
       token, or a few inside), loss `sigmoid` + `ipo` (its per-token log-ratios count scored tokens);
-    * kto_spans_shared: kto_shared's stores with unscored spans (in the main and the KL sequences).
+    * kto_spans_shared: kto_shared's stores with unscored spans (in the main and the KL sequences);
+    * reward_pairs_shared: a reward model (`train.objective=reward`, no reference) on 16 train pairs (no eval
+      store) with a margin on two in three and unscored spans (``reward_unscored``: a third of the completions end
+      unscored), prompts laid out once, 8 pairs a step;
+    * reward_ranked_shared: a reward model on ranked_shared's train store (all pairs of each ranking, each completion's
+      reward computed once), 3 prompts a step.
     """
     root = tmp_path_factory.mktemp(f"invariance-{kind}")
     tok = toy_tokenizers["llama"]
@@ -140,6 +163,28 @@ def text_world(kind, tmp_path_factory, toy_tokenizers, hh_train) -> dict:
             # normalisation (by all its pairs) must not notice
             "ranks": ["train.micro_batch_tokens=256", "data.max_tokens_per_row=256"],
         }
+    elif kind in ("reward_pairs_shared", "reward_ranked_shared"):
+        data = reward_pair_rows(hh_train) if kind == "reward_pairs_shared" else ranked_rows(hh_train)
+        # no eval store: only the reference tests (skipped for a reward model) read one
+        stores = prepare_splits(root, tok, {"train": data["train"]})
+        keys = ("loss", "rewards/margins", "rewards/accuracies", "rewards/chosen", "rewards/rejected_std")
+        if kind == "reward_pairs_shared":
+            stores = {name: store_with_spans(path, root / f"{name}_spans", reward_unscored)
+                      for name, path in stores.items()}
+            assert int(Store(stores["train"]).meta["format_version"]) == 4  # margins.bin, and spans.bin
+            assert int(Store(stores["train"]).meta["num_spans"]) >= 16
+            keys = (*keys, "rewards/target_margin")
+        size = len(data["train"]) if kind == "reward_pairs_shared" else sum(len(r["completions"])
+                                                                            for r in data["train"])
+        settings = {
+            "size": size, "sidecar": None, "precompute": [], "precomputed": [], "keys": keys,
+            "base": ["train.objective=reward", "reference.mode=none", "data.prefix_sharing=true",
+                     f"train.global_batch_pairs={8 if kind == 'reward_pairs_shared' else 3}"],
+            # several pairs (prompts) a micro-batch over two ranks; the pairs' last step wraps into a second epoch
+            "ranks": ["train.micro_batch_tokens=256", "data.max_tokens_per_row=256",
+                      *(["train.global_batch_pairs=10", "optim.schedule=cosine", "optim.warmup_steps=1"]
+                        if kind == "reward_pairs_shared" else [])],
+        }
     else:
         data = unpaired_rows(hh_train) if kind == "kto" else unpaired_rows_shared(hh_train)
         stores = prepare_splits(root, tok, data, "--format", "unpaired")
@@ -158,8 +203,9 @@ def text_world(kind, tmp_path_factory, toy_tokenizers, hh_train) -> dict:
             "ranks": ["train.global_batch_pairs=3", "train.micro_batch_tokens=64", "data.max_tokens_per_row=64",
                       "loss.beta=0.5"],
         }
-    policy, ref = tiny_llama(tok, root / "policy", 1), tiny_llama(tok, root / "ref", 2)
+    reward = kind.startswith("reward")  # a reward model reads no reference: none to build
+    policy, ref = tiny_llama(tok, root / "policy", 1), None if reward else tiny_llama(tok, root / "ref", 2)
     # what `cfg_for(world, ...)` sets besides the model, the train store and the run folder
-    run_settings = [f"reference.model={ref}", *RUN, *settings.pop("base")]
+    run_settings = [*([] if reward else [f"reference.model={ref}"]), *RUN, *settings.pop("base")]
     return {"kind": kind, "root": root, "tok": tok, **stores, **settings, "settings": run_settings,
             "policy": policy, "ref": ref}

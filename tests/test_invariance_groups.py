@@ -1,6 +1,8 @@
 """The invariances of tests/invariance_cases.py for DPO on prompt groups: a ranked store (ranked_shared: several
 scored completions a prompt, each completion computed once) and a pair store whose pairs repeat prompts, read
-grouped by prompt (grouped_shared: each prompt and distinct completion once). The worlds:
+grouped by prompt (grouped_shared: each prompt and distinct completion once); and for a reward model (issue 39,
+`train.objective=reward`): pairs with margins and unscored spans, prompts laid out once (reward_pairs_shared), and the
+ranked store's every pair (reward_ranked_shared). They ride this module's one torchrun launch. The worlds:
 tests/invariance_worlds.py."""
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from invariance_cases import (  # noqa: F401 - the tests and fixtures run here w
 )
 from invariance_worlds import text_world
 
-KINDS = ["ranked_shared", "grouped_shared"]
+KINDS = ["ranked_shared", "grouped_shared", "reward_pairs_shared", "reward_ranked_shared"]
 
 
 @pytest.fixture(scope="module")
