@@ -18,6 +18,9 @@ from prefpack.errors import PrefpackError
 
 __all__ = ["SWITCH", "RemoteCodeError", "check_model_code", "check_processor_code", "check_tokenizer_code"]
 
+# the flag's help, on every command that loads folders: without it a folder naming code is refused
+REMOTE_CODE_HELP = ("run Python code that the model, tokenizer or processor folder names in its config (auto_map); "
+                    "off, such a folder is refused")
 SWITCH = ("pass --trust-remote-code (prepare, inspect, eval, precompute-ref) or set model.trust_remote_code=true (train) if "
           "you trust it")
 
