@@ -12,6 +12,7 @@ import shlex
 import shutil
 import signal
 
+import numpy as np
 import pytest
 import torch
 
@@ -108,17 +109,54 @@ def test_the_learning_rate_schedule_spans_every_round(straight, task):
         assert lr == pytest.approx(LR * 0.5 * (1 + math.cos(math.pi * (step - 1) / total)), rel=1e-9)
 
 
-def test_sampled_token_ids_reach_the_store_unchanged(straight, task):
+def _sequences(batch) -> dict[int, tuple[list[int], list[int]]]:
+    """Each sequence of a collated batch read back from its layout: (prompt ids, completion ids). The completion is
+    its scored targets; its prompt, the contiguous run of positions 0..p that ends where its first target is
+    predicted (a shared prompt's last position, or its own)."""
+    flat_inputs, flat_positions = batch.input_ids.flatten(), batch.position_ids.flatten()
+    if batch.score_positions is not None:  # prompts laid out once
+        where, targets, owner = batch.score_positions, batch.score_targets, batch.score_sequences
+    else:
+        where = torch.nonzero(batch.loss_mask.flatten()).flatten()
+        targets, owner = batch.target_ids.flatten()[where], batch.seq_index.flatten()[where]
+    out = {}
+    for s in range(batch.num_sequences):
+        at, completion = where[owner == s], targets[owner == s].tolist()
+        first = int(at[0])
+        prompt = flat_inputs[first - int(flat_positions[first]):first + 1].tolist()
+        assert flat_inputs[at[1:]].tolist() == completion[:-1]  # each completion token is the next position's input
+        out[s] = (prompt, completion)
+    return out
+
+
+def test_sampled_token_ids_reach_the_training_batches_unchanged(straight, task):
+    """Round 2's pair store, planned and collated by the objective its training builds, holds exactly the samples
+    file's prompt ids and, per prompt, its best and worst sample's ids (best_vs_worst, the rewards recomputed here)."""
+    import difflib
+
+    from prefpack.rounds import plan
+    from prefpack.training.setup import build
+
     folder = task / "straight" / "rounds" / "002"
     rows = read_jsonl(folder / "samples.jsonl")
     store = Store(folder / "store")
     assert store.meta["pairs"]["pairs"] == len(store) == straight.rounds[1]["pairs"]
-    scores = {json.dumps(r["row"]): r for r in rows}
-    for i in range(len(store)):
-        pair = store.pair(i)
-        row = scores[json.dumps(int(store.column("source_row")[i]))]
-        assert pair.prompt.tolist() == row["prompt_ids"]
-        assert pair.chosen.tolist() in row["completion_ids"] and pair.rejected.tolist() in row["completion_ids"]
+    source = store.column("source_row")
+    objective = build(plan.train_config(config(task, "straight"), task / "straight", 1), log=quiet).feed.objective
+    by_row, seen = {r["row"]: r for r in rows}, []
+    for planned in objective.plan(np.arange(len(store)), seed=None):
+        batch = objective.collate(planned)
+        assert batch.score_positions is not None  # each pair's prompt laid out once for its two completions
+        for s, (prompt, completion) in _sequences(batch).items():
+            pair, side = divmod(int(batch.sequence_keys[s]), 2)  # pair p's chosen / rejected: keys 2p / 2p + 1
+            row = by_row[int(source[pair])]
+            scores = [difflib.SequenceMatcher(None, c.strip().lower(), row["label"]).ratio()
+                      for c in row["completions"]]
+            best = (max if side == 0 else min)(scores)
+            assert prompt == row["prompt_ids"]
+            assert completion in [ids for ids, x in zip(row["completion_ids"], scores) if x == best], (pair, side)
+            seen.append((pair, side))
+    assert sorted(seen) == [(p, side) for p in range(len(store)) for side in (0, 1)]  # every pair, each side once
 
 
 def test_resume_after_a_kill_in_each_phase_equals_the_uninterrupted_run(straight, task, monkeypatch, capsys):
