@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shlex
 import shutil
+import signal
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,13 +51,17 @@ def task(tmp_path_factory):
     return root
 
 
-def config(task, run: str, *extra: str):
-    return load_config(None, [
+def overrides(task, run: str, *extra: str) -> list[str]:
+    return [
         f"model.name_or_path={task / 'init'}", "train.global_batch_pairs=8", f"optim.lr={LR}", "optim.schedule=cosine",
         "loss.beta=0.1", f"run.output_dir={task / run}", "run.report_to=none", "run.plot=false", "run.save_every=3",
         f"rounds.count={ROUNDS}", f"rounds.prompts={task / 'prompts.jsonl'}", "rounds.samples_per_prompt=4",
         f"rounds.eval_prompts={task / 'held_out.jsonl'}", "rounds.max_new_tokens=1", "rounds.batch_size=4",
-        f"rounds.reward_fn={task / 'reward.py'}:reward", f"rounds.steps_per_round={STEPS}", *extra])
+        f"rounds.reward_fn={task / 'reward.py'}:reward", f"rounds.steps_per_round={STEPS}", *extra]
+
+
+def config(task, run: str, *extra: str):
+    return load_config(None, overrides(task, run, *extra))
 
 
 @pytest.fixture(scope="module")
@@ -101,26 +109,93 @@ def test_the_learning_rate_schedule_spans_every_round(straight, task):
         assert lr == pytest.approx(LR * 0.5 * (1 + math.cos(math.pi * (step - 1) / total)), rel=1e-9)
 
 
-def test_sampled_token_ids_reach_the_store_unchanged(straight, task):
+def _sequences(batch) -> dict[int, tuple[list[int], list[int]]]:
+    """Each sequence of a collated batch read back from its layout: (prompt ids, completion ids). The completion is
+    its scored targets; its prompt, the contiguous run of positions 0..p that ends where its first target is
+    predicted (a shared prompt's last position, or its own)."""
+    flat_inputs, flat_positions = batch.input_ids.flatten(), batch.position_ids.flatten()
+    if batch.score_positions is not None:  # prompts laid out once
+        where, targets, owner = batch.score_positions, batch.score_targets, batch.score_sequences
+    else:
+        where = torch.nonzero(batch.loss_mask.flatten()).flatten()
+        targets, owner = batch.target_ids.flatten()[where], batch.seq_index.flatten()[where]
+    out = {}
+    for s in range(batch.num_sequences):
+        at, completion = where[owner == s], targets[owner == s].tolist()
+        first = int(at[0])
+        prompt = flat_inputs[first - int(flat_positions[first]):first + 1].tolist()
+        assert flat_inputs[at[1:]].tolist() == completion[:-1]  # each completion token is the next position's input
+        out[s] = (prompt, completion)
+    return out
+
+
+def test_sampled_token_ids_reach_the_training_batches_unchanged(straight, task):
+    """Round 2's pair store, planned and collated by the objective its training builds, holds exactly the samples
+    file's prompt ids and, per prompt, its best and worst sample's ids (best_vs_worst, the rewards recomputed here)."""
+    import difflib
+
+    from prefpack.rounds import plan
+    from prefpack.training.setup import build
+
     folder = task / "straight" / "rounds" / "002"
     rows = read_jsonl(folder / "samples.jsonl")
     store = Store(folder / "store")
     assert store.meta["pairs"]["pairs"] == len(store) == straight.rounds[1]["pairs"]
-    scores = {json.dumps(r["row"]): r for r in rows}
-    for i in range(len(store)):
-        pair = store.pair(i)
-        row = scores[json.dumps(int(store.column("source_row")[i]))]
-        assert pair.prompt.tolist() == row["prompt_ids"]
-        assert pair.chosen.tolist() in row["completion_ids"] and pair.rejected.tolist() in row["completion_ids"]
+    source = store.column("source_row")
+    objective = build(plan.train_config(config(task, "straight"), task / "straight", 1), log=quiet).feed.objective
+    by_row, seen = {r["row"]: r for r in rows}, []
+    for planned in objective.plan(np.arange(len(store)), seed=None):
+        batch = objective.collate(planned)
+        assert batch.score_positions is not None  # each pair's prompt laid out once for its two completions
+        for s, (prompt, completion) in _sequences(batch).items():
+            pair, side = divmod(int(batch.sequence_keys[s]), 2)  # pair p's chosen / rejected: keys 2p / 2p + 1
+            row = by_row[int(source[pair])]
+            scores = [difflib.SequenceMatcher(None, c.strip().lower(), row["label"]).ratio()
+                      for c in row["completions"]]
+            best = (max if side == 0 else min)(scores)
+            assert prompt == row["prompt_ids"]
+            assert completion in [ids for ids, x in zip(row["completion_ids"], scores) if x == best], (pair, side)
+            seen.append((pair, side))
+    assert sorted(seen) == [(p, side) for p in range(len(store)) for side in (0, 1)]  # every pair, each side once
 
 
-def test_resume_after_a_kill_in_each_phase_equals_the_uninterrupted_run(straight, task):
+def test_resume_after_a_kill_in_each_phase_equals_the_uninterrupted_run(straight, task, monkeypatch, capsys):
+    from prefpack.cli import main
+    from prefpack.rounds.stopped import where_stopped
+    from prefpack.training.cadence import Cadence
+
     run = task / "resumed"
-    stops = [(0, "generate", 2), (0, "score", 8), (1, "generate", 1), (1, "train", 5)]
+    stops = [(0, "generate", 2), (0, "score", 8), (1, "generate", 1), (1, "train", 4)]
+    where = ["round 1 of 2 (%s) stopped while sampling its prompts: 8 prompts are sampled",
+             "round 1 of 2 (%s) stopped while scoring its samples: 8 rows are scored",
+             "round 2 of 2 (%s) stopped while sampling its prompts: 4 prompts are sampled",
+             "round 2 of 2 (%s) stopped in training; its last checkpoint is step 3"]
     for k, stop in enumerate(stops):
         with pytest.raises(RoundsInterrupted):
             run_rounds(config(task, "resumed"), resume=k > 0, log=quiet, progress=False, stop_at=stop)
-    result = run_rounds(config(task, "resumed"), resume=True, log=quiet, progress=False)
+        assert where_stopped(config(task, "resumed")).startswith(where[k] % (run / "rounds" / f"{stop[0] + 1:03d}"))
+    # SIGTERM in round 2's training, through the command line: a checkpoint of that step in the round's own folder,
+    # and the printed command (`prefpack train ... --resume`) continues the run to the uninterrupted run's end
+    after_step = Cadence.after_step
+
+    def terminate_at_step_6(self, done, last):
+        after_step(self, done, last)
+        if done == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(Cadence, "after_step", terminate_at_step_6)
+    capsys.readouterr()
+    assert main(["train", *overrides(task, "resumed"), "--resume", "--no-progress"]) == 128 + signal.SIGTERM
+    hint = capsys.readouterr().err.strip().splitlines()
+    checkpoint = run / "rounds" / "002" / "train" / "checkpoints" / "step-00000006"
+    assert hint[-2].startswith("prefpack train: terminated by signal 15 after step 6 of round 2; round 2 of 2")
+    assert hint[-2].endswith(f"its last checkpoint is step 6 ({checkpoint}); continue with:") and checkpoint.is_dir()
+    command = shlex.split(hint[-1])
+    assert command[:2] == ["prefpack", "train"] and "--resume" in command
+    monkeypatch.setattr(Cadence, "after_step", after_step)
+    assert main(["train", *command[2:]]) == 0
+    assert f"resumed from {checkpoint} at step 6" in capsys.readouterr().err
+    result = run_rounds(config(task, "resumed"), resume=True, log=quiet, progress=False)  # every round done: read back
     for r in ("001", "002"):
         for name in ("samples.jsonl", "store/tokens.bin", "store/index.bin"):  # meta.json names its own paths
             a, b = task / "straight" / "rounds" / r / name, run / "rounds" / r / name

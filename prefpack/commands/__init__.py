@@ -103,6 +103,7 @@ def run_train(args, argv) -> int:
 
 def _run_rounds(cfg, args, argv) -> int:
     from prefpack.rounds import run_rounds
+    from prefpack.rounds.stopped import stopped_round, where_stopped
     from prefpack.training.guards import TrainingTerminated
     from prefpack.training.resume_check import resume_hint
 
@@ -111,11 +112,12 @@ def _run_rounds(cfg, args, argv) -> int:
         return 2
     try:
         result = run_rounds(cfg, resume=args.resume, log=_err, progress=not args.no_progress)
-    except TrainingTerminated as term:
-        _err(resume_hint(cfg, argv, f"terminated by signal {term.signum} after step {term.step} of a round"))
+    except TrainingTerminated as term:  # the round's checkpoint is in RUN_DIR/rounds/NNN/train/checkpoints
+        what = f"terminated by signal {term.signum} after step {term.step} of round {stopped_round(cfg) + 1}"
+        _err(resume_hint(cfg, argv, what, where_stopped(cfg)))
         return 128 + term.signum
     except KeyboardInterrupt:
-        _err(resume_hint(cfg, argv))
+        _err(resume_hint(cfg, argv, where=where_stopped(cfg)))
         return 130
     print(json_line(result.to_json()) if args.json else result.summary(), flush=True)
     return 0

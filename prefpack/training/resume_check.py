@@ -315,8 +315,9 @@ def accept_changes_from_newest_checkpoint(cfg: Config, *, log: Callable[[str], N
     accept_config_changes(cfg, step=newest.step if newest is not None else None, log=log)
 
 
-def resume_hint(cfg: Config, argv: list[str], what: str = "interrupted") -> str:
-    """Ctrl-C or SIGTERM: the last checkpoint and the exact command that continues from it."""
+def resume_hint(cfg: Config, argv: list[str], what: str = "interrupted", where: str | None = None) -> str:
+    """Ctrl-C or SIGTERM: the last checkpoint (or ``where``: a caller's own clause, e.g. a rounds run's round and
+    phase) and the exact command that continues from it."""
     import shlex
 
     from prefpack.training.checkpoint import checkpoint_step, latest_checkpoint
@@ -332,9 +333,9 @@ def resume_hint(cfg: Config, argv: list[str], what: str = "interrupted") -> str:
             words.append(w)
     if "--resume" not in words:
         words.append("--resume")
-    if last is None:
+    if where is None and last is None:
         where = (f"no checkpoint was written yet (run.save_every={cfg.run.save_every}), so resuming starts again "
                  "from step 0")
-    else:
+    elif where is None:
         where = f"the last checkpoint is step {checkpoint_step(last)} ({last})"
     return f"prefpack train: {what}; {where}; continue with:\n  {shlex.join(words)}"
