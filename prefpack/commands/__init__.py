@@ -296,7 +296,7 @@ def add_quickstart(sub) -> None:
                        description="--model-size toy (default): the whole pipeline on generated reviews, in "
                        "runs/quickstart. --model-size small: only a starting model for your own data (README's "
                        "'Train your own'): a 4-layer Llama with 2,048 positions and its tokenizer, trained as a "
-                       "language model on the bundled hh sample (30 steps: 1-3 minutes on 2 CPU cores), in "
+                       "language model on the bundled hh sample (30 steps: about 25 s on 2 quiet CPU cores, minutes on busy ones), in "
                        "runs/quickstart-small/model.")
     p.add_argument("--model-size", choices=("toy", "small"), default="toy",
                    help="toy: the DPO demo (default); small: build a model for real data and stop")
