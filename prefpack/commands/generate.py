@@ -61,6 +61,7 @@ def add_generate(sub) -> None:
 def run_generate(args, argv: list[str]) -> int:
     from prefpack.errors import PrefpackError
     from prefpack.generation.run import GenerateOptions, generate
+    from prefpack.stop_signal import Terminated
 
     kwargs = tools = None
     try:
@@ -82,5 +83,17 @@ def run_generate(args, argv: list[str]) -> int:
         vllm_url=args.vllm_url, vllm_command=args.vllm_command, vllm_start_timeout=args.vllm_start_timeout,
         request_timeout=args.request_timeout, concurrency=args.concurrency, overwrite=args.overwrite,
         trust_remote_code=args.trust_remote_code)
-    print(generate(opts, log=lambda m: print(m, file=sys.stderr)).summary())
+    try:
+        report = generate(opts, log=lambda m: print(m, file=sys.stderr))
+    except Terminated as term:  # SIGTERM or Ctrl-C: the samples end at a whole row; the same command continues them
+        print(stopped_hint("generate", term, argv), file=sys.stderr)
+        return 128 + term.signum  # 143 for SIGTERM, 130 for Ctrl-C, as if the signal had killed it
+    print(report.summary())
     return 0
+
+
+def stopped_hint(command: str, term, argv: list[str]) -> str:
+    """One line: what a signalled run had done, and the command that continues it (the same command)."""
+    import shlex
+
+    return f"prefpack {command}: {term}; continue with the same command:\n  {shlex.join(argv)}"

@@ -51,6 +51,10 @@ class PromptSource:
     def __iter__(self) -> Iterator[Prompt]:
         raise NotImplementedError
 
+    def count(self) -> int:
+        """How many prompts the source holds, read without tokenising (the "N of M" of a stopped run's hint)."""
+        raise NotImplementedError
+
     def tokenizer_record(self) -> dict:
         raise NotImplementedError
 
@@ -110,6 +114,10 @@ class StorePrompts(PromptSource):
         if self.repeats:
             self.notes = [f"{self.repeats} examples repeat an earlier prompt of the store; each prompt was sampled "
                               "once (its first example's row)"]
+
+    def count(self) -> int:
+        return len({hashlib.blake2b(np.asarray(ids).tobytes(), digest_size=16).digest()
+                    for _, _, ids in self._prompts()})
 
     def tokenizer_record(self) -> dict:
         return self.store.meta["tokenizer"]
@@ -179,6 +187,9 @@ class RowPrompts(PromptSource):
         ids = self.encoder.encode_prompt(ex)
         fields = {k: v for k, v in row.items() if k != name and k not in RESERVED}
         return Prompt(n, tuple(ids), value if chat else None, fields)
+
+    def count(self) -> int:
+        return sum(1 for src in self.sources for _ in iter_rows(src))
 
     def tokenizer_record(self) -> dict:
         return tokenizer_record(self.tok, self.tokenizer_given)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from prefpack.generation.engine import GenerationEngine, GenerationError, Prompt
 from prefpack.generation.prompts import Prompt, PromptSource, RowPrompts, StorePrompts
 from prefpack.generation.samples import SamplesWriter, meta_path
 from prefpack.generation.stops import stop_token_ids
+from prefpack.stop_signal import STOP_SIGNALS, StopSignal, Terminated
 
 ENGINES = ("transformers", "vllm")
 
@@ -80,7 +82,8 @@ def prompt_source(opts: GenerateOptions) -> PromptSource:
                       tools=opts.tools, trust_remote_code=opts.trust_remote_code)
 
 
-def build_engine(opts: GenerateOptions, source: PromptSource) -> GenerationEngine:
+def build_engine(opts: GenerateOptions, source: PromptSource, stop: StopSignal | None = None) -> GenerationEngine:
+    """The engine the options name; ``stop``: a stop signal while a server prefpack starts loads stops it."""
     if opts.engine not in ENGINES:
         raise GenerationError(f"unknown engine {opts.engine!r}; choose {', '.join(ENGINES)}")
     if opts.engine == "transformers":
@@ -107,7 +110,7 @@ def build_engine(opts: GenerateOptions, source: PromptSource) -> GenerationEngin
 
     log = meta_path(opts.output).with_name(Path(opts.output).name.removesuffix(".jsonl") + ".vllm.log")
     server = VllmServer(opts.vllm_command, model=opts.model, log_path=log, start_timeout=opts.vllm_start_timeout)
-    server.start()
+    server.start(stop)
     try:
         return VllmEngine(server.url, request_timeout=opts.request_timeout, concurrency=opts.concurrency,
                           server=server)
@@ -137,25 +140,38 @@ def model_eos_ids(model: str | None) -> list[int]:
 
 
 def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> GenerateReport:
-    source = prompt_source(opts)
-    settings = settings_of(opts, source)
-    engine = build_engine(opts, source)
-    try:
-        return sample_prompts(source, engine, settings, opts.output, overwrite=opts.overwrite, log=log)
-    finally:
-        engine.close()
+    """Raises :class:`Terminated` after SIGTERM / Ctrl-C, the samples file ending at a whole batch and a server
+    prefpack started stopped."""
+    with StopSignal(signums=STOP_SIGNALS) as stop:
+        source = prompt_source(opts)
+        settings = settings_of(opts, source)
+        engine = build_engine(opts, source, stop)
+        try:
+            return sample_prompts(source, engine, settings, opts.output, overwrite=opts.overwrite, log=log, stop=stop)
+        finally:
+            engine.close()
 
 
 def sample_prompts(source: PromptSource, engine: GenerationEngine, settings: SamplingSettings, output: str | Path, *,
-                   overwrite: bool = False, log: Callable[[str], None] = print) -> GenerateReport:
+                   overwrite: bool = False, log: Callable[[str], None] = print,
+                   stop: StopSignal | None = None) -> GenerateReport:
     """Every prompt of ``source`` sampled by ``engine`` into ``output``, in chunks of the engine's
     ``batch_prompts``; a chunk whose rows a previous run wrote is skipped, one it left part-done is made again
-    whole (so the rows equal an uninterrupted run's) and only its missing rows written."""
+    whole (so the rows equal an uninterrupted run's) and only its missing rows written. SIGTERM or Ctrl-C (``stop``,
+    or this call's own handler) is acted on before each chunk: :class:`Terminated`, the file ending at a whole row."""
+    with nullcontext(stop) if stop is not None else StopSignal(signums=STOP_SIGNALS) as stop:
+        return _sample_prompts(source, engine, settings, output, overwrite, log, stop)
+
+
+def _sample_prompts(source, engine, settings, output, overwrite, log, stop: StopSignal) -> GenerateReport:
     t0 = time.perf_counter()
     meta = {"tokenizer": source.tokenizer_record(), "chat_template": source.chat_template_record(),
             "prompts": source.describe(),
             "generation": {"engine": engine.name, "settings": settings.to_json(), **engine.describe()}}
     writer = SamplesWriter(output, meta, overwrite=overwrite)
+    if writer.torn:
+        log(f"{output}: its last line was cut off by a kill mid-write ({writer.torn} bytes); dropped, its row is "
+            "made again")
     if writer.done:
         log(f"continuing {output}: {len(writer.done)} rows were written by an earlier run")
     tok = source.tok
@@ -166,17 +182,27 @@ def sample_prompts(source: PromptSource, engine: GenerationEngine, settings: Sam
             counts["prompts"] += 1
             chunk.append(prompt)
             if len(chunk) == engine.batch_prompts:
+                _stop_if_due(stop, writer, source)
                 _chunk(chunk, engine, settings, writer, tok, counts)
                 chunk = []
         if chunk:
+            _stop_if_due(stop, writer, source)
             _chunk(chunk, engine, settings, writer, tok, counts)
         if not counts["prompts"]:
             raise GenerationError("no prompt to sample: the source is empty")
+        _stop_if_due(stop, writer, source)  # a signal during the last chunk: the file is whole, the meta not yet
         writer.finish({k: counts[k] for k in ("prompts", "samples", "truncated")})
     finally:
         writer.close()
     return GenerateReport(Path(output), counts["prompts"], counts["written"], counts["samples"], counts["truncated"],
                           counts["tokens"], time.perf_counter() - t0, list(source.notes))
+
+
+def _stop_if_due(stop: StopSignal, writer: SamplesWriter, source: PromptSource) -> None:
+    if stop.due():
+        writer.close()
+        raise Terminated(f"{len(writer.done) + writer.written} of {source.count()} prompts are sampled in "
+                         f"{writer.path}", stop.signum)
 
 
 def _chunk(chunk: list[Prompt], engine, settings, writer: SamplesWriter, tok, counts: dict) -> None:

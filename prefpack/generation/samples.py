@@ -8,7 +8,8 @@ template), then the source row's other fields. The meta: the tokenizer record a 
 template's hash, the prompt source, the generation settings (engine, n, seed, ...) and, once finished, counts.
 
 Rows are appended as they are made, so a killed run keeps what it wrote: run again with the same settings and it
-skips the rows done (a partial last line is dropped); other settings are refused unless ``overwrite``.
+skips the rows done (a partial last line, which a kill -9 mid-write leaves, is dropped and said, and its row made
+again); other settings are refused unless ``overwrite``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class SamplesWriter:
     def __init__(self, path: str | Path, meta: dict, *, overwrite: bool = False):
         self.path, self.meta_file, self.meta = Path(path), meta_path(path), dict(meta, complete=False)
         self.done: set[int] = set()
+        self.torn = 0  # bytes of a partial last line an earlier run left (dropped)
+        self.written = 0  # rows this writer wrote
         self.prior = {"samples": 0, "truncated": 0}  # what the rows an earlier run wrote hold
         if self.path.exists() and not overwrite:
             self.done = self._resume()
@@ -77,7 +80,8 @@ class SamplesWriter:
         with open(self.path, "rb") as fh:
             for line in fh:
                 if not line.endswith(b"\n"):
-                    break  # a partial line a killed run left: dropped, and its row made again
+                    self.torn = len(line)  # a partial line a killed run left: dropped, and its row made again
+                    break
                 try:
                     row = json.loads(line)
                     done.add(int(row["row"]))
@@ -94,6 +98,7 @@ class SamplesWriter:
     def write(self, row: dict) -> None:
         self.fh.write(json.dumps(row, ensure_ascii=False) + "\n")
         self.fh.flush()
+        self.written += 1
 
     def finish(self, counts: dict) -> None:
         self.fh.close()

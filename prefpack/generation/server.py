@@ -15,6 +15,7 @@ from pathlib import Path
 
 from prefpack.generation.engine import GenerationError
 from prefpack.generation.vllm_engine import TRANSPORT_ERRORS, describe_failure, served_model
+from prefpack.stop_signal import Terminated
 
 DEFAULT_START_TIMEOUT = 900.0  # seconds: a large model's first load and compilation
 
@@ -41,8 +42,9 @@ class VllmServer:
         self.url = f"http://{host}:{self.port}"
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> VllmServer:
-        """Run the command and wait until the server lists its model."""
+    def start(self, stop=None) -> VllmServer:
+        """Run the command and wait until the server lists its model; a signal ``stop`` (a ``StopSignal``) receives
+        meanwhile stops the server and raises ``Terminated`` (a server left running would hold its GPUs)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         try:
@@ -54,6 +56,9 @@ class VllmServer:
             log.close()
         deadline, last = time.monotonic() + self.start_timeout, "no answer yet"
         while time.monotonic() < deadline:
+            if stop is not None and stop.signum:
+                self.stop()
+                raise Terminated(f"the vLLM server `{self.command}` was starting, and was stopped", stop.signum)
             if self.proc.poll() is not None:
                 raise GenerationError(self.failure(f"the vLLM server did not start at {self.url}"))
             try:

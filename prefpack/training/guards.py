@@ -10,13 +10,12 @@ into the weights; a run that keeps producing them stops, since every later step 
 from __future__ import annotations
 
 import math
-import signal
-import threading
 
 import torch
 
 from prefpack.distributed import Dist
 from prefpack.errors import PrefpackError
+from prefpack.stop_signal import StopSignal  # the one stop-signal handler (generate and score use it too)
 
 __all__ = ["MAX_NONFINITE_IN_A_ROW", "NonFiniteError", "NonFiniteSteps", "StopSignal", "TrainingTerminated",
            "check_finite_weights"]
@@ -34,46 +33,6 @@ class TrainingTerminated(RuntimeError):
 
 class NonFiniteError(PrefpackError, ValueError):
     """Steps whose loss or gradient norm is NaN/inf, too many in a row, or final weights that are not finite."""
-
-
-class StopSignal:
-    """SIGTERM's handler while the loop runs (the previous handler is restored on exit); ``due()`` once per step says,
-    the same on every rank, whether to stop now.
-
-    A signal that arrives after the last step's ``due()`` was never acted on: on exit it is delivered again, to the
-    restored handler, so it is never swallowed (it once was: a run under torchrun finished after its SIGTERM)."""
-
-    def __init__(self, ctx: Dist):
-        self.ctx = ctx
-        self.signum = 0
-        self.acted = False
-        self.previous = None
-
-    def __enter__(self) -> StopSignal:
-        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
-            self.previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
-            self.previous = None
-            if self.signum and not self.acted and exc[0] is None:
-                signal.raise_signal(self.signum)  # arrived after the last check: the handler outside the loop's
-
-    def _handle(self, signum, _frame) -> None:
-        self.signum = signum  # acted on between steps: a handler that raised here could cut a step or a write in half
-
-    def due(self) -> bool:
-        if not self.ctx.enabled:
-            got = bool(self.signum)
-        else:
-            flag = torch.tensor([float(bool(self.signum))], device=self.ctx.device)
-            got = float(self.ctx.all_reduce_sum(flag)) > 0
-            if got and not self.signum:
-                self.signum = signal.SIGTERM  # another rank received it
-        self.acted = self.acted or got
-        return got
 
 
 class NonFiniteSteps:
