@@ -104,6 +104,7 @@ def run_train(args, argv) -> int:
 def _run_rounds(cfg, args, argv) -> int:
     from prefpack.rounds import run_rounds
     from prefpack.rounds.stopped import stopped_round, where_stopped
+    from prefpack.stop_signal import Terminated
     from prefpack.training.guards import TrainingTerminated
     from prefpack.training.resume_check import resume_hint
 
@@ -115,6 +116,9 @@ def _run_rounds(cfg, args, argv) -> int:
     except TrainingTerminated as term:  # the round's checkpoint is in RUN_DIR/rounds/NNN/train/checkpoints
         what = f"terminated by signal {term.signum} after step {term.step} of round {stopped_round(cfg) + 1}"
         _err(resume_hint(cfg, argv, what, where_stopped(cfg)))
+        return 128 + term.signum
+    except Terminated as term:  # SIGTERM / Ctrl-C while sampling or scoring: the files end at a whole batch
+        _err(resume_hint(cfg, argv, f"terminated by signal {term.signum}", where_stopped(cfg)))
         return 128 + term.signum
     except KeyboardInterrupt:
         _err(resume_hint(cfg, argv, where=where_stopped(cfg)))

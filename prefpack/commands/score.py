@@ -59,7 +59,9 @@ def add_score(sub) -> None:
 
 
 def run_score(args, argv: list[str]) -> int:
+    from prefpack.commands.generate import stopped_hint
     from prefpack.rewards.run import ScoreOptions, ScoringInterrupted, score
+    from prefpack.stop_signal import Terminated
 
     opts = ScoreOptions(input=args.input, output=args.output, reward_model=args.reward_model,
                         reward_fn=args.reward_fn, tokenizer=args.tokenizer, format=args.format, pairs=args.pairs,
@@ -73,6 +75,9 @@ def run_score(args, argv: list[str]) -> int:
     except ScoringInterrupted as stop:
         log(f"{stop}; run the same command again to continue from {partial_path(args.output)}")
         return 0
+    except Terminated as term:  # SIGTERM or Ctrl-C: every checkpointed chunk is kept; the same command continues
+        log(stopped_hint("score", term, argv))
+        return 128 + term.signum
     if args.json:
         print(json.dumps(summary))
         return 0

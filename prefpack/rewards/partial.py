@@ -3,7 +3,7 @@
 The folder holds ``manifest.json`` (the input's and the scorer's identity: a resumed run must find both again) and
 one ``rows-START-END.json`` per checkpoint, the scores of input rows ``[START, END)``, each written to a temporary
 name, flushed and renamed into place, so a kill leaves either the whole file or none (a leftover temporary is
-ignored and removed). The scores are JSON numbers, which read back to the same float64. The folder is removed once
+removed, and said). The scores are JSON numbers, which read back to the same float64. The folder is removed once
 the output is written.
 """
 
@@ -61,6 +61,8 @@ class PartialScores:
                 chunks.append((int(m[1]), int(m[2]), entry))
             elif entry.name != MANIFEST:  # a temporary a kill left behind
                 entry.unlink(missing_ok=True)
+                if log is not None:
+                    log(f"{entry}: a checkpoint a kill left half-written; removed, its rows are scored again")
         for start, end, entry in sorted(chunks):
             try:
                 rows = json.loads(entry.read_text(encoding="utf-8"))["scores"]

@@ -17,6 +17,7 @@ from prefpack.rewards.pairs import PAIR_MODES, PairSelection
 from prefpack.rewards.partial import PartialScores
 from prefpack.rewards.rows import ScoreInput, ScoreRow
 from prefpack.rewards.scorers import RewardFunctionScorer, Scorer, ScorerError
+from prefpack.stop_signal import STOP_SIGNALS, StopSignal, Terminated
 
 OUTPUT_FORMATS = ("store", "jsonl")
 
@@ -47,7 +48,13 @@ class ScoreOptions:
 
 
 def score(opts: ScoreOptions, log: Callable[[str], None] = print) -> dict:
-    """Score ``opts.input`` into ``opts.output``; returns a summary (rows, completions, the scores' spread, pairs)."""
+    """Score ``opts.input`` into ``opts.output``; returns a summary (rows, completions, the scores' spread, pairs).
+    SIGTERM or Ctrl-C is acted on between checkpoints: :class:`Terminated`, every scored chunk kept."""
+    with StopSignal(signums=STOP_SIGNALS) as stop:
+        return _score(opts, log, stop)
+
+
+def _score(opts: ScoreOptions, log: Callable[[str], None], stop: StopSignal) -> dict:
     _check(opts)
     source = ScoreInput(opts.input, tokenizer=opts.tokenizer, fallback_tokenizer=_model_tokenizer(opts.reward_model),
                         trust_remote_code=opts.trust_remote_code)
@@ -62,10 +69,13 @@ def score(opts: ScoreOptions, log: Callable[[str], None] = print) -> dict:
             continue
         pending.append(row)
         if len(pending) == opts.checkpoint_rows:
+            _stop_if_due(stop, partial, total, bar)
             _checkpoint(scorer, pending, partial, bar, opts)
             pending = []
     if pending:
+        _stop_if_due(stop, partial, total, bar)
         _checkpoint(scorer, pending, partial, bar, opts)
+    _stop_if_due(stop, partial, total, bar)  # a signal during the last chunk: stop before writing the output
     bar.close()
     scores = partial.scores
     summary = {"input": str(source.path), "output": opts.output, "rows": len(scores),
@@ -137,6 +147,12 @@ def _checkpoint(scorer: Scorer, rows: list[ScoreRow], partial: PartialScores, ba
     if opts.stop_after_rows is not None and len(partial) >= opts.stop_after_rows:
         bar.close()
         raise ScoringInterrupted(f"stopped after {len(partial)} rows")
+
+
+def _stop_if_due(stop: StopSignal, partial: PartialScores, total: int, bar: Progress) -> None:
+    if stop.due():
+        bar.close()
+        raise Terminated(f"{len(partial)} of {total} rows are scored in {partial.path}", stop.signum)
 
 
 def _paired(rows: Iterator[ScoreRow], scores: list[list[float]]) -> Iterator[tuple[ScoreRow, list[float]]]:

@@ -28,6 +28,7 @@ from prefpack.rounds.metrics import (
     round_metrics,
     write_json,
 )
+from prefpack.stop_signal import STOP_SIGNALS, StopSignal
 from prefpack.training.cadence import TrainingInterrupted
 
 
@@ -176,13 +177,14 @@ def _generate(cfg, run_dir: Path, r: int, prompts, samples: Path, phase: str, st
     opts = plan.generate_options(cfg, run_dir, r, prompts=prompts, output=samples)
     source = prompt_source(opts)
     settings = settings_of(opts, source)
-    engine = build_engine(opts, source)
-    if stop is not None and stop[0] == phase:
-        engine = _StopAfterCalls(engine, stop[1])
-    try:
-        report = sample_prompts(source, engine, settings, samples, log=log)
-    finally:
-        engine.close()
+    with StopSignal(signums=STOP_SIGNALS) as signalled:  # SIGTERM / Ctrl-C: Terminated at a whole batch
+        engine = build_engine(opts, source, signalled)
+        if stop is not None and stop[0] == phase:
+            engine = _StopAfterCalls(engine, stop[1])
+        try:
+            report = sample_prompts(source, engine, settings, samples, log=log, stop=signalled)
+        finally:
+            engine.close()
     record_phase(samples.parent, phase, seconds=time.perf_counter() - t0, tokens=report.tokens)
     log(report.summary())
     return read_json(meta_file)
