@@ -207,3 +207,33 @@ def test_resume_after_a_kill_in_each_phase_equals_the_uninterrupted_run(straight
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [m["reward/mean"] for m in result.rounds] == [m["reward/mean"] for m in straight.rounds]
     shutil.rmtree(run)
+
+
+def test_sigterm_while_a_round_samples_stops_at_a_whole_batch_with_the_resume_hint(task, tmp_path, monkeypatch,
+                                                                                  capsys, one_thread):
+    """Issue 40: the generate phase acts on SIGTERM between batches (the training loop's own handler covers train);
+    the samples end at a whole row and continue to the uninterrupted phase's file."""
+    from prefpack.cli import main
+    from prefpack.generation.hf_engine import TransformersEngine
+    from prefpack.rounds.driver import _generate
+
+    generate = TransformersEngine.generate
+
+    def terminated_in_the_first_batch(self, jobs, settings):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return generate(self, jobs, settings)
+
+    monkeypatch.setattr(TransformersEngine, "generate", terminated_in_the_first_batch)
+    capsys.readouterr()
+    assert main(["train", *overrides(task, "signalled"), "--no-progress"]) == 128 + signal.SIGTERM
+    hint = capsys.readouterr().err.strip().splitlines()
+    folder = task / "signalled" / "rounds" / "001"
+    assert hint[-2] == (f"prefpack train: terminated by signal 15; round 1 of 2 ({folder}) stopped while sampling its "
+                        "prompts: 4 prompts are sampled in samples.jsonl, and resuming samples the rest; continue with:")
+    assert shlex.split(hint[-1])[-1] == "--resume"
+    monkeypatch.setattr(TransformersEngine, "generate", generate)
+    cfg = config(task, "signalled")
+    _generate(cfg, task / "signalled", 0, cfg.rounds.prompts, folder / "samples.jsonl", "generate", None, quiet)
+    _generate(cfg, tmp_path, 0, cfg.rounds.prompts, tmp_path / "whole.jsonl", "generate", None, quiet)
+    assert (folder / "samples.jsonl").read_bytes() == (tmp_path / "whole.jsonl").read_bytes()
+    shutil.rmtree(task / "signalled")
