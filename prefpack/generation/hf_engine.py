@@ -111,4 +111,8 @@ def _with_adapter(model, folder: str):
         from peft import PeftModel
     except ImportError as exc:
         raise GenerationError("--adapter needs peft: pip install 'prefpack[lora]'") from exc
-    return PeftModel.from_pretrained(model, folder)
+    import warnings
+
+    with warnings.catch_warnings():  # peft reads transformers' deprecated name: not the user's to fix
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)
+        return PeftModel.from_pretrained(model, folder)
