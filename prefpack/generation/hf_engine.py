@@ -38,16 +38,25 @@ class TransformersEngine:
 
     @classmethod
     def load(cls, path: str, *, pad_id: int, batch_size: int = DEFAULT_BATCH_PROMPTS, device: str = "auto",
-             dtype: str = "auto", trust_remote_code: bool = False, adapter: str | None = None) -> TransformersEngine:
+             dtype: str = "auto", trust_remote_code: bool = False, adapter: str | None = None,
+             four_bit: str | None = None, double_quant: bool = True) -> TransformersEngine:
         """A model folder loaded for sampling: sdpa attention, bfloat16 on CUDA and float32 on CPU by default;
-        ``adapter``: a LoRA adapter folder run over it unmerged (the weights a LoRA run trains)."""
+        ``adapter``: a LoRA adapter folder run over it unmerged (the weights a LoRA run trains); ``four_bit`` (nf4 |
+        fp4): its linear weights loaded in 4 bits, as a QLoRA run holds its base (``engine/quantize.py``)."""
         from prefpack.model.load import load_causal_lm, pick_device
 
         dev = pick_device(device)
         if dtype == "auto":
             dtype = "bfloat16" if dev.type == "cuda" else "float32"
+        quantization = None
+        if four_bit:
+            from transformers import BitsAndBytesConfig
+
+            quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=four_bit,
+                                              bnb_4bit_use_double_quant=double_quant,
+                                              bnb_4bit_compute_dtype=getattr(torch, dtype))
         model = load_causal_lm(path, attn_implementation="sdpa", device=dev, dtype=getattr(torch, dtype),
-                               trust_remote_code=trust_remote_code, packed=False)
+                               trust_remote_code=trust_remote_code, packed=False, quantization_config=quantization)
         if adapter:
             model = _with_adapter(model, adapter)
         return cls(model.eval(), pad_id=pad_id, batch_size=batch_size,

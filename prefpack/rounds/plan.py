@@ -60,6 +60,8 @@ def generate_options(cfg, run_dir: Path, r: int, *, prompts, output: Path) -> Ge
     return GenerateOptions(
         output=str(output), model=initial_policy(cfg) if base_and_adapter else policy_of(cfg, run_dir, r),
         adapter=adapter_of(cfg, run_dir, r) if base_and_adapter else None, store=store, inputs=inputs,
+        quantization=cfg.model.quantization if base_and_adapter else None,
+        quantization_double=cfg.model.quantization_double,
         tokenizer=rc.tokenizer or cfg.model.tokenizer or initial_policy(cfg), prompt_field=rc.prompt_field,
         engine=rc.engine, n=rc.samples_per_prompt, temperature=rc.temperature, top_p=rc.top_p,
         max_new_tokens=rc.max_new_tokens, seed=rc.seed + r, batch_size=rc.batch_size, device=cfg.train.device,
