@@ -22,6 +22,8 @@ def add_generate(sub) -> None:
     p.add_argument("--output", "-o", required=True, help="samples file to write (.jsonl)")
     p.add_argument("--model", default=None, help="model folder: sampled by --engine transformers, or served by "
                    "--vllm-command")
+    p.add_argument("--adapter", default=None, metavar="DIR", help="a LoRA adapter folder (a LoRA run's final/adapter) "
+                   "sampled over --model, its base (--engine transformers)")
     p.add_argument("--tokenizer", default=None, help="tokenizer of the input rows (default: the --model folder's; a "
                    "store's prompts are read with the store's copy)")
     p.add_argument("--prompt-field", default=None, help="field holding each row's prompt (default: prompt, else "
@@ -76,7 +78,7 @@ def run_generate(args, argv: list[str]) -> int:
     if kwargs is not None and not isinstance(kwargs, dict):
         raise PrefpackError("--chat-template-kwargs must be a JSON object")
     opts = GenerateOptions(
-        output=args.output, model=args.model, store=args.store, inputs=list(args.inputs), tokenizer=args.tokenizer,
+        output=args.output, model=args.model, adapter=args.adapter, store=args.store, inputs=list(args.inputs), tokenizer=args.tokenizer,
         prompt_field=args.prompt_field, chat_template_kwargs=kwargs, tools=tools, engine=args.engine, n=args.n,
         temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed,
         stop_token_ids=stops, batch_size=args.batch_size, device=args.device, dtype=args.dtype,

@@ -154,6 +154,7 @@ def problems(cfg: Config, *, training: bool) -> list[str]:
     _reference_quantization_problems(cfg, errs)
     _reward_problems(cfg, errs)
     at_least("lora.r", lora.r, 1)
+    need(lora.adapter is None or lora.enabled, "lora.adapter continues a LoRA adapter; set lora.enabled=true")
     positive("lora.alpha", lora.alpha)
     need(0.0 <= lora.dropout < 1.0, f"lora.dropout must be in [0, 1), got {lora.dropout}")
     tm = lora.target_modules
@@ -330,8 +331,31 @@ def _rounds_problems(cfg: Config, errs: list[str]) -> None:
                     "rounds.vllm_command (prefpack serves each round's policy) or rounds.count=1")
     if cfg.train.objective != "preference":
         errs.append("rounds train the policy on preference pairs: train.objective must be preference")
-    if cfg.reference.mode not in ("copy", "none"):
-        errs.append(f"rounds: reference.mode {cfg.reference.mode!r} is not supported in rounds (copy or none)")
-    if cfg.lora.enabled:
-        errs.append("rounds with lora.enabled are not supported yet (each round starts from the last round's merged "
-                    "weights)")
+    _rounds_reference_problems(cfg, errs)
+
+
+def _rounds_reference_problems(cfg: Config, errs: list[str]) -> None:
+    """The reference modes and LoRA in rounds: only what cannot give the reference ``rounds.reference`` names."""
+    r, mode, q = cfg.rounds, cfg.reference.mode, cfg.model.quantization
+    if mode == "adapter" and r.reference == "round_start":
+        errs.append("rounds.reference=round_start with reference.mode=adapter: the adapter-off model is the initial "
+                    "base, not the round's starting policy; use rounds.reference=initial, or reference.mode copy or "
+                    "precomputed")
+    if mode == "adapter" and cfg.lora.adapter:
+        errs.append("rounds with lora.adapter and reference.mode=adapter: the adapter-off model is the base without "
+                    "lora.adapter, not the initial policy; use reference.mode copy or precomputed with reference.model "
+                    "= a merged copy of it")
+    if q is not None and mode == "precomputed":
+        errs.append(f"rounds with model.quantization={q} and reference.mode=precomputed: precompute-ref scores "
+                    "full-precision weights, not the 4-bit base the policy holds; use reference.mode=adapter")
+    if q is not None and r.reference == "round_start" and mode != "none":
+        errs.append(f"rounds.reference=round_start with model.quantization={q}: the round's starting policy (the 4-bit "
+                    "base and the last adapter) is held by no reference mode; use rounds.reference=initial with "
+                    "reference.mode=adapter")
+    if cfg.lora.enabled and cfg.lora.adapter and r.engine == "vllm":
+        errs.append("rounds.engine=vllm serves merged model folders, and round 1's policy is model.name_or_path under "
+                    "lora.adapter; merge it into a folder for model.name_or_path, or use rounds.engine=transformers")
+    if mode == "precomputed" and r.reference == "round_start" and cfg.data.eval:
+        errs.append("rounds.reference=round_start with reference.mode=precomputed and data.eval: the held-out store's "
+                    "one sidecar cannot hold every round's reference; use rounds.reference=initial or reference.mode "
+                    "copy")

@@ -174,6 +174,9 @@ class LoraConfig:
     alpha: int = _f(16, "adapter scaling numerator (scale = alpha / r)")
     dropout: float = _f(0.0, "dropout on the adapter input")
     target_modules: str | list[str] = _f("all-linear", "modules to adapt: 'all-linear' or a list of names")
+    adapter: str | None = _f(None, "a LoRA adapter folder to continue training (peft's save_pretrained output, e.g. "
+                             "a LoRA run's final/adapter) over model.name_or_path, its own r, alpha and targets; "
+                             "null = a fresh adapter")
 
 
 @dataclass

@@ -28,6 +28,8 @@ def wrap_lora(model: nn.Module, cfg) -> nn.Module:
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:
         raise ModelError("lora.enabled needs peft: pip install 'prefpack[lora]'") from exc
+    if cfg.lora.adapter:
+        return continued_adapter(model, cfg.lora.adapter)
     target = cfg.lora.target_modules
     if is_vision_language(model):  # the language model's layers (and the vision side's where not frozen) only
         target = lora_targets(model, target, freeze_vision=cfg.model.freeze_vision,
@@ -38,3 +40,18 @@ def wrap_lora(model: nn.Module, cfg) -> nn.Module:
     with warnings.catch_warnings():  # peft 0.21 reads transformers' deprecated name: not the user's to fix
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)
         return get_peft_model(model, lcfg)
+
+
+def continued_adapter(model: nn.Module, folder: str) -> nn.Module:
+    """``lora.adapter``: a saved adapter loaded trainable over the base (on-policy rounds continue the last round's
+    adapter over the same base, which is never rewritten)."""
+    from pathlib import Path
+
+    from peft import PeftModel
+
+    if not (Path(folder) / "adapter_config.json").is_file():
+        raise ModelError(f"lora.adapter: {folder!r} holds no adapter_config.json (a peft adapter folder, e.g. a "
+                         "LoRA run's final/adapter)")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)
+        return PeftModel.from_pretrained(model, folder, is_trainable=True)

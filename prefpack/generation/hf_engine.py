@@ -38,16 +38,29 @@ class TransformersEngine:
 
     @classmethod
     def load(cls, path: str, *, pad_id: int, batch_size: int = DEFAULT_BATCH_PROMPTS, device: str = "auto",
-             dtype: str = "auto", trust_remote_code: bool = False) -> TransformersEngine:
-        """A model folder loaded for sampling: sdpa attention, bfloat16 on CUDA and float32 on CPU by default."""
+             dtype: str = "auto", trust_remote_code: bool = False, adapter: str | None = None,
+             four_bit: str | None = None, double_quant: bool = True) -> TransformersEngine:
+        """A model folder loaded for sampling: sdpa attention, bfloat16 on CUDA and float32 on CPU by default;
+        ``adapter``: a LoRA adapter folder run over it unmerged (the weights a LoRA run trains); ``four_bit`` (nf4 |
+        fp4): its linear weights loaded in 4 bits, as a QLoRA run holds its base (``engine/quantize.py``)."""
         from prefpack.model.load import load_causal_lm, pick_device
 
         dev = pick_device(device)
         if dtype == "auto":
             dtype = "bfloat16" if dev.type == "cuda" else "float32"
+        quantization = None
+        if four_bit:
+            from transformers import BitsAndBytesConfig
+
+            quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=four_bit,
+                                              bnb_4bit_use_double_quant=double_quant,
+                                              bnb_4bit_compute_dtype=getattr(torch, dtype))
         model = load_causal_lm(path, attn_implementation="sdpa", device=dev, dtype=getattr(torch, dtype),
-                               trust_remote_code=trust_remote_code, packed=False)
-        return cls(model.eval(), pad_id=pad_id, batch_size=batch_size, source=path)
+                               trust_remote_code=trust_remote_code, packed=False, quantization_config=quantization)
+        if adapter:
+            model = _with_adapter(model, adapter)
+        return cls(model.eval(), pad_id=pad_id, batch_size=batch_size,
+                   source=path if not adapter else f"{path} + adapter {adapter}")
 
     def describe(self) -> dict:
         return {"model": self.source, "batch_size": self.batch_prompts, "device": str(self.device),
@@ -83,13 +96,32 @@ class TransformersEngine:
         devices = [self.device] if self.device.type == "cuda" else []
         # transformers fills what a given config leaves unset from the model's generation_config (a folder's min_p,
         # repetition penalty...): blanked for the call, so the settings alone say what is sampled
-        own, self.model.generation_config = self.model.generation_config, GenerationConfig()
+        holder = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # under peft
+        own, holder.generation_config = holder.generation_config, GenerationConfig()
         try:
             with torch.random.fork_rng(devices=devices), torch.no_grad():
                 torch.manual_seed(prompt_seed(s.seed, jobs[0].row))
                 seqs = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                            generation_config=config)
         finally:
-            self.model.generation_config = own
+            holder.generation_config = own
         new = seqs[:, width:].tolist()
         return [[finish(new[i * s.n + k], s.stop_token_ids) for k in range(s.n)] for i in range(len(jobs))]
+
+
+def _with_adapter(model, folder: str):
+    """The base under a saved LoRA adapter, unmerged (peft's ``PeftModel``): the policy a LoRA run trains."""
+    from pathlib import Path
+
+    if not (Path(folder) / "adapter_config.json").is_file():
+        raise GenerationError(f"--adapter {folder!r}: no adapter_config.json there (a peft adapter folder, e.g. a "
+                              "LoRA run's final/adapter)")
+    try:
+        from peft import PeftModel
+    except ImportError as exc:
+        raise GenerationError("--adapter needs peft: pip install 'prefpack[lora]'") from exc
+    import warnings
+
+    with warnings.catch_warnings():  # peft reads transformers' deprecated name: not the user's to fix
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)
+        return PeftModel.from_pretrained(model, folder)

@@ -26,6 +26,9 @@ ENGINES = ("transformers", "vllm")
 class GenerateOptions:
     output: str
     model: str | None = None  # the model folder (transformers; vLLM's {model} when prefpack starts the server)
+    adapter: str | None = None  # a LoRA adapter folder sampled over ``model`` (transformers only)
+    quantization: str | None = None  # the base loaded in 4 bits (nf4 | fp4, as model.quantization), under ``adapter``
+    quantization_double: bool = True
     store: str | None = None  # prompts of a prepared store, or ...
     inputs: list[str] = field(default_factory=list)  # ... rows of prompts / messages
     tokenizer: str | None = None  # rows' tokenizer (default: the model folder's)
@@ -96,7 +99,12 @@ def build_engine(opts: GenerateOptions, source: PromptSource, stop: StopSignal |
         tok = source.tok
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         return TransformersEngine.load(opts.model, pad_id=pad, batch_size=opts.batch_size, device=opts.device,
-                                       dtype=opts.dtype, trust_remote_code=opts.trust_remote_code)
+                                       dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
+                                       adapter=opts.adapter, four_bit=opts.quantization,
+                                       double_quant=opts.quantization_double)
+    if opts.adapter:
+        raise GenerationError("--adapter is sampled by --engine transformers; for vLLM serve a merged model folder "
+                              "(a LoRA run's final/ holds one)")
     from prefpack.generation.vllm_engine import VllmEngine
 
     if bool(opts.vllm_url) == bool(opts.vllm_command):

@@ -28,6 +28,7 @@ from prefpack.rounds.metrics import (
     round_metrics,
     write_json,
 )
+from prefpack.rounds.reference import precompute_round_reference
 from prefpack.stop_signal import STOP_SIGNALS, StopSignal
 from prefpack.training.cadence import TrainingInterrupted
 
@@ -144,6 +145,8 @@ def _round(cfg, run_dir: Path, r: int, total: int, metrics, stop, log, progress:
                               "under the scorer: sample more (rounds.samples_per_prompt, rounds.temperature) or use "
                               "a finer reward") from None
         record_phase(folder, "score", seconds=time.perf_counter() - t0)
+    if cfg.reference.mode == "precomputed":
+        precompute_round_reference(cfg, run_dir, r, log)
     eval_scores = _eval_prompts(cfg, run_dir, r, stop, log) if cfg.rounds.eval_prompts else None
     t0 = time.perf_counter()
     train_cfg = plan.train_config(cfg, run_dir, r)

@@ -71,7 +71,7 @@ def round_metrics(r: int, samples_meta: dict, store_meta: dict, phases: dict, ev
            "tied_prompts": pairs.get("tied_prompts"), "cut_samples": counts.get("truncated"),
            "generate/tokens": gen.get("tokens"),
            "generate/tokens_per_s": gen.get("tokens", 0) / gen["seconds"] if gen.get("seconds") else None}
-    for phase in ("generate", "score", "train", "eval_prompts"):
+    for phase in ("generate", "score", "reference", "train", "eval_prompts"):
         if phase in phases:
             out[f"seconds/{phase}"] = phases[phase]["seconds"]
     if eval_scores:

@@ -29,6 +29,22 @@ def policy_of(cfg, run_dir: Path, r: int) -> str:
     return initial_policy(cfg) if r == 0 else str(round_dir(run_dir, r - 1) / "train" / "final")
 
 
+def adapter_of(cfg, run_dir: Path, r: int) -> str | None:
+    """LoRA: the adapter round ``r`` samples with and trains on over the unchanged base (``lora.adapter`` or a fresh
+    one first, then the last round's ``final/adapter``); None without LoRA."""
+    if not cfg.lora.enabled:
+        return None
+    return cfg.lora.adapter if r == 0 else str(round_dir(run_dir, r - 1) / "train" / "final" / "adapter")
+
+
+def reference_of(cfg, run_dir: Path, r: int) -> str:
+    """The weights of round ``r``'s copied or precomputed reference: the initial policy (``reference.model`` when
+    set) or the round's starting policy (LoRA: the last round's merged ``final/``)."""
+    if cfg.rounds.reference == "initial":
+        return cfg.reference.model or initial_policy(cfg)
+    return policy_of(cfg, run_dir, r)
+
+
 def prompt_inputs(value) -> tuple[str | None, list[str]]:
     """(store folder, JSONL inputs) of ``rounds.prompts`` / ``rounds.eval_prompts``."""
     items = [value] if isinstance(value, str) else list(value or [])
@@ -40,8 +56,12 @@ def prompt_inputs(value) -> tuple[str | None, list[str]]:
 def generate_options(cfg, run_dir: Path, r: int, *, prompts, output: Path) -> GenerateOptions:
     rc = cfg.rounds
     store, inputs = prompt_inputs(prompts)
+    base_and_adapter = cfg.lora.enabled and rc.engine == "transformers"  # vLLM serves the merged final/
     return GenerateOptions(
-        output=str(output), model=policy_of(cfg, run_dir, r), store=store, inputs=inputs,
+        output=str(output), model=initial_policy(cfg) if base_and_adapter else policy_of(cfg, run_dir, r),
+        adapter=adapter_of(cfg, run_dir, r) if base_and_adapter else None, store=store, inputs=inputs,
+        quantization=cfg.model.quantization if base_and_adapter else None,
+        quantization_double=cfg.model.quantization_double,
         tokenizer=rc.tokenizer or cfg.model.tokenizer or initial_policy(cfg), prompt_field=rc.prompt_field,
         engine=rc.engine, n=rc.samples_per_prompt, temperature=rc.temperature, top_p=rc.top_p,
         max_new_tokens=rc.max_new_tokens, seed=rc.seed + r, batch_size=rc.batch_size, device=cfg.train.device,
@@ -58,17 +78,21 @@ def score_options(cfg, samples: Path, output: Path, *, pairs: bool) -> ScoreOpti
 
 def train_config(cfg, run_dir: Path, r: int):
     """The run's config for round ``r``'s training: its pair store, ``steps_per_round`` steps, its own folder, the
-    round's starting policy; the reference is the initial policy (``rounds.reference: initial``) or that policy."""
+    round's starting policy (LoRA: the base, never rewritten, and the last round's adapter); a copied or precomputed
+    reference is the initial policy (``rounds.reference: initial``) or the round's starting policy."""
     rc = cfg.rounds
     out = copy.deepcopy(cfg)
     out.rounds.count = 0
-    out.model.name_or_path = policy_of(cfg, run_dir, r)
+    if cfg.lora.enabled:
+        out.lora.adapter = adapter_of(cfg, run_dir, r)
+    else:
+        out.model.name_or_path = policy_of(cfg, run_dir, r)
     out.data.train = str(round_dir(run_dir, r) / "store")
     out.data.group_by_prompt = rc.pairs != "best_vs_worst"  # several pairs of one prompt: the prompt laid out once
     out.train.max_steps = rc.steps_per_round
     out.train.seed = cfg.train.seed + r
     out.run.output_dir = str(round_dir(run_dir, r) / "train")
     out.run.plot = False  # the whole run's curves are drawn once, from RUN_DIR/metrics.jsonl
-    if cfg.reference.mode == "copy":
-        out.reference.model = (cfg.reference.model or initial_policy(cfg)) if rc.reference == "initial" else None
+    if cfg.reference.mode in ("copy", "precomputed"):
+        out.reference.model = reference_of(cfg, run_dir, r)
     return out
