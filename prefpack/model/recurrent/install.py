@@ -22,6 +22,7 @@ from torch import nn
 
 from prefpack.model.recurrent.kind import LayerKind, run_blocks, run_gathered
 from prefpack.model.recurrent.layout import Segments, read_segments
+from prefpack.model.recurrent.relay import HELD, relay
 from prefpack.model.recurrent.table import kind_of, looks_recurrent
 
 __all__ = ["SEGMENTS", "has_recurrent_boundaries", "install_boundaries", "installed_kinds", "uncovered_layers"]
@@ -56,6 +57,8 @@ def install_boundaries(model: nn.Module) -> list[str]:
         kinds[kind.name] = kind
         setattr(module, _MARK, kind)
         module.forward = types.MethodType(_boundary_forward, module)
+        if kind.relayed:  # its decoder layer keeps its keywords to itself (relay.py)
+            relay(layer, SEGMENTS, _MARK)
         bodies[id(body)] = body, layers
     for body, layers in bodies.values():  # once every layer is marked: the hooks read which layers are recurrent
         _hook_body(body, layers)
@@ -131,7 +134,7 @@ def _layer_hook(current: _Current, recurrent: bool, takes_positions: bool):
 
 def _boundary_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
     """A recurrent layer's forward that keeps a packed forward's blocks apart (installed on the instance)."""
-    segments = kwargs.pop(SEGMENTS, None)
+    segments = kwargs.pop(SEGMENTS, None) or self.__dict__.get(HELD)
     kind: LayerKind = self.__dict__[_MARK]
     if (segments is None or args or kwargs.get(kind.cache_keyword) is not None
             or kwargs.get("attention_mask") is not None):
