@@ -100,9 +100,10 @@ FAMILIES: tuple[Family, ...] = (
            dict(mamba_d_state=8, n_mamba_heads=4, mamba_ngroups=2, chunk_size=8, layers_block_type=["mamba", "hybrid"],
                 num_mem_blocks=1), what="Mamba-2 layers and a shared attention block"),
     Family("kimi_linear", "Kimi-Linear", "packs",
-           dict(linear_head_dim=8, linear_num_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+           dict(SMALL, num_key_value_heads=4, linear_head_dim=8, linear_num_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                 v_head_dim=8, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                layer_types=["linear_attention", "full_attention"]), what="KDA linear-attention layers"),
+                layer_types=["linear_attention", "full_attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2),
+           small=False, what="KDA linear-attention layers"),
     Family("bloom", "BLOOM", "padded-only", dict(hidden_size=32, n_head=4, n_layer=2), small=False,
            what="ALiBi attention reads no position ids, so packed sequences would see each other"),
 )
