@@ -50,7 +50,8 @@ def install_boundaries(model: nn.Module) -> list[str]:
         if kind is None or module.__dict__.get(_MARK) is not None:
             continue
         layer = parents.get(module)
-        layers = parents.get(layer)
+        listed = layer if isinstance(parents.get(layer), nn.ModuleList) else parents.get(layer)  # Zamba2: a hybrid
+        layers = parents.get(listed)  # layer holds the decoder layer (both hand their keywords on)
         body = parents.get(layers)
         if layer is None or not isinstance(layers, nn.ModuleList) or body is None:
             continue  # not inside a list of decoder layers: nothing reaches it with the blocks
@@ -96,7 +97,7 @@ def _hook_body(body: nn.Module, layers: nn.ModuleList) -> None:
     body.register_forward_pre_hook(read, with_kwargs=True)
     body.register_forward_hook(done, with_kwargs=True)
     for layer in layers:
-        recurrent = any(m.__dict__.get(_MARK) is not None for m in layer.children())
+        recurrent = any(m.__dict__.get(_MARK) is not None for m in layer.modules())
         takes_positions = "position_ids" in inspect.signature(layer.forward).parameters
         layer.register_forward_pre_hook(_layer_hook(current, recurrent, takes_positions), with_kwargs=True)
 
