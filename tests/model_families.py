@@ -36,6 +36,8 @@ class Family:
     float32_inside: bool = False  # transformers computes a part in float32 whatever the dtype: compared to 1e-6
 
 
+# Mamba and Falcon-Mamba: Mamba-1 blocks only, their own config names
+MAMBA1 = dict(hidden_size=32, num_hidden_layers=2, state_size=8, time_step_rank=4, tie_word_embeddings=False)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 
 FAMILIES: tuple[Family, ...] = (
@@ -76,10 +78,32 @@ FAMILIES: tuple[Family, ...] = (
            dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=8,
                 layer_types=["mamba", "attention"], num_local_experts=0, shared_intermediate_size=64),
            what="Mamba-2 state-space layers"),
-    Family("jamba", "Jamba", "padded-only",
+    Family("jamba", "Jamba", "packs",
            dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=100, expert_layer_offset=50,
                 num_experts=1, mamba_d_state=8, mamba_dt_rank=4),
-           what="Mamba-1 layers: no sequence boundaries in their recurrence yet"),
+           what="Mamba-1 layers"),
+    Family("mamba", "Mamba", "packs", MAMBA1, small=False, what="Mamba-1 layers only (no attention)",
+           float32_inside=True),  # transformers returns its logits in float32
+    Family("falcon_mamba", "Falcon-Mamba", "packs", MAMBA1, small=False,
+           what="Mamba-1 layers with normed B, C and time steps (no attention)", float32_inside=True),  # its logits
+    Family("mamba2", "Mamba-2", "packs",
+           dict(hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8, n_groups=2, chunk_size=8,
+                tie_word_embeddings=False), small=False, what="Mamba-2 layers only (no attention)",
+           float32_inside=True),  # its logits, in float32
+    Family("falcon_h1", "Falcon-H1", "packs",
+           dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
+                mamba_chunk_size=8), what="Mamba-2 heads beside attention in every layer"),
+    Family("lfm3", "LFM3", "packs", dict(layer_types=["conv", "full_attention"], sliding_window=4, pad_token_id=0, bos_token_id=1,
+                                            eos_token_id=2),
+           what="short gated convolutions"),
+    Family("zamba2", "Zamba2", "packs",
+           dict(mamba_d_state=8, n_mamba_heads=4, mamba_ngroups=2, chunk_size=8, layers_block_type=["mamba", "hybrid"],
+                num_mem_blocks=1), what="Mamba-2 layers and a shared attention block"),
+    Family("kimi_linear", "Kimi-Linear", "packs",
+           dict(SMALL, num_key_value_heads=4, linear_head_dim=8, linear_num_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                v_head_dim=8, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                layer_types=["linear_attention", "full_attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2),
+           small=False, what="KDA linear-attention layers"),
     Family("bloom", "BLOOM", "padded-only", dict(hidden_size=32, n_head=4, n_layer=2), small=False,
            what="ALiBi attention reads no position ids, so packed sequences would see each other"),
 )

@@ -49,7 +49,10 @@ def hybrid_config(kind: str):
         return tf.BambaConfig(**SMALL, **MAMBA2, attn_layer_indices=[1])
     if kind == "lfm2":
         return tf.Lfm2Config(**SMALL, layer_types=["conv", "full_attention"])
-    if kind == "jamba":  # Mamba-1 layers: not covered
+    if kind == "zamba":  # Zamba (v1)'s multi-head Mamba-1 mixer: not covered
+        return tf.ZambaConfig(**{**SMALL, "num_hidden_layers": 3}, mamba_d_state=8, n_mamba_heads=2,
+                              layers_block_type=["mamba", "hybrid", "hybrid"])  # one hybrid layer: ties fail
+    if kind == "jamba":  # Mamba-1 layers, in decoder layers that keep their keywords to themselves
         return tf.JambaConfig(**SMALL, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=100,
                               expert_layer_offset=50, num_experts=1, mamba_d_state=8, mamba_dt_rank=4)
     raise ValueError(kind)
@@ -70,7 +73,7 @@ def hybrid(kind: str, install: bool = True) -> torch.nn.Module:
     return model
 
 
-MAIN = ["qwen3_5", "qwen3_next", "nemotron_h", "granitemoehybrid"]
+MAIN = ["qwen3_5", "qwen3_next", "nemotron_h", "granitemoehybrid", "jamba"]
 COVERED = [*MAIN, "olmo_hybrid", "bamba", "lfm2"]
 
 
@@ -133,9 +136,11 @@ def test_packed_and_prompts_once_training_steps_equal_the_padded_step(kind, pair
     _assert_same(_values_and_grads(model, shared), padded)
 
 
-def test_checkpointed_layers_replay_their_blocks(pairs):
-    """Under activation checkpointing the backward recomputes each layer: its blocks travel with its keywords."""
-    model = hybrid("qwen3_5")
+@pytest.mark.parametrize("kind", ["qwen3_5", "jamba"])
+def test_checkpointed_layers_replay_their_blocks(kind, pairs):
+    """Under activation checkpointing the backward recomputes each layer: its blocks travel with its keywords (or,
+    for Jamba's Mamba-1 layers, with its decoder layer's relaying class, ``relay.py``)."""
+    model = hybrid(kind)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     rows = [[0, 1], [2, 3, 4]]
@@ -204,13 +209,13 @@ def test_the_load_guard_packs_covered_hybrids_and_refuses_other_recurrent_layers
     model = load_causal_lm(_save(tmp_path, "qwen3_5"), dtype=torch.float64, attn_implementation="packed_sdpa",
                            device=cpu)
     assert installed_kinds(model) == ["gated_deltanet"] and uncovered_layers(model) == []
-    jamba = _save(tmp_path, "jamba")
-    with pytest.raises(ModelError, match=r"JambaForCausalLM\) has recurrent layers .*\(JambaMambaMixer: .*"
+    zamba = _save(tmp_path, "zamba")
+    with pytest.raises(ModelError, match=r"ZambaForCausalLM\) has recurrent layers .*\(ZambaMambaMixer: .*"
                                          r"qwen3_5.*data\.packing=false") as err:
-        load_causal_lm(jamba, dtype=torch.float64, attn_implementation="packed_sdpa", device=cpu)
+        load_causal_lm(zamba, dtype=torch.float64, attn_implementation="packed_sdpa", device=cpu)
     assert "\n" not in str(err.value)
-    model = load_causal_lm(jamba, dtype=torch.float64, attn_implementation="packed_sdpa", device=cpu, packed=False)
-    assert uncovered_layers(model) == ["JambaMambaMixer"]
+    model = load_causal_lm(zamba, dtype=torch.float64, attn_implementation="packed_sdpa", device=cpu, packed=False)
+    assert uncovered_layers(model) == ["ZambaMambaMixer"]
 
 
 def test_token_shards_refuse_recurrent_layers(pairs):

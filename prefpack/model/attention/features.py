@@ -74,10 +74,17 @@ def unsupported(model: nn.Module, kernel, packed: bool = True) -> str | None:
 def takes_over_eager(model: nn.Module, kernel) -> bool:
     """Whether ``kernel`` may run a model transformers keeps off sdpa: one with sinks (its sdpa would drop them)
     whose attention dispatches through transformers' kernel interface, when ``kernel`` is one of prefpack's and
-    computes sinks. transformers refuses any kernel named like sdpa for such a model, so it is loaded with eager and
-    switched."""
+    computes sinks; or one without attention (Mamba, Falcon-Mamba, Mamba-2: no kernel runs, and the name lets
+    prompt-shared rows through to its recurrent layers, the load guard measuring both). transformers refuses any
+    kernel named like sdpa for such a model, so it is loaded with eager and switched."""
+    if kernel.register is not None and not _has_attention(model):
+        return True
     return (kernel.register is not None and kernel.sinks and has_sinks(model)
             and bool(getattr(model, "_supports_attention_backend", False)))
+
+
+def _has_attention(model: nn.Module) -> bool:
+    return any(type(m).__name__.endswith("Attention") for m in model.modules())
 
 
 def _keep_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

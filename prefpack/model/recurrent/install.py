@@ -22,6 +22,7 @@ from torch import nn
 
 from prefpack.model.recurrent.kind import LayerKind, run_blocks, run_gathered
 from prefpack.model.recurrent.layout import Segments, read_segments
+from prefpack.model.recurrent.relay import HELD, relay
 from prefpack.model.recurrent.table import kind_of, looks_recurrent
 
 __all__ = ["SEGMENTS", "has_recurrent_boundaries", "install_boundaries", "installed_kinds", "uncovered_layers"]
@@ -49,13 +50,16 @@ def install_boundaries(model: nn.Module) -> list[str]:
         if kind is None or module.__dict__.get(_MARK) is not None:
             continue
         layer = parents.get(module)
-        layers = parents.get(layer)
+        listed = layer if isinstance(parents.get(layer), nn.ModuleList) else parents.get(layer)  # Zamba2: a hybrid
+        layers = parents.get(listed)  # layer holds the decoder layer (both hand their keywords on)
         body = parents.get(layers)
         if layer is None or not isinstance(layers, nn.ModuleList) or body is None:
             continue  # not inside a list of decoder layers: nothing reaches it with the blocks
         kinds[kind.name] = kind
         setattr(module, _MARK, kind)
         module.forward = types.MethodType(_boundary_forward, module)
+        if kind.relayed:  # its decoder layer keeps its keywords to itself (relay.py)
+            relay(layer, SEGMENTS, _MARK)
         bodies[id(body)] = body, layers
     for body, layers in bodies.values():  # once every layer is marked: the hooks read which layers are recurrent
         _hook_body(body, layers)
@@ -93,7 +97,7 @@ def _hook_body(body: nn.Module, layers: nn.ModuleList) -> None:
     body.register_forward_pre_hook(read, with_kwargs=True)
     body.register_forward_hook(done, with_kwargs=True)
     for layer in layers:
-        recurrent = any(m.__dict__.get(_MARK) is not None for m in layer.children())
+        recurrent = any(m.__dict__.get(_MARK) is not None for m in layer.modules())
         takes_positions = "position_ids" in inspect.signature(layer.forward).parameters
         layer.register_forward_pre_hook(_layer_hook(current, recurrent, takes_positions), with_kwargs=True)
 
@@ -131,7 +135,7 @@ def _layer_hook(current: _Current, recurrent: bool, takes_positions: bool):
 
 def _boundary_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
     """A recurrent layer's forward that keeps a packed forward's blocks apart (installed on the instance)."""
-    segments = kwargs.pop(SEGMENTS, None)
+    segments = kwargs.pop(SEGMENTS, None) or self.__dict__.get(HELD)
     kind: LayerKind = self.__dict__[_MARK]
     if (segments is None or args or kwargs.get(kind.cache_keyword) is not None
             or kwargs.get("attention_mask") is not None):

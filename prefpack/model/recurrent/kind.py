@@ -20,18 +20,22 @@ class LayerKind:
     """One kind of recurrent layer: its transformers classes (``classes``), the model types that hold it
     (``families``, for the docs), the keyword its cache arrives under (a cached call is generation: left alone),
     the packages whose kernels take sequence boundaries (``packages``, import names) and the keywords that hand
-    them the boundaries of a gathered row (``boundary_keywords``)."""
+    them the boundaries of a gathered row (``boundary_keywords``; None: no kernel takes them, so each block runs
+    alone on every device). ``relayed``: its decoder layers call it without passing their keywords on, so the
+    blocks reach it through the layer's class (``relay``)."""
 
     name: str
     classes: tuple[str, ...]
     families: tuple[str, ...]
     packages: tuple[str, ...]
-    boundary_keywords: Callable[[GatheredLayout], dict]
+    boundary_keywords: Callable[[GatheredLayout], dict] | None
     cache_keyword: str = "cache_params"
+    relayed: bool = False
 
     def kernels_installed(self) -> bool:
         """Whether every package of its boundary-aware kernels imports (transformers binds them at import then)."""
-        return all(importlib.util.find_spec(p) is not None for p in self.packages)
+        return self.boundary_keywords is not None and all(
+            importlib.util.find_spec(p) is not None for p in self.packages)
 
 
 def _call(layer: torch.nn.Module, hidden: torch.Tensor, **kwargs) -> torch.Tensor:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from prefpack.model.recurrent import gated_deltanet, mamba2, short_conv
+from prefpack.model.recurrent import gated_deltanet, kda, mamba1, mamba2, short_conv
 from prefpack.model.recurrent.kind import LayerKind
 
 __all__ = ["KINDS", "kind_of", "looks_recurrent", "packed_families"]
 
-KINDS: tuple[LayerKind, ...] = (gated_deltanet.KIND, mamba2.KIND, short_conv.KIND)
+KINDS: tuple[LayerKind, ...] = (gated_deltanet.KIND, kda.KIND, mamba1.KIND, mamba2.KIND, short_conv.KIND)
 
 _BY_CLASS = {name: kind for kind in KINDS for name in kind.classes}
 
