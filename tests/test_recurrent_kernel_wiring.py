@@ -16,7 +16,7 @@ from test_packing import random_pairs
 from test_recurrent_packing import alone_sums, hybrid
 
 from prefpack.batching.collate import collate_packed
-from prefpack.model import sequence_logps
+from prefpack.model import packing_leak, sequence_logps
 from prefpack.model.recurrent import install as boundaries
 from prefpack.model.recurrent.kind import run_gathered
 
@@ -74,6 +74,7 @@ def test_the_cuda_kernel_wiring_keeps_packed_sequences_and_shared_prompts_apart(
         torch.testing.assert_close(_packed(model, pairs, share_prompts=True), want, **CLOSE)
         fused = _boundaries(calls, "mamba_split_conv1d_scan_combined")
         assert len(fused) == 2 and all(b is not None for b in fused)
+    assert packing_leak(model) == 0.0  # the load guard's measure, through the same kernels
 
 
 def test_the_wiring_check_fails_when_boundaries_do_not_reach_the_kernels(kernel_path, monkeypatch):
