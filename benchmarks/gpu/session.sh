@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that measures what only a GPU shows, logs under $OUT. From the repository root, with .whl
 # carried (benchmarks/gpu/fetch_wheels.sh):
-#   bash benchmarks/gpu/session.sh [tests|compare|all|float32|profile|sharing] [PRESETS]
+#   bash benchmarks/gpu/session.sh [tests|compare|all|float32|profile|sharing|recurrent|vision] [PRESETS]
 # tests:   the CUDA tests (the chunked head in bfloat16; torch's varlen kernel against the reference in bfloat16, prompt-shared rows with gathered
 #          keys included; training with prompts laid out once on varlen; budgets) and the CPU-exact
 #          precision/varlen/varlen-sharing tests;
@@ -12,6 +12,9 @@
 # sharing: prefpack alone on varlen, the compare run twice per preset, data.prefix_sharing=true then false (same
 #          pairs and steps; tokens/s counts every sequence's prompt, so the ratio of the two is the speed-up);
 #          logs sharing_<preset>_<true|false>.log; about 2 minutes per run.
+# recurrent: tests/test_recurrent_cuda.py (tests and all run it too): flash-linear-attention, causal-conv1d and mamba_ssm
+#          on packed Qwen3.5 / Nemotron-H rows against each sequence alone; skipped, with the reason, where those
+#          packages are not installed (pip install flash-linear-attention causal-conv1d mamba-ssm); under a minute.
 # vision:  benchmarks/bench_vision.py on CUDA (tiny Qwen2-VL and LLaVA against TRL 1.16: losses by step, encodings
 #          per image; the toy's speed says little) after tests/test_gpu_paths.py's image cases; about 2 minutes.
 set -uo pipefail
@@ -43,6 +46,10 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   PREFPACK_TEST_CUDA=1 timeout "${TESTS_TIMEOUT:-240}" "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py \
     tests/test_gpu_paths.py tests/test_varlen.py tests/test_varlen_shared.py tests/test_precision.py tests/test_budgets.py tests/test_logprobs.py 2>&1 \
     | tee "$OUT/tests.log"
+fi
+if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = recurrent ]; then  # the recurrent layers' CUDA kernels
+  PREFPACK_TEST_CUDA=1 timeout "${TESTS_TIMEOUT:-240}" "$py" -m pytest -q -rs -p no:cacheprovider \
+    tests/test_recurrent_cuda.py 2>&1 | tee "$OUT/recurrent.log"
 fi
 if [ "$what" = compare ] || [ "$what" = all ]; then
   for preset in $presets; do

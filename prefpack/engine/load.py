@@ -12,8 +12,8 @@ from torch import nn
 from prefpack.model import (
     ModelError,
     apply_freeze,
+    choose_attention,
     is_vision_language,
-    pick_attention,
     wants_compile,
 )
 from prefpack.precision import resolve_precision
@@ -37,7 +37,12 @@ class LoadStage:
         if cfg.model.quantization is not None:  # what the quantize stage holds the linear weights in
             engine.precision = replace(engine.precision, four_bit=cfg.model.quantization,
                                        double_quant=cfg.model.quantization_double)
-        engine.attn = pick_attention(cfg.model.attn_implementation, device, engine.precision.compute)
+        choice = choose_attention(cfg.model.attn_implementation, device, engine.precision.compute,
+                                  source=cfg.model.name_or_path, packed=cfg.data.packing,
+                                  trust_remote_code=cfg.model.trust_remote_code)
+        engine.attn = choice.name
+        if choice.auto:
+            log(choice.describe())
         engine.compile_layers = wants_compile(cfg.model.compile, device, world)
         torch.manual_seed(cfg.train.seed)
         engine.policy = engine.load_like_policy(cfg.model.name_or_path)

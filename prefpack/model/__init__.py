@@ -31,6 +31,7 @@ _EXPORTS = {
     "Kernel": "prefpack.model.attention.kernels",
     "KERNELS": "prefpack.model.attention.kernels",
     "check_model_source": "prefpack.model.load",
+    "choose_attention": "prefpack.model.attention.auto",
     "check_vocab_fits": "prefpack.model.load",
     "load_causal_lm": "prefpack.model.load",
     "kernel_named": "prefpack.model.attention.kernels",

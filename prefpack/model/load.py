@@ -15,7 +15,7 @@ from torch import nn
 
 from prefpack.errors import PrefpackError
 from prefpack.model.attention import features
-from prefpack.model.attention.kernels import kernel_named, kernel_of, pick_attention
+from prefpack.model.attention.kernels import kernel_named, kernel_of
 from prefpack.precision import Precision, set_compute_dtype
 from prefpack.remote_code import check_model_code
 from prefpack.tokenizer import TokenizerError, load_tokenizer, template_sha, tokenizer_hash, tokenizer_matches
@@ -292,11 +292,14 @@ def load_scoring_model(name_or_path: str, dtype: str, device: torch.device, *,
                        trust_remote_code: bool = False) -> nn.Module:
     """A model for precompute-ref: the weights and compute dtype training uses (float32 masters under bfloat16
     autocast on CUDA), so its log-probs and weights hash match the reference a run computes live."""
+    from prefpack.model.attention.auto import choose_attention
     from prefpack.precision import resolve_precision
 
     precision = resolve_precision(dtype, "auto", device)
+    attn = choose_attention("auto", device, precision.compute, source=name_or_path,
+                            trust_remote_code=trust_remote_code).name
     return load_causal_lm(name_or_path, precision=precision, device=device, trust_remote_code=trust_remote_code,
-                          attn_implementation=pick_attention("auto", device, precision.compute))
+                          attn_implementation=attn)
 
 
 # A model that keeps packed sequences apart gives exactly 0 (the other block's scores are -inf or never

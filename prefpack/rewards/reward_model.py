@@ -35,7 +35,8 @@ class RewardModelScorer(Scorer):
         import torch
         from transformers import AutoConfig
 
-        from prefpack.model.attention.kernels import kernel_of, pick_attention
+        from prefpack.model.attention.auto import choose_attention
+        from prefpack.model.attention.kernels import kernel_of
         from prefpack.model.load import load_causal_lm, pick_device
 
         self.folder = folder
@@ -52,7 +53,9 @@ class RewardModelScorer(Scorer):
             raise ScorerError(f"--batch-tokens must be at least 1, not {batch_tokens}")
         self.device = pick_device(device)
         self.dtype = getattr(torch, dtype)
-        self.model = load_causal_lm(folder, attn_implementation=pick_attention("auto", self.device, self.dtype),
+        self.attention = choose_attention("auto", self.device, self.dtype, source=folder,
+                                          trust_remote_code=trust_remote_code)  # its describe(): the load line
+        self.model = load_causal_lm(folder, attn_implementation=self.attention.name,
                                     device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code,
                                     reward=True).eval()
         kernel = kernel_of(self.model)

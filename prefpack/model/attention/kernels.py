@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["KERNELS", "Kernel", "attention_name", "kernel_named", "kernel_of", "pick_attention",
+__all__ = ["KERNELS", "Kernel", "attention_name", "auto_candidates", "kernel_named", "kernel_of", "pick_attention",
            "reads_prompt_groups", "uses_flash_attention"]
 
 
@@ -42,6 +42,7 @@ class Kernel:
     cudnn_sdp_off: bool = False  # on CUDA, switch cuDNN's sdpa off at load (it plans anew for every packed shape)
     shards_sequences: bool = False  # runs on token shards (distributed.sequence_parallel: its module is ``shardable``)
     refuses: tuple[tuple[str, str], ...] = ()  # (model config attribute, why) it cannot run when the value is set
+    class_flag: str | None = None  # the model class attribute transformers reads before loading it (False: refused)
     # a vision tower may run it (transformers' own kernels); a tower's attention is bidirectional over one image's
     # patches and never packed, so under any other kernel (prefpack's packed ones, hub kernels) it runs sdpa
     runs_vision_tower: bool = False
@@ -107,7 +108,7 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel("packed_sdpa", register=_ours("packed_sdpa"), auto=True, devices=("cpu",), reads_prompt_groups=True,
            prefix_sharing_auto=True, fallback="eager", shards_sequences=True, sinks=True, chunks=True),
     Kernel("flash_attention_2", auto=True, devices=("cuda",), installed=_flash_attn_installed, needs_cuda=True,
-           flattens_rows=True, runs_vision_tower=True),
+           flattens_rows=True, runs_vision_tower=True, class_flag="_supports_flash_attn"),
     # prompts laid out once on varlen: 1.14x tokens/s and 12% less peak at 0.7B on an H100 (2026-11-24)
     Kernel("varlen", register=_ours("varlen"), auto=True, devices=("cuda",), half_only=True,
            installed=_torch_varlen_installed, flattens_rows=True, reads_prompt_groups=True, boundary_kwargs=True,
@@ -157,7 +158,13 @@ def pick_attention(name: str, device: Any, compute_dtype: Any = None) -> str:
     compute, else sdpa, whose cuDNN path is switched off at load). Explicit choices are kept."""
     if name != "auto":
         return name
-    for kernel in KERNELS:
-        if kernel.available(device.type, compute_dtype):
-            return kernel.name
-    raise ValueError(f"no attention kernel is available on {device.type}")
+    return auto_candidates(device, compute_dtype)[0].name
+
+
+def auto_candidates(device: Any, compute_dtype: Any = None) -> list[Kernel]:
+    """The kernels ``auto`` may pick on this device type and compute dtype, in order of preference (a model's
+    features may rule out the first: ``prefpack.model.attention.auto``)."""
+    found = [k for k in KERNELS if k.available(device.type, compute_dtype)]
+    if not found:
+        raise ValueError(f"no attention kernel is available on {device.type}")
+    return found

@@ -25,9 +25,12 @@ from prefpack.model.recurrent.layout import Segments, read_segments
 from prefpack.model.recurrent.relay import HELD, relay
 from prefpack.model.recurrent.table import kind_of, looks_recurrent
 
-__all__ = ["SEGMENTS", "has_recurrent_boundaries", "install_boundaries", "installed_kinds", "uncovered_layers"]
+__all__ = ["KERNEL_DEVICES", "SEGMENTS", "has_recurrent_boundaries", "install_boundaries", "installed_kinds", "uncovered_layers"]
 
 SEGMENTS = "prefpack_segments"  # the layer keyword carrying a packed forward's blocks
+# Device types whose hidden states take the boundary-aware kernels (one gathered call, ``run_gathered``) when the
+# kind's packages import. A test adds "cpu", with stand-ins of the packages, to run that wiring where no GPU is.
+KERNEL_DEVICES = ("cuda",)
 _MARK = "_prefpack_recurrent_kind"  # on a recurrent layer whose forward keeps boundaries: its LayerKind
 
 
@@ -149,7 +152,7 @@ def _boundary_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwa
 def _run(layer: nn.Module, kind: LayerKind, hidden: torch.Tensor, segments: Segments) -> torch.Tensor:
     if "torch._dynamo" in sys.modules and torch.compiler.is_compiling():  # inside a compiled decoder layer
         return _eager_run()(layer, kind, hidden, segments)
-    if hidden.device.type == "cuda" and _kernels(kind):
+    if hidden.device.type in KERNEL_DEVICES and _kernels(kind):
         return run_gathered(layer, kind, hidden, segments)
     return run_blocks(layer, hidden, segments)
 
