@@ -111,19 +111,26 @@ def _run_rounds(cfg, args, argv) -> int:
     if args.allow_config_change or args.stop_after_steps is not None:
         _err("prefpack train: error: --allow-config-change and --stop-after-steps do not apply to rounds")
         return 2
-    try:
+    from prefpack.distributed import shutdown
+
+    try:  # under torchrun every rank runs the rounds (prefpack.rounds.ranks); rank 0 alone prints
         result = run_rounds(cfg, resume=args.resume, log=_err, progress=not args.no_progress)
     except TrainingTerminated as term:  # the round's checkpoint is in RUN_DIR/rounds/NNN/train/checkpoints
-        what = f"terminated by signal {term.signum} after step {term.step} of round {stopped_round(cfg) + 1}"
-        _err(resume_hint(cfg, argv, what, where_stopped(cfg)))
+        if _is_main_rank():
+            what = f"terminated by signal {term.signum} after step {term.step} of round {stopped_round(cfg) + 1}"
+            _err(resume_hint(cfg, argv, what, where_stopped(cfg)))
         return 128 + term.signum
     except Terminated as term:  # SIGTERM / Ctrl-C while sampling or scoring: the files end at a whole batch
         _err(resume_hint(cfg, argv, f"terminated by signal {term.signum}", where_stopped(cfg)))
         return 128 + term.signum
     except KeyboardInterrupt:
-        _err(resume_hint(cfg, argv, where=where_stopped(cfg)))
+        if _is_main_rank():
+            _err(resume_hint(cfg, argv, where=where_stopped(cfg)))
         return 130
-    print(json_line(result.to_json()) if args.json else result.summary(), flush=True)
+    finally:
+        shutdown()
+    if _is_main_rank():
+        print(json_line(result.to_json()) if args.json else result.summary(), flush=True)
     return 0
 
 

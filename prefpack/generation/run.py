@@ -162,16 +162,19 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
 
 def sample_prompts(source: PromptSource, engine: GenerationEngine, settings: SamplingSettings, output: str | Path, *,
                    overwrite: bool = False, log: Callable[[str], None] = print,
-                   stop: StopSignal | None = None) -> GenerateReport:
+                   stop: StopSignal | None = None, shard: tuple[int, int] = (0, 1)) -> GenerateReport:
     """Every prompt of ``source`` sampled by ``engine`` into ``output``, in chunks of the engine's
     ``batch_prompts``; a chunk whose rows a previous run wrote is skipped, one it left part-done is made again
-    whole (so the rows equal an uninterrupted run's) and only its missing rows written. SIGTERM or Ctrl-C (``stop``,
-    or this call's own handler) is acted on before each chunk: :class:`Terminated`, the file ending at a whole row."""
+    whole (so the rows equal an uninterrupted run's) and only its missing rows written. ``shard`` = (rank, world):
+    only chunks k with k % world == rank (a rank's part: prefpack.generation.shards), the same chunks and seeds.
+    SIGTERM or Ctrl-C (``stop``, or this call's own handler) is acted on before each chunk: :class:`Terminated`,
+    the file ending at a whole row."""
     with nullcontext(stop) if stop is not None else StopSignal(signums=STOP_SIGNALS) as stop:
-        return _sample_prompts(source, engine, settings, output, overwrite, log, stop)
+        return _sample_prompts(source, engine, settings, output, overwrite, log, stop, shard)
 
 
-def _sample_prompts(source, engine, settings, output, overwrite, log, stop: StopSignal) -> GenerateReport:
+def _sample_prompts(source, engine, settings, output, overwrite, log, stop: StopSignal,
+                    shard: tuple[int, int]) -> GenerateReport:
     t0 = time.perf_counter()
     meta = {"tokenizer": source.tokenizer_record(), "chat_template": source.chat_template_record(),
             "prompts": source.describe(),
@@ -184,19 +187,24 @@ def _sample_prompts(source, engine, settings, output, overwrite, log, stop: Stop
         log(f"continuing {output}: {len(writer.done)} rows were written by an earlier run")
     tok = source.tok
     counts = {"prompts": 0, "tokens": 0, "written": 0, **writer.prior}
+    rank, world = shard
+    seen, index = 0, 0  # prompts of the source, chunks of the source
     try:
         chunk: list[Prompt] = []
         for prompt in source:
-            counts["prompts"] += 1
+            seen += 1
             chunk.append(prompt)
             if len(chunk) == engine.batch_prompts:
-                _stop_if_due(stop, writer, source)
-                _chunk(chunk, engine, settings, writer, tok, counts)
-                chunk = []
-        if chunk:
+                if index % world == rank:
+                    _stop_if_due(stop, writer, source)
+                    counts["prompts"] += len(chunk)
+                    _chunk(chunk, engine, settings, writer, tok, counts)
+                chunk, index = [], index + 1
+        if chunk and index % world == rank:
             _stop_if_due(stop, writer, source)
+            counts["prompts"] += len(chunk)
             _chunk(chunk, engine, settings, writer, tok, counts)
-        if not counts["prompts"]:
+        if not seen:
             raise GenerationError("no prompt to sample: the source is empty")
         _stop_if_due(stop, writer, source)  # a signal during the last chunk: the file is whole, the meta not yet
         writer.finish({k: counts[k] for k in ("prompts", "samples", "truncated")})

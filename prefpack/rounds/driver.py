@@ -6,6 +6,10 @@ Each phase resumes the way its own command does: the samples file continues, the
 round's training run resumes from its newest checkpoint; a finished phase's output is never written again. The
 policy each round samples is the last round's saved final model (the initial model first), read from disk, so a
 resumed run samples exactly what an uninterrupted one samples, and a vLLM server serves the same folder.
+
+Under torchrun (``prefpack.rounds.ranks``) the ranks share the sampling (prefpack.generation.shards: the samples of
+one process), rank 0 alone scores, writes the run's files and talks to a vLLM server while the others wait, and every
+rank trains (DDP or FSDP2, in the one process group of the run).
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefpack.errors import PrefpackError
-from prefpack.generation.run import build_engine, prompt_source, sample_prompts, settings_of
+from prefpack.generation.run import GenerateReport, build_engine, prompt_source, sample_prompts, settings_of
+from prefpack.generation.shards import merge_parts, part_files, part_path
 from prefpack.rewards.output import ScoreOutputError
 from prefpack.rewards.run import ScoringInterrupted, score
 from prefpack.rounds import plan
@@ -28,6 +33,7 @@ from prefpack.rounds.metrics import (
     round_metrics,
     write_json,
 )
+from prefpack.rounds.ranks import Ranks
 from prefpack.rounds.reference import precompute_round_reference
 from prefpack.stop_signal import STOP_SIGNALS, StopSignal
 from prefpack.training.cadence import TrainingInterrupted
@@ -84,20 +90,29 @@ def run_rounds(cfg, *, resume: bool = False, log=print, progress: bool = True,
                stop_at: tuple[int, str, int] | None = None) -> RoundsResult:
     """Run ``cfg.rounds.count`` rounds into ``run.output_dir``. ``stop_at`` = (round, phase, count), tests only:
     stop as if killed after ``count`` generate calls / scored rows / training steps of that round's phase."""
+    from prefpack.distributed import init_from_env
     from prefpack.metrics import MetricsLogger
     from prefpack.training.setup import check_trainable
 
     check_trainable(cfg)
-    run_dir = _open_run_dir(cfg, resume)
+    ranks = Ranks(init_from_env(cfg.train.device))  # train() finds the group joined: one group for the whole run
+    if not ranks.is_main:
+        log, progress = _quiet, False
+    run_dir = Path(cfg.run.output_dir)
     rc = cfg.rounds
     total = rc.count * rc.steps_per_round
     finished = next((r for r in range(rc.count) if not (plan.round_dir(run_dir, r) / ROUND_FILE).is_file()), rc.count)
-    dropped = drop_unfinished(run_dir, finished)
-    if resume:
-        log(f"resuming at round {finished + 1} of {rc.count}" + (f" ({dropped} metrics lines of it dropped)"
-                                                                 if dropped else ""))
+
+    def open_run() -> None:
+        _open_run_dir(cfg, resume)
+        dropped = drop_unfinished(run_dir, finished)
+        if resume:
+            log(f"resuming at round {finished + 1} of {rc.count}" + (f" ({dropped} metrics lines of it dropped)"
+                                                                     if dropped else ""))
+
+    ranks.main_only("opening the run folder", open_run)
     result = RoundsResult(run_dir)
-    metrics = MetricsLogger.from_config(cfg, run_dir, resume=True)
+    metrics = MetricsLogger.from_config(cfg, run_dir, resume=True, enabled=ranks.is_main)
     try:
         for r in range(rc.count):
             folder = plan.round_dir(run_dir, r)
@@ -107,14 +122,14 @@ def run_rounds(cfg, *, resume: bool = False, log=print, progress: bool = True,
             folder.mkdir(parents=True, exist_ok=True)
             log(f"round {r + 1}/{rc.count}: policy {plan.policy_of(cfg, run_dir, r)}")
             stop = stop_at[1:] if stop_at is not None and stop_at[0] == r else None
-            line = _round(cfg, run_dir, r, total, metrics, stop, log, progress)
+            line = _round(cfg, run_dir, r, total, metrics, stop, log, progress, ranks)
             result.rounds.append(line)
             log(f"round {r + 1}: sample reward mean {line['reward/mean']:.4f} (min {line['reward/min']:.3f}, max "
                 f"{line['reward/max']:.3f}), {line['pairs']} pairs, {line['tied_prompts']} tied prompts skipped")
     finally:
         metrics.close()
     result.final_dir = Path(plan.policy_of(cfg, run_dir, rc.count))
-    if cfg.run.plot:
+    if cfg.run.plot and ranks.is_main:
         try:
             from prefpack.plot import plot_run
 
@@ -124,60 +139,105 @@ def run_rounds(cfg, *, resume: bool = False, log=print, progress: bool = True,
     return result
 
 
-def _round(cfg, run_dir: Path, r: int, total: int, metrics, stop, log, progress: bool) -> dict:
+def _quiet(*_args) -> None:
+    pass
+
+
+def _round(cfg, run_dir: Path, r: int, total: int, metrics, stop, log, progress: bool, ranks: Ranks) -> dict:
     from prefpack.training import train
 
     folder = plan.round_dir(run_dir, r)
     samples = folder / "samples.jsonl"
-    _generate(cfg, run_dir, r, cfg.rounds.prompts, samples, "generate", stop, log)
+    _generate(cfg, run_dir, r, cfg.rounds.prompts, samples, "generate", stop, log, ranks)
     store = folder / "store"
     if not (store / "meta.json").is_file():
-        t0 = time.perf_counter()
-        opts = plan.score_options(cfg, samples, store, pairs=True)
-        if stop is not None and stop[0] == "score":
-            opts.stop_after_rows, opts.checkpoint_rows = stop[1], stop[1]
-        try:
-            score(opts, log=log)
-        except ScoringInterrupted as exc:
-            raise RoundsInterrupted(str(exc)) from None
-        except ScoreOutputError as exc:
-            raise RoundsError(f"round {r + 1}: no preference pair to train on ({exc}); the policy's samples all tie "
-                              "under the scorer: sample more (rounds.samples_per_prompt, rounds.temperature) or use "
-                              "a finer reward") from None
-        record_phase(folder, "score", seconds=time.perf_counter() - t0)
-    if cfg.reference.mode == "precomputed":
-        precompute_round_reference(cfg, run_dir, r, log)
-    eval_scores = _eval_prompts(cfg, run_dir, r, stop, log) if cfg.rounds.eval_prompts else None
+        ranks.main_only(f"scoring round {r + 1}'s samples", lambda: _score(cfg, r, samples, store, stop, log))
+    if cfg.reference.mode == "precomputed":  # rank 0 computes the sidecars every rank's training reads
+        ranks.main_only(f"computing round {r + 1}'s reference log-probs",
+                        lambda: precompute_round_reference(cfg, run_dir, r, log))
+    eval_scores = _eval_prompts(cfg, run_dir, r, stop, log, ranks) if cfg.rounds.eval_prompts else None
     t0 = time.perf_counter()
     train_cfg = plan.train_config(cfg, run_dir, r)
     train_dir = Path(train_cfg.run.output_dir)
+    resume = train_dir.is_dir() and any(train_dir.iterdir())
+    ranks.together(f"starting round {r + 1}'s training", lambda: None)  # each rank read the folder before rank 0 fills it
     steps = cfg.rounds.steps_per_round
     stop_steps = stop[1] if stop is not None and stop[0] == "train" else None
     try:
-        result = train(train_cfg, resume=train_dir.is_dir() and any(train_dir.iterdir()), log=log,
-                       progress=progress, stop_after_steps=stop_steps, schedule_span=(r * steps, total))
+        result = train(train_cfg, resume=resume, log=log, progress=progress, stop_after_steps=stop_steps,
+                       schedule_span=(r * steps, total))
     except TrainingInterrupted as exc:
         raise RoundsInterrupted(str(exc)) from None
-    record_phase(folder, "train", seconds=time.perf_counter() - t0)
-    phases = read_json(folder / "phases.json")
-    from prefpack.data.store import Store
 
-    line = round_metrics(r, read_json(samples.with_name("samples.meta.json")), Store(store).meta, phases,
-                         result.eval_after, eval_scores)
-    copy_training_lines(metrics, train_dir, r, r * steps)
-    metrics.log(r * steps, line, split="round")
-    write_json(folder / ROUND_FILE, line)  # last: the round is done
-    return line
+    def record() -> None:
+        from prefpack.data.store import Store
+
+        record_phase(folder, "train", seconds=time.perf_counter() - t0)
+        phases = read_json(folder / "phases.json")
+        line = round_metrics(r, read_json(samples.with_name("samples.meta.json")), Store(store).meta, phases,
+                             result.eval_after, eval_scores)
+        copy_training_lines(metrics, train_dir, r, r * steps)
+        metrics.log(r * steps, line, split="round")
+        write_json(folder / ROUND_FILE, line)  # last: the round is done
+
+    ranks.main_only(f"recording round {r + 1}", record)
+    return read_json(folder / ROUND_FILE)
 
 
-def _generate(cfg, run_dir: Path, r: int, prompts, samples: Path, phase: str, stop, log) -> dict:
-    """The round's policy samples ``prompts`` into ``samples`` (continued when a killed run left part of it)."""
-    meta_file = samples.with_name(samples.name.removesuffix(".jsonl") + ".meta.json")
-    meta = read_json(meta_file)
-    if meta.get("complete"):
-        return meta
+def _score(cfg, r: int, samples: Path, store: Path, stop, log) -> None:
+    """The round's samples scored into its pair store (rank 0)."""
+    t0 = time.perf_counter()
+    opts = plan.score_options(cfg, samples, store, pairs=True)
+    if stop is not None and stop[0] == "score":
+        opts.stop_after_rows, opts.checkpoint_rows = stop[1], stop[1]
+    try:
+        score(opts, log=log)
+    except ScoringInterrupted as exc:
+        raise RoundsInterrupted(str(exc)) from None
+    except ScoreOutputError as exc:
+        raise RoundsError(f"round {r + 1}: no preference pair to train on ({exc}); the policy's samples all tie "
+                          "under the scorer: sample more (rounds.samples_per_prompt, rounds.temperature) or use "
+                          "a finer reward") from None
+    record_phase(store.parent, "score", seconds=time.perf_counter() - t0)
+
+
+def _generate(cfg, run_dir: Path, r: int, prompts, samples: Path, phase: str, stop, log, ranks: Ranks) -> None:
+    """The round's policy samples ``prompts`` into ``samples`` (continued when a killed run left part of it); under
+    torchrun the ranks share the transformers engine's chunks (merged by rank 0), and a vLLM server is rank 0's."""
+    if read_json(samples.with_name(samples.name.removesuffix(".jsonl") + ".meta.json")).get("complete"):
+        return
     t0 = time.perf_counter()
     opts = plan.generate_options(cfg, run_dir, r, prompts=prompts, output=samples)
+    what = f"sampling round {r + 1}'s {'held-out ' if phase == 'eval_prompts' else ''}prompts"
+    if ranks.world == 1 or opts.engine != "transformers":
+        def alone() -> None:
+            report = _sample(opts, samples, stop, phase, log)
+            for stale in part_files(samples):  # an earlier run's parts under torchrun: these rows are done
+                stale.unlink(missing_ok=True)
+            record_phase(samples.parent, phase, seconds=time.perf_counter() - t0, tokens=report.tokens)
+            log(report.summary())
+
+        ranks.main_only(what, alone)
+        return
+    rank, world = ranks.ctx.rank, ranks.world
+
+    def part() -> list[int]:  # this rank's chunks into its own part file
+        report = _sample(opts, part_path(samples, rank, world), stop, phase, log, shard=(rank, world))
+        return [report.tokens, report.written]
+
+    tokens, written = ranks.together(what, part, size=2)
+
+    def merge() -> None:
+        counts = merge_parts(samples, world, opts.batch_size)["counts"]
+        seconds = time.perf_counter() - t0
+        record_phase(samples.parent, phase, seconds=seconds, tokens=int(tokens))
+        log(GenerateReport(samples, counts["prompts"], int(written), counts["samples"], counts["truncated"],
+                           int(tokens), seconds).summary())
+
+    ranks.main_only(f"merging the ranks' samples of round {r + 1}", merge)
+
+
+def _sample(opts, output: Path, stop, phase: str, log, shard: tuple[int, int] = (0, 1)) -> GenerateReport:
     source = prompt_source(opts)
     settings = settings_of(opts, source)
     with StopSignal(signums=STOP_SIGNALS) as signalled:  # SIGTERM / Ctrl-C: Terminated at a whole batch
@@ -185,23 +245,24 @@ def _generate(cfg, run_dir: Path, r: int, prompts, samples: Path, phase: str, st
         if stop is not None and stop[0] == phase:
             engine = _StopAfterCalls(engine, stop[1])
         try:
-            report = sample_prompts(source, engine, settings, samples, log=log, stop=signalled)
+            return sample_prompts(source, engine, settings, output, log=log, stop=signalled, shard=shard)
         finally:
             engine.close()
-    record_phase(samples.parent, phase, seconds=time.perf_counter() - t0, tokens=report.tokens)
-    log(report.summary())
-    return read_json(meta_file)
 
 
-def _eval_prompts(cfg, run_dir: Path, r: int, stop, log) -> list[float]:
-    """The held-out prompts sampled by the round's policy and scored (never trained on): their mean reward."""
+def _eval_prompts(cfg, run_dir: Path, r: int, stop, log, ranks: Ranks) -> list[float] | None:
+    """The held-out prompts sampled by the round's policy and scored (never trained on): their rewards (rank 0's;
+    None on the others)."""
     import json
 
     folder = plan.round_dir(run_dir, r)
     samples, scored = folder / "eval_samples.jsonl", folder / "eval_scores.jsonl"
-    _generate(cfg, run_dir, r, cfg.rounds.eval_prompts, samples, "eval_prompts", stop, log)
+    _generate(cfg, run_dir, r, cfg.rounds.eval_prompts, samples, "eval_prompts", stop, log, ranks)
     if not scored.is_file():
-        score(plan.score_options(cfg, samples, scored, pairs=False), log=log)
+        ranks.main_only(f"scoring round {r + 1}'s held-out samples",
+                        lambda: score(plan.score_options(cfg, samples, scored, pairs=False), log=log))
+    if not ranks.is_main:
+        return None
     with open(scored, encoding="utf-8") as fh:
         return [s for line in fh if line.strip() for s in json.loads(line)["scores"]]
 

@@ -47,10 +47,15 @@ def where_stopped(cfg) -> str:
 
 
 def _complete_lines(path: Path) -> int:
-    if not path.is_file():
-        return 0
-    with open(path, "rb") as fh:
-        return sum(1 for line in fh if line.endswith(b"\n"))
+    """The rows written in a samples file and, under torchrun, in its ranks' part files."""
+    from prefpack.generation.shards import part_files
+
+    total = 0
+    for file in [path, *(p for p in part_files(path) if p.suffix == ".jsonl")]:
+        if file.is_file():
+            with open(file, "rb") as fh:
+                total += sum(1 for line in fh if line.endswith(b"\n"))
+    return total
 
 
 def _scored_rows(partial: Path) -> int:

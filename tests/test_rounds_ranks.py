@@ -1,0 +1,86 @@
+"""On-policy rounds under torchrun (tests/test_rounds.py's quickstart task): two gloo ranks, DDP then FSDP2 in one
+launch, write the same samples, scores and pair stores as one process, byte for byte, and the same final weights up
+to float32 rounding; the ranks' sampling parts merge into one process's samples file, and a killed part continues."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import run_here, run_prefpack
+from tests.test_rounds import overrides, task  # noqa: F401 - task: the quickstart fixture, built for this module too
+
+# batch 3: 16 prompts make chunks of 3,3,3,3,3,1 (ranks 0 and 1 take 9 and 7 rows), the 8 held-out ones 3,3,2.
+# eps 1e-3: AdamW divides by sqrt(v) + eps, which turns float32 rounding noise (the all-reduce sums in another order
+# than one process) in near-zero gradients into full-size updates (as in tests/test_distributed.py)
+EXTRA = ("rounds.batch_size=3", "rounds.steps_per_round=3", "optim.eps=1.0e-3")
+ATOL = 1e-5  # measured: 1.2e-7 apart; a round of training moves them by up to 8e-3 (lr 1e-2)
+FILES = ("samples.jsonl", "samples.meta.json", "eval_samples.jsonl", "eval_scores.jsonl", "store/tokens.bin",
+         "store/index.bin")
+
+
+@pytest.fixture(scope="module")
+def launch(task, one_thread):  # noqa: F811
+    """One process, in this one; then one torchrun launch of two ranks: DDP, then FSDP2."""
+    args = {name: ["train", *overrides(task, name, *EXTRA, *strategy), "--no-progress", "--json"]
+            for name, strategy in [("one", ()), ("ddp", ("distributed.strategy=ddp",)),
+                                   ("fsdp2", ("distributed.strategy=fsdp2",))]}
+    one = run_here(args["one"])
+    proc = run_prefpack(args["ddp"], args["fsdp2"], nproc=2, timeout=300)
+    return {"one": json.loads(one[-1]), "printed": [json.loads(x) for x in proc.stdout.splitlines()],
+            "stderr": proc.stderr}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_ranks_write_the_rounds_of_one_process(launch, task, strategy):  # noqa: F811
+    from safetensors.torch import load_file
+
+    one, two = task / "one", task / strategy
+    for r in ("001", "002"):
+        for name in FILES:
+            a, b = one / "rounds" / r / name, two / "rounds" / r / name
+            # a meta names its policy's folder: round 2's is in the run's own folder
+            assert a.read_bytes().replace(bytes(one), bytes(two)) == b.read_bytes(), f"round {r}: {name}"
+        assert not list((two / "rounds" / r).glob("*.rank-*"))  # the ranks' parts merged and removed
+    a = load_file(str(one / "rounds" / "002" / "train" / "final" / "model.safetensors"))
+    b = load_file(str(two / "rounds" / "002" / "train" / "final" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=ATOL, rtol=0)
+    # rank 0 alone logs and prints: one round line per round, one summary per run
+    lines = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
+    assert [x["round"] for x in lines if x["split"] == "round"] == [0, 1]
+    assert [m["run_dir"] for m in launch["printed"]] == [str(task / "ddp"), str(task / "fsdp2")]
+    assert [m["reward/mean"] for m in launch["printed"][0]["rounds"]] == \
+        [m["reward/mean"] for m in launch["one"]["rounds"]]
+
+
+def test_ranks_parts_merge_into_the_samples_of_one_process(task, tmp_path, one_thread):  # noqa: F811
+    """Each rank's part (rank 1's killed mid-chunk, a partial last line, then continued) merged by rank 0: the
+    samples file and meta one process writes."""
+    from prefpack.config import load_config
+    from prefpack.generation.run import build_engine, prompt_source, sample_prompts, settings_of
+    from prefpack.generation.shards import merge_parts, part_path
+    from prefpack.rounds import plan
+
+    cfg = load_config(None, overrides(task, "unused", *EXTRA))
+    opts = plan.generate_options(cfg, tmp_path, 0, prompts=cfg.rounds.prompts, output=tmp_path / "one.jsonl")
+    source = prompt_source(opts)
+    settings, engine = settings_of(opts, source), build_engine(opts, source)
+    sample_prompts(source, engine, settings, tmp_path / "one.jsonl", log=lambda m: None)
+    merged = tmp_path / "two.jsonl"
+    part = part_path(merged, 1, 2)
+    sample_prompts(source, engine, settings, part, log=lambda m: None, shard=(1, 2))
+    lines = part.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 7  # chunks 1, 3, 5: 3 + 3 + 1 rows
+    part.write_bytes(b"".join(lines[:4]) + lines[4][:10])  # killed in chunk 3, in the middle of its second row
+    part_meta = part.with_name(part.name.replace(".jsonl", ".meta.json"))
+    part_meta.write_text(part_meta.read_text().replace('"complete": true', '"complete": false'))
+    for rank in (1, 0):
+        sample_prompts(source, engine, settings, part_path(merged, rank, 2), log=lambda m: None, shard=(rank, 2))
+    meta = merge_parts(merged, 2, opts.batch_size)
+    assert merged.read_bytes() == (tmp_path / "one.jsonl").read_bytes()
+    assert meta == json.loads((tmp_path / "one.meta.json").read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.jsonl", "one.meta.json", "two.jsonl", "two.meta.json"]
