@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prefpack.distributed import Dist
 from prefpack.errors import PrefpackError
 from prefpack.generation.run import GenerateReport, build_engine, prompt_source, sample_prompts, settings_of
 from prefpack.generation.shards import merge_parts, part_files, part_path
@@ -201,9 +202,11 @@ def _score(cfg, r: int, samples: Path, store: Path, stop, log) -> None:
     record_phase(store.parent, "score", seconds=time.perf_counter() - t0)
 
 
-def _generate(cfg, run_dir: Path, r: int, prompts, samples: Path, phase: str, stop, log, ranks: Ranks) -> None:
+def _generate(cfg, run_dir: Path, r: int, prompts, samples: Path, phase: str, stop, log,
+              ranks: Ranks | None = None) -> None:
     """The round's policy samples ``prompts`` into ``samples`` (continued when a killed run left part of it); under
     torchrun the ranks share the transformers engine's chunks (merged by rank 0), and a vLLM server is rank 0's."""
+    ranks = ranks if ranks is not None else Ranks(Dist())  # one process
     if read_json(samples.with_name(samples.name.removesuffix(".jsonl") + ".meta.json")).get("complete"):
         return
     t0 = time.perf_counter()
