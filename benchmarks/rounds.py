@@ -10,7 +10,15 @@ model seldom ends early); pairs are ``--pairs`` (all_pairs: every pair of a prom
 the pairs per prompt grow with k, which is what prompt sharing saves on). Each comparison trains one epoch over the
 same store in this process, alternating the two layouts ``--repeats`` times and keeping each one's best time.
 
+Like with like: both layouts train the whole store once in the same number of steps (``--epoch-steps``), so the same
+pairs per step on average. Prompts once counts prompt groups per step, and a prompt's pairs form several groups where
+they pass the store's longest pair in positions (``PairGroups``: at k = 8 with 16 new tokens, a group holds about four
+of a prompt's samples), so its batch is ``ceil(groups / steps)`` groups and each pair alone's ``ceil(pairs / steps)``
+pairs. torch runs ``--threads`` threads (default 1): on a machine shared with other jobs, two threads that wait for
+each other at every parallel region made the same epoch 5 to 25 times slower from one run to the next.
+
     python benchmarks/rounds.py [--prompts 64] [--ks 4,8] [--max-new-tokens 16] [--pairs all_pairs] [--repeats 2]
+                                [--epoch-steps 8] [--threads 1]
 
 Prints a table per part and, last, one JSON line.
 """
@@ -19,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import shutil
 import sys
 import tempfile
@@ -119,8 +129,9 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--pairs", default="all_pairs", choices=("best_vs_worst", "best_vs_rest", "all_pairs"))
     ap.add_argument("--round-steps", type=int, default=8, help="the round's own training steps (8 pairs each)")
-    ap.add_argument("--prompts-per-step", type=int, default=8,
-                    help="comparison: prompts per step (each pair alone: that many prompts' pairs per step)")
+    ap.add_argument("--epoch-steps", type=int, default=8,
+                    help="comparison: steps of the one epoch, in both layouts (so the same pairs per step on average)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steady times on a shared machine)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     args = ap.parse_args()
@@ -128,11 +139,13 @@ def main() -> int:
     import torch
 
     from prefpack.data.store import Store
+    from prefpack.data.views import PairGroups
 
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     root = Path(tempfile.mkdtemp(prefix="prefpack-rounds-bench-"))
     report = {"date": time.strftime("%Y-%m-%d"), "torch_threads": torch.get_num_threads(), "args": vars(args),
-              "rounds": [], "layouts": []}
+              "load_before": os.getloadavg(), "rounds": [], "layouts": []}
     try:
         build_task(root, args.prompts)
         for k in (int(x) for x in args.ks.split(",")):
@@ -146,9 +159,9 @@ def main() -> int:
         print("(train s: the whole phase, loading the policy and its reference and saving the final model included)")
         for r in report["rounds"]:
             store = Store(r["store"])
-            per_prompt = len(store) / max(1, args.prompts - r["tied_prompts"])
-            batches = {"prompts once": args.prompts_per_step,
-                       "each pair alone": max(1, round(args.prompts_per_step * per_prompt))}
+            groups = len(PairGroups(store))
+            batches = {"prompts once": math.ceil(groups / args.epoch_steps),
+                       "each pair alone": math.ceil(len(store) / args.epoch_steps)}
             best: dict[str, dict] = {}
             for rep in range(args.repeats):
                 for layout in LAYOUTS:
@@ -156,13 +169,16 @@ def main() -> int:
                     if layout not in best or got["loop_s"] < best[layout]["loop_s"]:
                         best[layout] = got
             for layout, got in best.items():
-                report["layouts"].append({"k": r["k"], "pairs": len(store), "pairs_per_prompt": per_prompt,
+                report["layouts"].append({"k": r["k"], "pairs": len(store), "groups": groups,
                                           "batch": batches[layout], **got})
-        print(f"\n{'k':>3} {'pairs':>6} {'layout':<16} {'steps':>5} {'epoch s':>8} {'tokens':>8} {'positions':>10} "
-              f"{'pairs/s':>8} {'tokens/s':>9}")
+        report["load_after"] = os.getloadavg()
+        print(f"\n{'k':>3} {'pairs':>6} {'groups':>6} {'layout':<16} {'batch':>5} {'steps':>5} {'pairs/step':>10} "
+              f"{'epoch s':>8} {'tokens':>8} {'positions':>10} {'pairs/s':>8} {'tokens/s':>9}")
         for x in report["layouts"]:
-            print(f"{x['k']:>3} {x['pairs']:>6} {x['layout']:<16} {x['steps']:>5} {x['loop_s']:>8.2f} "
-                  f"{x['tokens']:>8.0f} {x['positions']:>10.0f} {x['pairs_per_s']:>8.1f} {x['tokens_per_s']:>9.0f}")
+            print(f"{x['k']:>3} {x['pairs']:>6} {x['groups']:>6} {x['layout']:<16} {x['batch']:>5} {x['steps']:>5} "
+                  f"{x['pairs'] / x['steps']:>10.1f} {x['loop_s']:>8.2f} {x['tokens']:>8.0f} {x['positions']:>10.0f} "
+                  f"{x['pairs_per_s']:>8.1f} {x['tokens_per_s']:>9.0f}")
+        print(f"load average (1, 5, 15 min): before {report['load_before']}, after {report['load_after']}")
         for r in report["rounds"]:
             r.pop("store")
         print(json.dumps(report))

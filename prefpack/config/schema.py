@@ -116,8 +116,9 @@ class DataConfig:
                                    "auto = best_vs_rest, all_pairs for train.objective=reward")
     group_by_prompt: bool = _f(False, "pair stores: train the pairs that share a prompt as one prompt group, as a "
                                "ranked store's prompt is (the prompt and each distinct completion computed once, the "
-                               "group's pairs in one step, train.global_batch_pairs counting prompts); pays where "
-                               "prompts repeat (`prepare` counts them)")
+                               "group's pairs in one step, train.global_batch_pairs counting groups: a prompt's pairs "
+                               "form several groups where together they pass the store's longest pair in positions); "
+                               "pays where prompts repeat (`prepare` counts them)")
 
 
 @dataclass

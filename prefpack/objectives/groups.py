@@ -2,8 +2,9 @@
 is computed once, and the group's pairs are gathered from the per-completion sums, so every pair loss works
 unchanged and a completion shared by several pairs costs nothing more. The groups are a ranked store's prompts
 with their scored completions (pairs by ``data.ranked_pairs``), or a pair store's pairs grouped by prompt
-(``data.group_by_prompt``). A step takes ``train.global_batch_pairs`` prompts and its loss is the mean over the
-pairs they yield."""
+(``data.group_by_prompt``; a prompt's pairs form several groups where they pass the store's longest pair in
+positions, ``PairGroups``). A step takes ``train.global_batch_pairs`` groups and its loss is the mean over the pairs
+they yield."""
 
 from __future__ import annotations
 
