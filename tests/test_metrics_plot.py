@@ -283,3 +283,17 @@ def test_plot_title_names_the_run_and_entropy_gets_a_panel(tmp_path):
     records = [{"step": 1, "split": "train", "loss": 0.5, "entropy/chosen": 2.0, "entropy/rejected": 2.5}]
     drawn = dict(panels(records))
     assert [label for _, _, label, *_ in drawn["token entropy (policy, scored tokens)"]] == ["train", "train"]
+
+
+def test_a_rounds_runs_reward_panel_names_each_line_apart():
+    """The per-round panel holds the samples' mean, max, min and the held-out prompts' mean: four legend entries,
+    none repeating another (the held-out mean once read "mean (round)" twice)."""
+    from prefpack.plot import legend_label, panels
+
+    records = [{"step": s, "split": "round", "reward/mean": 0.1 * r, "reward/max": 1.0, "reward/min": 0.0,
+                "eval_reward/mean": 0.2 * r} for r, s in enumerate((0, 8))]
+    (title, lines), = panels(records)
+    keys = {k for k, *_ in lines}
+    labels = [legend_label(k, where, keys) for k, _, where, *_ in lines]
+    assert labels == ["mean (round)", "max (round)", "min (round)", "held-out mean (round)"]
+    assert legend_label("loss", "eval code", {"loss"}) == "eval code"
