@@ -119,8 +119,11 @@ def run_title(run_dir: Path) -> str:
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {}
         terms = " + ".join(str(t.get("name")) for t in cfg["loss"]["terms"])
         model = Path(str(cfg["model"]["name_or_path"])).name
-        train = cfg["data"]["train"]
-        data = Path(str(train)).name if isinstance(train, str) else f"a mixture of {len(train)} stores"
+        train, rounds = cfg["data"]["train"], (cfg.get("rounds") or {}).get("count") or 0
+        if rounds:  # an on-policy run trains on its rounds' own stores, not data.train
+            data = f"{rounds} on-policy rounds of {Path(str(cfg['rounds']['prompts'])).name}"
+        else:
+            data = Path(str(train)).name if isinstance(train, str) else f"a mixture of {len(train)} stores"
     except Exception:  # no config (an old or hand-made metrics file): the folder's name is what there is
         return name
     return f"{name}: {terms} on {model}, data {data}"

@@ -278,6 +278,9 @@ def test_plot_title_names_the_run_and_entropy_gets_a_panel(tmp_path):
     (tmp_path / "config.yaml").write_text("model: {name_or_path: /m/qwen-0.5b}\ndata: {train: /s/hh-train}\n"
                                           "loss: {terms: [{name: sigmoid, weight: 1.0}, {name: nll, weight: 0.2}]}\n")
     assert run_title(tmp_path) == f"{tmp_path.name}: sigmoid + nll on qwen-0.5b, data hh-train"
+    (tmp_path / "config.yaml").write_text("model: {name_or_path: m/init}\ndata: {train: null}\nloss: {terms: "
+                                          "[{name: sigmoid}]}\nrounds: {count: 2, prompts: runs/prompts.jsonl}\n")
+    assert run_title(tmp_path) == f"{tmp_path.name}: sigmoid on init, data 2 on-policy rounds of prompts.jsonl"
     (tmp_path / "config.yaml").write_text("not: [valid")
     assert run_title(tmp_path) == tmp_path.name
     records = [{"step": 1, "split": "train", "loss": 0.5, "entropy/chosen": 2.0, "entropy/rejected": 2.5}]
