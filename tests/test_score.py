@@ -338,3 +338,16 @@ def test_the_example_reward_fn_sees_hh_rlhfs_curly_apostrophe_refusals():
     for text in curly:
         reply = text.rpartition("Assistant:")[2]
         assert fn("", reply, {}) == pytest.approx(-0.01 * len(reply.split()) - 1.0)
+
+
+def test_a_causal_lm_given_as_reward_model_is_named_as_such(tmp_path, toy_tokenizers):
+    """The policy's own folder passed as --reward-model (an easy slip) is answered with what it is and what to do,
+    not with "this one has 2 outputs" (transformers' default num_labels for a config that never set it)."""
+    from conftest import tiny_llama
+
+    from prefpack.rewards.reward_model import RewardModelScorer
+    from prefpack.rewards.scorers import ScorerError
+
+    model = tiny_llama(toy_tokenizers["llama"], tmp_path / "policy", 0)
+    with pytest.raises(ScorerError, match=r"is a LlamaForCausalLM, not a reward model .* train.objective=reward"):
+        RewardModelScorer(str(model))
