@@ -15,7 +15,7 @@ from pathlib import Path
 from prefpack.errors import PrefpackError
 from prefpack.metrics import METRICS_FILE, read_metrics
 
-__all__ = ["PANELS", "PlotError", "eval_store_names", "panels", "plot_run", "train_source_names"]
+__all__ = ["PANELS", "PlotError", "eval_store_names", "legend_label", "panels", "plot_run", "train_source_names"]
 
 # (panel title, metric keys drawn in it); a panel appears only when one of its keys has a value.
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -31,6 +31,17 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("gradient norm", ("grad_norm",)),
     ("tokens / s", ("tokens/s",)),
 )
+
+
+# a metric's name in its panel's legend, where the last part of its key alone would repeat another's ("mean")
+LEGEND_NAMES = {"eval_reward/mean": "held-out mean"}
+
+
+def legend_label(key: str, where: str, panel_keys: set[str]) -> str:
+    """``mean (round)``; the bare ``where`` (``train``, ``eval NAME``) in a panel of one metric."""
+    if len(panel_keys) == 1:
+        return where
+    return f"{LEGEND_NAMES.get(key, key.rsplit('/', 1)[-1])} ({where})"
 
 
 def _stderr(msg: str) -> None:
@@ -108,8 +119,11 @@ def run_title(run_dir: Path) -> str:
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {}
         terms = " + ".join(str(t.get("name")) for t in cfg["loss"]["terms"])
         model = Path(str(cfg["model"]["name_or_path"])).name
-        train = cfg["data"]["train"]
-        data = Path(str(train)).name if isinstance(train, str) else f"a mixture of {len(train)} stores"
+        train, rounds = cfg["data"]["train"], (cfg.get("rounds") or {}).get("count") or 0
+        if rounds:  # an on-policy run trains on its rounds' own stores, not data.train
+            data = f"{rounds} on-policy rounds of {Path(str(cfg['rounds']['prompts'])).name}"
+        else:
+            data = Path(str(train)).name if isinstance(train, str) else f"a mixture of {len(train)} stores"
     except Exception:  # no config (an old or hand-made metrics file): the folder's name is what there is
         return name
     return f"{name}: {terms} on {model}, data {data}"
@@ -156,8 +170,7 @@ def plot_run(run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None
         for key, split, where, steps, values in lines:
             # one color per (metric, source): a source's train curve and its eval store's markers share it
             color = colors.setdefault((key, where.partition(" ")[2]), f"C{len(colors)}")
-            name = key.rsplit("/", 1)[-1] if len({k for k, *_ in lines}) > 1 else ""
-            label = f"{name} ({where})" if name else where
+            label = legend_label(key, where, {k for k, *_ in lines})
             if split == "train":
                 ax.plot(steps, values, "-", color=color, linewidth=1.2, label=label)
             elif split == "round":  # one point per on-policy round, at the step its samples were drawn

@@ -195,3 +195,19 @@ def test_the_model_folders_sampling_defaults_do_not_leak_in(world):
     finally:
         model.generation_config = saved
     assert len({s.ids for s in plain[0]}) == 3
+
+
+def test_too_many_new_tokens_says_what_fits_and_the_corrected_command_then_runs(world, tmp_path, capsys):
+    """A first try that fails before any row (max_new_tokens past the model's positions) names the most that fits,
+    and leaves nothing the corrected command would be refused for continuing ("other settings")."""
+    from prefpack.cli import main
+
+    out, fresh = tmp_path / "samples.jsonl", tmp_path / "fresh.jsonl"
+    argv = ["generate", "--store", str(world["store"]), "--model", str(world["model"]), "--n", "2", "--seed", "3"]
+    longest = max(len(p.ids) for p in StorePrompts(str(world["store"])))
+    assert main([*argv, "-o", str(out), "--max-new-tokens", "256"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"lower max_new_tokens to {256 - longest} or less" in err[0]
+    assert main([*argv, "-o", str(out), "--max-new-tokens", "4"]) == 0
+    assert main([*argv, "-o", str(fresh), "--max-new-tokens", "4"]) == 0
+    assert read(out) == read(fresh) and len(read(out).splitlines()) == 4

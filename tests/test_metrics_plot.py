@@ -278,8 +278,25 @@ def test_plot_title_names_the_run_and_entropy_gets_a_panel(tmp_path):
     (tmp_path / "config.yaml").write_text("model: {name_or_path: /m/qwen-0.5b}\ndata: {train: /s/hh-train}\n"
                                           "loss: {terms: [{name: sigmoid, weight: 1.0}, {name: nll, weight: 0.2}]}\n")
     assert run_title(tmp_path) == f"{tmp_path.name}: sigmoid + nll on qwen-0.5b, data hh-train"
+    (tmp_path / "config.yaml").write_text("model: {name_or_path: m/init}\ndata: {train: null}\nloss: {terms: "
+                                          "[{name: sigmoid}]}\nrounds: {count: 2, prompts: runs/prompts.jsonl}\n")
+    assert run_title(tmp_path) == f"{tmp_path.name}: sigmoid on init, data 2 on-policy rounds of prompts.jsonl"
     (tmp_path / "config.yaml").write_text("not: [valid")
     assert run_title(tmp_path) == tmp_path.name
     records = [{"step": 1, "split": "train", "loss": 0.5, "entropy/chosen": 2.0, "entropy/rejected": 2.5}]
     drawn = dict(panels(records))
     assert [label for _, _, label, *_ in drawn["token entropy (policy, scored tokens)"]] == ["train", "train"]
+
+
+def test_a_rounds_runs_reward_panel_names_each_line_apart():
+    """The per-round panel holds the samples' mean, max, min and the held-out prompts' mean: four legend entries,
+    none repeating another (the held-out mean once read "mean (round)" twice)."""
+    from prefpack.plot import legend_label, panels
+
+    records = [{"step": s, "split": "round", "reward/mean": 0.1 * r, "reward/max": 1.0, "reward/min": 0.0,
+                "eval_reward/mean": 0.2 * r} for r, s in enumerate((0, 8))]
+    (title, lines), = panels(records)
+    keys = {k for k, *_ in lines}
+    labels = [legend_label(k, where, keys) for k, _, where, *_ in lines]
+    assert labels == ["mean (round)", "max (round)", "min (round)", "held-out mean (round)"]
+    assert legend_label("loss", "eval code", {"loss"}) == "eval code"

@@ -319,3 +319,35 @@ def test_a_reward_model_scores_a_ranked_store_packed_prompts_once_as_each_sequen
         score(opts("resumed.jsonl", stop_after_rows=2), log=lambda m: None)
     score(opts("resumed.jsonl"), log=lambda m: None)
     assert (tmp_path / "resumed.jsonl").read_bytes() == (tmp_path / "scored.jsonl").read_bytes()
+
+
+def test_the_example_reward_fn_sees_hh_rlhfs_curly_apostrophe_refusals():
+    """examples/rewards/concise.py (docs/scoring.md's example) on the bundled hh test rows: a reply opening with
+    "I’m sorry" (hh-rlhf's curly apostrophe: 14 of its final replies) is a refusal, as "I'm sorry" is."""
+    import gzip
+    from pathlib import Path
+
+    from prefpack.rewards.scorers import RewardFunctionScorer
+
+    root = Path(__file__).resolve().parents[1]
+    fn = RewardFunctionScorer(f"{root}/examples/rewards/concise.py:reward").fn
+    with gzip.open(root / "examples/data/hh-rlhf-harmless-base/test_312.jsonl.gz", "rt", encoding="utf-8") as fh:
+        replies = [r[side] for r in map(json.loads, fh) for side in ("chosen", "rejected")]
+    curly = [t for t in replies if "I\u2019m sorry" in t.rpartition("Assistant:")[2]]
+    assert len(curly) == 14
+    for text in curly:
+        reply = text.rpartition("Assistant:")[2]
+        assert fn("", reply, {}) == pytest.approx(-0.01 * len(reply.split()) - 1.0)
+
+
+def test_a_causal_lm_given_as_reward_model_is_named_as_such(tmp_path, toy_tokenizers):
+    """The policy's own folder passed as --reward-model (an easy slip) is answered with what it is and what to do,
+    not with "this one has 2 outputs" (transformers' default num_labels for a config that never set it)."""
+    from conftest import tiny_llama
+
+    from prefpack.rewards.reward_model import RewardModelScorer
+    from prefpack.rewards.scorers import ScorerError
+
+    model = tiny_llama(toy_tokenizers["llama"], tmp_path / "policy", 0)
+    with pytest.raises(ScorerError, match=r"is a LlamaForCausalLM, not a reward model .* train.objective=reward"):
+        RewardModelScorer(str(model))

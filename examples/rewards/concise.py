@@ -7,5 +7,6 @@ names it."""
 def reward(prompt: str, completion: str, row: dict) -> float:
     """Higher is better. `row` is the input row (passthrough fields such as a reference answer or label)."""
     words = len(completion.split())
-    refusal = any(w in completion.lower() for w in ("i can't", "i cannot", "i'm sorry", "i am sorry"))
+    text = completion.lower().replace("\u2019", "'")  # hh-rlhf writes most apostrophes curly: "I’m sorry"
+    refusal = any(w in text for w in ("i can't", "i cannot", "i'm sorry", "i am sorry"))
     return -0.01 * words - (1.0 if refusal else 0.0)

@@ -81,8 +81,11 @@ class TransformersEngine:
         width = max(len(j.ids) for j in jobs)
         if self.max_positions and width + s.max_new_tokens > self.max_positions:
             long = max(jobs, key=lambda j: len(j.ids))
+            fits = self.max_positions - len(long.ids)
             raise GenerationError(f"row {long.row}: its prompt ({len(long.ids)} tokens) and max_new_tokens "
-                                  f"({s.max_new_tokens}) exceed the model's {self.max_positions} positions")
+                                  f"({s.max_new_tokens}) exceed the model's {self.max_positions} positions; "
+                                  + (f"lower max_new_tokens to {fits} or less (--max-new-tokens, or "
+                                     "rounds.max_new_tokens)" if fits > 0 else "the prompt alone fills them"))
         ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(jobs), width), dtype=torch.long)
         for i, job in enumerate(jobs):  # left padding: every prompt ends where generation starts

@@ -9,7 +9,8 @@ template's hash, the prompt source, the generation settings (engine, n, seed, ..
 
 Rows are appended as they are made, so a killed run keeps what it wrote: run again with the same settings and it
 skips the rows done (a partial last line, which a kill -9 mid-write leaves, is dropped and said, and its row made
-again); other settings are refused unless ``overwrite``.
+again); other settings are refused unless ``overwrite``. An empty file (a run that failed before its first row,
+e.g. on a too-long ``max_new_tokens``) holds nothing to keep: it is started again with the new settings.
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ class SamplesWriter:
         self.torn = 0  # bytes of a partial last line an earlier run left (dropped)
         self.written = 0  # rows this writer wrote
         self.prior = {"samples": 0, "truncated": 0}  # what the rows an earlier run wrote hold
-        if self.path.exists() and not overwrite:
+        if self.path.exists() and self.path.stat().st_size and not overwrite:
             self.done = self._resume()
-        elif self.meta_file.exists() and not overwrite:
+        elif self.meta_file.exists() and not self.path.exists() and not overwrite:
             raise GenerationError(f"{self.meta_file} exists without its samples file {self.path}; remove it, or pass "
                                   "--overwrite")
         self.path.parent.mkdir(parents=True, exist_ok=True)

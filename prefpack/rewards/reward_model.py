@@ -46,6 +46,11 @@ class RewardModelScorer(Scorer):
         except (OSError, ValueError) as exc:
             raise ScorerError(f"--reward-model {folder!r}: cannot read its config ({' '.join(str(exc).split())[:200]})"
                               ) from None
+        archs = getattr(config, "architectures", None) or []
+        if archs and not any(a.endswith("ForSequenceClassification") for a in archs):  # e.g. the policy itself
+            raise ScorerError(f"--reward-model {folder!r} is a {archs[0]}, not a reward model (a one-label "
+                              "...ForSequenceClassification); train one from it with train.objective=reward "
+                              "(docs/reward-models.md), or score with --reward-fn")
         if getattr(config, "num_labels", None) != 1:
             raise ScorerError(f"--reward-model {folder!r}: a reward model has one output (num_labels=1), this one has "
                               f"{getattr(config, 'num_labels', None)}")
