@@ -85,6 +85,10 @@ def test_two_rounds_raise_the_reward_of_the_policy_samples(straight, task):
     # the held-out prompts (never trained on) score higher too
     assert first["eval_reward/mean"] == pytest.approx(mean_reward("eval_samples.jsonl", 1))
     assert second["eval_reward/mean"] > first["eval_reward/mean"]
+    table = straight.summary().splitlines()  # the end-of-run table shows the held-out reward beside the samples'
+    assert table[0].split()[-2:] == ["held-out", "reward"]
+    assert [float(row.split()[-1]) for row in table[1:3]] == pytest.approx(
+        [first["eval_reward/mean"], second["eval_reward/mean"]], abs=1e-4)
     assert first["samples"] == 64 and first["cut_samples"] == 64  # one token each, no stop token: all cut, counted
     assert first["pairs"] + first["tied_prompts"] == 16
     lines = [json.loads(x) for x in (task / "straight" / "metrics.jsonl").read_text().splitlines()]

@@ -81,10 +81,13 @@ def run_score(args, argv: list[str]) -> int:
     if args.json:
         print(json.dumps(summary))
         return 0
-    what = f"{summary.get('examples', summary['rows'])} rows" if args.format == "jsonl" else \
-        f"{summary['examples']} {'pairs' if args.pairs else 'scored completions'}"
-    print(f"wrote {args.output}: {what} from {summary['rows']} input rows ({summary['completions']} completions "
-          "scored)")
+    if args.format == "jsonl":
+        head = f"{summary.get('examples', summary['rows'])} rows from {summary['rows']} input rows"
+    elif args.pairs:
+        head = f"{summary['examples']} pairs from {summary['rows']} input rows"
+    else:  # a ranked store: one row per scored completion
+        head = f"a ranked store of {summary['rows']} input rows"
+    print(f"wrote {args.output}: {head} ({summary['completions']} completions scored)")
     if summary.get("skipped"):
         print("skipped: " + ", ".join(f"{k}={v}" for k, v in sorted(summary["skipped"].items())))
     return 0

@@ -55,10 +55,13 @@ class RoundsResult:
     final_dir: Path | None = None
 
     def summary(self) -> str:
-        lines = [f"{'round':>5} {'reward mean':>12} {'min':>8} {'max':>8} {'pairs':>6} {'tied':>5} {'cut':>5}"]
+        held_out = any("eval_reward/mean" in m for m in self.rounds)
+        lines = [f"{'round':>5} {'reward mean':>12} {'min':>8} {'max':>8} {'pairs':>6} {'tied':>5} {'cut':>5}"
+                 + (f" {'held-out reward':>16}" if held_out else "")]
         for m in self.rounds:
             lines.append(f"{m['round'] + 1:>5} {m['reward/mean']:>12.4f} {m['reward/min']:>8.3f} "
-                         f"{m['reward/max']:>8.3f} {m['pairs']:>6} {m['tied_prompts']:>5} {m['cut_samples']:>5}")
+                         f"{m['reward/max']:>8.3f} {m['pairs']:>6} {m['tied_prompts']:>5} {m['cut_samples']:>5}"
+                         + (f" {m.get('eval_reward/mean', float('nan')):>16.4f}" if held_out else ""))
         lines.append(f"final model: {self.final_dir}   metrics: {self.run_dir / 'metrics.jsonl'}")
         return "\n".join(lines)
 
@@ -121,7 +124,9 @@ def run_rounds(cfg, *, resume: bool = False, log=print, progress: bool = True,
                 result.rounds.append(read_json(folder / ROUND_FILE))
                 continue
             folder.mkdir(parents=True, exist_ok=True)
-            log(f"round {r + 1}/{rc.count}: policy {plan.policy_of(cfg, run_dir, r)}")
+            adapter = plan.adapter_of(cfg, run_dir, r) if rc.engine == "transformers" else None  # vLLM: merged
+            log(f"round {r + 1}/{rc.count}: policy " + (f"{plan.initial_policy(cfg)} + adapter {adapter}"
+                                                         if adapter else plan.policy_of(cfg, run_dir, r)))
             stop = stop_at[1:] if stop_at is not None and stop_at[0] == r else None
             line = _round(cfg, run_dir, r, total, metrics, stop, log, progress, ranks)
             result.rounds.append(line)
