@@ -1,8 +1,10 @@
 """2 ranks equal 1 for the architectures of issue 38 (tests/model_families.py): each family's tiny random model
 (2 layers, hidden 32, from its transformers config) trains 3 steps packed with prompts laid out once, in one process
-(in this one) and on 2 gloo ranks under DDP (all six in one torchrun launch), and one family under FSDP2 (its
+(in this one) and on 2 gloo ranks under DDP (all nine in one torchrun launch), and two under FSDP2: Qwen3.5 (its
 recurrent layers' forwards replaced per instance, prefpack/model/recurrent/install.py, inside FSDP2's wrapped
-layers): the same per-step losses and gradient norms and the same final weights."""
+layers) and Jamba (its decoder layers' relaying class, prefpack/model/recurrent/relay.py, beneath FSDP2's own
+class swap), Jamba also with activation checkpointing (the relay's replay in backward, under FSDP2): the same
+per-step losses and gradient norms and the same final weights."""
 
 from __future__ import annotations
 
@@ -11,8 +13,13 @@ import torch
 from conftest import final_weights, metrics_lines, prepare_hh_splits, run_here, run_prefpack
 from model_families import FAMILIES, SMALL
 
-NAMES = ["qwen3_5_text", "qwen3_next", "nemotron_h", "granitemoehybrid", "gpt_oss", "llama4_text"]
-FSDP2 = "qwen3_5_text"  # Gated DeltaNet layers whose forward prefpack replaces, under fully_shard
+NAMES = ["qwen3_5_text", "qwen3_next", "nemotron_h", "granitemoehybrid", "gpt_oss", "llama4_text", "jamba",
+         "falcon_h1", "kimi_linear"]
+# under fully_shard: Gated DeltaNet layers whose forward prefpack replaces; Jamba's Mamba-1 layers, reached through
+# their decoder layer's relaying class (FSDP2 subclasses it again), without and with activation checkpointing
+FSDP2 = {"fsdp2": ("qwen3_5_text", "jamba"), "fsdp2-ckpt": ("jamba",)}
+STRATEGY = {"fsdp2": ["distributed.strategy=fsdp2"],
+            "fsdp2-ckpt": ["distributed.strategy=fsdp2", "model.gradient_checkpointing=true"]}
 STEPS = 2
 # Same tolerances as tests/test_distributed.py: the two ranks' gradients are summed by an all-reduce in another
 # order than one process sums them (float32 rounding, ~1e-8 after a few AdamW steps at lr 1e-3, eps 1e-3); a pair
@@ -45,7 +52,8 @@ def world(tmp_path_factory, toy_tokenizers, hh_train):
     for name in NAMES:
         family = _family(name)
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(name, vocab_size=vocab, **SMALL,
+        small = SMALL if family.small else {}  # Kimi-Linear's row carries its own sizes
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(name, vocab_size=vocab, **small,
                                                                       **family.config))
         with torch.no_grad():  # sinks and norms start at constants: move every weight off them
             for p in model.parameters():
@@ -63,10 +71,12 @@ def _train(world, name, run_dir, *extra) -> list[str]:
 @pytest.fixture(scope="module")
 def launch(world):
     root = world["root"]
-    runs = {(n, k): root / f"{n}-{k}" for n in NAMES for k in ("one", "ddp")} | {(FSDP2, "fsdp2"): root / "fsdp2"}
+    runs = {(n, k): root / f"{n}-{k}" for n in NAMES for k in ("one", "ddp")}
+    runs |= {(n, k): root / f"{n}-{k}" for k, names in FSDP2.items() for n in names}
     run_here(*(_train(world, n, runs[n, "one"]) for n in NAMES))
     run_prefpack(*(_train(world, n, runs[n, "ddp"], "distributed.strategy=ddp") for n in NAMES),
-                 _train(world, FSDP2, runs[FSDP2, "fsdp2"], "distributed.strategy=fsdp2"), nproc=2, timeout=600)
+                 *(_train(world, n, runs[n, k], *STRATEGY[k]) for k, names in FSDP2.items() for n in names),
+                 nproc=2, timeout=600)
     return runs
 
 
@@ -74,7 +84,8 @@ def _steps(run_dir):
     return [(m["step"], m["loss"], m["grad_norm"]) for m in metrics_lines(run_dir)]
 
 
-@pytest.mark.parametrize("strategy,name", [*(("ddp", n) for n in NAMES), ("fsdp2", FSDP2)])
+@pytest.mark.parametrize("strategy,name", [*(("ddp", n) for n in NAMES),
+                                           *((k, n) for k, names in FSDP2.items() for n in names)])
 def test_two_ranks_equal_one(launch, strategy, name):
     one, two = launch[name, "one"], launch[name, strategy]
     assert len(_steps(one)) == STEPS
