@@ -252,6 +252,14 @@ def test_trl_margin_column_formula_on_prefpack_rewards(trl_store, tmp_path):
     with torch.no_grad():
         out = task.loss(SequenceRewards(model), None, task.collate(Planned([list(range(16))], 0, 0)), None)
     assert float(out.loss.mean()) == pytest.approx(_trl_case(margin=True)["eval"]["eval_loss"], abs=1e-5)
+    from prefpack.training.setup import build  # a DPO run on the same store is told its margins are not read
+
+    said: list[str] = []
+    build(load_config(None, [f"model.name_or_path={TRL_ASSETS / 'reference'}", f"data.train={tmp_path / 'm'}",
+                             "data.eval=null", "run.report_to=none", f"run.output_dir={tmp_path / 'run'}"]),
+          log=said.append)
+    assert any(line.startswith(f"note: {tmp_path / 'm'} gives 16 pairs a margin") and "ignore it" in line
+               for line in said), said
 
 
 def test_lora_reward_resume_equals_uninterrupted_and_exports_merged(trl_store, tmp_path, one_thread):

@@ -183,6 +183,9 @@ def build(cfg, *, log=print, parallel: Parallel | None = None, check_sidecar_ref
                           check_sidecar_reference=check_sidecar_reference, training=training)
     for spec, (_, store) in zip(stores.specs, stores.train):
         check_vocab_fits(engine.policy, store.meta, spec.path)
+        if store.margins is not None and cfg.train.objective != "reward":
+            log(f"note: {spec.path} gives {store.meta.get('num_margins')} pairs a margin (margins.bin), which only "
+                f"train.objective=reward reads; the {cfg.train.objective} objective's losses ignore it")
     # LD-DPO weights the reference's sums too
     engine.reference.configure(chunk_size=engine.budgets.chunk_size, pair_tails=cfg.loss.ld_alpha is not None,
                                seq=parallel.seq)
