@@ -65,6 +65,15 @@ def test_full_fine_tuning_with_a_reference_copy():
     assert line.startswith("estimated peak per device (cuda; an estimate") and "4,096-token micro-batches" in line
 
 
+def test_a_reward_model_has_no_vocabulary_head_term():
+    """A reward model (one-label classifier) ends at its ``score`` head: no chunk of vocabulary logits is counted."""
+    torch.manual_seed(0)
+    rm = tf.LlamaForSequenceClassification(tf.LlamaConfig(**{**_config().to_dict(), "num_labels": 1}))
+    est = estimate_memory(rm, None, Holding(), activation_per_token=_per_token(), micro_batch_tokens=4096,
+                          chunk_size=1024)
+    assert est.activations == 4096 * LAYERS * (20 * H + 8 * INTER)
+
+
 def _four_bit_bytes(n: int) -> int:
     """A Linear4bit of ``n`` weights, NF4 with double quantisation: two weights a byte; a uint8 scale per block of 64
     and that scale's own float32 scale per 256 blocks; the 16-value NF4 table, the 256-value table of the scales'

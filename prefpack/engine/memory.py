@@ -161,6 +161,9 @@ def estimate_memory(policy: nn.Module, reference: nn.Module | None, holding: Hol
                     micro_batch_tokens: int, chunk_size: int) -> MemoryEstimate:
     """The estimated peak of one device at this micro-batch and head chunk (see the module doc)."""
     weights, grads, optimizer = static_bytes(policy, reference, holding)
-    vocab = int(policy.get_input_embeddings().weight.shape[0])
+    from prefpack.model.head import is_reward_model
+
+    # a reward model's head is one number per sequence: no chunk of vocabulary logits is ever made
+    vocab = 0 if is_reward_model(policy) else int(policy.get_input_embeddings().weight.shape[0])
     activations = activation_per_token * micro_batch_tokens + chunk_size * vocab * HEAD_BYTES_PER_LOGIT
     return MemoryEstimate(weights, grads, optimizer, activations, micro_batch_tokens)
