@@ -128,7 +128,8 @@ def test_a_rounds_like_store_with_a_length_limit_makes_one_group_per_prompt(tmp_
     assert sorted(r for rows in old.pair_rows for r in rows) == list(range(56))  # every pair once
 
 
-def test_a_scored_samples_store_groups_a_prompts_samples_as_one_and_trains_them_as_pairs(tmp_path, toy_tokenizers):
+def test_a_scored_samples_store_groups_a_prompts_samples_as_one_and_trains_them_as_pairs(tmp_path, toy_tokenizers,
+                                                                                          one_thread):
     """A round's store as `prefpack score --pairs all_pairs` writes it from a samples file (n = 8, max_new_tokens =
     12): a prompt with its 8 samples is what its settings allow, so one group per prompt; its per-pair losses equal
     the same pairs read one by one (float64)."""
