@@ -11,10 +11,9 @@ the pairs per prompt grow with k, which is what prompt sharing saves on). Each c
 same store in this process, alternating the two layouts ``--repeats`` times and keeping each one's best time.
 
 Like with like: both layouts train the whole store once in the same number of steps (``--epoch-steps``), so the same
-pairs per step on average. Prompts once counts prompt groups per step, and a prompt's pairs form several groups where
-they pass the store's longest pair in positions (``PairGroups``: at k = 8 with 16 new tokens, a group holds about four
-of a prompt's samples), so its batch is ``ceil(groups / steps)`` groups and each pair alone's ``ceil(pairs / steps)``
-pairs. torch runs ``--threads`` threads (default 1): on a machine shared with other jobs, two threads that wait for
+pairs per step on average. Prompts once counts prompt groups per step (``PairGroups``: a round's prompt with its k
+samples is one group while it fits 2,048 positions, as here), so its batch is ``ceil(groups / steps)`` groups and each
+pair alone's ``ceil(pairs / steps)`` pairs. torch runs ``--threads`` threads (default 1): on a machine shared with other jobs, two threads that wait for
 each other at every parallel region made the same epoch 5 to 25 times slower from one run to the next.
 
     python benchmarks/rounds.py [--prompts 64] [--ks 4,8] [--max-new-tokens 16] [--pairs all_pairs] [--repeats 2]

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import group_and_pair_losses, reference_table, tiny_llama, write_jsonl
+from conftest import group_and_pair_losses, make_task, reference_table, tiny_llama, write_jsonl
 
 from prefpack.data.prepare import PrepareOptions, prepare
 from prefpack.data.store import Store
@@ -82,6 +82,134 @@ def test_a_group_is_never_longer_than_the_longest_pair(tmp_path, toy_tokenizers)
         lengths = store.index[:, 1:4].astype(int)
         longest = int((2 * lengths[:, 0] + lengths[:, 1:].sum(1)).max())
         assert int(view.costs(np.arange(len(view)), shared=True)[0].max()) <= longest
+
+
+ANSWERS = [f" Answer {j}: the {w} one." for j, w in enumerate(["red", "blue", "green", "old", "new", "big", "small",
+                                                               "last"])]
+ROUND_PROMPTS = ["\n\nHuman: Which one?\n\nAssistant:", "\n\nHuman: Pick a colour.\n\nAssistant:"]
+
+
+def _round_like_rows() -> list[dict]:
+    """An on-policy round's pairs: each prompt's k = 8 samples, all_pairs (every higher-scored sample against each
+    lower one: 28 pairs a prompt), prompts in turn."""
+    return [{"prompt": p, "chosen": ANSWERS[i], "rejected": ANSWERS[j]}
+            for p in ROUND_PROMPTS for i in range(8) for j in range(i + 1, 8)]
+
+
+def _one_group_per_prompt(store: Store) -> tuple[PairGroups, int]:
+    """The store's groups checked to be one per prompt, each its prompt and 8 distinct samples once (positions
+    from the store's index), longer than the store's longest pair; returns the view and that longest pair."""
+    view = PairGroups(store)
+    index = store.index[:, 1:4].astype(int)
+    assert [list(r) for r in view.pair_rows] == [list(range(28)), list(range(28, 56))]
+    assert view.sizes.tolist() == [8, 8] and view.num_pairs.tolist() == [28, 28]
+    # a prompt's first 7 pairs are (sample 0, sample j) for j = 1..7: sample 0 once, then each rejected one
+    want = [int(index[f, 0] + index[f, 1] + index[f:f + 7, 2].sum()) for f in (0, 28)]
+    cost = view.costs(np.arange(2), shared=True)[0]
+    assert cost.tolist() == want
+    longest_pair = int((2 * index[:, 0] + index[:, 1] + index[:, 2]).max())
+    assert int(cost.min()) > longest_pair  # the old cap (the longest pair) split every prompt
+    return view, longest_pair
+
+
+def test_a_rounds_like_store_with_a_length_limit_makes_one_group_per_prompt(tmp_path, toy_tokenizers):
+    """k = 8 samples of a short prompt, all_pairs, prepared with --max-length 96: what the data settings allow is a
+    pair of two 96-token sequences, so each prompt's 28 pairs are ONE group (8 samples computed once), though longer
+    than the store's longest pair; without --max-length (an older store) the cap stays the longest pair."""
+    rows = write_jsonl(tmp_path / "round.jsonl", _round_like_rows())
+    for name, limit in (("limited", 96), ("unlimited", None)):
+        prepare(PrepareOptions(inputs=[str(rows)], tokenizer=str(toy_tokenizers["llama"]),
+                               output=str(tmp_path / name), workers=1, max_length=limit), log=lambda m: None)
+    view, longest_pair = _one_group_per_prompt(Store(tmp_path / "limited"))
+    assert (view.cap, view.cap_source) == (192, "2 x prepare's --max-length 96")
+    old = PairGroups(Store(tmp_path / "unlimited"))
+    assert old.cap == longest_pair and old.cap_source == "the store's longest pair"
+    assert len(old) > 2 and int(old.costs(np.arange(len(old)), shared=True)[0].max()) <= longest_pair
+    assert sorted(r for rows in old.pair_rows for r in rows) == list(range(56))  # every pair once
+
+
+def test_a_scored_samples_store_groups_a_prompts_samples_as_one_and_trains_them_as_pairs(tmp_path, toy_tokenizers,
+                                                                                          one_thread):
+    """A round's store as `prefpack score --pairs all_pairs` writes it from a samples file (n = 8, max_new_tokens =
+    12): a prompt with its 8 samples is what its settings allow, so one group per prompt; its per-pair losses equal
+    the same pairs read one by one (float64)."""
+    from transformers import AutoTokenizer
+
+    from prefpack.cli import main
+    from prefpack.config import load_config
+    from prefpack.tokenizer import HASH_VERSION, tokenizer_hash
+
+    tok_dir = toy_tokenizers["llama"]
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    samples = [{"prompt_ids": tok(p)["input_ids"], "prompt": p, "row": r, "truncated": [False] * 8,
+                "completion_ids": [tok(a, add_special_tokens=False)["input_ids"][:12] for a in ANSWERS],
+                "completions": ANSWERS} for r, p in enumerate(ROUND_PROMPTS)]
+    path = write_jsonl(tmp_path / "samples.jsonl", samples)
+    (tmp_path / "samples.meta.json").write_text(json.dumps(
+        {"tokenizer": {"name": str(tok_dir), "hash": tokenizer_hash(tok), "hash_version": HASH_VERSION},
+         "generation": {"engine": "transformers", "settings": {"n": 8, "max_new_tokens": 12}}, "complete": True}))
+    (tmp_path / "fn.py").write_text("def reward(prompt, completion, row):\n    return -float(completion[8])\n")
+    assert main(["score", str(path), "-o", str(tmp_path / "store"), "--reward-fn", f"{tmp_path / 'fn.py'}:reward",
+                 "--pairs", "all_pairs", "--no-progress"]) == 0
+    store = Store(tmp_path / "store")
+    view, _ = _one_group_per_prompt(store)
+    prompt = int(store.column("prompt_len").max())
+    assert view.cap == prompt + 8 * 12 and view.cap_source == f"the longest prompt ({prompt}) + 8 samples x " \
+                                                               "max_new_tokens 12"
+    cfg = load_config(None, ["data.prefix_sharing=true", "loss.terms=[{name: sigmoid}]"])
+    _, g_task, g_out, p_out = group_and_pair_losses(tok_dir, store, store, cfg, ld=False, rows=[[0], [1]])
+    order = torch.as_tensor([r for rows in g_task.view.pair_rows for r in rows])
+    torch.testing.assert_close(g_out.loss, p_out.loss[order], rtol=0, atol=1e-10)
+
+
+class _Meta:
+    """What ``group_cap`` reads of a store: its meta.json, its prompt lengths and its size."""
+
+    def __init__(self, meta: dict, prompts=(30,)):
+        self.meta, self._prompts = meta, np.asarray(prompts)
+
+    def column(self, name):
+        assert name == "prompt_len"
+        return self._prompts
+
+    def __len__(self):
+        return len(self._prompts)
+
+
+def test_the_group_cap_is_what_the_data_settings_allow_up_to_a_row_of_every_auto_budget():
+    """min(what the store records, GROUP_POSITIONS), never below the store's longest pair; a missing, malformed or
+    boolean limit keeps the longest pair; GROUP_POSITIONS fits one row of every auto budget."""
+    from prefpack.data.views import GROUP_POSITIONS, group_cap
+    from prefpack.engine.budgets import CPU_BUDGETS, MIN_MICRO_BATCH_TOKENS
+
+    assert GROUP_POSITIONS <= min(CPU_BUDGETS.row_tokens, MIN_MICRO_BATCH_TOKENS)
+    samples = {"samples": {"generation": {"settings": {"n": 8, "max_new_tokens": 16}}}}
+    cases = [({"args": {"max_length": 300}}, 100, 600), ({"args": {"max_length": 5000}}, 100, GROUP_POSITIONS),
+             ({"args": {"max_length": 5000}}, 3000, 3000), ({"args": {"max_length": 40}}, 100, 100),
+             (samples, 100, 30 + 8 * 16), ({"args": {"max_length": None}}, 100, 100), ({}, 100, 100),
+             ({"args": {"max_length": True}}, 100, 100), ({"args": {"max_length": "300"}}, 100, 100)]
+    for meta, longest_pair, want in cases:
+        assert group_cap(_Meta(meta), longest_pair)[0] == want, meta
+
+
+def test_a_group_over_the_micro_batch_budget_trains_alone_and_is_reported(tmp_path, toy_tokenizers):
+    """A budget below the groups (a memory setting; grouping does not read it): each group gets a micro-batch of
+    its own, none is dropped, and the run's note says how many pass the row budget."""
+    from prefpack.config import load_config
+    from prefpack.objectives.groups import PromptGroupTask
+
+    prepare(PrepareOptions(inputs=[str(write_jsonl(tmp_path / "round.jsonl", _round_like_rows()))],
+                           tokenizer=str(toy_tokenizers["llama"]), output=str(tmp_path / "s"), workers=1,
+                           max_length=96), log=lambda m: None)
+    store = Store(tmp_path / "s")
+    budget = int(PairGroups(store).costs(np.arange(2), shared=True)[0].min()) - 1
+    cfg = load_config(None, ["data.prefix_sharing=true", f"train.micro_batch_tokens={budget}",
+                             f"data.max_tokens_per_row={budget}"])
+    task = make_task(PromptGroupTask, store, cfg)
+    assert len(task) == 2  # the same groups as with any budget
+    planned = task.plan(np.arange(2), seed=0)
+    assert sorted(p.rows for p in planned) == [[[0]], [[1]]]
+    assert f"2 groups pass the {budget}-token row budget and each trains in a row of its own" in task.run_note()
 
 
 @pytest.mark.parametrize("attn", ["packed_sdpa", "sdpa"])

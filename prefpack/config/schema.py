@@ -117,7 +117,9 @@ class DataConfig:
     group_by_prompt: bool = _f(False, "pair stores: train the pairs that share a prompt as one prompt group, as a "
                                "ranked store's prompt is (the prompt and each distinct completion computed once, the "
                                "group's pairs in one step, train.global_batch_pairs counting groups: a prompt's pairs "
-                               "form several groups where together they pass the store's longest pair in positions); "
+                               "form several groups where together they pass what the store's data settings allow "
+                               "(2 x prepare's --max-length, a scored samples file's prompt + n x max_new_tokens) up "
+                               "to 2048 positions, or the store's longest pair where it records neither); "
                                "pays where prompts repeat (`prepare` counts them)")
 
 

@@ -11,8 +11,8 @@ import numpy as np
 from prefpack.data.spans import scored_mask
 from prefpack.data.store import Store, StoreError
 
-__all__ = ["RANKED_PAIR_MODES", "PairGroups", "PromptGroups", "RankedGroups", "StorePairs", "UnpairedView",
-           "group_pairs", "row_lengths"]
+__all__ = ["GROUP_POSITIONS", "RANKED_PAIR_MODES", "PairGroups", "PromptGroups", "RankedGroups", "StorePairs",
+           "UnpairedView", "data_group_limit", "group_cap", "group_pairs", "row_lengths"]
 
 
 class StorePairs:
@@ -194,13 +194,57 @@ class RankedGroups(PromptGroups):
         return np.arange(int(self.first_row[i]), int(self.first_row[i] + self.sizes[i]))
 
 
+# The most positions a prompt group takes where the store records its length limits: the shortest row any ``auto``
+# budget plans (engine/budgets.py: CPU_BUDGETS.row_tokens, and masked sdpa's rows on CUDA; every auto micro-batch
+# holds at least 4,096), so a group fits one row of every auto budget. A constant, so grouping never depends on a
+# run's memory settings.
+GROUP_POSITIONS = 2048
+
+
+def data_group_limit(store: Store) -> tuple[int, str] | None:
+    """The most positions a prompt group (its prompt once, each completion once) may take that the store's recorded
+    data settings allow, and where that comes from; None where the store records none (a prepare without
+    ``--max-length``, an older store): ``prepare --max-length L`` allows a pair of two L-token sequences (2 L); a
+    store scored from a samples file (``prefpack score``, on-policy rounds) a prompt with its ``n`` samples, each at
+    most ``max_new_tokens`` (the store's longest prompt + n x max_new_tokens)."""
+    meta = store.meta
+    length = (meta.get("args") or {}).get("max_length")
+    if _positive(length):
+        return 2 * length, f"2 x prepare's --max-length {length}"
+    settings = ((meta.get("samples") or {}).get("generation") or {}).get("settings") or {}
+    n, new = settings.get("n"), settings.get("max_new_tokens")
+    if _positive(n) and _positive(new) and len(store):
+        prompt = int(store.column("prompt_len").max())
+        return prompt + n * new, f"the longest prompt ({prompt}) + {n} samples x max_new_tokens {new}"
+    return None
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def group_cap(store: Store, longest_pair: int) -> tuple[int, str]:
+    """The positions a pair store's prompt group may take, and why: what the data settings allow
+    (:func:`data_group_limit`) up to ``GROUP_POSITIONS``, never below the store's longest pair (which trains
+    whatever the grouping); the longest pair alone where the store records no limit."""
+    allowed = data_group_limit(store)
+    if allowed is None or min(allowed[0], GROUP_POSITIONS) <= longest_pair:
+        return longest_pair, "the store's longest pair"
+    if allowed[0] <= GROUP_POSITIONS:
+        return allowed
+    return GROUP_POSITIONS, f"{GROUP_POSITIONS} positions (of {allowed[1]})"
+
+
 class PairGroups(PromptGroups):
     """A pair store read as prompt groups (``data.group_by_prompt``): the pairs whose prompts are the same tokens
     form a group, each distinct completion (by tokens and score mask) once, so a prompt in five pairs is computed once and a
-    chosen reply shared by three of them once. A group takes at most as many positions (its prompt once, each
-    completion once) as the store's longest pair laid out with its prompt twice: a prompt's pairs, in store order,
-    start a new group where the next would pass that. So no group is longer than a pair of the store, and the
-    grouping depends on the data only, never on memory settings. Pairs stay the store's
+    chosen reply shared by three of them once. A group takes at most ``cap`` positions (its prompt once, each
+    completion once; :func:`group_cap`): what the store's data settings allow (2 x prepare's ``--max-length``, or a
+    scored samples file's prompt with its n samples) up to ``GROUP_POSITIONS``, the shortest row any auto budget
+    plans, and never less than the store's longest pair laid out alone (the cap where the store records no limit).
+    A prompt's pairs, in store order, start a new group where the next would pass it. So the grouping depends on the
+    data and its recorded settings only, never on memory settings, and a group fits a row of every auto budget (or is
+    no longer than a pair of the store). Pairs stay the store's
     pairs, each once (``pair_rows[i]``: the store rows of example i's pairs). A completion's key is
     ``2 * pair + side`` (side 0 chosen, 1 rejected), an index into the pair store's chosen and rejected columns
     interleaved; ``copies[key]`` is the key of the completion computed in its place (itself, or an earlier pair's
@@ -216,7 +260,8 @@ class PairGroups(PromptGroups):
             by_prompt.setdefault(int(g), []).append(row)
         lengths = index[:, 1:4].astype(np.int64)
         per_pair = 2 * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]
-        cap = int(per_pair.max(initial=0))  # the longest pair's positions, read alone
+        self.cap, self.cap_source = group_cap(store, int(per_pair.max(initial=0)))
+        cap = self.cap
         self.pairs, self.keys, self.completion_len, self.pair_rows, prompt_len = [], [], [], [], []
         self.copies = np.arange(2 * len(store), dtype=np.int64)  # key -> the key of the same completion computed
 

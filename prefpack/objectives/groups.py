@@ -2,9 +2,9 @@
 is computed once, and the group's pairs are gathered from the per-completion sums, so every pair loss works
 unchanged and a completion shared by several pairs costs nothing more. The groups are a ranked store's prompts
 with their scored completions (pairs by ``data.ranked_pairs``), or a pair store's pairs grouped by prompt
-(``data.group_by_prompt``; a prompt's pairs form several groups where they pass the store's longest pair in
-positions, ``PairGroups``). A step takes ``train.global_batch_pairs`` groups and its loss is the mean over the pairs
-they yield."""
+(``data.group_by_prompt``; a prompt's pairs form several groups where they pass what the store's data settings
+allow, up to 2,048 positions, or its longest pair: ``PairGroups``). A step takes ``train.global_batch_pairs`` groups
+and its loss is the mean over the pairs they yield."""
 
 from __future__ import annotations
 
@@ -53,10 +53,15 @@ class PromptGroupTask(PairTask):
         if self.store.kind == "pairs":
             pairs, comps = len(self.store), int(self.view.sizes.sum())
             per_group, step = pairs / len(self.view), self.settings.global_batch
+            cost = self.view.costs(np.arange(len(self.view)), shared=self.shares_prompts)[0]
+            over = int((cost > self.settings.row_budget).sum()) if self.settings.packing else 0
             return (f"data.group_by_prompt: the {pairs} pairs of {self.store.path} read as {len(self.view)} prompt "
-                    f"groups with {comps} distinct completions (of {2 * pairs}); train.global_batch_pairs counts "
+                    f"groups with {comps} distinct completions (of {2 * pairs}), each at most {self.view.cap} "
+                    f"positions ({self.view.cap_source}); train.global_batch_pairs counts "
                     f"groups, {per_group:.2f} pairs each on average (a step of {step} holds about "
-                    f"{per_group * step:.0f} pairs)")
+                    f"{per_group * step:.0f} pairs)"
+                    + (f"; {over} groups pass the {self.settings.row_budget}-token row budget and each trains in a "
+                       "row of its own" if over else ""))
         n = self.view.groups_without_pairs
         if not n:
             return None
