@@ -71,10 +71,37 @@ def _tiny_llama(folder: Path, tokenizer: Path) -> None:
         shutil.copy(tokenizer / f, folder / f)
 
 
+def _check_stores_and_policies(run: Path, init: Path, rounds: list[dict]) -> None:
+    """The round stores hold the samples files' ids; round 1 sampled ``init``, round 2 round 1's final model."""
+    from prefpack.data.store import Store
+
+    policies = [init, run / "rounds" / "001" / "train" / "final"]
+    samples = [read_jsonl(run / "rounds" / f"{r:03d}" / "samples.jsonl") for r in (1, 2)]
+    for r, rows in enumerate(samples):
+        assert [row["row"] for row in rows] == list(range(8)) and all(len(x["completion_ids"]) == 4 for x in rows)
+        store = Store(run / "rounds" / f"{r + 1:03d}" / "store")
+        store.verify()
+        assert len(store) == rounds[r]["pairs"] == 8 - rounds[r]["tied_prompts"] > 0
+        by_row = {row["row"]: row for row in rows}
+        for i, source in enumerate(store.column("source_row")):  # each pair: the samples file's ids, unchanged
+            prompt, chosen, rejected = store.pair(i)
+            row = by_row[int(source)]
+            assert prompt.tolist() == row["prompt_ids"]
+            assert chosen.tolist() in row["completion_ids"] and rejected.tolist() in row["completion_ids"]
+
+    # round 2 sampled round 1's policy: log p1 - log p0 per sample, summed, is negative for round 1's samples
+    # (drawn from p0: minus a KL) and positive for round 2's (drawn from p1: plus a KL); about -/+0.9 nats per token
+    # in process (rounds.engine=transformers), so 0.2 a token is a wide margin
+    gain = [math.fsum(a - b for a, b in zip(_completion_logps(policies[1], rows), _completion_logps(init, rows)))
+            for rows in samples]
+    tokens = [sum(len(ids) for row in rows for ids in row["completion_ids"]) for rows in samples]
+    assert gain[0] / tokens[0] < -0.2 and gain[1] / tokens[1] > 0.2, (gain, tokens)
+
+
+
 def test_two_rounds_sample_each_round_policy_through_a_real_vllm_server(tmp_path, toy_tokenizers, monkeypatch,
                                                                          one_thread):
     from prefpack.config import load_config
-    from prefpack.data.store import Store
     from prefpack.generation import server as server_module
     from prefpack.rounds import driver, run_rounds
 
@@ -123,30 +150,10 @@ def test_two_rounds_sample_each_round_policy_through_a_real_vllm_server(tmp_path
         assert scored == ("score", r)
         folder = run / "rounds" / f"{r + 1:03d}"
         meta = json.loads((folder / "samples.meta.json").read_text())
-        assert meta["complete"] and str(policy) in meta["engine"]["command"].split(), meta["engine"]
+        assert meta["complete"] and str(policy) in meta["generation"]["command"].split(), meta["generation"]
         assert (folder / "samples.vllm.log").stat().st_size > 0
 
-    samples = [read_jsonl(run / "rounds" / f"{r:03d}" / "samples.jsonl") for r in (1, 2)]
-    for r, rows in enumerate(samples):
-        assert [row["row"] for row in rows] == list(range(8)) and all(len(x["completion_ids"]) == 4 for x in rows)
-        store = Store(run / "rounds" / f"{r + 1:03d}" / "store")
-        store.verify()
-        assert len(store) == result.rounds[r]["pairs"] == 8 - result.rounds[r]["tied_prompts"] > 0
-        by_row = {row["row"]: row for row in rows}
-        for i, source in enumerate(store.column("source_row")):  # each pair: the samples file's ids, unchanged
-            prompt, chosen, rejected = store.pair(i)
-            row = by_row[int(source)]
-            assert prompt.tolist() == row["prompt_ids"]
-            assert chosen.tolist() in row["completion_ids"] and rejected.tolist() in row["completion_ids"]
-
-    # round 2 sampled round 1's policy: log p1 - log p0 per sample, summed, is negative for round 1's samples
-    # (drawn from p0: minus a KL) and positive for round 2's (drawn from p1: plus a KL); about -/+0.9 nats per token
-    # in process (rounds.engine=transformers), so 0.2 a token is a wide margin
-    gain = [math.fsum(a - b for a, b in zip(_completion_logps(policies[1], rows), _completion_logps(init, rows)))
-            for rows in samples]
-    tokens = [sum(len(ids) for row in rows for ids in row["completion_ids"]) for rows in samples]
-    assert gain[0] / tokens[0] < -0.2 and gain[1] / tokens[1] > 0.2, (gain, tokens)
-
+    _check_stores_and_policies(run, init, result.rounds)
     for line in result.rounds:
         print(f"round {line['round'] + 1}: " + ", ".join(
             f"{k} {line[k]:.1f}" for k in ("seconds/generate", "seconds/score", "seconds/train",
