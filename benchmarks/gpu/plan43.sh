@@ -11,7 +11,7 @@
 #   run(command="bash benchmarks/gpu/plan43.sh", carry=[".whl", ".gpu"], timeout_s=570)
 # ONLY="compare,qlora" reruns a subset (names below); BUDGET=300 shortens the whole.
 #
-# Steps (GPU values; DRY=1: CPU, tiny presets, 2 steps, all in about 3 minutes on 2 cores):
+# Steps (GPU values; DRY=1: CPU, tiny presets, 2 steps, about 10 minutes on 2 busy cores, QLoRA the longest):
 #   tests   every CUDA-gated test: tests/test_gpu.py, tests/test_gpu_paths.py, tests/test_recurrent_cuda.py
 #           (PREFPACK_TEST_CUDA=1; the recurrent kernels skip with their reason where their packages are absent)
 #   compare compare_trl.py at 0.7b, Qwen2.5 vocabulary, 32 pairs a step, 21 steps (20 timed) against TRL 1.16's
@@ -31,12 +31,12 @@ mkdir -p "$OUT"
 if [ -n "${DRY:-}" ]; then
   DEV=cpu DTYPE=float32 PRESET=cpu QPRESET=cpu CASE=neox PAIRS=4 STEPS=2 QSTEPS=2 BUDGET=${BUDGET:-900}
   REWARD_ARGS="--layers 2 --hidden 128 --pairs 16 --pair-batch 4 --prompts 2 --score-prompts 2 --steps 2"
-  VISION_ARGS="--pairs 4 --batch-pairs 2 --steps 2"
+  VISION_ARGS="--pairs 4 --batch-pairs 2 --steps 2" VISION_LIMIT=180 QLIMIT=420
 else
   DEV=cuda DTYPE=bfloat16 PRESET=0.7b QPRESET=${QPRESET:-1.3b} CASE=qwen PAIRS=32 STEPS=${STEPS:-21}
   QSTEPS=${QSTEPS:-11} BUDGET=${BUDGET:-470}
   REWARD_ARGS="--layers 12 --hidden 1024 --pairs 256 --pair-batch 32 --prompts 16 --prompt-batch 2 --score-prompts 64 --steps 6 --threads 4"
-  VISION_ARGS="--threads 4"
+  VISION_ARGS="--threads 4" VISION_LIMIT=90 QLIMIT=150
 fi
 SITE=${SITE:-/tmp/site}
 if [ -z "${NO_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1 && [ ! -f "$SITE/.plan43" ]; then
@@ -88,11 +88,11 @@ compare=("$py" benchmarks/compare_trl.py --device "$DEV" --dtype "$DTYPE" --case
 step tests 150 -- env PREFPACK_TEST_CUDA=1 "$py" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py \
   tests/test_gpu_paths.py tests/test_recurrent_cuda.py
 step compare 280 -- "${compare[@]}" --preset "$PRESET" --steps "$STEPS"
-step qlora 150 -- "${compare[@]}" --preset "$QPRESET" --steps "$QSTEPS" --qlora 16
+step qlora "$QLIMIT" -- "${compare[@]}" --preset "$QPRESET" --steps "$QSTEPS" --qlora 16
 # shellcheck disable=SC2086
-step reward 100 -- "$py" benchmarks/reward_model.py --device "$DEV" $REWARD_ARGS
+step reward 120 -- "$py" benchmarks/reward_model.py --device "$DEV" $REWARD_ARGS
 # shellcheck disable=SC2086
-step vision 90 60 -- "$py" benchmarks/bench_vision.py --device "$DEV" --same-start --model qwen2_vl $VISION_ARGS
+step vision "$VISION_LIMIT" 60 -- "$py" benchmarks/bench_vision.py --device "$DEV" --same-start --model qwen2_vl $VISION_ARGS
 [ -n "${DRY:-}" ] || step compare13 240 200 -- "${compare[@]}" --preset 1.3b --steps "$STEPS"
 printf 'vllm\tskipped\t0\tvLLM needs its own environment on the machine (benchmarks/gpu/rounds_vllm.sh)\n' \
   >> "$OUT/steps.tsv"
