@@ -39,7 +39,10 @@ MFU: useful FLOPs per real token of the pairs used (policy forward and backward 
 N non-embedding parameters per token; the LM head 8 V h per completion token only; attention 4 l^2 h per layer and
 sequence, causal counted as full, times 3 for the policy and 1 for the reference) times tokens/s, over the matmul
 peak measured in the same run (bf16 on CUDA with --dtype bfloat16, else float32). Both frameworks are measured
-against the same useful work: padding, recomputed prompts and full-vocabulary logits count as waste.
+against the same useful work: padding, recomputed prompts and full-vocabulary logits count as waste. "tokens/s"
+and "MFU" are at the mean rate (timed tokens over timed seconds: one slow step weighs), "median" at the median
+step's. `--qlora R` runs both as QLoRA (4-bit NF4 base, LoRA rank R on every linear, reference = adapter off); its
+MFU still counts full fine-tuning's FLOPs (no weight gradients are computed), so read it only as a ratio.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import gzip
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -117,8 +121,8 @@ def summarise(step_times: list[float], step_tokens: list[int], computed: list[in
     """tokens/s over every step but the first (warm-up: allocations, lazy initialisation)."""
     timed = slice(1, None) if len(step_times) > 1 else slice(None)
     secs, toks = sum(step_times[timed]), sum(step_tokens[timed])
-    rates = sorted(n / t for n, t in zip(step_tokens[timed], step_times[timed]) if t > 0)
-    return {"tokens_per_s_median": rates[len(rates) // 2] if rates else float("nan"),
+    rates = [n / t for n, t in zip(step_tokens[timed], step_times[timed]) if t > 0]
+    return {"tokens_per_s_median": statistics.median(rates) if rates else float("nan"),
             "steps": len(step_times), "timed_steps": len(step_times[timed]), "seconds": secs, "real_tokens": toks,
             "tokens_per_s": toks / secs if secs > 0 else float("nan"),
             "filling": sum(step_tokens) / max(sum(computed), 1), "losses": losses,
@@ -142,6 +146,10 @@ def run_prefpack(a) -> dict:
                  f"optim.lr={a.lr}", "optim.schedule=linear", "optim.warmup_steps=0", "optim.max_grad_norm=1.0",
                  "optim.weight_decay=0.0", f"loss.beta={a.beta}", "reference.mode=copy",
                  f"run.output_dir={a.out}", "run.plot=false", "run.tensorboard=false", *a.override]
+    if a.qlora:
+        overrides += ["lora.enabled=true", f"lora.r={a.qlora}", f"lora.alpha={2 * a.qlora}", "lora.dropout=0.0",
+                      "lora.target_modules=all-linear", "model.quantization=nf4", "model.quantization_double=true",
+                      "reference.mode=adapter"]
     cfg = load_config(None, overrides)
     train(cfg, progress=False, log=lambda m: None)
     recs = [json.loads(line) for line in (Path(a.out) / "metrics.jsonl").read_text().splitlines()]
@@ -216,7 +224,19 @@ def run_trl(a) -> dict:
         seed=0, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
         model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},
     )
-    trainer = Recorder(model=a.model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    peft = None
+    if a.qlora:  # QLoRA as TRL's docs set it up: a 4-bit NF4 base, LoRA on every linear, reference = adapter off
+        from peft import LoraConfig
+        from transformers import BitsAndBytesConfig
+
+        compute = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
+        args.model_init_kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute)
+        peft = LoraConfig(r=a.qlora, lora_alpha=2 * a.qlora, lora_dropout=0.0, target_modules="all-linear",
+                          task_type="CAUSAL_LM")
+    trainer = Recorder(model=a.model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok,
+                       peft_config=peft)
     trainer.add_callback(Clock())
     # Tokenisation check: the ids TRL's own preprocessing produced against the store's, pair by pair.
     store = Store(a.store)
@@ -357,7 +377,8 @@ def launch(kind: str, case: dict, a, work: Path, tag: str) -> dict:
            "--model", str(case["model"]), "--store", str(case["store"]), "--rows", str(case["rows"]),
            "--tokenizer", case["tokenizer"], "--out", str(out), "--steps", str(a.steps),
            "--batch-pairs", str(a.batch_pairs), "--lr", repr(a.lr), "--beta", repr(a.beta),
-           "--max-length", str(a.max_length), "--device", a.device, "--threads", str(a.threads), "--dtype", a.dtype]
+           "--max-length", str(a.max_length), "--device", a.device, "--threads", str(a.threads), "--dtype", a.dtype,
+           "--qlora", str(a.qlora)]
     if kind == "trl":
         cmd.append("--gradient-checkpointing")
     for o in a.override:
@@ -392,6 +413,7 @@ def report_case(name: str, case: dict, res: dict[str, dict]) -> dict:
         d = abs(p["first_loss"] - t["first_loss"])
         lp = max(abs(u - v) for u, v in zip(p["logps"][0], t["logps"][0]))
         out[f"vs_{k}"] = {"speed": ratio(p["tokens_per_s"], t["tokens_per_s"]),
+                          "speed_median": ratio(p["tokens_per_s_median"], t["tokens_per_s_median"]),
                           "memory": ratio(p["peak_memory_mib"], t["peak_memory_mib"]),
                           "first_loss_abs_diff": d,
                           "max_loss_abs_diff": max(abs(u - v) for u, v in zip(p["losses"], t["losses"])),
@@ -404,18 +426,19 @@ def print_case(name: str, rep: dict, mem_label: str) -> None:
     runs = rep["runs"]
     print(f"\n[{name}] tokenizer: {rep['tokenizer']}; model vocabulary {rep['model_vocab']:,}, "
           f"{rep['params'] / 1e6:.1f}M parameters; {rep['pairs_used']} pairs, {rep['tokens_used']:,} tokens")
-    print(f"{'run':<32}{'tokens/s':>10}{'median':>9}{mem_label:>15}{'filling':>9}{'MFU':>7}{'step-1 loss':>14}"
+    print(f"{'run':<32}{'tokens/s':>10}{'median':>9}{mem_label:>15}{'filling':>9}{'MFU':>7}{'median':>7}"
+          f"{'step-1 loss':>14}"
           f"{'last loss':>12}")
     for k in RUNS:
         if k in runs:
             r = runs[k]
             print(f"{LABELS[k]:<32}{r['tokens_per_s']:>10,.0f}{r['tokens_per_s_median']:>9,.0f}"
                   f"{r['peak_memory_mib']:>15,.0f}{r['filling']:>9.3f}"
-                  f"{r['mfu']:>7.1%}{r['first_loss']:>14.7f}{r['losses'][-1]:>12.7f}")
+                  f"{r['mfu']:>7.1%}{r['mfu_median']:>7.1%}{r['first_loss']:>14.7f}{r['losses'][-1]:>12.7f}")
     for k in ("trl", "trl_no_gc"):
         v = rep.get(f"vs_{k}")
         if v:
-            print(f"prefpack / {LABELS[k]:<30} speed {v['speed']:5.2f}x  memory {v['memory']:5.2f}x  |loss diff| "
+            print(f"prefpack / {LABELS[k]:<30} speed {v['speed']:5.2f}x (median {v['speed_median']:.2f}x)  memory {v['memory']:5.2f}x  |loss diff| "
                   f"step 1 {v['first_loss_abs_diff']:.1e}, any step {v['max_loss_abs_diff']:.1e}; step-1 mean "
                   f"log-probs differ by {v['first_logps_abs_diff']:.1e} ({v['first_logps_rel_diff']:.0e} relative)")
     if rep["tokenisation_mismatches"]:
@@ -450,6 +473,9 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--qwen-tokenizer", help="Qwen2.5 tokenizer folder; 'none' = pad the GPT-NeoX vocabulary")
+    ap.add_argument("--qlora", type=int, default=0, metavar="R",
+                    help="both as QLoRA: 4-bit NF4 base (bitsandbytes), LoRA rank R (alpha 2R) on every linear, "
+                    "reference = the adapter off; 0 = full fine-tuning")
     ap.add_argument("--override", action="append", default=[], help="extra prefpack config override KEY=VALUE")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (models, stores, runs)")
     ap.add_argument("--worker", choices=("prefpack", "trl"), help=argparse.SUPPRESS)
@@ -518,7 +544,8 @@ def main() -> None:
                     r = launch(kind, case, a, cwork, f"{kind}-{rep}")
                     log(f"  {kind:<10} run {rep + 1}: {r['tokens_per_s']:8,.0f} tokens/s, peak "
                         f"{r['peak_memory_mib']:,.0f} MiB, step-1 loss {r['first_loss']:.7f} ({r['wall_s']:.0f} s)")
-                    r["mfu"] = r["tokens_per_s"] * per_token / peak
+                    r["mfu"] = r["tokens_per_s"] * per_token / peak  # at the mean rate (timed tokens / seconds)
+                    r["mfu_median"] = r["tokens_per_s_median"] * per_token / peak
                     if kind not in best or r["tokens_per_s"] > best[kind]["tokens_per_s"]:
                         best[kind] = r
             reports[name] = report_case(name, case, best)
@@ -552,7 +579,7 @@ def main() -> None:
                       "transformers": transformers.__version__, "device": device, "dtype": a.dtype,
                       "matmul_peak_tflops": peak / 1e12,
                       "config": {k: getattr(a, k) for k in ("steps", "batch_pairs", "layers", "hidden", "max_length",
-                                                            "lr", "beta", "repeats", "override", "preset")},
+                                                            "lr", "beta", "repeats", "override", "preset", "qlora")},
                       "targets": targets, "cases": reports}, default=str))
 
 

@@ -85,7 +85,7 @@ def train_prefpack(a) -> dict:
     from prefpack.training import train
 
     cfg = load_config(None, [f"model.name_or_path={a.model}", f"data.train={a.store}", "train.objective=reward",
-                             f"train.global_batch_pairs={a.batch}", f"train.max_steps={a.steps}", "train.device=cpu",
+                             f"train.global_batch_pairs={a.batch}", f"train.max_steps={a.steps}", f"train.device={a.device}",
                              "train.seed=0", f"optim.lr={LR}", "optim.schedule=constant", "optim.warmup_steps=0",
                              "optim.max_grad_norm=null", "optim.weight_decay=0.0", f"run.output_dir={a.out}",
                              "run.plot=false", "run.report_to=none", "run.save_every=0"])
@@ -122,13 +122,15 @@ def train_trl(a) -> dict:
             self.t = getattr(self, "t", None) or time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
+            if a.device == "cuda":
+                torch.cuda.synchronize()
             now = time.perf_counter()
             record["times"].append(now - self.t)
             self.t = now
 
     args = RewardConfig(output_dir=str(Path(a.out)), seed=0, per_device_train_batch_size=a.pairs_per_step,
                         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0.0,
-                        weight_decay=0.0, max_steps=a.steps, bf16=False, use_cpu=True, report_to=[],
+                        weight_decay=0.0, max_steps=a.steps, bf16=a.device == "cuda", use_cpu=a.device == "cpu", report_to=[],
                         save_strategy="no", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
                         model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"})
     data = Dataset.from_dict({"chosen_ids": [c for c, _ in ids], "rejected_ids": [r for _, r in ids]})
@@ -145,7 +147,7 @@ def score_packed(a) -> dict:
     from prefpack.rewards.reward_model import RewardModelScorer
     from prefpack.rewards.rows import ScoreInput
 
-    scorer = RewardModelScorer(a.model, device="cpu")
+    scorer = RewardModelScorer(a.model, device=a.device)
     rows = list(ScoreInput(a.store).rows())
     t0 = time.perf_counter()
     scores = [s for i in range(0, len(rows), 64) for s in scorer.score(rows[i:i + 64])]
@@ -158,7 +160,7 @@ def score_padded(a) -> dict:
 
     from prefpack.rewards.rows import ScoreInput
 
-    model = AutoModelForSequenceClassification.from_pretrained(a.model, attn_implementation="sdpa").eval()
+    model = AutoModelForSequenceClassification.from_pretrained(a.model, attn_implementation="sdpa").eval().to(a.device)
     model.config.pad_token_id = 0
     rows = list(ScoreInput(a.store).rows())
     t0 = time.perf_counter()
@@ -184,8 +186,8 @@ def padded_scores(model, sequences: list[list[int]], batch_tokens: int, torch) -
             end += 1
         batch = [sequences[i] for i in order[at:end]]
         width = max(map(len, batch))
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        ids = torch.zeros((len(batch), width), dtype=torch.long, device=embed.weight.device)
+        mask = torch.zeros_like(ids)
         for b, s in enumerate(batch):
             ids[b, width - len(s):], mask[b, width - len(s):] = torch.tensor(s), 1
         with torch.no_grad():
@@ -207,12 +209,15 @@ def worker(a) -> None:
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
     out = WORKERS[a.worker](a)
-    out.update(peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, wall_s=time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if a.device == "cuda" else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out.update(peak_rss_mib=peak, wall_s=time.perf_counter() - t0)
     print("RESULT " + json.dumps(out))
 
 
 def launch(a, kind: str, **kw) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--threads", str(a.threads), "--steps", str(a.steps),
+           "--device", a.device,
            *[x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", str(v))]]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
            "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "PYTHONWARNINGS": "ignore"}
@@ -264,6 +269,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: bf16 autocast over float32 weights for both (TRL bf16=True, prefpack model.dtype=auto); "
+                    "the peak column is then max allocated, not RSS")
     for hidden in ("--worker", "--model", "--store", "--out", "--batch", "--pairs-per-step"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -292,12 +300,12 @@ def main() -> None:
     n = sum(map(len, scored["packed"]["scores"]))
     for who, r in scored.items():
         result["cases"][f"score {who}"] = {k: v for k, v in r.items() if k != "scores"}
-    print(f"\n{'case':<12} {'run':<18} {'pairs/step':>10} {'pair tokens/s':>14} {'positions/step':>15} {'peak RSS MiB':>13}")
+    print(f"\n{'case':<12} {'run':<18} {'pairs/step':>10} {'pair tokens/s':>14} {'positions/step':>15} {'peak MiB':>13}")
     for case, who, per_step, tps, pos, rss in rows:
         print(f"{case:<12} {who:<18} {per_step:>10} {tps:>14,.0f} {pos:>15,.0f} {rss:>13,.0f}")
     for who, r in scored.items():
         print(f"score x8     {who:<18} {n:>10} completions in {r['seconds']:.2f} s = {n / r['seconds']:.1f} /s, "
-              f"peak RSS {r['peak_rss_mib']:,.0f} MiB")
+              f"peak {r['peak_rss_mib']:,.0f} MiB")
     print(f"scores agree to {diff:.2e} (max abs difference)")
     result["score_max_abs_diff"] = diff
     print(json.dumps(result))
