@@ -161,11 +161,12 @@ def test_stopping_a_server_waits_for_its_whole_process_group(tmp_path):
     import os
     import subprocess
 
-    child = tmp_path / "child.pid"
+    child, ready = tmp_path / "child.pid", tmp_path / "ready"
     server = VllmServer("unused", model="m", log_path=tmp_path / "log")
-    server.proc = subprocess.Popen(["sh", "-c", f"(trap '' TERM; exec sleep 60) & "
+    # the child says it is ready only once it ignores SIGTERM (an ignored signal stays ignored across exec)
+    server.proc = subprocess.Popen(["sh", "-c", f"(trap '' TERM; echo 1 > {ready}; exec sleep 60) & "
                                     f"echo $! > {child}; wait"], start_new_session=True)
-    while not child.is_file() or not child.read_text().strip():
+    while not (child.is_file() and child.read_text().strip() and ready.is_file() and ready.read_text().strip()):
         time.sleep(0.02)
     pid = int(child.read_text())
     t0 = time.monotonic()
