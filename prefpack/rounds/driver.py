@@ -215,7 +215,7 @@ def _generate(cfg, run_dir: Path, r: int, prompts, samples: Path, phase: str, st
     if read_json(samples.with_name(samples.name.removesuffix(".jsonl") + ".meta.json")).get("complete"):
         return
     t0 = time.perf_counter()
-    opts = plan.generate_options(cfg, run_dir, r, prompts=prompts, output=samples)
+    opts = plan.generate_options(cfg, run_dir, r, prompts=prompts, output=samples, held_out=phase == "eval_prompts")
     what = f"sampling round {r + 1}'s {'held-out ' if phase == 'eval_prompts' else ''}prompts"
     if ranks.world == 1 or opts.engine != "transformers":
         def alone() -> None:
