@@ -95,6 +95,7 @@ def test_a_subset_larger_than_the_prompts_is_refused_naming_both(task, tmp_path)
         run_rounds(cfg, log=quiet, progress=False)
     message = str(err.value)
     assert "\n" not in message and "rounds.prompts_per_round is 17" in message and "holds 16 prompts" in message
+    assert not (tmp_path / "run").exists()  # refused before the run folder is written: a fixed config starts anew
     with pytest.raises(ConfigError, match=r"rounds.prompts_per_round must be >= 0 \(0 = every prompt each round\), "
                        "got -1"):
         load_config(None, overrides(task, "unused", "rounds.prompts_per_round=-1")).validate()

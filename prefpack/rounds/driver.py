@@ -99,6 +99,7 @@ def run_rounds(cfg, *, resume: bool = False, log=print, progress: bool = True,
     from prefpack.training.setup import check_trainable
 
     check_trainable(cfg)
+    plan.check_prompt_subset(cfg)
     ranks = Ranks(init_from_env(cfg.train.device))  # train() finds the group joined: one group for the whole run
     if not ranks.is_main:
         log, progress = _quiet, False

@@ -72,6 +72,15 @@ def generate_options(cfg, run_dir: Path, r: int, *, prompts, output: Path, held_
         vllm_url=rc.vllm_url, vllm_command=rc.vllm_command, trust_remote_code=cfg.model.trust_remote_code)
 
 
+def check_prompt_subset(cfg) -> None:
+    """A ``rounds.prompts_per_round`` larger than the prompt set, refused before the run folder is written (one
+    line naming both numbers)."""
+    if cfg.rounds.prompts_per_round:
+        from prefpack.generation.run import prompt_source
+
+        prompt_source(generate_options(cfg, Path(cfg.run.output_dir), 0, prompts=cfg.rounds.prompts, output=Path()))
+
+
 def score_options(cfg, samples: Path, output: Path, *, pairs: bool) -> ScoreOptions:
     rc = cfg.rounds
     return ScoreOptions(input=str(samples), output=str(output), reward_model=rc.reward_model, reward_fn=rc.reward_fn,
