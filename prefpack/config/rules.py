@@ -317,6 +317,8 @@ def _rounds_problems(cfg: Config, errs: list[str]) -> None:
         errs.append("rounds.prompts is required: a store folder or JSONL file(s) of prompts each round samples")
     if (r.reward_fn is None) == (r.reward_model is None):
         errs.append("rounds: give one scorer, rounds.reward_fn (path/to/file.py:function) or rounds.reward_model")
+    if r.prompts_per_round < 0:
+        errs.append(f"rounds.prompts_per_round must be >= 0 (0 = every prompt each round), got {r.prompts_per_round}")
     for key in ("samples_per_prompt", "max_new_tokens", "steps_per_round", "batch_size"):
         if getattr(r, key) < 1:
             errs.append(f"rounds.{key} must be >= 1, got {getattr(r, key)}")

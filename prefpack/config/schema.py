@@ -272,6 +272,8 @@ class RoundsConfig:
                                          "prompt / messages rows (rendered and tokenised as prepare does)")
     eval_prompts: str | list[str] | None = _f(None, "held-out prompts: sampled and scored each round, never trained "
                                               "on (the eval_reward/* metrics)")
+    prompts_per_round: int = _f(0, "prompts each round samples: a seeded slice of rounds.prompts, the rounds covering "
+                                "them before any repeats (docs/on-policy.md); 0 = every prompt every round")
     prompt_field: str | None = _f(None, "JSONL rows: the prompt's field; null = prompt, else messages")
     tokenizer: str | None = _f(None, "JSONL rows' tokenizer; null = the model's")
     samples_per_prompt: int = _f(4, "completions sampled per prompt (k)")

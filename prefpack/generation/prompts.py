@@ -47,6 +47,7 @@ class PromptSource:
 
     tok = None
     notes: list[str]
+    only: frozenset[int] | None = None  # rows to read (a round's subset: generation.subsets); None = every row
 
     def __iter__(self) -> Iterator[Prompt]:
         raise NotImplementedError
@@ -54,6 +55,10 @@ class PromptSource:
     def count(self) -> int:
         """How many prompts the source holds, read without tokenising (the "N of M" of a stopped run's hint)."""
         raise NotImplementedError
+
+    def rows(self) -> list[int]:
+        """Every prompt's row, in source order (what a round's subset chooses from)."""
+        return list(range(self.count()))
 
     def tokenizer_record(self) -> dict:
         raise NotImplementedError
@@ -116,8 +121,17 @@ class StorePrompts(PromptSource):
                               "once (its first example's row)"]
 
     def count(self) -> int:
-        return len({hashlib.blake2b(np.asarray(ids).tobytes(), digest_size=16).digest()
-                    for _, _, ids in self._prompts()})
+        return len(self.rows())
+
+    def rows(self) -> list[int]:
+        seen: set[bytes] = set()
+        out = []
+        for row, _, ids in self._prompts():
+            key = hashlib.blake2b(np.asarray(ids).tobytes(), digest_size=16).digest()
+            if key not in seen:
+                seen.add(key)
+                out.append(row)
+        return out
 
     def tokenizer_record(self) -> dict:
         return self.store.meta["tokenizer"]
@@ -147,6 +161,9 @@ class RowPrompts(PromptSource):
             for raw in iter_rows(src):
                 if raw.row is None:
                     raise GenerationError(f"{raw.loc}: {raw.message}")
+                if self.only is not None and n not in self.only:  # outside a round's subset: not tokenised
+                    n += 1
+                    continue
                 try:
                     prompt = self._prompt(n, raw.row)
                 except InvalidRow as err:

@@ -17,6 +17,7 @@ from prefpack.generation.engine import GenerationEngine, GenerationError, Prompt
 from prefpack.generation.prompts import Prompt, PromptSource, RowPrompts, StorePrompts
 from prefpack.generation.samples import SamplesWriter, meta_path
 from prefpack.generation.stops import stop_token_ids
+from prefpack.generation.subsets import PromptSubset, SubsetPrompts
 from prefpack.stop_signal import STOP_SIGNALS, StopSignal, Terminated
 
 ENGINES = ("transformers", "vllm")
@@ -35,6 +36,7 @@ class GenerateOptions:
     prompt_field: str | None = None
     chat_template_kwargs: dict | None = None
     tools: list | None = None
+    subset: PromptSubset | None = None  # only this part of the prompts (a round's: rounds.prompts_per_round)
     engine: str = "transformers"
     n: int = 4
     temperature: float = 1.0
@@ -74,6 +76,13 @@ class GenerateReport:
 
 
 def prompt_source(opts: GenerateOptions) -> PromptSource:
+    source = _all_prompts(opts)
+    if opts.subset is None:
+        return source
+    return SubsetPrompts(source, opts.subset, repr(opts.store) if opts.store else ", ".join(map(repr, opts.inputs)))
+
+
+def _all_prompts(opts: GenerateOptions) -> PromptSource:
     if bool(opts.store) == bool(opts.inputs):
         raise GenerationError("give prompts as --store DIR (a prepared store) or as input files, one of the two")
     if opts.store:

@@ -99,6 +99,7 @@ def run_rounds(cfg, *, resume: bool = False, log=print, progress: bool = True,
     from prefpack.training.setup import check_trainable
 
     check_trainable(cfg)
+    plan.check_prompt_subset(cfg)
     ranks = Ranks(init_from_env(cfg.train.device))  # train() finds the group joined: one group for the whole run
     if not ranks.is_main:
         log, progress = _quiet, False
@@ -215,7 +216,7 @@ def _generate(cfg, run_dir: Path, r: int, prompts, samples: Path, phase: str, st
     if read_json(samples.with_name(samples.name.removesuffix(".jsonl") + ".meta.json")).get("complete"):
         return
     t0 = time.perf_counter()
-    opts = plan.generate_options(cfg, run_dir, r, prompts=prompts, output=samples)
+    opts = plan.generate_options(cfg, run_dir, r, prompts=prompts, output=samples, held_out=phase == "eval_prompts")
     what = f"sampling round {r + 1}'s {'held-out ' if phase == 'eval_prompts' else ''}prompts"
     if ranks.world == 1 or opts.engine != "transformers":
         def alone() -> None:

@@ -13,6 +13,7 @@ import copy
 from pathlib import Path
 
 from prefpack.generation.run import GenerateOptions
+from prefpack.generation.subsets import PromptSubset
 from prefpack.rewards.run import ScoreOptions
 
 
@@ -53,19 +54,31 @@ def prompt_inputs(value) -> tuple[str | None, list[str]]:
     return None, items
 
 
-def generate_options(cfg, run_dir: Path, r: int, *, prompts, output: Path) -> GenerateOptions:
+def generate_options(cfg, run_dir: Path, r: int, *, prompts, output: Path, held_out: bool = False) -> GenerateOptions:
+    """Round ``r``'s sampling of ``prompts``: ``rounds.prompts_per_round`` of them (seeded by ``rounds.seed``), or
+    every one (``held_out``: ``rounds.eval_prompts``, always whole)."""
     rc = cfg.rounds
     store, inputs = prompt_inputs(prompts)
     base_and_adapter = cfg.lora.enabled and rc.engine == "transformers"  # vLLM serves the merged final/
     return GenerateOptions(
         output=str(output), model=initial_policy(cfg) if base_and_adapter else policy_of(cfg, run_dir, r),
         adapter=adapter_of(cfg, run_dir, r) if base_and_adapter else None, store=store, inputs=inputs,
+        subset=PromptSubset(rc.prompts_per_round, rc.seed, r) if rc.prompts_per_round and not held_out else None,
         quantization=cfg.model.quantization if base_and_adapter else None,
         quantization_double=cfg.model.quantization_double,
         tokenizer=rc.tokenizer or cfg.model.tokenizer or initial_policy(cfg), prompt_field=rc.prompt_field,
         engine=rc.engine, n=rc.samples_per_prompt, temperature=rc.temperature, top_p=rc.top_p,
         max_new_tokens=rc.max_new_tokens, seed=rc.seed + r, batch_size=rc.batch_size, device=cfg.train.device,
         vllm_url=rc.vllm_url, vllm_command=rc.vllm_command, trust_remote_code=cfg.model.trust_remote_code)
+
+
+def check_prompt_subset(cfg) -> None:
+    """A ``rounds.prompts_per_round`` larger than the prompt set, refused before the run folder is written (one
+    line naming both numbers)."""
+    if cfg.rounds.prompts_per_round:
+        from prefpack.generation.run import prompt_source
+
+        prompt_source(generate_options(cfg, Path(cfg.run.output_dir), 0, prompts=cfg.rounds.prompts, output=Path()))
 
 
 def score_options(cfg, samples: Path, output: Path, *, pairs: bool) -> ScoreOptions:
