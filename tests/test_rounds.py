@@ -241,3 +241,95 @@ def test_sigterm_while_a_round_samples_stops_at_a_whole_batch_with_the_resume_hi
     _generate(cfg, tmp_path, 0, cfg.rounds.prompts, tmp_path / "whole.jsonl", "generate", None, quiet)
     assert (folder / "samples.jsonl").read_bytes() == (tmp_path / "whole.jsonl").read_bytes()
     shutil.rmtree(task / "signalled")
+
+
+# difflib's ratio until round 1 is done (its round.json, written last), then 1.0 for every sample: every prompt of
+# rounds 2 and 3 ties. Read from the run's own files, so a resumed run scores exactly what an uninterrupted one does.
+TIED_AFTER_ROUND_1 = '''import difflib
+from pathlib import Path
+
+ROUND_1_DONE = Path({done!r})
+
+
+def reward(prompt, completion, row):
+    if ROUND_1_DONE.is_file():
+        return 1.0
+    return difflib.SequenceMatcher(None, completion.strip().lower(), row["label"]).ratio()
+'''
+
+
+def _tied_config(task, run: str):
+    reward = task / f"{run}-reward.py"
+    reward.write_text(TIED_AFTER_ROUND_1.format(done=str(task / run / "rounds" / "001" / "round.json")))
+    return config(task, run, "rounds.count=3", f"rounds.reward_fn={reward}:reward")
+
+
+def test_a_later_round_whose_samples_all_tie_trains_nothing_and_its_policy_carries_over(task, tmp_path, one_thread):
+    """Issue 40: rounds 2 and 3 tie on every prompt; each is recorded (0 pairs, its rewards), trains nothing, and
+    round 3 samples round 1's policy; the final model is round 1's. Then a run killed in round 2's scoring, its
+    held-out sampling and round 3's sampling resumes to the uninterrupted run's files."""
+    import dataclasses
+
+    from prefpack.generation.run import generate
+    from prefpack.rounds import plan
+    from prefpack.rounds.stopped import where_stopped
+
+    logs: list[str] = []
+    cfg = _tied_config(task, "tied")
+    result = run_rounds(cfg, log=logs.append, progress=False)
+    run = task / "tied"
+    first = result.rounds[0]
+    assert first["pairs"] > 0 and (run / "rounds" / "001" / "train" / "final").is_dir()
+    for r, line in enumerate(result.rounds[1:], 2):
+        folder = run / "rounds" / f"{r:03d}"
+        samples = sum(len(row["completions"]) for row in read_jsonl(folder / "samples.jsonl"))
+        assert samples == 64 and line["samples"] == 64
+        assert (line["pairs"], line["tied_prompts"], line["reward/mean"], line["reward/min"], line["reward/max"]) == \
+            (0, 16, 1.0, 1.0, 1.0)
+        assert "reward/gap" not in line and line["seconds/generate"] > 0 and "seconds/score" in line
+        assert "seconds/train" not in line and not any(k.startswith("eval/") for k in line)
+        assert not (folder / "train").exists() and not (folder / "store").exists()
+        assert not (folder / "store.partial").exists()
+        assert f"round {r}: every prompt's samples tie (reward mean 1.000): nothing to train on; the policy " \
+               "carries over" in logs
+    # round 3 sampled round 1's final model: a standalone generate of that folder at round 3's seed writes its file
+    opts = plan.generate_options(cfg, tmp_path, 0, prompts=cfg.rounds.prompts, output=tmp_path / "again.jsonl")
+    generate(dataclasses.replace(opts, model=str(run / "rounds" / "001" / "train" / "final"),
+                                 seed=cfg.rounds.seed + 2), log=quiet)
+    assert (tmp_path / "again.jsonl").read_bytes() == (run / "rounds" / "003" / "samples.jsonl").read_bytes()
+    assert result.final_dir == run / "rounds" / "001" / "train" / "final"
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["split"] == "round"] == [0, STEPS, 2 * STEPS]
+    assert [x["step"] for x in lines if x["split"] == "train"] == list(range(1, STEPS + 1))
+
+    resumed = task / "tied-resumed"
+    stops = [(1, "score", 8), (1, "eval_prompts", 1), (2, "generate", 1)]
+    for k, stop in enumerate(stops):
+        with pytest.raises(RoundsInterrupted):
+            run_rounds(_tied_config(task, "tied-resumed"), resume=k > 0, log=quiet, progress=False, stop_at=stop)
+        if k == 1:  # scored and found tied, killed while sampling its held-out prompts
+            assert (resumed / "rounds" / "002" / plan.NO_PAIRS_FILE).is_file()
+            assert "stopped while sampling and scoring its held-out" in where_stopped(_tied_config(task, "tied-resumed"))
+    again = run_rounds(_tied_config(task, "tied-resumed"), resume=True, log=quiet, progress=False)
+    for r in ("001", "002", "003"):
+        for name in ("samples.jsonl", "eval_samples.jsonl", "eval_scores.jsonl"):
+            assert (run / "rounds" / r / name).read_bytes() == (resumed / "rounds" / r / name).read_bytes(), (r, name)
+    assert [{k: v for k, v in m.items() if not k.startswith(("seconds/", "generate/"))} for m in again.rounds] == \
+        [{k: v for k, v in m.items() if not k.startswith(("seconds/", "generate/"))} for m in result.rounds]
+    assert again.final_dir == resumed / "rounds" / "001" / "train" / "final"
+    shutil.rmtree(run)
+    shutil.rmtree(resumed)
+
+
+def test_a_first_round_whose_samples_all_tie_stops_with_the_error(task, tmp_path, one_thread):
+    """Round 1 ties under a constant reward: the reward is too sparse for the initial policy, so no round can train."""
+    from prefpack.rounds.driver import RoundsError
+
+    (tmp_path / "one.py").write_text("def reward(prompt, completion, row):\n    return 1.0\n")
+    cfg = load_config(None, overrides(task, "all-tied", f"rounds.reward_fn={tmp_path / 'one.py'}:reward",
+                                      "rounds.eval_prompts=null", f"run.output_dir={tmp_path / 'run'}"))
+    with pytest.raises(RoundsError, match=r"^round 1: no preference pair to train on .*every row was skipped "
+                                          r"\(\{'tied': 16\}\).*use a finer reward$"):
+        run_rounds(cfg, log=quiet, progress=False)
+    assert not (tmp_path / "run" / "rounds" / "001" / "round.json").exists()
+    assert not (tmp_path / "run" / "rounds" / "001" / "no_pairs.json").exists()

@@ -28,6 +28,15 @@ class ScoreOutputError(PrefpackError, ValueError):
     """Nothing to write (every row skipped), or an output that exists without --overwrite."""
 
 
+class NothingToWrite(ScoreOutputError):
+    """Every row was skipped (a pair store: every prompt's samples tie). Carries what was scored, so the on-policy
+    rounds can record a round that ties without scoring it again."""
+
+    def __init__(self, message: str, scoring: dict, pairs: dict | None):
+        super().__init__(message)
+        self.scoring, self.pairs = scoring, pairs
+
+
 def score_bits(score: float) -> int:
     """A float64 score as the int64 bit pattern a ranked store's index holds (``Store.scores`` reads it back)."""
     return int(np.array(score, dtype=np.float64).view(np.int64))
@@ -48,7 +57,8 @@ def write_store(source: ScoreInput, rows: Iterable[tuple[ScoreRow, list[float]]]
             else:
                 _append_group(writer, row, scores)
         if writer.n_rows == 0:
-            raise ScoreOutputError(f"nothing to write to {output}: every row was skipped ({dict(skipped)})")
+            raise NothingToWrite(f"nothing to write to {output}: every row was skipped ({dict(skipped)})",
+                                 meta["scoring"], selection.counts() if selection is not None else None)
         source.tok.save_pretrained(writer.tmp / "tokenizer")
         counts = {"rows_read": meta["sources"][0]["rows"], "examples": writer.n_rows, "skipped": dict(skipped)}
         full = {**meta, "counts": counts, **({"pairs": selection.counts()} if selection is not None else {})}

@@ -5,7 +5,9 @@ that store for ``rounds.steps_per_round`` steps, its learning rate one part of a
 Each phase resumes the way its own command does: the samples file continues, the score partial continues, the
 round's training run resumes from its newest checkpoint; a finished phase's output is never written again. The
 policy each round samples is the last round's saved final model (the initial model first), read from disk, so a
-resumed run samples exactly what an uninterrupted one samples, and a vLLM server serves the same folder.
+resumed run samples exactly what an uninterrupted one samples, and a vLLM server serves the same folder. A round after
+the first whose samples all tie (the policy has learned its prompts) is recorded and trains nothing; the next round
+samples the same policy. In the first round that is an error: the reward is too sparse for the initial policy.
 
 Under torchrun (``prefpack.rounds.ranks``) the ranks share the sampling (prefpack.generation.shards: the samples of
 one process), rank 0 alone scores, writes the run's files and talks to a vLLM server while the others wait, and every
@@ -14,6 +16,7 @@ rank trains (DDP or FSDP2, in the one process group of the run).
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +25,12 @@ from prefpack.distributed import Dist
 from prefpack.errors import PrefpackError
 from prefpack.generation.run import GenerateReport, build_engine, prompt_source, sample_prompts, settings_of
 from prefpack.generation.shards import merge_parts, part_files, part_path
-from prefpack.rewards.output import ScoreOutputError
+from prefpack.rewards.output import NothingToWrite
+from prefpack.rewards.partial import partial_path
 from prefpack.rewards.run import ScoringInterrupted, score
 from prefpack.rounds import plan
 from prefpack.rounds.metrics import (
+    PHASES_FILE,
     ROUND_FILE,
     copy_training_lines,
     drop_unfinished,
@@ -131,8 +136,13 @@ def run_rounds(cfg, *, resume: bool = False, log=print, progress: bool = True,
             stop = stop_at[1:] if stop_at is not None and stop_at[0] == r else None
             line = _round(cfg, run_dir, r, total, metrics, stop, log, progress, ranks)
             result.rounds.append(line)
-            log(f"round {r + 1}: sample reward mean {line['reward/mean']:.4f} (min {line['reward/min']:.3f}, max "
-                f"{line['reward/max']:.3f}), {line['pairs']} pairs, {line['tied_prompts']} tied prompts skipped")
+            if line["pairs"] == 0:
+                log(f"round {r + 1}: every prompt's samples tie (reward mean {line['reward/mean']:.3f}): nothing to "
+                    "train on; the policy carries over")
+            else:
+                log(f"round {r + 1}: sample reward mean {line['reward/mean']:.4f} (min {line['reward/min']:.3f}, "
+                    f"max {line['reward/max']:.3f}), {line['pairs']} pairs, {line['tied_prompts']} tied prompts "
+                    "skipped")
     finally:
         metrics.close()
     result.final_dir = Path(plan.policy_of(cfg, run_dir, rc.count))
@@ -156,19 +166,24 @@ def _round(cfg, run_dir: Path, r: int, total: int, metrics, stop, log, progress:
     folder = plan.round_dir(run_dir, r)
     samples = folder / "samples.jsonl"
     _generate(cfg, run_dir, r, cfg.rounds.prompts, samples, "generate", stop, log, ranks)
-    store = folder / "store"
-    if not (store / "meta.json").is_file():
+    store, tied = folder / "store", folder / plan.NO_PAIRS_FILE
+    if not (store / "meta.json").is_file() and not tied.is_file():
         ranks.main_only(f"scoring round {r + 1}'s samples", lambda: _score(cfg, r, samples, store, stop, log))
-    if cfg.reference.mode == "precomputed":  # rank 0 computes the sidecars every rank's training reads
+    trains = not tied.is_file()  # rank 0 wrote it when every prompt tied; every rank reads it
+    if trains and cfg.reference.mode == "precomputed":  # rank 0 computes the sidecars every rank's training reads
         ranks.main_only(f"computing round {r + 1}'s reference log-probs",
                         lambda: precompute_round_reference(cfg, run_dir, r, log))
     eval_scores = _eval_prompts(cfg, run_dir, r, stop, log, ranks) if cfg.rounds.eval_prompts else None
+    steps = cfg.rounds.steps_per_round
+    if not trains:  # nothing to train on: the round is recorded, its policy carries over (plan.last_trained)
+        ranks.main_only(f"recording round {r + 1}",
+                        lambda: _record(metrics, r, r * steps, samples, read_json(tied), None, eval_scores))
+        return read_json(folder / ROUND_FILE)
     t0 = time.perf_counter()
     train_cfg = plan.train_config(cfg, run_dir, r)
     train_dir = Path(train_cfg.run.output_dir)
     resume = train_dir.is_dir() and any(train_dir.iterdir())
     ranks.together(f"starting round {r + 1}'s training", lambda: None)  # each rank read the folder before rank 0 fills it
-    steps = cfg.rounds.steps_per_round
     stop_steps = stop[1] if stop is not None and stop[0] == "train" else None
     try:
         result = train(train_cfg, resume=resume, log=log, progress=progress, stop_after_steps=stop_steps,
@@ -180,15 +195,22 @@ def _round(cfg, run_dir: Path, r: int, total: int, metrics, stop, log, progress:
         from prefpack.data.store import Store
 
         record_phase(folder, "train", seconds=time.perf_counter() - t0)
-        phases = read_json(folder / "phases.json")
-        line = round_metrics(r, read_json(samples.with_name("samples.meta.json")), Store(store).meta, phases,
-                             result.eval_after, eval_scores)
         copy_training_lines(metrics, train_dir, r, r * steps)
-        metrics.log(r * steps, line, split="round")
-        write_json(folder / ROUND_FILE, line)  # last: the round is done
+        _record(metrics, r, r * steps, samples, Store(store).meta, result.eval_after, eval_scores)
 
     ranks.main_only(f"recording round {r + 1}", record)
     return read_json(folder / ROUND_FILE)
+
+
+def _record(metrics, r: int, step: int, samples: Path, scored: dict, eval_after: dict | None,
+            eval_scores: list[float] | None) -> None:
+    """The round's line, logged at the step its samples were drawn, then its ``round.json`` (last: the round is
+    done). ``scored``: the pair store's meta, or a tied round's ``no_pairs.json`` (its ``scoring`` and ``pairs``)."""
+    folder = samples.parent
+    line = round_metrics(r, read_json(samples.with_name("samples.meta.json")), scored, read_json(folder / PHASES_FILE),
+                         eval_after, eval_scores)
+    metrics.log(step, line, split="round")
+    write_json(folder / ROUND_FILE, line)
 
 
 def _score(cfg, r: int, samples: Path, store: Path, stop, log) -> None:
@@ -201,10 +223,14 @@ def _score(cfg, r: int, samples: Path, store: Path, stop, log) -> None:
         score(opts, log=log)
     except ScoringInterrupted as exc:
         raise RoundsInterrupted(str(exc)) from None
-    except ScoreOutputError as exc:
-        raise RoundsError(f"round {r + 1}: no preference pair to train on ({exc}); the policy's samples all tie "
-                          "under the scorer: sample more (rounds.samples_per_prompt, rounds.temperature) or use "
-                          "a finer reward") from None
+    except NothingToWrite as exc:
+        if r == 0:  # the reward is too sparse for the initial policy: no round could train
+            raise RoundsError(f"round {r + 1}: no preference pair to train on ({exc}); the policy's samples all tie "
+                              "under the scorer: sample more (rounds.samples_per_prompt, rounds.temperature) or use "
+                              "a finer reward") from None
+        # a later round: the policy has learned these prompts; record what was scored, train nothing this round
+        write_json(store.parent / plan.NO_PAIRS_FILE, {"scoring": exc.scoring, "pairs": exc.pairs})
+        shutil.rmtree(partial_path(store), ignore_errors=True)  # its scores are in the file above
     record_phase(store.parent, "score", seconds=time.perf_counter() - t0)
 
 

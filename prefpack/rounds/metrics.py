@@ -78,4 +78,4 @@ def round_metrics(r: int, samples_meta: dict, store_meta: dict, phases: dict, ev
         out["eval_reward/mean"] = math.fsum(eval_scores) / len(eval_scores)
     for key, value in (eval_after or {}).items():
         out[f"eval/{key}"] = value
-    return out
+    return {k: v for k, v in out.items() if v is not None}  # a round that tied has no pairs' gap

@@ -5,6 +5,8 @@ folder). Pure functions of the config and the round, so a resumed run asks every
 Round ``r`` (from 0) lives in ``RUN_DIR/rounds/NNN/`` (NNN = r + 1): ``samples.jsonl`` (+ ``samples.meta.json``), the
 scored pair store ``store/``, the round's training run ``train/`` (its checkpoints, metrics and ``final/`` model),
 ``phases.json`` (the seconds and tokens of each finished phase) and ``round.json`` (written last: the round is done).
+A later round whose samples all tie writes ``no_pairs.json`` (what scoring saw) instead of ``store/`` and ``train/``:
+it trains nothing, and the next round samples the last policy that trained.
 """
 
 from __future__ import annotations
@@ -25,17 +27,29 @@ def initial_policy(cfg) -> str:
     return str(cfg.model.name_or_path)
 
 
+NO_PAIRS_FILE = "no_pairs.json"  # a round after the first whose samples all tie: scored, recorded, not trained
+
+
+def last_trained(run_dir: Path, r: int) -> int | None:
+    """The last round before ``r`` that trained (None: none did), read from the finished rounds' files alone, so a
+    resumed run and every rank under torchrun find the same one."""
+    return next((k for k in range(r - 1, -1, -1) if not (round_dir(run_dir, k) / NO_PAIRS_FILE).is_file()), None)
+
+
 def policy_of(cfg, run_dir: Path, r: int) -> str:
-    """The policy round ``r`` samples and starts training from: the initial model, then the last round's final."""
-    return initial_policy(cfg) if r == 0 else str(round_dir(run_dir, r - 1) / "train" / "final")
+    """The policy round ``r`` samples and starts training from: the initial model, then the final of the last round
+    that trained (a round whose samples all tied carries its policy over)."""
+    k = last_trained(run_dir, r)
+    return initial_policy(cfg) if k is None else str(round_dir(run_dir, k) / "train" / "final")
 
 
 def adapter_of(cfg, run_dir: Path, r: int) -> str | None:
     """LoRA: the adapter round ``r`` samples with and trains on over the unchanged base (``lora.adapter`` or a fresh
-    one first, then the last round's ``final/adapter``); None without LoRA."""
+    one first, then the last trained round's ``final/adapter``); None without LoRA."""
     if not cfg.lora.enabled:
         return None
-    return cfg.lora.adapter if r == 0 else str(round_dir(run_dir, r - 1) / "train" / "final" / "adapter")
+    k = last_trained(run_dir, r)
+    return cfg.lora.adapter if k is None else str(round_dir(run_dir, k) / "train" / "final" / "adapter")
 
 
 def reference_of(cfg, run_dir: Path, r: int) -> str:

@@ -33,11 +33,14 @@ def where_stopped(cfg) -> str:
     if not read_json(folder / "samples.meta.json").get("complete"):
         return (f"{head} stopped while sampling its prompts: {_complete_lines(folder / 'samples.jsonl')} prompts are "
                 "sampled in samples.jsonl, and resuming samples the rest")
-    if not (folder / "store" / "meta.json").is_file():
+    tied = (folder / plan.NO_PAIRS_FILE).is_file()
+    if not tied and not (folder / "store" / "meta.json").is_file():
         return (f"{head} stopped while scoring its samples: {_scored_rows(folder / 'store.partial')} rows are scored "
                 "in store.partial, and resuming scores the rest")
     if cfg.rounds.eval_prompts and not (folder / "eval_scores.jsonl").is_file():
         return f"{head} stopped while sampling and scoring its held-out prompts; resuming continues them"
+    if tied:
+        return f"{head} found every prompt's samples tied (nothing to train on); resuming records the round"
     train_dir = folder / "train"
     last = latest_checkpoint(train_dir)
     if last is None:
