@@ -4,7 +4,9 @@ On an H100 a 24-layer, hidden-1024 step spends more GPU time in elementwise kern
 SwiGLU, autocast casts) than in matmuls, and its CPU launches more kernels than the GPU can hide. Compiling the
 decoder layers one by one (as torchtitan and torchtune do) fuses those chains; all layers share one compiled
 graph (same code, parameters passed as inputs), and ``dynamic=True`` keeps a new packed length from recompiling.
-The LM head is prefpack's chunked op and stays eager; the attention kernel is called from inside the graph.
+The LM head is prefpack's chunked op and stays eager; varlen's kernel is called from inside the graph, while
+packed_sdpa (CPU) runs eagerly between the layer's two graphs: its loop over each row's spans is host data, so
+traced it made a new graph for every batch layout (52 s of recompiles in a 3-step test, 12 s without).
 """
 
 from __future__ import annotations

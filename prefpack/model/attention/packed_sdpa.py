@@ -195,6 +195,7 @@ def _row_attention(q, k, v, spans: list[tuple[int, int, int, int]], *, scale: fl
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
+@torch.compiler.disable  # a compiled layer runs this eagerly: its span loop is host data, a new graph per layout
 def packed_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                           **kwargs) -> tuple[torch.Tensor, None]:
