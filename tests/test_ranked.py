@@ -304,3 +304,59 @@ def test_unsupported_uses_of_a_ranked_store_are_user_errors(tmp_path, toy_tokeni
         code = cli_main(["train", *base, f"data.train={store.path}", f"run.output_dir={tmp_path / 'run'}", *extra])
         err = capsys.readouterr().err
         assert code == 2 and message in err and str(store.path) in err and "Traceback" not in err
+
+
+def test_inspect_row_shows_its_prompt_group_ranked_with_the_pairs_training_draws(tmp_path, toy_tokenizers, capsys):
+    """`prefpack inspect --row I` on a ranked store: row I's prompt once, every completion of its group best first
+    (a tie in store order, as training breaks it) with its score, length and unscored text marked, and the pairs
+    data.ranked_pairs draws (from --ranked-pairs, or a --config run's), as store rows."""
+    from conftest import default_unscored, store_with_spans
+    from transformers import AutoTokenizer
+
+    from prefpack.cli import main as cli_main
+
+    tok_dir = toy_tokenizers["neox"]
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    path = store_with_spans(_prepare(tmp_path, tok_dir, ROWS, "ranked").path, tmp_path / "spans")
+    group = ROWS[2]  # store rows 5..8, scores 5, 5, 1, 7; row 6 is " Hey." (5, tied with row 5)
+
+    def shown(*flags) -> dict:
+        capsys.readouterr()
+        assert cli_main(["inspect", str(path), "--row", "6", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["row"]
+
+    row = shown()
+    assert (row["index"], row["group"], row["rows"], row["score"]) == (6, 2, [5, 9], 5.0)
+    assert row["prompt"] == group["prompt"]
+    order = [3, 0, 1, 2]  # by score: 7, then the tied 5s in store order, then 1
+    assert [c["row"] for c in row["completions"]] == [5 + k for k in order]
+    assert [c["score"] for c in row["completions"]] == [7.0, 5.0, 5.0, 1.0]
+    for c, k in zip(row["completions"], order):
+        text = group["completions"][k]["response"] + tok.eos_token
+        assert c["text"] == text and tok.decode(c["ids"]) == text and c["tokens"] == len(c["ids"])
+        unscored = {t for a, b in default_unscored(c["row"], 0, c["tokens"]) for t in range(a, b)}
+        assert c["scored_tokens"] == c["tokens"] - len(unscored)
+        if unscored:
+            assert c["scored"] == [t not in unscored for t in range(c["tokens"])]
+            assert c["marked"].replace("⟦", "").replace("⟧", "") == text
+            for a, b in default_unscored(c["row"], 0, c["tokens"]):
+                assert "⟦" + tok.decode(c["ids"][a:b]) + "⟧" in c["marked"]
+        else:
+            assert "scored" not in c and "marked" not in c
+    assert row["pairs"] == {"mode": "best_vs_rest", "pairs": [{"chosen": 8, "rejected": r, "gap": g}
+                                                              for r, g in ((5, 2.0), (6, 2.0), (7, 6.0))]}
+    every = [(8, 5), (8, 6), (8, 7), (5, 7), (6, 7)]  # every (higher, lower) pair; the tie 5 / 6 gives none
+    assert [(p["chosen"], p["rejected"]) for p in shown("--ranked-pairs", "all_pairs")["pairs"]["pairs"]] == every
+    (tmp_path / "reward.yaml").write_text("train:\n  objective: reward\n")  # auto: all_pairs for a reward model
+    assert shown("--config", str(tmp_path / "reward.yaml"))["pairs"]["mode"] == "all_pairs"
+
+    capsys.readouterr()
+    assert cli_main(["inspect", str(path), "--row", "6"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("Hi there, how are you today?") == 1  # the prompt once
+    assert f"row 6 (from {tmp_path / 'ranked.jsonl'} row 2): prompt group 2, store rows 5..8, its 4 completions" in text
+    heads = [line.split(":")[0] for line in text.splitlines() if line.startswith("--- #")]
+    assert heads == ["--- #1 row 8", "--- #2 row 5", "--- #3 row 6 (the row asked)", "--- #4 row 7"]
+    assert "--- pairs data.ranked_pairs=best_vs_rest draws (3, chosen > rejected by store row): 8 > 5 (gap 2)" in text
+    assert cli_main(["inspect", str(path), "--row", "10"]) == 0  # group 3: both scores 3
+    assert "draws: none (all 2 scores tie; training leaves this prompt out)" in capsys.readouterr().out

@@ -99,11 +99,27 @@ def add_inspect(sub) -> None:
     p.add_argument("--verify", action="store_true", help="also check file hashes and token ranges (reads everything)")
     p.add_argument("--trust-remote-code", action="store_true", help=REMOTE_CODE_HELP + " (decoding --row with a "
                    "tokenizer that names its own code)")
+    p.add_argument("--ranked-pairs", default=None, choices=("best_vs_rest", "all_pairs"),
+                   help="a ranked store's --row: show the pairs this pairing draws from the row's prompt group "
+                   "(default: the --config run's data.ranked_pairs, else best_vs_rest)")
+    p.add_argument("--config", default=None, metavar="YAML",
+                   help="a run's config: its data.ranked_pairs (auto: all_pairs for train.objective=reward, else "
+                   "best_vs_rest) decides the pairs shown for a ranked store's --row")
 
 
 def run_inspect(args, argv: list[str]) -> int:
     from prefpack.data.inspect import inspect_store
 
     print(inspect_store(args.store, row=args.row, as_json=args.json, tokenizer=args.tokenizer, verify=args.verify,
-                        trust_remote_code=args.trust_remote_code))
+                        trust_remote_code=args.trust_remote_code, ranked_pairs=_ranked_pairs(args)))
     return 0
+
+
+def _ranked_pairs(args) -> str:
+    """The pairing a ranked row's group is shown under: --ranked-pairs, else the --config run's, resolved."""
+    if args.ranked_pairs or not args.config:
+        return args.ranked_pairs or "best_vs_rest"
+    from prefpack.config import load_config
+    from prefpack.objectives.settings import ranked_pairs
+
+    return ranked_pairs(load_config(args.config, []))

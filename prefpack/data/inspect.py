@@ -1,6 +1,8 @@
 """`prefpack inspect`: a store's meta, length statistics, and one example decoded (unscored completion tokens shown
 between ⟦ and ⟧, with counts of scored and total tokens; an image's run of image tokens shown as ``<|image_pad|> x N``
-with the image's size)."""
+with the image's size). In a ranked store an example is its row's whole prompt group: the prompt once, every
+completion ranked by score, and the pairs ``data.ranked_pairs`` draws from them, as a reader of a round's samples
+wants to judge them."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from prefpack.data.spans import scored_of
 from prefpack.data.store import FLAG_COMPLETION_TRUNCATED, FLAG_PROMPT_TRUNCATED, Store, StoreError
 from prefpack.data.store_format import grouping_pays
 from prefpack.data.truncation import describe
+from prefpack.data.views import group_pairs
 from prefpack.vision_families import FAMILIES
 
 UNSCORED_OPEN, UNSCORED_CLOSE = "⟦", "⟧"
@@ -56,41 +59,74 @@ def _summary(col: np.ndarray) -> dict[str, float]:
     }
 
 
-def decode_row(store: Store, i: int, tok) -> dict[str, Any]:
+def decode_row(store: Store, i: int, tok, ranked_pairs: str = "best_vs_rest") -> dict[str, Any]:
+    """Example ``i`` decoded; in a ranked store, row ``i``'s prompt group with the pairs ``ranked_pairs`` draws."""
     if not 0 <= i < len(store):
         raise StoreError(f"--row {i} is out of range: the store has {len(store)} examples (0..{len(store) - 1})")
-    flags = int(store.column("flags")[i])
     out: dict[str, Any] = {
         "index": i,
         "source": {"file": store.meta["sources"][int(store.column("source_file")[i])]["path"],
                    "row": int(store.column("source_row")[i])},
-        "truncated": [name for bit, name in ((FLAG_PROMPT_TRUNCATED, "prompt"),
-                                             (FLAG_COMPLETION_TRUNCATED, "completion")) if flags & bit],
+        "truncated": _truncated(store, i),
     }
+    image = _image_token(store)
+    if image is not None:
+        out["images"] = [{k: v for k, v in info.items() if k != "data"} for info in store.prompt_images(i)]
+    if store.kind == "ranked":
+        out.update(_ranked_group(store, i, tok, image, ranked_pairs))
+        return out
     if store.kind == "pairs":
         ex = store.pair(i)
         parts = {"prompt": ex.prompt, "chosen": ex.chosen, "rejected": ex.rejected}
-    elif store.kind == "ranked":  # a row is one completion; show it with its prompt, score and group
-        g = int(store.column("group")[i])
-        prompt, comps = store.ranked_group(g)
-        parts = {"prompt": prompt, "completion": comps[i - int(store.group_starts()[g])]}
-        out.update(group=g, score=float(store.scores()[i]))
     else:
         ex = store.unpaired(i)
         parts = {"prompt": ex.prompt, "completion": ex.completion}
         out["label"] = bool(ex.label)
-    image = _image_token(store)
-    if image is not None:
-        out["images"] = [{k: v for k, v in info.items() if k != "data"} for info in store.prompt_images(i)]
     for name, ids in parts.items():
-        out[f"{name}_ids"] = [int(t) for t in ids]
-        out[name] = tok.decode(out[f"{name}_ids"], skip_special_tokens=False) if image is None else \
-            abbreviated_text(tok, out[f"{name}_ids"], *image)
-        scored = scored_of(ids)
-        if scored is not None:
-            out[f"{name}_scored"] = [bool(x) for x in scored]
-            out[f"{name}_marked"] = marked_text(tok, out[f"{name}_ids"], out[f"{name}_scored"])
+        out.update(_decoded_part(tok, name, ids, image))
     return out
+
+
+def _truncated(store: Store, i: int) -> list[str]:
+    flags = int(store.column("flags")[i])
+    return [name for bit, name in ((FLAG_PROMPT_TRUNCATED, "prompt"), (FLAG_COMPLETION_TRUNCATED, "completion"))
+            if flags & bit]
+
+
+def _decoded_part(tok, name: str, ids, image: tuple[int, str] | None) -> dict[str, Any]:
+    """``NAME_ids`` and ``NAME`` (the text), and where some tokens are unscored ``NAME_scored`` and ``NAME_marked``."""
+    out: dict[str, Any] = {f"{name}_ids": [int(t) for t in ids]}
+    out[name] = tok.decode(out[f"{name}_ids"], skip_special_tokens=False) if image is None else \
+        abbreviated_text(tok, out[f"{name}_ids"], *image)
+    scored = scored_of(ids)
+    if scored is not None:
+        out[f"{name}_scored"] = [bool(x) for x in scored]
+        out[f"{name}_marked"] = marked_text(tok, out[f"{name}_ids"], out[f"{name}_scored"])
+    return out
+
+
+def _ranked_group(store: Store, i: int, tok, image, mode: str) -> dict[str, Any]:
+    """Row ``i``'s prompt group: the prompt, its completions best first (ties in store order, as training breaks
+    them) and the (chosen, rejected) pairs ``mode`` draws, by store row."""
+    starts = store.group_starts()
+    g = int(np.searchsorted(starts, i, side="right")) - 1
+    a, b = int(starts[g]), int(starts[g + 1])
+    prompt, comps = store.ranked_group(g)
+    scores = store.scores()[a:b]
+    completions = []
+    for k in sorted(range(b - a), key=lambda k: (-scores[k], k)):
+        part = _decoded_part(tok, "completion", comps[k], image)
+        scored = part.get("completion_scored")
+        completions.append({"row": a + k, "score": float(scores[k]), "tokens": len(comps[k]),
+                            "scored_tokens": len(comps[k]) if scored is None else sum(scored),
+                            "truncated": "completion" in _truncated(store, a + k),
+                            "ids": part["completion_ids"], "text": part["completion"],
+                            **({"scored": scored, "marked": part["completion_marked"]} if scored else {})})
+    pairs = [{"chosen": a + c, "rejected": a + r, "gap": float(scores[c] - scores[r])}
+             for c, r in group_pairs(scores, mode)]
+    return {"group": g, "rows": [a, b], "score": float(store.scores()[i]),
+            **_decoded_part(tok, "prompt", prompt, image), "completions": completions,
+            "pairs": {"mode": mode, "pairs": pairs}}
 
 
 def _image_token(store: Store) -> tuple[int, str] | None:
@@ -203,33 +239,65 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
         lines.append(f"labels      desirable={stats['desirable']} undesirable={stats['undesirable']}")
     if row is not None:
         lines.append("")
-        lines.append(f"row {row['index']} (from {row['source']['file']} row {row['source']['row']})"
-                     + (f", truncated: {', '.join(row['truncated'])}" if row["truncated"] else ""))
-        for name in ("prompt", "chosen", "rejected", "completion"):
-            if name in row and name + "_scored" in row:
-                n, k = len(row[name + "_ids"]), sum(row[name + "_scored"])
-                lines.append(f"--- {name} ({n} tokens, {k} scored; unscored text between {UNSCORED_OPEN} and "
-                             f"{UNSCORED_CLOSE}) ids={row[name + '_ids']}")
-                lines.append(row[name + "_marked"])
-            elif name in row:
-                ids = row[name + "_ids"] if "images" not in row else \
-                    abbreviated_ids(row[name + "_ids"], int(m["processor"]["image_token_id"]))
-                lines.append(f"--- {name} ({len(row[name + '_ids'])} tokens"
-                             + (", all scored" if name != "prompt" else "") + f") ids={ids}")
-                lines.append(row[name])
-                if name == "prompt":
-                    for k, im in enumerate(row.get("images", [])):
-                        lines.append(f"--- image {k}: {im['width']}x{im['height']} pixels, {im['bytes']} bytes, "
-                                     f"{im['tokens']} image tokens from position {im['position']} in tokens.bin")
-        if "score" in row:
-            lines.append(f"--- score: {row['score']:g} (prompt group {row['group']})")
-        if "label" in row:
-            lines.append(f"--- label: {'desirable' if row['label'] else 'undesirable'}")
+        lines.extend(_row_lines(row, m))
     return "\n".join(lines)
 
 
+def _row_lines(row: dict, m: dict) -> list[str]:
+    """``--row``'s section: the example's parts (a ranked row: its prompt group) with ids, text and scored marks."""
+    lines = [f"row {row['index']} (from {row['source']['file']} row {row['source']['row']})"
+             + (f", truncated: {', '.join(row['truncated'])}" if row["truncated"] else "")]
+    if "completions" in row:
+        a, b = row["rows"]
+        lines[0] += (f": prompt group {row['group']}, store rows {a}..{b - 1}, its {b - a} completions ranked by "
+                     "score")
+    for name in ("prompt", "chosen", "rejected", "completion"):
+        if name in row and name + "_scored" in row:
+            n, k = len(row[name + "_ids"]), sum(row[name + "_scored"])
+            lines.append(f"--- {name} ({n} tokens, {k} scored; unscored text between {UNSCORED_OPEN} and "
+                         f"{UNSCORED_CLOSE}) ids={row[name + '_ids']}")
+            lines.append(row[name + "_marked"])
+        elif name in row:
+            ids = row[name + "_ids"] if "images" not in row else \
+                abbreviated_ids(row[name + "_ids"], int(m["processor"]["image_token_id"]))
+            lines.append(f"--- {name} ({len(row[name + '_ids'])} tokens"
+                         + (", all scored" if name != "prompt" else "") + f") ids={ids}")
+            lines.append(row[name])
+            if name == "prompt":
+                for k, im in enumerate(row.get("images", [])):
+                    lines.append(f"--- image {k}: {im['width']}x{im['height']} pixels, {im['bytes']} bytes, "
+                                 f"{im['tokens']} image tokens from position {im['position']} in tokens.bin")
+    if "completions" in row:
+        lines.extend(_group_lines(row))
+    if "label" in row:
+        lines.append(f"--- label: {'desirable' if row['label'] else 'undesirable'}")
+    return lines
+
+
+def _group_lines(row: dict) -> list[str]:
+    """A ranked group's completions, best first, and the pairs training draws from them."""
+    lines = []
+    for rank, c in enumerate(row["completions"], 1):
+        asked = " (the row asked)" if c["row"] == row["index"] else ""
+        scored = f"{c['scored_tokens']} scored; unscored text between {UNSCORED_OPEN} and {UNSCORED_CLOSE}" \
+            if "scored" in c else "all scored"
+        lines.append(f"--- #{rank} row {c['row']}{asked}: score {c['score']:g}, {c['tokens']} tokens, {scored}"
+                     + (", truncated" if c["truncated"] else "") + f" ids={c['ids']}")
+        lines.append(c.get("marked", c["text"]))
+    pairs, mode = row["pairs"]["pairs"], row["pairs"]["mode"]
+    if pairs:
+        lines.append(f"--- pairs data.ranked_pairs={mode} draws ({len(pairs)}, chosen > rejected by store row): "
+                     + ", ".join(f"{p['chosen']} > {p['rejected']} (gap {p['gap']:g})" for p in pairs))
+    else:
+        lines.append(f"--- pairs data.ranked_pairs={mode} draws: none (all {len(row['completions'])} scores tie; "
+                     "training leaves this prompt out)")
+    return lines
+
+
 def inspect_store(path: str, *, row: int | None = None, as_json: bool = False, tokenizer: str | None = None,
-                  verify: bool = False, trust_remote_code: bool = False) -> str:
+                  verify: bool = False, trust_remote_code: bool = False, ranked_pairs: str = "best_vs_rest") -> str:
+    """The store shown as text or one JSON object; ``ranked_pairs``: the pairing a ranked row's group is shown under
+    (``data.ranked_pairs`` resolved)."""
     store = Store(path, verify=verify)
     if not verify:
         store.check_token_ids()  # cheap; --verify already did it with the hashes
@@ -239,7 +307,7 @@ def inspect_store(path: str, *, row: int | None = None, as_json: bool = False, t
         from prefpack.tokenizer import load_tokenizer
 
         decoded = decode_row(store, row, load_tokenizer(tokenizer or store.tokenizer_path(),
-                                                        trust_remote_code=trust_remote_code))
+                                                        trust_remote_code=trust_remote_code), ranked_pairs)
     if as_json:
         obj: dict[str, Any] = {"meta": store.meta, "stats": stats}
         if decoded is not None:
