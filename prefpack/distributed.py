@@ -167,7 +167,7 @@ def grad_sync(module: nn.Module, enabled: bool):
     yield
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, *, to_host: bool = True) -> float | torch.Tensor:
     """Global gradient norm (before clipping), correct for sharded DTensor gradients too.
 
     FSDP2's gradients are DTensor shards whose norm is a partial sum over ranks. It is summed on the device type
@@ -181,4 +181,4 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
         norm = DTensor.from_local(norm.to_local().to(mesh.device_type), mesh, norm.placements,
                                   run_check=False).full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return float(norm)
+    return float(norm) if to_host else norm  # to_host=False: the caller reads it with other values, in one transfer

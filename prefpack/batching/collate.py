@@ -100,6 +100,10 @@ class Batch:
     # adapter-off reference) reads the policy's features instead of encoding the images again. One dict is shared by
     # the batches of one preprocessing (KTO's main and KL batches) and survives ``to(device)``.
     vision_cache: dict | None = None
+    # [N] int64: the flat [B * L] indices of the real tokens (``token_mask``'s), set by :meth:`to` while the mask is
+    # still on the host, so that a forward flattens the rows by index_select, not by a boolean mask (whose result
+    # size the host would have to read back from the device: a sync per forward)
+    real_index: torch.Tensor | None = None
 
     @property
     def pair_indices(self) -> torch.Tensor:
@@ -140,6 +144,8 @@ class Batch:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         moved = {}
+        if self.real_index is None and self.token_mask.device.type == "cpu":
+            self.real_index = self.token_mask.reshape(-1).nonzero().squeeze(1)
         for f in fields(self):
             v = getattr(self, f.name)
             moved[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v

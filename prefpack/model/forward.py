@@ -252,7 +252,7 @@ def _vision_inputs(body, vision, batch: Batch, flatten: bool) -> dict:
     positions = body_positions(vision, batch.position_ids, batch.rope_positions)
     if flatten:
         keep = batch.token_mask
-        embeds = embeds[keep][None]
+        embeds = real_tokens(embeds, batch)
         positions = positions[..., keep][..., None, :] if positions.ndim == 3 else positions[keep][None]
     return {"inputs_embeds": embeds, "position_ids": positions}
 
@@ -282,6 +282,22 @@ def resolve_flatten(kernel, batch: Batch, flatten: bool | None) -> bool:
     return flatten
 
 
+def real_tokens(x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """``x[batch.token_mask][None]`` for a [B, L, ...] tensor: the real tokens as one flattened row, taken by the
+    host-built ``batch.real_index`` when there is one (no device-to-host read of the mask's count)."""
+    index = batch.real_index
+    if index is None:
+        return x[batch.token_mask][None]
+    return x.reshape(-1, *x.shape[2:]).index_select(0, index.to(x.device))[None]
+
+
+def _all_real(batch: Batch) -> bool:
+    """Whether every position is a real token, from the host-built index's size when there is one (no sync)."""
+    if batch.real_index is not None:
+        return batch.real_index.numel() == batch.token_mask.numel()
+    return bool(batch.token_mask.all())
+
+
 def body_forward(body, batch: Batch, flatten: bool, extra: dict, vision=None):
     """The body run on a micro-batch as its layout asks (packed rows with restarting positions, a flattened row
     of real tokens, or padded rows with an attention mask): ``(output, final hidden states, real-token mask or None)``.
@@ -293,9 +309,8 @@ def body_forward(body, batch: Batch, flatten: bool, extra: dict, vision=None):
     if batch.packed:
         input_ids, position_ids = batch.input_ids, batch.position_ids
         if flatten:
-            keep = batch.token_mask
-            input_ids, position_ids = input_ids[keep][None], position_ids[keep][None]
-        elif not bool(batch.token_mask.all()):
+            input_ids, position_ids = real_tokens(input_ids, batch), real_tokens(position_ids, batch)
+        elif not _all_real(batch):
             mask = batch.token_mask.long()
         inputs = inputs if vision is not None else {"input_ids": input_ids, "position_ids": position_ids}
         out = body(**inputs, attention_mask=None, use_cache=False, **extra)
@@ -312,8 +327,7 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
     out, hidden, mask = body_forward(body, batch, flatten, extra, vision)
     loss_mask, targets, seq_index = batch.loss_mask, batch.target_ids, batch.seq_index
     if batch.packed and flatten:
-        keep = batch.token_mask
-        loss_mask, targets, seq_index = loss_mask[keep][None], targets[keep][None], seq_index[keep][None]
+        loss_mask, targets, seq_index = (real_tokens(x, batch) for x in (loss_mask, targets, seq_index))
     if shared:  # a shared prompt's last position is scored once per completion it precedes
         at = batch.score_positions
         if flatten:  # indices into [B * L] -> into the flattened real tokens

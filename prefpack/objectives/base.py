@@ -200,21 +200,25 @@ class StepTotals:
         self.positions += batch.positions
         self.scored += batch.scored_positions
 
-    def settle(self) -> StepTotals:
+    def settle(self, *extra: torch.Tensor) -> list[float]:
         """Bring the device-side sums of :meth:`add` to the host, in one transfer, and add them to ``loss`` and
-        ``metrics`` (float64 throughout: the same values as adding each micro-batch's sum on the host). Returns
-        self."""
+        ``metrics`` (float64 throughout: the same values as adding each micro-batch's sum on the host). ``extra``
+        scalars (the step's gradient norm) ride along in the same transfer; returns their values."""
         pending = self.__dict__.pop("_pending", None) or {}
+        pending.update({i: t.detach().double().reshape(()) for i, t in enumerate(extra)})
         by_device: dict = {}
         for k, t in pending.items():
             by_device.setdefault(t.device, []).append(k)
+        read = [0.0] * len(extra)
         for keys in by_device.values():  # one transfer per device (all on the model's, in practice)
             for k, v in zip(keys, torch.stack([pending[k] for k in keys]).tolist()):
-                if k:
+                if isinstance(k, int):
+                    read[k] = v
+                elif k:
                     self.metrics[k] = self.metrics.get(k, 0.0) + v
                 else:
                     self.loss += v
-        return self
+        return read
 
     def as_vector(self, keys: list[str]) -> torch.Tensor:
         """Everything as one float64 vector (one all-reduce per step across ranks)."""

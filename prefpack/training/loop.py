@@ -204,10 +204,12 @@ def _train(cfg, parallel: Parallel, *, resume: bool, stop_after_steps: int | Non
                     totals.add(out, batch, counted=parallel.counts_sums)  # a sequence group's sums once
                     task.after_micro_batch(out)
             with record_function("prefpack.step_totals"):
+                # the gradient norm is read with the step's sums, in one device-to-host transfer a step
+                norm = clip_grad_norm(params, max_norm, to_host=False)
+                (grad_norm,) = totals.settle(norm)
                 totals = reduce_totals(totals, ctx)
             last = task.step_metrics(ids, totals.means())  # a mixture's NAME/pairs too
             with record_function("prefpack.optimizer"):
-                grad_norm = clip_grad_norm(params, max_norm)
                 lr = scheduler.get_last_lr()[0]
                 # a NaN/inf step is skipped, not written into the weights; the schedule still advances, so the lr and
                 # the data of step k stay functions of k (resume needs only the step)
