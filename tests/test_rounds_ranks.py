@@ -26,7 +26,8 @@ FILES = ("samples.jsonl", "samples.meta.json", "eval_samples.jsonl", "eval_score
 # the LoRA and precomputed-reference runs: 1 step a round (each round a new training run; the 3-step runs above check
 # the optimizer state across steps), no held-out prompts (their sampling is checked above)
 SHORT = ("rounds.steps_per_round=1", "rounds.eval_prompts=null")
-LORA = ("lora.enabled=true", "lora.r=4", "lora.alpha=8", "reference.mode=adapter")
+# lr 0.1: one step moves the adapter enough that round 2's samples (base + adapter) differ from the base's
+LORA = ("lora.enabled=true", "lora.r=4", "lora.alpha=8", "reference.mode=adapter", "optim.lr=0.1")
 # all weights trained, each round's reference its starting policy: round 2's sidecar is computed with round 1's final
 PRECOMPUTED = ("reference.mode=precomputed", "rounds.reference=round_start")
 DDP = ("distributed.strategy=ddp",)
