@@ -1,11 +1,15 @@
 """On-policy rounds under torchrun (tests/test_rounds.py's quickstart task): two gloo ranks, DDP then FSDP2 in one
 launch, write the same samples, scores and pair stores as one process, byte for byte, and the same final weights up
-to float32 rounding; the ranks' sampling parts merge into one process's samples file, and a killed part continues."""
+to float32 rounding; in the same launch, LoRA rounds (reference.mode adapter) and rounds on a precomputed reference
+(rank 0 computes each round's sidecar while the other waits) under DDP equal one process's too. The ranks' sampling
+parts merge into one process's samples file, and a killed part continues."""
 
 from __future__ import annotations
 
 import json
+import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,42 +23,101 @@ EXTRA = ("rounds.batch_size=3", "rounds.steps_per_round=3", "optim.eps=1.0e-3")
 ATOL = 1e-5  # measured: 1.2e-7 apart; a round of training moves them by up to 8e-3 (lr 1e-2)
 FILES = ("samples.jsonl", "samples.meta.json", "eval_samples.jsonl", "eval_scores.jsonl", "store/tokens.bin",
          "store/index.bin")
+# the LoRA and precomputed-reference runs: 1 step a round (each round a new training run; the 3-step runs above check
+# the optimizer state across steps), no held-out prompts (their sampling is checked above)
+SHORT = ("rounds.steps_per_round=1", "rounds.eval_prompts=null")
+# lr 0.1: one step moves the adapter enough that round 2's samples (base + adapter) differ from the base's
+LORA = ("lora.enabled=true", "lora.r=4", "lora.alpha=8", "reference.mode=adapter", "optim.lr=0.1")
+# all weights trained, each round's reference its starting policy: round 2's sidecar is computed with round 1's final
+PRECOMPUTED = ("reference.mode=precomputed", "rounds.reference=round_start")
+DDP = ("distributed.strategy=ddp",)
+RUNS = {"one": (), "ddp": DDP, "fsdp2": ("distributed.strategy=fsdp2",), "lora_one": SHORT + LORA,
+        "lora_ddp": SHORT + LORA + DDP, "pre_one": SHORT + PRECOMPUTED, "pre_ddp": SHORT + PRECOMPUTED + DDP}
 
 
 @pytest.fixture(scope="module")
 def launch(task, one_thread):  # noqa: F811
-    """One process, in this one; then one torchrun launch of two ranks: DDP, then FSDP2."""
-    args = {name: ["train", *overrides(task, name, *EXTRA, *strategy), "--no-progress", "--json"]
-            for name, strategy in [("one", ()), ("ddp", ("distributed.strategy=ddp",)),
-                                   ("fsdp2", ("distributed.strategy=fsdp2",))]}
-    one = run_here(args["one"])
-    proc = run_prefpack(args["ddp"], args["fsdp2"], nproc=2, timeout=300)
-    return {"one": json.loads(one[-1]), "printed": [json.loads(x) for x in proc.stdout.splitlines()],
+    """One process, in this one (each run); then one torchrun launch of two ranks: DDP, FSDP2, LoRA under DDP, a
+    precomputed reference under DDP."""
+    args = {name: ["train", *overrides(task, name, *EXTRA, *extra), "--no-progress", "--json"]
+            for name, extra in RUNS.items()}
+    one = run_here(args["one"], args["lora_one"], args["pre_one"])
+    proc = run_prefpack(args["ddp"], args["fsdp2"], args["lora_ddp"], args["pre_ddp"], nproc=2, timeout=300)
+    return {"one": json.loads(one[0]), "printed": [json.loads(x) for x in proc.stdout.splitlines()],
             "stderr": proc.stderr}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_ranks_write_the_rounds_of_one_process(launch, task, strategy):  # noqa: F811
-    from safetensors.torch import load_file
-
-    one, two = task / "one", task / strategy
+def assert_round_files_equal(one, two, names) -> None:
     for r in ("001", "002"):
-        for name in FILES:
+        for name in names:
             a, b = one / "rounds" / r / name, two / "rounds" / r / name
             # a meta names its policy's folder: round 2's is in the run's own folder
             assert a.read_bytes().replace(bytes(one), bytes(two)) == b.read_bytes(), f"round {r}: {name}"
         assert not list((two / "rounds" / r).glob("*.rank-*"))  # the ranks' parts merged and removed
-    a = load_file(str(one / "rounds" / "002" / "train" / "final" / "model.safetensors"))
-    b = load_file(str(two / "rounds" / "002" / "train" / "final" / "model.safetensors"))
+
+
+def assert_weights_close(a_path, b_path) -> None:
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(a_path)), load_file(str(b_path))
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_ranks_write_the_rounds_of_one_process(launch, task, strategy):  # noqa: F811
+    one, two = task / "one", task / strategy
+    assert_round_files_equal(one, two, FILES)
+    final = ("rounds", "002", "train", "final", "model.safetensors")
+    assert_weights_close(one.joinpath(*final), two.joinpath(*final))
     # rank 0 alone logs and prints: one round line per round, one summary per run
     lines = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
     assert [x["round"] for x in lines if x["split"] == "round"] == [0, 1]
-    assert [m["run_dir"] for m in launch["printed"]] == [str(task / "ddp"), str(task / "fsdp2")]
+    assert [m["run_dir"] for m in launch["printed"]] == [str(task / x) for x in ("ddp", "fsdp2", "lora_ddp", "pre_ddp")]
     assert [m["reward/mean"] for m in launch["printed"][0]["rounds"]] == \
         [m["reward/mean"] for m in launch["one"]["rounds"]]
+
+
+def train_losses(run_dir) -> list[float]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [x["loss"] for x in lines if x["split"] == "train"]
+
+
+def test_lora_rounds_under_ddp_are_those_of_one_process(launch, task):  # noqa: F811
+    """Each rank samples base + the last round's adapter and trains the adapter: the same samples and pair stores,
+    both rounds' adapters and the merged final model to float32 rounding."""
+    one, two = task / "lora_one", task / "lora_ddp"
+    assert_round_files_equal(one, two, FILES[:2] + FILES[4:])
+    # round 2 sampled base + round 1's adapter (its meta names them)
+    assert str(two / "rounds" / "001" / "train" / "final" / "adapter") in \
+        (two / "rounds" / "002" / "samples.meta.json").read_text()
+    for r in ("001", "002"):
+        adapter = ("rounds", r, "train", "final", "adapter", "adapter_model.safetensors")
+        assert_weights_close(one.joinpath(*adapter), two.joinpath(*adapter))
+    final = ("rounds", "002", "train", "final", "model.safetensors")  # the merged model beside the adapter
+    assert_weights_close(one.joinpath(*final), two.joinpath(*final))
+    assert train_losses(two) == pytest.approx(train_losses(one), abs=1e-5) and len(train_losses(two)) == 2
+
+
+def test_a_precomputed_reference_under_ddp_is_that_of_one_process(launch, task):  # noqa: F811
+    """Rank 0 computes each round's sidecar (round 2's with round 1's final model, of its own run) while the other
+    waits; every rank trains on it: the same stores and sidecars, the same losses and final weights."""
+    from safetensors import safe_open
+
+    one, two = task / "pre_one", task / "pre_ddp"
+    assert_round_files_equal(one, two, FILES[:2] + FILES[4:])
+    for r, reference in (("001", task / "init"), ("002", two / "rounds" / "001" / "train" / "final")):
+        (a,), (b,) = ((run / "rounds" / r / "store").glob("ref_logps*.safetensors") for run in (one, two))
+        with safe_open(str(a), "np") as fa, safe_open(str(b), "np") as fb:
+            assert fb.metadata()["reference"] == str(reference)
+            assert np.isfinite(fb.get_tensor("logps")).all()
+            np.testing.assert_allclose(fa.get_tensor("logps"), fb.get_tensor("logps"), atol=ATOL, rtol=0)
+    losses = train_losses(two)
+    assert len(losses) == 2 and losses[1] == pytest.approx(math.log(2), abs=1e-6)  # round 2 starts at its reference
+    assert losses == pytest.approx(train_losses(one), abs=1e-5)
+    final = ("rounds", "002", "train", "final", "model.safetensors")
+    assert_weights_close(one.joinpath(*final), two.joinpath(*final))
 
 
 def test_ranks_parts_merge_into_the_samples_of_one_process(task, tmp_path, one_thread):  # noqa: F811
