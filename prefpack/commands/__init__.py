@@ -81,7 +81,7 @@ def run_train(args, argv) -> int:
         if args.allow_config_change and _is_main_rank():
             accept_changes_from_newest_checkpoint(cfg, log=_err)
         result = train(cfg, resume=args.resume, log=_err, progress=not args.no_progress,
-                       stop_after_steps=args.stop_after_steps)
+                       stop_after_steps=args.stop_after_steps, allow_plan_change=args.allow_config_change)
     except TrainingInterrupted as stop:
         if _is_main_rank():
             _err(f"{stop}; continue with --resume")

@@ -35,6 +35,7 @@ from prefpack.training.checkpoint import (
 from prefpack.training.evaluation import evaluate, reduce_totals
 from prefpack.training.feed import total_steps
 from prefpack.training.guards import NonFiniteError, NonFiniteSteps, StopSignal, check_finite_weights
+from prefpack.training.plan_check import PLAN_KEY, check_plan, plan_signature
 from prefpack.training.setup import build, check_trainable, open_run_dir, save_run_config
 
 __all__ = ["TrainResult", "lr_lambda", "total_steps", "train", "warmup_steps"]
@@ -98,21 +99,24 @@ class TrainResult:
 
 
 def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log=print,
-          progress: bool = True, schedule_span: tuple[int, int] | None = None) -> TrainResult:
+          progress: bool = True, schedule_span: tuple[int, int] | None = None,
+          allow_plan_change: bool = False) -> TrainResult:
     """Train as the config says; returns where things were written and the last metrics.
 
     Under torchrun every rank runs this; only rank 0 prints, logs, plots and writes the final model.
     ``schedule_span`` = (steps before this run, steps of the whole schedule): this run is one part of a longer
     learning-rate schedule (an on-policy round: ``prefpack.rounds``); None = the schedule spans this run's steps.
+    ``allow_plan_change`` (--allow-config-change): resume even where the checkpoint's plan differs from this one.
     """
     check_trainable(cfg)
     parallel = start_parallel(cfg.train.device, cfg.distributed.sequence_parallel, balance=cfg.distributed.balance)
     return _train(cfg, parallel, resume=resume, stop_after_steps=stop_after_steps, log=log, progress=progress,
-                  schedule_span=schedule_span)
+                  schedule_span=schedule_span, allow_plan_change=allow_plan_change)
 
 
 def _train(cfg, parallel: Parallel, *, resume: bool, stop_after_steps: int | None, log,
-           progress: bool, schedule_span: tuple[int, int] | None = None) -> TrainResult:
+           progress: bool, schedule_span: tuple[int, int] | None = None,
+           allow_plan_change: bool = False) -> TrainResult:
     from prefpack.metrics import MetricsLogger
 
     ctx = parallel.dist
@@ -144,8 +148,9 @@ def _train(cfg, parallel: Parallel, *, resume: bool, stop_after_steps: int | Non
     parts = Checkpointed(policy, module, optimizer, scheduler, reference=reference.model,
                          reference_module=reference.module if copied else None)
     start = 0
+    plan = plan_signature(feed)  # each checkpoint records it; a resume compares it (plan_check)
     if resume:
-        state, start = _resume(run_dir, parts, n_steps, metrics, ctx, log)
+        state, start = _resume(run_dir, parts, n_steps, metrics, ctx, log, plan, allow_plan_change)
         feed.load_state_dict(state)  # what the objective carries across steps (bco_pair_running's mean)
 
     def run_eval() -> dict[str, float]:
@@ -162,7 +167,7 @@ def _train(cfg, parallel: Parallel, *, resume: bool, stop_after_steps: int | Non
         log(line)
     synced = cfg.reference.sync and copied  # TR-DPO: the reference moves, checkpoints keep it
     cadence = Cadence(cfg.run, n_steps, metrics, ctx, evaluate=run_eval if feed.eval_tasks else None,
-                      save=lambda done: save_checkpoint(run_dir, done, parts, feed.state_dict(),
+                      save=lambda done: save_checkpoint(run_dir, done, parts, _trainer_state(feed, plan),
                                                         cfg.run.keep_checkpoints, ctx, with_reference=synced),
                       stop_after_steps=stop_after_steps, log=log)
     eval_before = cadence.begin(start, progress=progress)
@@ -247,9 +252,15 @@ def _train(cfg, parallel: Parallel, *, resume: bool, stop_after_steps: int | Non
                        plotted=plotted)
 
 
-def _resume(run_dir: Path, parts: Checkpointed, n_steps: int, metrics, ctx: Dist, log) -> tuple[dict[str, Any], int]:
+def _trainer_state(feed, plan: dict | None) -> dict[str, Any]:
+    """What a checkpoint's trainer_state.json holds besides the step: the objective's state and the run's plan."""
+    return {**feed.state_dict(), PLAN_KEY: plan} if plan is not None else feed.state_dict()
+
+
+def _resume(run_dir: Path, parts: Checkpointed, n_steps: int, metrics, ctx: Dist, log, plan: dict | None = None,
+            allow_plan_change: bool = False) -> tuple[dict[str, Any], int]:
     """(trainer state, first step) from the newest intact checkpoint, with the metrics logged after that step
-    dropped; ({}, 0) when there is none."""
+    dropped; ({}, 0) when there is none. A checkpoint whose plan differs from ``plan`` is refused (plan_check)."""
     from prefpack.training.checkpoint import resume_from_checkpoints
 
     if latest_checkpoint(run_dir) is None:
@@ -258,6 +269,7 @@ def _resume(run_dir: Path, parts: Checkpointed, n_steps: int, metrics, ctx: Dist
     # the newest checkpoint that matches its checksums and loads; damaged ones are reported and set aside
     ckpt, state = resume_from_checkpoints(run_dir, lambda path: load_checkpoint(path, parts, ctx), ctx=ctx, log=log)
     start = int(state.pop("step"))
+    check_plan(state.pop(PLAN_KEY, None), plan, ckpt, allow_change=allow_plan_change, log=log)
     if start > n_steps:
         raise ModelError(f"{ckpt} is at step {start}, past this config's {n_steps} steps (train.max_steps / "
                          "train.epochs); its final model would not be the one this config asks for")
