@@ -231,3 +231,24 @@ def test_inspect_refuses_a_store_tokenizer_naming_code_and_has_the_switch(assets
     inspect_store(str(store), row=0, trust_remote_code=True)
     assert [k.get("trust_remote_code") for k in calls.kwargs] == [True]
     assert not marker.exists()
+
+
+def test_an_adapter_name_that_is_no_local_folder_is_refused_before_peft_looks_anywhere(tmp_path, monkeypatch):
+    """`lora.adapter` and `generate --adapter` read only a local adapter folder: a hub-style name or a folder without
+    adapter_config.json is one line, and peft (which would try the hub) is never called."""
+    import peft
+    import torch
+
+    from prefpack.engine.lora import continued_adapter
+    from prefpack.errors import PrefpackError
+    from prefpack.generation.hf_engine import _with_adapter
+
+    def never(*args, **kwargs):
+        raise AssertionError("peft was asked to load")
+
+    monkeypatch.setattr(peft.PeftModel, "from_pretrained", never)
+    model = torch.nn.Linear(2, 2)
+    for name in ("someone/adapter", str(tmp_path)):
+        for load in (continued_adapter, _with_adapter):
+            with pytest.raises(PrefpackError, match="adapter_config.json"):
+                load(model, name)
