@@ -173,32 +173,35 @@ def test_resume_after_a_kill_in_each_phase_equals_the_uninterrupted_run(straight
     where = ["round 1 of 2 (%s) stopped while sampling its prompts: 8 prompts are sampled",
              "round 1 of 2 (%s) stopped while scoring its samples: 8 rows are scored",
              "round 2 of 2 (%s) stopped while sampling its prompts: 4 prompts are sampled",
-             "round 2 of 2 (%s) stopped in training; its last checkpoint is step 3"]
+             "round 2 of 2 (%s) stopped in training; the run's last checkpoint is step 12"]
     for k, stop in enumerate(stops):
         with pytest.raises(RoundsInterrupted):
             run_rounds(config(task, "resumed"), resume=k > 0, log=quiet, progress=False, stop_at=stop)
         assert where_stopped(config(task, "resumed")).startswith(where[k] % (run / "rounds" / f"{stop[0] + 1:03d}"))
-    # SIGTERM in round 2's training, through the command line: a checkpoint of that step in the round's own folder,
-    # and the printed command (`prefpack train ... --resume`) continues the run to the uninterrupted run's end
+    # SIGTERM in round 2's training, through the command line: a checkpoint of that step in the run's folder (rounds
+    # in one process count steps from round 1's first), and the printed command (`prefpack train ... --resume`)
+    # continues the run to the uninterrupted run's end
     after_step = Cadence.after_step
 
     def terminate_at_step_6(self, done, last):
         after_step(self, done, last)
-        if done == 6:
+        if done == STEPS + 6:
             os.kill(os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(Cadence, "after_step", terminate_at_step_6)
     capsys.readouterr()
     assert main(["train", *overrides(task, "resumed"), "--resume", "--no-progress"]) == 128 + signal.SIGTERM
     hint = capsys.readouterr().err.strip().splitlines()
-    checkpoint = run / "rounds" / "002" / "train" / "checkpoints" / "step-00000006"
-    assert hint[-2].startswith("prefpack train: terminated by signal 15 after step 6 of round 2; round 2 of 2")
-    assert hint[-2].endswith(f"its last checkpoint is step 6 ({checkpoint}); continue with:") and checkpoint.is_dir()
+    checkpoint = run / "checkpoints" / f"step-{STEPS + 6:08d}"
+    assert hint[-2].startswith(f"prefpack train: terminated by signal 15 after step {STEPS + 6} of round 2; round 2 "
+                               "of 2")
+    assert hint[-2].endswith(f"last checkpoint is step {STEPS + 6} ({checkpoint}); continue with:")
+    assert checkpoint.is_dir()
     command = shlex.split(hint[-1])
     assert command[:2] == ["prefpack", "train"] and "--resume" in command
     monkeypatch.setattr(Cadence, "after_step", after_step)
     assert main(["train", *command[2:]]) == 0
-    assert f"resumed from {checkpoint} at step 6" in capsys.readouterr().err
+    assert f"resumed from {checkpoint} at step {STEPS + 6}" in capsys.readouterr().err
     result = run_rounds(config(task, "resumed"), resume=True, log=quiet, progress=False)  # every round done: read back
     for r in ("001", "002"):
         for name in ("samples.jsonl", "store/tokens.bin", "store/index.bin"):  # meta.json names its own paths

@@ -106,12 +106,14 @@ def test_reference_combinations_that_cannot_be_right_are_refused(task, extra, wo
 
 def test_precomputed_round_start_reference_gives_the_copied_references_losses(task, one_thread):  # noqa: F811
     """All weights trained, rounds.reference round_start: round 2's sidecar is computed with round 1's final model,
-    and every loss equals the run holding that model as a frozen copy."""
+    and every loss equals the run holding that model as a frozen copy (in one process, with a fresh optimizer each
+    round: the precomputed round_start reference runs each round as its own training, which starts one)."""
     losses = {}
     for mode in ("copy", "precomputed"):
         run = f"full_{mode}"
         run_rounds(load_config(None, overrides(task, run, f"reference.mode={mode}", "rounds.reference=round_start",
-                                               "rounds.steps_per_round=2", "rounds.eval_prompts=null")),
+                                               "rounds.steps_per_round=2", "rounds.eval_prompts=null",
+                                               "rounds.optimizer=reset")),
                    log=quiet, progress=False)
         losses[mode] = train_losses(task / run)
     assert len(losses["copy"]) == 4 and losses["copy"][2] == pytest.approx(math.log(2), abs=1e-6)

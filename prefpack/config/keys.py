@@ -97,6 +97,10 @@ def suggest_key(key: str, section: str, names: list[str]) -> str | None:
     if alias in names:
         return join_key(section, alias)
     in_section = "[" not in section  # inside list items (loss.terms[0]) other sections make no sense
+    if not section:  # a misspelt section (optimizer.lr) before a leaf of that name elsewhere (rounds.optimizer)
+        close = difflib.get_close_matches(norm, names, n=1, cutoff=0.7)
+        if close:
+            return close[0]
     elsewhere = [p for p in _all_paths() if p.rsplit(".", 1)[-1] in (norm, alias)] if in_section else []
     if elsewhere:
         return elsewhere[0]

@@ -260,6 +260,7 @@ class DistributedConfig:
 RoundsEngine = Literal["transformers", "vllm"]
 PairMode = Literal["best_vs_worst", "best_vs_rest", "all_pairs"]  # rewards.pairs.PAIR_MODES
 RoundsReference = Literal["initial", "round_start"]
+RoundsOptimizer = Literal["keep", "reset"]
 
 
 @dataclass
@@ -294,6 +295,13 @@ class RoundsConfig:
     min_gap: float = _f(0.0, "a pair's least score gap; a prompt left with no pair (a tie) is skipped and counted")
     steps_per_round: int = _f(10, "optimizer steps each round; the learning-rate schedule spans count x "
                               "steps_per_round")
+    optimizer: RoundsOptimizer = _f("keep", "keep = one optimizer over every round (its moments carry on, as the "
+                                    "learning-rate schedule does); reset = a fresh optimizer state at each round's "
+                                    "start (RLHFlow's iterative DPO)")
+    in_process: bool = _f(True, "true = every round in one training process (the policy loaded once, sampled in "
+                          "memory, one optimizer); false = each round a whole training run (the policy saved and read "
+                          "back, a fresh optimizer, a vLLM server started per round): what vLLM, FSDP2 and a "
+                          "precomputed round_start reference still run as")
     reference: RoundsReference = _f("initial", "the reference of every round: initial = the initial policy "
                                     "(reference.model when set), round_start = the policy at the round's start")
 

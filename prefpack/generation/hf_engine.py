@@ -1,5 +1,7 @@
 """The in-process engine: transformers' ``generate`` on batches of left-padded prompts, ``num_return_sequences`` =
-n, on CPU or GPU; the default. It also takes a model already in memory (the rounds driver's policy).
+n, on CPU or GPU; the default. It also takes a model already in memory: :meth:`TransformersEngine.of_policy`, the
+training policy of in-process rounds, sampled in eval mode with sdpa attention (the kernel a loaded folder samples
+with) and put back as it was after each call.
 
 Sampling draws from torch's global generator, seeded per batch from ``(seed, first row of the batch)`` inside
 ``fork_rng`` (the caller's random state is left as it was): the same seed and batch size give the same samples;
@@ -9,6 +11,7 @@ another batch size gives other (equally valid) samples, since a batch's prompts 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -62,6 +65,18 @@ class TransformersEngine:
         return cls(model.eval(), pad_id=pad_id, batch_size=batch_size,
                    source=path if not adapter else f"{path} + adapter {adapter}")
 
+    @classmethod
+    def of_policy(cls, model, *, pad_id: int, batch_size: int = DEFAULT_BATCH_PROMPTS,
+                  source: str | None = None) -> TransformersEngine:
+        """The training policy in memory (LoRA-wrapped or not), sampled as a saved copy of it loaded by
+        :meth:`load` would be: eval mode and sdpa attention during each call, its training mode and kernel put back
+        after (the caller gives weights already in the dtype a saved copy holds)."""
+        engine = cls(model, pad_id=pad_id, batch_size=batch_size, source=source)
+        engine.borrowed = True
+        return engine
+
+    borrowed = False  # a model the caller trains: its mode and attention kernel are put back after each call
+
     def describe(self) -> dict:
         return {"model": self.source, "batch_size": self.batch_prompts, "device": str(self.device),
                 "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch.")}
@@ -71,8 +86,9 @@ class TransformersEngine:
 
     def generate(self, jobs: Sequence[PromptJob], settings: SamplingSettings) -> list[list[Sample]]:
         out: list[list[Sample]] = []
-        for start in range(0, len(jobs), self.batch_prompts):
-            out.extend(self._batch(jobs[start:start + self.batch_prompts], settings))
+        with _sampling_mode(self.model) if self.borrowed else _as_is():
+            for start in range(0, len(jobs), self.batch_prompts):
+                out.extend(self._batch(jobs[start:start + self.batch_prompts], settings))
         return out
 
     def _batch(self, jobs: Sequence[PromptJob], s: SamplingSettings) -> list[list[Sample]]:
@@ -110,6 +126,30 @@ class TransformersEngine:
             holder.generation_config = own
         new = seqs[:, width:].tolist()
         return [[finish(new[i * s.n + k], s.stop_token_ids) for k in range(s.n)] for i in range(len(jobs))]
+
+
+@contextmanager
+def _as_is():
+    yield
+
+
+@contextmanager
+def _sampling_mode(model):
+    """A training model switched to sampling: eval mode (no dropout, no activation checkpointing) and sdpa attention
+    in every config that names a kernel (prefpack's packed kernels read packed position ids, not a padding mask)."""
+    configs = list({id(m.config): m.config for m in model.modules()
+                    if hasattr(getattr(m, "config", None), "_attn_implementation")}.values())  # each once
+    kernels = [c._attn_implementation for c in configs]
+    training = model.training
+    model.eval()
+    for c in configs:
+        c._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        for c, kernel in zip(configs, kernels):
+            c._attn_implementation = kernel
+        model.train(training)
 
 
 def _with_adapter(model, folder: str):

@@ -20,7 +20,15 @@ from prefpack.objectives.base import Objective, Planned, StepState, StepTotals
 from prefpack.objectives.settings import RunSettings
 from prefpack.reference import KeySpace, Reference, as_sequence_output
 
-__all__ = ["PairTask"]
+__all__ = ["PairTask", "pair_forward_options"]
+
+
+def pair_forward_options(settings: RunSettings) -> dict:
+    """The pair objectives' forward options from the run's settings alone (a feed whose stores are made during
+    training wraps the forward before its first store exists)."""
+    lo = settings.loss
+    return {"router_aux": bool(settings.router_aux_loss_coef), "pair_tails": lo.ld_alpha is not None,
+            "wpo": bool(lo.use_weighting), "entropy": True}
 
 
 class PairTask(Objective):
@@ -47,9 +55,7 @@ class PairTask(Objective):
     def forward_options(self) -> dict:
         """What the policy forward (``prefpack.model.forward.SequenceLogps``) must return besides the sums: the MoE aux
         loss, LD-DPO's tail sums, WPO's means. The reference forward needs only ``pair_tails``."""
-        lo = self.settings.loss
-        return {"router_aux": bool(self.router_aux_loss_coef), "pair_tails": lo.ld_alpha is not None,
-                "wpo": bool(lo.use_weighting), "entropy": True}
+        return pair_forward_options(self.settings)
 
     def __len__(self) -> int:
         return len(self.store)

@@ -16,83 +16,25 @@ rank trains (DDP or FSDP2, in the one process group of the run).
 
 from __future__ import annotations
 
-import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from prefpack.distributed import Dist
-from prefpack.errors import PrefpackError
-from prefpack.generation.run import GenerateReport, build_engine, prompt_source, sample_prompts, settings_of
-from prefpack.generation.shards import merge_parts, part_files, part_path
-from prefpack.rewards.output import NothingToWrite
-from prefpack.rewards.partial import partial_path
-from prefpack.rewards.run import ScoringInterrupted, score
 from prefpack.rounds import plan
-from prefpack.rounds.metrics import (
-    PHASES_FILE,
-    ROUND_FILE,
-    copy_training_lines,
-    drop_unfinished,
-    read_json,
-    record_phase,
-    round_metrics,
-    write_json,
+from prefpack.rounds.metrics import ROUND_FILE, copy_training_lines, drop_unfinished, read_json, record_phase
+from prefpack.rounds.phases import (  # noqa: F401 - the phases' names, imported from here by tests and callers
+    RoundsError,
+    RoundsInterrupted,
+    RoundsResult,
+    _eval_prompts,
+    _generate,
+    _open_run_dir,
+    _quiet,
+    _record,
+    _score,
 )
 from prefpack.rounds.ranks import Ranks
 from prefpack.rounds.reference import precompute_round_reference
-from prefpack.stop_signal import STOP_SIGNALS, StopSignal
 from prefpack.training.cadence import TrainingInterrupted
-
-
-class RoundsError(PrefpackError, ValueError):
-    """A round that cannot go on (every prompt's samples tie, a run folder that holds another run)."""
-
-
-class RoundsInterrupted(RuntimeError):
-    """Raised by the ``stop_at`` test hook: the run stops as a kill would in that phase, its files kept."""
-
-
-@dataclass
-class RoundsResult:
-    run_dir: Path
-    rounds: list[dict] = field(default_factory=list)  # each round's metrics line
-    final_dir: Path | None = None
-
-    def summary(self) -> str:
-        held_out = any("eval_reward/mean" in m for m in self.rounds)
-        lines = [f"{'round':>5} {'reward mean':>12} {'min':>8} {'max':>8} {'pairs':>6} {'tied':>5} {'cut':>5}"
-                 + (f" {'held-out reward':>16}" if held_out else "")]
-        for m in self.rounds:
-            lines.append(f"{m['round'] + 1:>5} {m['reward/mean']:>12.4f} {m['reward/min']:>8.3f} "
-                         f"{m['reward/max']:>8.3f} {m['pairs']:>6} {m['tied_prompts']:>5} {m['cut_samples']:>5}"
-                         + (f" {m.get('eval_reward/mean', float('nan')):>16.4f}" if held_out else ""))
-        lines.append(f"final model: {self.final_dir}   metrics: {self.run_dir / 'metrics.jsonl'}")
-        return "\n".join(lines)
-
-    def to_json(self) -> dict:
-        return {"run_dir": str(self.run_dir), "final_model": str(self.final_dir), "rounds": self.rounds}
-
-
-class _StopAfterCalls:
-    """An engine that raises ``RoundsInterrupted`` once it has answered ``calls`` generate calls (test hook)."""
-
-    def __init__(self, engine, calls: int):
-        self.engine, self.calls = engine, calls
-        self.name, self.batch_prompts = engine.name, engine.batch_prompts
-        self.batch_dependent = getattr(engine, "batch_dependent", True)
-
-    def generate(self, jobs, settings):
-        if self.calls <= 0:
-            raise RoundsInterrupted("stopped in generate")
-        self.calls -= 1
-        return self.engine.generate(jobs, settings)
-
-    def describe(self) -> dict:
-        return self.engine.describe()
-
-    def close(self) -> None:
-        self.engine.close()
 
 
 def run_rounds(cfg, *, resume: bool = False, log=print, progress: bool = True,
@@ -105,6 +47,11 @@ def run_rounds(cfg, *, resume: bool = False, log=print, progress: bool = True,
 
     check_trainable(cfg)
     plan.check_prompt_subset(cfg)
+    why = plan.why_restart(cfg)
+    if why is None:  # the default: every round in this one training process
+        from prefpack.rounds.live import run_in_process
+
+        return run_in_process(cfg, resume=resume, log=log, progress=progress, stop_at=stop_at)
     ranks = Ranks(init_from_env(cfg.train.device))  # train() finds the group joined: one group for the whole run
     if not ranks.is_main:
         log, progress = _quiet, False
@@ -121,6 +68,9 @@ def run_rounds(cfg, *, resume: bool = False, log=print, progress: bool = True,
                                                                      if dropped else ""))
 
     ranks.main_only("opening the run folder", open_run)
+    if not cfg.rounds.in_process or cfg.rounds.optimizer == "keep":
+        log(f"note: each round runs as a whole training run ({why}): the policy is read back from its saved folder "
+            "and each round starts a fresh optimizer")
     result = RoundsResult(run_dir)
     metrics = MetricsLogger.from_config(cfg, run_dir, resume=True, enabled=ranks.is_main)
     try:
@@ -154,10 +104,6 @@ def run_rounds(cfg, *, resume: bool = False, log=print, progress: bool = True,
         except Exception as exc:  # a missing plotting library must not fail finished rounds
             log(f"note: no curves.png ({exc})")
     return result
-
-
-def _quiet(*_args) -> None:
-    pass
 
 
 def _round(cfg, run_dir: Path, r: int, total: int, metrics, stop, log, progress: bool, ranks: Ranks) -> dict:
@@ -202,122 +148,3 @@ def _round(cfg, run_dir: Path, r: int, total: int, metrics, stop, log, progress:
     return read_json(folder / ROUND_FILE)
 
 
-def _record(metrics, r: int, step: int, samples: Path, scored: dict, eval_after: dict | None,
-            eval_scores: list[float] | None) -> None:
-    """The round's line, logged at the step its samples were drawn, then its ``round.json`` (last: the round is
-    done). ``scored``: the pair store's meta, or a tied round's ``no_pairs.json`` (its ``scoring`` and ``pairs``)."""
-    folder = samples.parent
-    line = round_metrics(r, read_json(samples.with_name("samples.meta.json")), scored, read_json(folder / PHASES_FILE),
-                         eval_after, eval_scores)
-    metrics.log(step, line, split="round")
-    write_json(folder / ROUND_FILE, line)
-
-
-def _score(cfg, r: int, samples: Path, store: Path, stop, log) -> None:
-    """The round's samples scored into its pair store (rank 0)."""
-    t0 = time.perf_counter()
-    opts = plan.score_options(cfg, samples, store, pairs=True)
-    if stop is not None and stop[0] == "score":
-        opts.stop_after_rows, opts.checkpoint_rows = stop[1], stop[1]
-    try:
-        score(opts, log=log)
-    except ScoringInterrupted as exc:
-        raise RoundsInterrupted(str(exc)) from None
-    except NothingToWrite as exc:
-        if r == 0:  # the reward is too sparse for the initial policy: no round could train
-            raise RoundsError(f"round {r + 1}: no preference pair to train on ({exc}); the policy's samples all tie "
-                              "under the scorer: sample more (rounds.samples_per_prompt, rounds.temperature) or use "
-                              "a finer reward") from None
-        # a later round: the policy has learned these prompts; record what was scored, train nothing this round
-        write_json(store.parent / plan.NO_PAIRS_FILE, {"scoring": exc.scoring, "pairs": exc.pairs})
-        shutil.rmtree(partial_path(store), ignore_errors=True)  # its scores are in the file above
-    record_phase(store.parent, "score", seconds=time.perf_counter() - t0)
-
-
-def _generate(cfg, run_dir: Path, r: int, prompts, samples: Path, phase: str, stop, log,
-              ranks: Ranks | None = None) -> None:
-    """The round's policy samples ``prompts`` into ``samples`` (continued when a killed run left part of it); under
-    torchrun the ranks share the transformers engine's chunks (merged by rank 0), and a vLLM server is rank 0's."""
-    ranks = ranks if ranks is not None else Ranks(Dist())  # one process
-    if read_json(samples.with_name(samples.name.removesuffix(".jsonl") + ".meta.json")).get("complete"):
-        return
-    t0 = time.perf_counter()
-    opts = plan.generate_options(cfg, run_dir, r, prompts=prompts, output=samples, held_out=phase == "eval_prompts")
-    what = f"sampling round {r + 1}'s {'held-out ' if phase == 'eval_prompts' else ''}prompts"
-    if ranks.world == 1 or opts.engine != "transformers":
-        def alone() -> None:
-            report = _sample(opts, samples, stop, phase, log)
-            for stale in part_files(samples):  # an earlier run's parts under torchrun: these rows are done
-                stale.unlink(missing_ok=True)
-            record_phase(samples.parent, phase, seconds=time.perf_counter() - t0, tokens=report.tokens)
-            log(report.summary())
-
-        ranks.main_only(what, alone)
-        return
-    rank, world = ranks.ctx.rank, ranks.world
-
-    def part() -> list[int]:  # this rank's chunks into its own part file
-        report = _sample(opts, part_path(samples, rank, world), stop, phase, log, shard=(rank, world))
-        return [report.tokens, report.written]
-
-    tokens, written = ranks.together(what, part, size=2)
-
-    def merge() -> None:
-        counts = merge_parts(samples, world, opts.batch_size)["counts"]
-        seconds = time.perf_counter() - t0
-        record_phase(samples.parent, phase, seconds=seconds, tokens=int(tokens))
-        log(GenerateReport(samples, counts["prompts"], int(written), counts["samples"], counts["truncated"],
-                           int(tokens), seconds).summary())
-
-    ranks.main_only(f"merging the ranks' samples of round {r + 1}", merge)
-
-
-def _sample(opts, output: Path, stop, phase: str, log, shard: tuple[int, int] = (0, 1)) -> GenerateReport:
-    source = prompt_source(opts)
-    settings = settings_of(opts, source)
-    with StopSignal(signums=STOP_SIGNALS) as signalled:  # SIGTERM / Ctrl-C: Terminated at a whole batch
-        engine = build_engine(opts, source, signalled)
-        if stop is not None and stop[0] == phase:
-            engine = _StopAfterCalls(engine, stop[1])
-        try:
-            return sample_prompts(source, engine, settings, output, log=log, stop=signalled, shard=shard)
-        finally:
-            engine.close()
-
-
-def _eval_prompts(cfg, run_dir: Path, r: int, stop, log, ranks: Ranks) -> list[float] | None:
-    """The held-out prompts sampled by the round's policy and scored (never trained on): their rewards (rank 0's;
-    None on the others)."""
-    import json
-
-    folder = plan.round_dir(run_dir, r)
-    samples, scored = folder / "eval_samples.jsonl", folder / "eval_scores.jsonl"
-    _generate(cfg, run_dir, r, cfg.rounds.eval_prompts, samples, "eval_prompts", stop, log, ranks)
-    if not scored.is_file():
-        ranks.main_only(f"scoring round {r + 1}'s held-out samples",
-                        lambda: score(plan.score_options(cfg, samples, scored, pairs=False), log=log))
-    if not ranks.is_main:
-        return None
-    with open(scored, encoding="utf-8") as fh:
-        return [s for line in fh if line.strip() for s in json.loads(line)["scores"]]
-
-
-def _open_run_dir(cfg, resume: bool) -> Path:
-    """RUN_DIR with the run's config.yaml; a folder that holds a run is continued only with --resume, and only with
-    the config it was started with."""
-    from prefpack.config import save_config
-    from prefpack.training.resume_check import config_unchanged
-
-    run_dir = Path(cfg.run.output_dir)
-    saved = run_dir / "config.yaml"
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not resume:
-            raise RoundsError(f"run folder {str(run_dir)!r} already holds a run; pass --resume to continue it or "
-                              "choose another run.output_dir")
-        if saved.is_file() and not config_unchanged(cfg, saved):
-            raise RoundsError(f"{saved}: the config differs from the one this run was started with; a resumed run "
-                              "takes the same config (its rounds' files were made with it)")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not saved.is_file():
-        save_config(cfg, saved)
-    return run_dir

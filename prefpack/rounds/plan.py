@@ -123,3 +123,21 @@ def train_config(cfg, run_dir: Path, r: int):
     if cfg.reference.mode in ("copy", "precomputed"):
         out.reference.model = reference_of(cfg, run_dir, r)
     return out
+
+
+def why_restart(cfg) -> str | None:
+    """Why the rounds cannot run in one training process (each round is then a whole training run, the policy read
+    back from its saved folder), in words; None: they run in one process (``prefpack.rounds.live``)."""
+    import os
+
+    rc = cfg.rounds
+    if not rc.in_process:
+        return "rounds.in_process=false"
+    if rc.engine == "vllm":
+        return "rounds.engine=vllm starts a server on each round's saved policy"
+    if cfg.reference.mode == "precomputed" and rc.reference == "round_start":
+        return ("reference.mode=precomputed with rounds.reference=round_start computes each round's sidecar from the "
+                "last round's saved model")
+    if cfg.distributed.strategy == "fsdp2" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return "FSDP2 shards the policy, which cannot sample in memory yet"
+    return None

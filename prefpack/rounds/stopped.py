@@ -1,6 +1,7 @@
 """Where a stopped rounds run stands, for the hint after Ctrl-C or SIGTERM: the round and phase it stopped in and what
-``--resume`` continues from there (the samples file, the scoring partial, or the round's newest training checkpoint
-in ``RUN_DIR/rounds/NNN/train/checkpoints``, not ``RUN_DIR/checkpoints``, which a rounds run never writes)."""
+``--resume`` continues from there (the samples file, the scoring partial, or the newest training checkpoint: the
+run's, ``RUN_DIR/checkpoints``, for rounds in one process; the round's, ``RUN_DIR/rounds/NNN/train/checkpoints``,
+for rounds run as separate trainings)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ def where_stopped(cfg) -> str:
         return f"{head} stopped while sampling and scoring its held-out prompts; resuming continues them"
     if tied:
         return f"{head} found every prompt's samples tied (nothing to train on); resuming records the round"
+    if plan.why_restart(cfg) is None:  # in one process: the run's checkpoints, steps counted from round 1's first
+        last = latest_checkpoint(run_dir)
+        if last is None:
+            return (f"{head} stopped in training before the run's first checkpoint (run.save_every="
+                    f"{cfg.run.save_every}), so resuming trains from step 0, the samples and stores kept")
+        return f"{head} stopped in training; the run's last checkpoint is step {checkpoint_step(last)} ({last})"
     train_dir = folder / "train"
     last = latest_checkpoint(train_dir)
     if last is None:

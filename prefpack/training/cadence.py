@@ -70,7 +70,9 @@ class Cadence:
     steps of the last metrics line (the run summary's "train" block)."""
 
     def __init__(self, run: Any, n_steps: int, metrics: Any, ctx: Dist, *, evaluate: Callable[[], dict] | None,
-                 save: Callable[[int], None], stop_after_steps: int | None = None, log: Callable[[str], None] = print):
+                 save: Callable[[int], None], stop_after_steps: int | None = None, log: Callable[[str], None] = print,
+                 boundary: Callable[[int], bool] | None = None,
+                 on_boundary: Callable[[int, dict | None], None] | None = None):
         self.log_every, self.eval_every, self.save_every = run.log_every, run.eval_every, run.save_every
         self.n_steps = n_steps
         self.metrics = metrics
@@ -78,6 +80,10 @@ class Cadence:
         self.evaluate = evaluate
         self.save = save
         self.stop_after_steps = stop_after_steps
+        # a feed's segment ends (a round's last step): an evaluation and a checkpoint there too, then the feed's own
+        # record of the segment (a resume from that checkpoint records it when the record is missing)
+        self.boundary = boundary or (lambda done: False)
+        self.on_boundary = on_boundary
         self.bar = None
         self.lines = False  # plain progress lines (stderr is not a terminal)
         self.clock: tuple[int, float] = (0, 0.0)  # (first step, its time), for the lines' time left
@@ -118,10 +124,14 @@ class Cadence:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(postfix(last))
-        if self.evaluate is not None and self._due(self.eval_every, done):
-            self._evaluate(done, f"at step {done}/{self.n_steps}")
-        if self._due(self.save_every, done):
+        ends = self.boundary(done) and done < self.n_steps  # the last step's is the run's end (finish)
+        evaluation = None
+        if self.evaluate is not None and (self._due(self.eval_every, done) or ends):
+            evaluation = self._evaluate(done, f"at step {done}/{self.n_steps}")
+        if self._due(self.save_every, done) or ends:
             self.save(done)
+        if ends and self.on_boundary is not None:  # after the checkpoint: a resume from it finds what to record
+            self.on_boundary(done, evaluation)
         if self.stop_after_steps is not None and done >= self.stop_after_steps and done < self.n_steps:
             self._close_bar()
             self.metrics.close(status="KILLED")
@@ -133,7 +143,7 @@ class Cadence:
         stop with :class:`TrainingTerminated`."""
         from prefpack.training.guards import TrainingTerminated
 
-        if not self._due(self.save_every, done):
+        if not (self._due(self.save_every, done) or self.boundary(done) and done < self.n_steps):
             self.save(done)
         self._close_bar()
         self.metrics.close(status="KILLED")
@@ -152,6 +162,8 @@ class Cadence:
         after = None
         if self.evaluate is not None:
             after = self._evaluate(self.n_steps, "after training")
+        if self.on_boundary is not None:  # the last step ends the last segment
+            self.on_boundary(self.n_steps, after)
         self.metrics.close()
         return after
 
@@ -176,7 +188,7 @@ class Cadence:
         """Evaluations after step ``done``: those due in the steps still to run, and the one after training."""
         if self.evaluate is None:
             return 0
-        due = sum(1 for k in range(done + 1, self.n_steps) if self._due(self.eval_every, k)) if self.eval_every else 0
+        due = sum(1 for k in range(done + 1, self.n_steps) if self._due(self.eval_every, k) or self.boundary(k))
         return due + 1
 
     def _eta(self, done: int) -> float | None:

@@ -4,7 +4,9 @@ examples and reads its step count for the learning-rate schedule; it never reads
 :class:`StoreFeed` is the feed of prepared stores: one store or a mixture (``data.train``), a seeded per-epoch
 schedule, ``train.max_steps`` / ``train.epochs`` steps. Its data position is a pure function of the step, so its
 state for resume is only what the objective carries across steps (BCO's running mean). A feed whose examples are
-made during training (on-policy samples) implements the same three calls, with ``num_steps`` None when unknown.
+made during training (on-policy rounds: ``prefpack.rounds.feed.RolloutFeed``) answers the same protocol: it makes
+a segment's examples at the segment's first step (the policy as the loop holds it then), asks for an evaluation and a
+checkpoint at each segment's end (``boundary``), and records the segment there (``after_boundary``).
 """
 
 from __future__ import annotations
@@ -42,21 +44,35 @@ __all__ = ["Feed", "FeedStep", "StoreFeed", "StoreSet", "check_lengths", "open_s
 
 @dataclass
 class FeedStep:
-    """One step's work: the objective, its examples, the step's seed key and where it stands in epochs."""
+    """One step's work: the objective, its examples, the step's seed key and where it stands in epochs;
+    ``metrics``: fields the feed adds to the step's metrics line (a round's number); ``reset_optimizer``: the
+    optimizer's state is cleared before this step (``rounds.optimizer: reset``)."""
 
     objective: Objective
     ids: np.ndarray
     key: StepKey
     epoch: float
+    metrics: dict[str, Any] = field(default_factory=dict)
+    reset_optimizer: bool = False
 
 
 class Feed(Protocol):
-    """What the loop trains on, step by step."""
+    """What the loop trains on, step by step: everything the loop reads of it."""
 
-    objective: Objective  # the train objective (its forward options decide what the forward returns)
-    num_steps: int | None  # None: not known at start (the schedule then runs by rounds)
+    num_steps: int  # the steps the loop runs and the learning-rate schedule spans (rounds: count x steps_per_round)
+    moves_reference: bool  # the feed changes a copied reference between steps: checkpoints keep it
+    reads_images: bool  # whether the next step's images are read ahead
+    eval_tasks: dict[str, Objective]  # data.eval's objectives by name (read at each evaluation)
 
-    def step(self, k: int) -> FeedStep: ...
+    def forward_options(self) -> dict: ...  # what the policy forward returns (read once, before the first step)
+
+    def begin(self, start: int, metrics) -> None: ...  # before step ``start`` (after a resume), with the run's logger
+
+    def step(self, k: int) -> FeedStep | None: ...  # None: no work at step k (its learning rate passes unused)
+
+    def boundary(self, done: int) -> bool: ...  # after step ``done``: evaluate and checkpoint (a segment ended)
+
+    def after_boundary(self, done: int, evaluation: dict | None) -> None: ...  # after that evaluation, before the save
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -79,15 +95,28 @@ class StoreFeed:
     seed: int
     settings: RunSettings
     eval_tasks: dict[str, Objective] = field(default_factory=dict)
+    moves_reference = False
 
     @property
     def reads_images(self) -> bool:
         return self.settings.vision is not None
 
+    def forward_options(self) -> dict:
+        return self.objective.forward_options()
+
+    def begin(self, start: int, metrics) -> None:
+        return None
+
     def step(self, k: int) -> FeedStep:
         epoch, ids = self.schedule.pairs_for_step(k)
         per_epoch = self.schedule.steps_per_epoch
         return FeedStep(self.objective, ids, StepKey(self.seed, k), epoch + (k % per_epoch + 1) / per_epoch)
+
+    def boundary(self, done: int) -> bool:
+        return False  # the run's cadence (run.eval_every, run.save_every) alone
+
+    def after_boundary(self, done: int, evaluation: dict | None) -> None:
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         return self.objective.state_dict()
@@ -110,11 +139,11 @@ class StoreSet:
                                                           for n, st in self.evals.items()]
 
 
-def open_stores(cfg, *, unpaired: bool) -> StoreSet:
-    """Every store of ``data.train`` (a mixture: several, each under its name) and ``data.eval``, opened for the
-    objective family (``unpaired``: the KTO family)."""
+def open_stores(cfg, *, unpaired: bool, train: bool = True) -> StoreSet:
+    """Every store of ``data.train`` (a mixture: several, each under its name; none with ``train=False``: a feed
+    that makes its own) and ``data.eval``, opened for the objective family (``unpaired``: the KTO family)."""
     opener = partial(open_store, unpaired=unpaired, paired_as_kto=cfg.data.paired_as_kto)
-    specs = train_sources(cfg.data.train)
+    specs = train_sources(cfg.data.train) if train else []
     train = [(spec.name, opener(spec.path, "train")) for spec in specs]
     evals = {name: opener(path, "eval") for name, path in eval_sources(cfg.data.eval).items()}
     stores = StoreSet(specs, train, evals)

@@ -23,7 +23,6 @@ from prefpack.engine import final_dtype, make_optimizer, wrap_forward
 from prefpack.model import ModelError, release_freed_memory
 from prefpack.objectives import StepTotals, release_images
 from prefpack.parallel import Parallel, start_parallel
-from prefpack.reference import sync_reference
 from prefpack.training.cadence import Cadence
 from prefpack.training.checkpoint import (
     Checkpointed,
@@ -117,8 +116,6 @@ def train(cfg, *, resume: bool = False, stop_after_steps: int | None = None, log
 def _train(cfg, parallel: Parallel, *, resume: bool, stop_after_steps: int | None, log,
            progress: bool, schedule_span: tuple[int, int] | None = None,
            allow_plan_change: bool = False) -> TrainResult:
-    from prefpack.metrics import MetricsLogger
-
     ctx = parallel.dist
     main = ctx.is_main
     if not main:
@@ -128,14 +125,58 @@ def _train(cfg, parallel: Parallel, *, resume: bool, stop_after_steps: int | Non
     setup = build(cfg, log=log, parallel=parallel)
     if main:
         save_run_config(cfg, run_dir, resume=resume)
+    run = run_steps(cfg, setup, run_dir, resume=resume, stop_after_steps=stop_after_steps, log=log,
+                    progress=progress, schedule_span=schedule_span, allow_plan_change=allow_plan_change)
+    engine = setup.engine
+    check_finite_weights(run.params, ctx)  # never a NaN model saved as the result
+    _free_training_state(run.optimizer, engine.reference, run.parts)
+    final_dir = save_final(run_dir, engine.policy, setup.tokenizer, module=run.module, ctx=ctx,
+                           strategy=cfg.distributed.strategy, dtype=final_dtype(cfg, engine.precision),
+                           image_processor_dir=setup.image_processor_dir)
+    plotted = bool(cfg.run.plot and main) and _plot(run_dir, log)
+    ctx.barrier()
+    n_steps = setup.feed.num_steps
+    return TrainResult(run_dir, n_steps, final_dir, run.eval_before, run.eval_after, run.last,
+                       interval=run.interval, steps_run=n_steps - run.start, seconds=time.perf_counter() - run.t0,
+                       tokens=run.tokens, plotted=plotted)
+
+
+@dataclass
+class StepsRun:
+    """What :func:`run_steps` leaves: the evaluations, the last metrics, and the training state the caller frees
+    (or saves from)."""
+
+    eval_before: dict[str, float] | None
+    eval_after: dict[str, float] | None
+    last: dict[str, float]
+    interval: tuple[int, int, dict[str, float]] | None
+    start: int
+    t0: float
+    tokens: float
+    params: list
+    optimizer: torch.optim.Optimizer
+    parts: Checkpointed
+    module: torch.nn.Module
+
+
+def run_steps(cfg, setup, run_dir: Path, *, resume: bool, stop_after_steps: int | None = None, log=print,
+              progress: bool = True, schedule_span: tuple[int, int] | None = None,
+              allow_plan_change: bool = False) -> StepsRun:
+    """The steps of ``setup.feed`` on ``setup.engine``'s weights, checkpointed into ``run_dir`` (resumed from its
+    newest checkpoint with ``resume``); metrics into ``run_dir/metrics.jsonl``. One optimizer and one learning-rate
+    schedule over the feed's ``num_steps`` (``schedule_span``: this run is a part of a longer schedule)."""
+    from prefpack.metrics import MetricsLogger
+    from prefpack.training.hooks import step_hooks
+
+    parallel = setup.parallel
+    ctx = parallel.dist
+    main = ctx.is_main
     engine, feed = setup.engine, setup.feed
     policy, reference = engine.policy, engine.reference
     policy.train()
-    strategy = cfg.distributed.strategy
-    module = wrap_forward(engine, feed.objective.forward_options())  # MoE aux loss, LD-DPO tails, WPO means
+    module = wrap_forward(engine, feed.forward_options())  # MoE aux loss, LD-DPO tails, WPO means
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg)
-    task = feed.objective
     n_steps = feed.num_steps
     offset, span = schedule_span or (0, n_steps)
     schedule = lr_lambda(cfg.optim.schedule, warmup_steps(cfg, span), span)
@@ -152,6 +193,7 @@ def _train(cfg, parallel: Parallel, *, resume: bool, stop_after_steps: int | Non
     if resume:
         state, start = _resume(run_dir, parts, n_steps, metrics, ctx, log, plan, allow_plan_change)
         feed.load_state_dict(state)  # what the objective carries across steps (bco_pair_running's mean)
+    feed.begin(start, metrics)  # a rollout feed makes its first segment's examples here, with the weights resumed
 
     def run_eval() -> dict[str, float]:
         out: dict[str, float] = {}
@@ -162,14 +204,17 @@ def _train(cfg, parallel: Parallel, *, resume: bool, stop_after_steps: int | Non
         return out
 
     if ctx.enabled:
-        log(f"{ctx.world} processes, strategy {strategy}, micro-batches dealt by {parallel.balance}")
+        log(f"{ctx.world} processes, strategy {cfg.distributed.strategy}, micro-batches dealt by {parallel.balance}")
     for line in parallel.describe():
         log(line)
     synced = cfg.reference.sync and copied  # TR-DPO: the reference moves, checkpoints keep it
+    hooks = step_hooks(cfg, engine, module)
     cadence = Cadence(cfg.run, n_steps, metrics, ctx, evaluate=run_eval if feed.eval_tasks else None,
                       save=lambda done: save_checkpoint(run_dir, done, parts, _trainer_state(feed, plan),
-                                                        cfg.run.keep_checkpoints, ctx, with_reference=synced),
-                      stop_after_steps=stop_after_steps, log=log)
+                                                        cfg.run.keep_checkpoints, ctx,
+                                                        with_reference=synced or feed.moves_reference),
+                      stop_after_steps=stop_after_steps, log=log, boundary=feed.boundary,
+                      on_boundary=feed.after_boundary)
     eval_before = cadence.begin(start, progress=progress)
     t_run, tokens_run = time.perf_counter(), 0.0
     last: dict[str, float] = {}
@@ -180,6 +225,11 @@ def _train(cfg, parallel: Parallel, *, resume: bool, stop_after_steps: int | Non
             t0 = time.perf_counter()
             with record_function("prefpack.plan_collate"):
                 work = feed.step(step)
+                if work is None:  # nothing to train at this step (a round whose samples all tied)
+                    scheduler.step()  # the learning rate of step k stays a function of k
+                    continue
+                if work.reset_optimizer:
+                    optimizer.state.clear()  # a fresh AdamW: what `rounds.optimizer: reset` asks at a round's start
                 task, ids = work.objective, work.ids
                 # a sequence group's ranks take the same share (each runs its token shards of it)
                 share = parallel.share(task, ids, seed=work.key)
@@ -228,28 +278,20 @@ def _train(cfg, parallel: Parallel, *, resume: bool, stop_after_steps: int | Non
                 scheduler.step()
             if update:
                 task.end_step(totals)  # running statistics from the step's sums over every rank
-            if synced and (step + 1) % cfg.reference.sync_steps == 0:  # TRL: global_step % ref_model_sync_steps == 0
-                sync_reference(policy, reference.model, cfg.reference.mixup_alpha,
-                               wrappers=(module, reference.module) if strategy == "fsdp2" and ctx.enabled else ())
+            for hook in hooks:  # TR-DPO's reference sync
+                hook.after_step(step + 1)
             dt = time.perf_counter() - t0
             last.update({"lr": lr, "grad_norm": grad_norm, "epoch": work.epoch, "tokens/s": totals.real_tokens / dt,
                          "pairs/s": units / dt, "tokens": totals.real_tokens, "positions": totals.positions,
-                         "scored": totals.scored, "skipped_steps": nonfinite.skipped})
+                         "scored": totals.scored, "skipped_steps": nonfinite.skipped, **work.metrics})
             tokens_run += totals.real_tokens
             cadence.after_step(step + 1, last)  # metrics line, bar, eval, checkpoint, stop: whatever is due
             if stop.due():  # SIGTERM: checkpoint this step, then stop (every rank here); after the last step too,
                 # so a run stopped before its final evaluation and model resumes to them instead of losing its steps
                 cadence.terminate(step + 1, stop.signum)
     eval_after = cadence.finish()
-    check_finite_weights(params, ctx)  # never a NaN model saved as the result
-    _free_training_state(optimizer, reference, parts)
-    final_dir = save_final(run_dir, policy, setup.tokenizer, module=module, ctx=ctx, strategy=strategy,
-                           dtype=final_dtype(cfg, engine.precision), image_processor_dir=setup.image_processor_dir)
-    plotted = bool(cfg.run.plot and main) and _plot(run_dir, log)
-    ctx.barrier()
-    return TrainResult(run_dir, n_steps, final_dir, eval_before, eval_after, last, interval=cadence.interval,
-                       steps_run=n_steps - start, seconds=time.perf_counter() - t_run, tokens=tokens_run,
-                       plotted=plotted)
+    return StepsRun(eval_before, eval_after, last, cadence.interval, start, t_run, tokens_run, params, optimizer,
+                    parts, module)
 
 
 def _trainer_state(feed, plan: dict | None) -> dict[str, Any]:

@@ -3,6 +3,7 @@ held by an :class:`prefpack.engine.Engine` and what each step trains on by a :cl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,7 +121,7 @@ class Setup:
     complete checkpoint)."""
 
     engine: Engine
-    feed: StoreFeed
+    feed: StoreFeed  # or any Feed (prefpack.training.feed)
     parallel: Parallel
     tokenizer: TokenizerHandle
     pad_id: int
@@ -159,20 +160,21 @@ class Setup:
 
 
 def build(cfg, *, log=print, parallel: Parallel | None = None, check_sidecar_reference: bool = True,
-          training: bool = True) -> Setup:
+          training: bool = True, make_feed: Callable[..., Any] | None = None) -> Setup:
     """Open the stores, hold the weights, and lay out what each step trains on, with every check up front.
 
     ``parallel``: the rank layout (default one process on ``train.device``). ``check_sidecar_reference=False``
     (``prefpack eval``): a precomputed reference is taken as the reference whatever model it was computed with;
     training checks it was computed with its reference weights. ``training=False``: the weights are only scored
-    (no gradients nor optimizer state in the memory estimate)."""
+    (no gradients nor optimizer state in the memory estimate). ``make_feed(cfg, stores, engine, pad_id=, tokenizer=,
+    log=)``: a feed whose train stores are made during training (on-policy rounds); ``data.train`` is then not read."""
     if not cfg.model.name_or_path:
         raise ModelError("model.name_or_path is required (a local model folder or a hub id)")
-    if not cfg.data.train:
+    if not cfg.data.train and make_feed is None:
         raise StoreError("data.train is required (a store written by prefpack prepare)")
     check_model_source(cfg.model.name_or_path, "model.name_or_path")  # one line now, not hub retries later
     unpaired = uses_unpaired_loss(cfg)  # the KTO family (the objective registry decides)
-    stores = open_stores(cfg, unpaired=unpaired)
+    stores = open_stores(cfg, unpaired=unpaired, train=make_feed is None)
     if parallel is None:
         parallel = ONE_PROCESS
         device = pick_device(cfg.train.device)
@@ -199,9 +201,12 @@ def build(cfg, *, log=print, parallel: Parallel | None = None, check_sidecar_ref
     tokenizer = TokenizerHandle.of(tok, trust_remote_code=cfg.model.trust_remote_code)
     del tok  # loaded again to be saved with the final model; training needs only the ids
     release_freed_memory()
-    feed = store_feed(cfg, stores, engine, pad_id=pad_id, log=log)
+    if make_feed is None:
+        feed = store_feed(cfg, stores, engine, pad_id=pad_id, log=log)
+    else:
+        feed = make_feed(cfg, stores, engine, pad_id=pad_id, tokenizer=tokenizer, log=log)
     # a kernel, head count, vision model or loss the sequence groups cannot shard, refused before any step
-    check_model(engine.policy, parallel.seq, router_aux=bool(feed.objective.forward_options().get("router_aux")))
+    check_model(engine.policy, parallel.seq, router_aux=bool(feed.forward_options().get("router_aux")))
     if engine.reference.model is not None:
         check_model(engine.reference.model, parallel.seq)
     processor_dir = next((st.path / "processor" for _, st in stores.every() if st.num_images), None)
@@ -211,6 +216,16 @@ def build(cfg, *, log=print, parallel: Parallel | None = None, check_sidecar_ref
 def _tokenizer(cfg, stores: StoreSet):
     """The run's tokenizer (the model's, checked against the train store's; or the one named), and every other
     store prepared with it."""
+    if not stores.train:  # stores made during training (rounds): the model's tokenizer, or the one named
+        from prefpack.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path,
+                             trust_remote_code=cfg.model.trust_remote_code)
+        for name, store in stores.evals.items():
+            if not cfg.model.allow_tokenizer_mismatch and not tokenizer_matches(tok, store.meta["tokenizer"]):
+                raise StoreError(f"data.eval{'.' + name if name else ''}: eval store {str(store.path)!r} was prepared "
+                                 "with another tokenizer than the model's")
+        return tok
     train_store = stores.train[0][1]
     tok = resolve_tokenizer(cfg.model.name_or_path, train_store.meta, train_store.tokenizer_path(),
                             tokenizer=cfg.model.tokenizer, allow_mismatch=cfg.model.allow_tokenizer_mismatch,

@@ -25,13 +25,15 @@ from prefpack.training.checkpoint.files import _MARGIN, _discard, _disown, _own,
 
 def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module | None = None,
                ctx: Dist = SINGLE, strategy: str = "ddp", dtype: torch.dtype | None = None,
-               image_processor_dir: Path | None = None) -> Path | None:
+               image_processor_dir: Path | None = None, keep_policy: bool = False) -> Path | None:
     """`save_pretrained` the trained model (LoRA merged into it) and the tokenizer, atomically, on rank 0; a
     vision-language run also saves its image processor's settings (``image_processor_dir``: an image store's
     ``processor/``), so the folder loads as a whole checkpoint (AutoProcessor, prepare --processor).
 
     Under FSDP2 the shards are first gathered into one full state dict (every rank takes part). A failed write
     (full disk) removes the temporary folder and raises `CheckpointWriteError` after the other ranks are released.
+    ``keep_policy``: the policy trains on after the save (an on-policy round's model): LoRA is merged into a copy and
+    the cast to ``dtype`` is made on a copy, never on the policy itself.
     """
     run_dir = Path(run_dir)
     full_state = None
@@ -58,8 +60,8 @@ def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module
             model = policy
             if hasattr(policy, "merge_and_unload"):  # LoRA; under FSDP2 from the gathered state (rank 0's is sharded)
                 policy.save_pretrained(tmp / "adapter", **({} if full_state is None else {"state_dict": full_state}))
-                model = merged_dequantized(policy, full_state) if full_state is not None or is_four_bit(policy) \
-                    else policy.merge_and_unload()
+                copied = full_state is not None or is_four_bit(policy) or keep_policy
+                model = merged_dequantized(policy, full_state) if copied else policy.merge_and_unload()
             elif full_state is not None:
                 from transformers import (
                     AutoModelForCausalLM,
@@ -72,6 +74,10 @@ def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module
                 model = auto.from_config(policy.config)
                 model.load_state_dict(full_state)
             if dtype is not None:  # run.save_dtype: cast after merging LoRA, so the merge happens in full precision
+                if keep_policy and model is policy and any(p.dtype != dtype for p in model.parameters()):
+                    import copy
+
+                    model = copy.deepcopy(model)  # Module.to casts in place: the training policy stays as it is
                 model = model.to(dtype)
             model.save_pretrained(tmp)
             try:
