@@ -80,7 +80,7 @@ def one_round(root: Path, k: int, args) -> dict:
     folder = run / "rounds" / "001"
     phases = json.loads((folder / "phases.json").read_text())
     line = result.rounds[0]
-    train_lines = [x for x in read_metrics(folder / "train" / "metrics.jsonl") if x.get("split") == "train"]
+    train_lines = [x for x in read_metrics(run / "metrics.jsonl") if x.get("split") == "train"]  # the one round's
     sample_tokens = 0
     with open(folder / "samples.jsonl", encoding="utf-8") as fh:
         for row in map(json.loads, fh):
