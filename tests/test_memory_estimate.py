@@ -173,7 +173,7 @@ def test_cpu_offload_loads_the_weights_into_host_memory(monkeypatch):
     loads = []
     monkeypatch.setattr(model_pkg, "load_causal_lm", lambda path, **kw: loads.append(kw["device"]))
     cfg = SimpleNamespace(distributed=SimpleNamespace(cpu_offload=True), data=SimpleNamespace(packing=True),
-                          model=SimpleNamespace(trust_remote_code=False), train=SimpleNamespace(objective="dpo"))
+                          model=SimpleNamespace(trust_remote_code=False), train=SimpleNamespace(objective="preference"))
     parallel = SimpleNamespace(dist=SimpleNamespace(enabled=True))
     engine = Engine(cfg, parallel, CUDA, precision=Precision(torch.float32, torch.bfloat16), attn="varlen")
     OffloadStage().apply(engine, log=lambda m: None)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from prefpack.config.mixture import mixture_problems, mixture_warnings
 from prefpack.model.attention.kernels import KERNELS, kernel_named
+from prefpack.objectives.names import OBJECTIVE_NAMES, TRAIN_OBJECTIVES
 
 if TYPE_CHECKING:
     from prefpack.config.schema import Config
@@ -34,25 +35,31 @@ def warnings(cfg: Config) -> list[str]:
     return out
 
 
-def _reward_problems(cfg: Config, errs: list[str]) -> None:
-    """``train.objective=reward`` (docs/reward-models.md): what a reward model does not combine with."""
+def _objective_problems(cfg: Config, errs: list[str]) -> None:
+    """``train.objective`` (its row of ``objectives/names.py``; a reward model: docs/reward-models.md): what the
+    objective does not combine with."""
     coef = cfg.loss.center_rewards_coefficient
     if coef is not None and not (math.isfinite(coef) and coef >= 0):
         errs.append(f"loss.center_rewards_coefficient must be finite and >= 0 (or null = off), got {coef}")
-    if cfg.train.objective != "reward":
-        if coef is not None:
-            errs.append("loss.center_rewards_coefficient is read by reward models only; set train.objective=reward "
-                        "or remove it")
+    name = cfg.train.objective
+    o = TRAIN_OBJECTIVES.get(name)
+    if o is None:
+        errs.append(f"train.objective must be one of {', '.join(OBJECTIVE_NAMES)}, got {name!r}")
         return
-    if cfg.data.paired_as_kto or any(t.name in ("kto", "apo_zero_unpaired") for t in cfg.loss.terms):
-        errs.append("train.objective=reward trains on pairs and rankings (Bradley-Terry), not KTO examples; remove "
+    if coef is not None and not o.sequence_classifier:
+        scored = " or ".join(n for n, t in TRAIN_OBJECTIVES.items() if t.sequence_classifier)
+        errs.append(f"loss.center_rewards_coefficient is read by reward models only; set train.objective={scored} "
+                    "or remove it")
+    if o.row("unpaired") is None and (cfg.data.paired_as_kto or any(t.name in ("kto", "apo_zero_unpaired")
+                                                                      for t in cfg.loss.terms)):
+        errs.append(f"train.objective={name} trains on pairs and rankings, not KTO examples; remove "
                     "data.paired_as_kto and the unpaired loss terms")
-    if cfg.distributed.sequence_parallel > 1:
-        errs.append("train.objective=reward does not run on token shards yet; set distributed.sequence_parallel=1")
-    if cfg.reference.sync:
-        errs.append("train.objective=reward has no reference model; set reference.sync=false")
-    if cfg.model.quantization is not None:
-        errs.append("train.objective=reward with model.quantization (4-bit) is not supported yet; train in full "
+    if not o.token_shards and cfg.distributed.sequence_parallel > 1:
+        errs.append(f"train.objective={name} does not run on token shards yet; set distributed.sequence_parallel=1")
+    if not o.reads_reference and cfg.reference.sync:
+        errs.append(f"train.objective={name} has no reference model; set reference.sync=false")
+    if not o.four_bit and cfg.model.quantization is not None:
+        errs.append(f"train.objective={name} with model.quantization (4-bit) is not supported yet; train in full "
                     "precision (LoRA works)")
 
 
@@ -152,7 +159,7 @@ def problems(cfg: Config, *, training: bool) -> list[str]:
 
     _quantization_problems(cfg, errs)
     _reference_quantization_problems(cfg, errs)
-    _reward_problems(cfg, errs)
+    _objective_problems(cfg, errs)
     at_least("lora.r", lora.r, 1)
     need(lora.adapter is None or lora.enabled, "lora.adapter continues a LoRA adapter; set lora.enabled=true")
     positive("lora.alpha", lora.alpha)
@@ -298,7 +305,8 @@ def _loss_problems(cfg: Config, errs: list[str]) -> None:
                         f"{', '.join(sorted(F_DIVERGENCE_LOSSES))} (TRL 1.16's list; nll and sft may be added): "
                         f"{', '.join(refused)} {'has' if len(refused) == 1 else 'have'} no f-divergence form; use "
                         f"loss.f_divergence_type=reverse_kl with {'it' if len(refused) == 1 else 'them'}")
-    if cfg.reference.mode == "none" and with_ref and cfg.train.objective != "reward":  # a reward model reads none
+    objective = TRAIN_OBJECTIVES.get(cfg.train.objective)
+    if cfg.reference.mode == "none" and with_ref and (objective is None or objective.reads_reference):
         errs.append(
             f"reference.mode is 'none' but loss {', '.join(repr(n) for n in with_ref)} needs a reference; "
             f"use reference.mode 'copy' (or 'adapter'/'precomputed') or only reference-free losses "
@@ -334,8 +342,9 @@ def _rounds_problems(cfg: Config, errs: list[str]) -> None:
     if r.vllm_url is not None and r.count > 1:
         errs.append("rounds.vllm_url serves one fixed model, so it cannot sample the policy of round 2 on; use "
                     "rounds.vllm_command (prefpack serves each round's policy) or rounds.count=1")
-    if cfg.train.objective != "preference":
-        errs.append("rounds train the policy on preference pairs: train.objective must be preference")
+    if cfg.train.objective in TRAIN_OBJECTIVES and not TRAIN_OBJECTIVES[cfg.train.objective].rounds:
+        errs.append("rounds train the policy on preference pairs: train.objective must be "
+                    + " or ".join(n for n, o in TRAIN_OBJECTIVES.items() if o.rounds))
     _rounds_reference_problems(cfg, errs)
 
 

@@ -14,6 +14,7 @@ from prefpack.config import rules
 from prefpack.errors import PrefpackError
 from prefpack.loss_params import LOSS_PARAMS
 from prefpack.model.attention.names import ATTENTION_CHOICES
+from prefpack.objectives.names import OBJECTIVE_NAMES, train_objective
 from prefpack.reference.names import REFERENCE_MODE_NAMES
 
 
@@ -50,7 +51,7 @@ RankedPairs = Literal["auto", "best_vs_rest", "all_pairs"]
 FDivergence = Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"]  # losses.F_DIVERGENCES
 Schedule = Literal["cosine", "linear", "constant"]
 Device = Literal["auto", "cpu", "cuda"]
-Objective = Literal["preference", "reward"]
+Objective = Literal[OBJECTIVE_NAMES]  # the objectives folder's table (objectives/names.py)
 ReportTo = Literal["tensorboard", "wandb", "mlflow", "none", "auto"]
 
 
@@ -331,9 +332,8 @@ class Config:
         """Whether any loss term reads reference log-probs (a reward model's objective reads none)."""
         from prefpack.losses import PAIR_LOSSES
 
-        if self.train.objective == "reward":
+        if not train_objective(self).reads_reference:
             return False
-
         return any(t.name not in PAIR_LOSSES or PAIR_LOSSES[t.name].needs_reference for t in self.loss.terms)
 
     def validate(self, *, training: bool = True) -> None:

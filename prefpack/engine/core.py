@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from prefpack.objectives.names import train_objective
 from prefpack.parallel import Parallel
 from prefpack.precision import Precision
 from prefpack.reference import Reference
@@ -62,7 +63,8 @@ class Engine:
                               device=device or host or self.device,
                               trust_remote_code=cfg.model.trust_remote_code,
                               packed=packed, compile_layers=self.compile_layers if device is None else False,
-                              quantization_config=quantization, reward=cfg.train.objective == "reward")
+                              quantization_config=quantization,
+                              reward=train_objective(cfg).sequence_classifier)
 
 
 class Stage(Protocol):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from prefpack.model import ModelError, is_vision_language, lora_targets
+from prefpack.objectives.names import train_objective
 
 if TYPE_CHECKING:
     from prefpack.engine.core import Engine
@@ -35,7 +36,7 @@ def wrap_lora(model: nn.Module, cfg) -> nn.Module:
         target = lora_targets(model, target, freeze_vision=cfg.model.freeze_vision,
                               freeze_projector=cfg.model.freeze_projector)
     lcfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                      target_modules=target, task_type="SEQ_CLS" if cfg.train.objective == "reward" else "CAUSAL_LM")
+                      target_modules=target, task_type=train_objective(cfg).lora_task)
     # SEQ_CLS: peft trains the new `score` head in full beside the adapters (modules_to_save), as TRL's reward LoRA
     with warnings.catch_warnings():  # peft 0.21 reads transformers' deprecated name: not the user's to fix
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)

@@ -17,6 +17,7 @@ import torch
 from prefpack.engine.quantize import check_four_bit, four_bit_config
 from prefpack.losses import LossTerm, needs_reference
 from prefpack.model import check_model_source, weights_hash
+from prefpack.objectives.names import train_objective
 from prefpack.reference import REFERENCE_MODES, ReferenceSetup
 
 if TYPE_CHECKING:
@@ -34,9 +35,10 @@ class ReferenceStage:
         if cfg.reference.model and REFERENCE_MODES[mode].reads_weights:
             check_model_source(cfg.reference.model, "reference.model")
         terms = [] if engine.unpaired else [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
-        if cfg.train.objective == "reward":  # a reward model's Bradley-Terry loss reads no reference
+        if not train_objective(cfg).reads_reference:  # a reward model's Bradley-Terry loss reads no reference
             if mode != "none":
-                log(f"note: train.objective=reward reads no reference; reference.mode {mode!r} is ignored")
+                log(f"note: train.objective={cfg.train.objective} reads no reference; reference.mode {mode!r} is "
+                    "ignored")
             mode = "none"
         elif not engine.unpaired and not needs_reference(terms) and mode != "none":
             log(f"note: the losses {[t.name for t in terms]} need no reference; reference.mode {mode!r} is ignored")

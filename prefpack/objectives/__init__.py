@@ -1,20 +1,42 @@
 """What the training loop trains: the pair objective (DPO family) and the unpaired one (KTO family) behind one
-interface (``base.Objective``), the table of them (``registry``) and the choice for a config (``select``)."""
+interface (``base.Objective``), the table of them (``registry``), what each ``train.objective`` is (``names``,
+torch-free) and the choice for a config (``select``)."""
 
-from prefpack.objectives.base import Objective, Planned, StepState, StepTotals, release_images
-from prefpack.objectives.kto import KTOBatch, KTOStep, KTOTask
-from prefpack.objectives.pairs import PairTask
-from prefpack.objectives.registry import (
-    OBJECTIVES,
-    ObjectiveSpec,
-    objective_for,
-    read_only_unpaired,
-    trains_unpaired,
-)
-from prefpack.objectives.select import make_objectives, open_store, uses_unpaired_loss
-from prefpack.objectives.settings import LossParams, RunSettings, Term, config_terms, settings_from_config
+from __future__ import annotations
 
-__all__ = ["OBJECTIVES", "KTOBatch", "KTOStep", "KTOTask", "LossParams", "Objective", "ObjectiveSpec", "PairTask",
-           "Planned", "RunSettings", "StepState", "StepTotals", "Term", "config_terms", "make_objectives",
-           "objective_for", "open_store", "read_only_unpaired", "release_images", "settings_from_config", "trains_unpaired",
-           "uses_unpaired_loss"]
+from prefpack.lazy import lazy_exports
+
+# Loaded on first use (prefpack.lazy): the config reads the torch-free table `names` from this package.
+_EXPORTS = {
+    "OBJECTIVES": "prefpack.objectives.registry",
+    "OBJECTIVE_NAMES": "prefpack.objectives.names",
+    "TRAIN_OBJECTIVES": "prefpack.objectives.names",
+    "KTOBatch": "prefpack.objectives.kto",
+    "KTOStep": "prefpack.objectives.kto",
+    "KTOTask": "prefpack.objectives.kto",
+    "LossParams": "prefpack.objectives.settings",
+    "Objective": "prefpack.objectives.base",
+    "ObjectiveSpec": "prefpack.objectives.registry",
+    "PairTask": "prefpack.objectives.pairs",
+    "Planned": "prefpack.objectives.base",
+    "RunSettings": "prefpack.objectives.settings",
+    "StepState": "prefpack.objectives.base",
+    "StepTotals": "prefpack.objectives.base",
+    "Term": "prefpack.objectives.settings",
+    "TrainObjective": "prefpack.objectives.names",
+    "config_terms": "prefpack.objectives.settings",
+    "make_objectives": "prefpack.objectives.select",
+    "objective_for": "prefpack.objectives.registry",
+    "open_store": "prefpack.objectives.select",
+    "read_only_unpaired": "prefpack.objectives.registry",
+    "release_images": "prefpack.objectives.base",
+    "settings_from_config": "prefpack.objectives.settings",
+    "train_objective": "prefpack.objectives.names",
+    "trains_unpaired": "prefpack.objectives.registry",
+    "uses_unpaired_loss": "prefpack.objectives.select",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

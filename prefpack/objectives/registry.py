@@ -2,8 +2,9 @@
 
 The one place that answers "which objective does this run train?": :func:`trains_unpaired` decides the family from
 the loss terms (the KTO family reads examples one at a time), and :func:`objective_for` picks, per store, the row that
-trains it. Set-up, ``prefpack eval`` and ``precompute-ref`` ask here; a new objective (a reward model's sequence
-scores, say) is one row and its class.
+trains it, as the run's ``train.objective`` (its row of ``names.TRAIN_OBJECTIVES``) names it. Set-up, ``prefpack eval``
+and ``precompute-ref`` ask here; a new objective (a reward model's sequence scores, say) is its classes, their rows
+here and its row in ``names.TRAIN_OBJECTIVES``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from prefpack.losses import UNPAIRED_LOSS_NAMES
 from prefpack.objectives.base import Objective
 from prefpack.objectives.groups import PromptGroupTask
 from prefpack.objectives.kto import KTOTask
+from prefpack.objectives.names import OBJECTIVE_NAMES, train_objective
 from prefpack.objectives.pairs import PairTask
 from prefpack.objectives.reward import RewardGroupTask, RewardPairTask
 
@@ -51,16 +53,15 @@ def trains_unpaired(terms: Iterable, *, paired_as_kto: bool = False) -> bool:
 
 
 def objective_for(store_kind: str, *, unpaired: bool, group_by_prompt: bool = False,
-                  reward: bool = False) -> ObjectiveSpec:
+                  objective: str = OBJECTIVE_NAMES[0]) -> ObjectiveSpec:
     """The objective that trains a store of ``store_kind`` in a run of this family: KTO's examples, a ranked store's
-    (or a grouped pair store's) prompt groups, else pairs; ``reward`` (``train.objective=reward``): the reward
-    model's on the same layouts."""
-    if unpaired:
-        return OBJECTIVES["kto"]
-    grouped = store_kind == "ranked" or group_by_prompt
-    if reward:
-        return OBJECTIVES["reward_groups" if grouped else "reward"]
-    return OBJECTIVES["groups" if grouped else "pairs"]
+    (or a grouped pair store's) prompt groups, else pairs, as the row of ``objective`` (``train.objective``,
+    ``names.TRAIN_OBJECTIVES``) names it for that layout."""
+    layout = "unpaired" if unpaired else "groups" if store_kind == "ranked" or group_by_prompt else "pairs"
+    row = train_objective(objective).row(layout)
+    if row is None:
+        raise ValueError(f"train.objective={objective} does not train {layout} examples")
+    return OBJECTIVES[row]
 
 
 def read_only_unpaired(store_kind: str) -> bool:

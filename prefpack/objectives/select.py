@@ -11,6 +11,7 @@ from prefpack.data.store import Store, StoreError
 from prefpack.objectives.base import Objective
 from prefpack.objectives.groups import PromptGroupTask
 from prefpack.objectives.mixture import MixtureObjective
+from prefpack.objectives.names import OBJECTIVE_NAMES
 from prefpack.objectives.registry import objective_for, trains_unpaired
 from prefpack.objectives.settings import RunSettings
 from prefpack.reference import PrecomputedReference, Reference, ReferenceMismatch
@@ -51,18 +52,19 @@ def open_store(path: str, what: str, *, unpaired: bool, paired_as_kto: bool = Fa
 
 def make_objectives(settings: RunSettings, terms: Sequence, train_store: Store | Sequence[tuple[str, Store]],
                     eval_store: Store | Sequence[Store] | None, reference: Reference, *, kto: bool,
-                    group_by_prompt: bool = False, reward: bool = False, log=print) -> tuple[Objective, Any]:
+                    group_by_prompt: bool = False, objective: str = OBJECTIVE_NAMES[0],
+                    log=print) -> tuple[Objective, Any]:
     """The train and eval objectives of a run (``kto``: the KTO family). ``train_store`` may be a mixture, a list of
     ``(name, store)``: its objective is a :class:`MixtureObjective` over each store's own. ``eval_store`` may be a
     list of stores: then the eval objectives are a list too. A precomputed reference loads each store's sidecar
-    here, by the objective's key space (the KTO one tagged with its KL pairing). ``reward``: a reward model's
-    objectives (``train.objective=reward``)."""
+    here, by the objective's key space (the KTO one tagged with its KL pairing). ``objective``: the run's
+    ``train.objective``, whose row (``names.TRAIN_OBJECTIVES``) names the classes for each store layout."""
     evals = list(eval_store) if isinstance(eval_store, list | tuple) else [eval_store] if eval_store else []
     mixture = not isinstance(train_store, Store)
     named = list(train_store) if mixture else [("", train_store)]
     stores = [s for _, s in named] + evals
     objectives = [objective_for(s.kind, unpaired=kto, group_by_prompt=group_by_prompt,
-                                reward=reward).make(s, settings, terms) for s in stores]
+                                objective=objective).make(s, settings, terms) for s in stores]
     if kto:
         warning = objectives[0].class_balance_warning()
         if warning:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, make_dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prefpack.loss_params import LOSS_PARAMS
+from prefpack.objectives.names import train_objective
 
 if TYPE_CHECKING:
     from prefpack.batching.vision import VisionSettings
@@ -117,11 +118,11 @@ def settings_from_config(cfg, *, pad_id: int, micro_batch_tokens: int | None = N
 
 
 def ranked_pairs(cfg) -> str:
-    """``data.ranked_pairs`` resolved: auto = all_pairs for a reward model (InstructGPT's every pair of a ranking),
-    else best_vs_rest."""
+    """``data.ranked_pairs`` resolved: auto = the ``train.objective`` row's choice (``names.TRAIN_OBJECTIVES``):
+    all_pairs for a reward model (InstructGPT's every pair of a ranking), else best_vs_rest."""
     if cfg.data.ranked_pairs != "auto":
         return cfg.data.ranked_pairs
-    return "all_pairs" if getattr(cfg.train, "objective", "preference") == "reward" else "best_vs_rest"
+    return train_objective(cfg).ranked_pairs
 
 
 def config_terms(cfg) -> list[Term]:

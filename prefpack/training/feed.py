@@ -177,7 +177,7 @@ def store_feed(cfg, stores: StoreSet, engine: Engine, *, pad_id: int, log=print)
     train_store = stores.train if is_mixture(cfg.data.train) else stores.train[0][1]
     task, eval_list = make_objectives(settings, config_terms(cfg), train_store, list(stores.evals.values()),
                                       engine.reference, kto=kto, group_by_prompt=cfg.data.group_by_prompt,
-                                      reward=cfg.train.objective == "reward", log=log)
+                                      objective=cfg.train.objective, log=log)
     for line in describe_mixture(cfg, task):
         log(line)
     schedule = make_schedule(cfg, task)  # one store, or a mixture (data.train as a list)

@@ -49,7 +49,7 @@ def eval_config(opts: EvalOptions):
     from prefpack.config import Config, ConfigError, LossTermConfig, load_config
     from prefpack.data.store import Store
     from prefpack.model.load import check_model_source
-    from prefpack.objectives import read_only_unpaired, trains_unpaired
+    from prefpack.objectives import read_only_unpaired, train_objective, trains_unpaired
     from prefpack.reference import SIDECAR_NAMES
 
     cfg = load_config(opts.config, []) if opts.config else Config()
@@ -75,7 +75,7 @@ def eval_config(opts: EvalOptions):
     unpaired = trains_unpaired(cfg.loss.terms)  # the loss terms decide: --kto without --loss chose kto above
     sidecar = SIDECAR_NAMES["unpaired" if unpaired else Store(opts.data).kind]  # the key space the run reads
     mode = "copy" if opts.ref else ("precomputed" if (Path(opts.data) / sidecar).exists() else "none")
-    if cfg.train.objective == "reward":
+    if not train_objective(cfg).reads_reference:
         mode = "none"  # a reward model reads no reference
     if mode == "none" and cfg.needs_reference():  # in eval's terms, not the config's reference.mode
         terms = ", ".join(t.name for t in cfg.loss.terms)

@@ -21,7 +21,7 @@ from prefpack.model import (
     resolve_tokenizer,
 )
 from prefpack.model.sharded import check_model
-from prefpack.objectives import uses_unpaired_loss
+from prefpack.objectives import train_objective, uses_unpaired_loss
 from prefpack.parallel import ONE_PROCESS, Parallel
 from prefpack.tokenizer import tokenizer_matches
 from prefpack.training.feed import StoreFeed, StoreSet, open_stores, store_feed
@@ -185,14 +185,14 @@ def build(cfg, *, log=print, parallel: Parallel | None = None, check_sidecar_ref
                           check_sidecar_reference=check_sidecar_reference, training=training)
     for spec, (_, store) in zip(stores.specs, stores.train):
         check_vocab_fits(engine.policy, store.meta, spec.path)
-        if store.margins is not None and cfg.train.objective != "reward":
+        if store.margins is not None and not train_objective(cfg).reads_margins:
             log(f"note: {spec.path} gives {store.meta.get('num_margins')} pairs a margin (margins.bin), which only "
                 f"train.objective=reward reads; the {cfg.train.objective} objective's losses ignore it")
     # LD-DPO weights the reference's sums too
     engine.reference.configure(chunk_size=engine.budgets.chunk_size, pair_tails=cfg.loss.ld_alpha is not None,
                                seq=parallel.seq)
     pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-    if cfg.train.objective == "reward":  # saved with the reward model: transformers' classifier needs it
+    if train_objective(cfg).sets_pad_token:  # saved with the reward model: transformers' classifier needs it
         from prefpack.model.reward import set_pad_token
 
         warning = set_pad_token(engine.policy, pad_id, tok.eos_token_id)
