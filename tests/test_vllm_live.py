@@ -257,3 +257,16 @@ def test_a_reload_that_fails_serves_no_known_version(tmp_path):
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         w.prefpack_reload_weights(str(tmp_path), "round-2")
     assert w.prefpack_weights_version() == {"version": None}
+
+
+def test_generate_reports_a_dropped_server_as_a_note(stubs, tmp_path, toy_tokenizers):
+    from prefpack.generation.run import generate
+
+    dying, healthy = stubs(die_after=1), stubs()
+    rows = tmp_path / "p.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"Human: question {i}\n\nAssistant:"}) + "\n" for i in range(6)))
+    report = generate(GenerateOptions(output=str(tmp_path / "s.jsonl"), inputs=[str(rows)], engine="vllm",
+                                      tokenizer=str(toy_tokenizers["llama"]), n=2, max_new_tokens=5,
+                                      stop_token_ids=[2], vllm_url=f"{dying.url},{healthy.url}", concurrency=1,
+                                      request_timeout=5), log=lambda m: None)
+    assert report.prompts == 6 and len(report.notes) == 1 and dying.url in report.summary().splitlines()[-1]

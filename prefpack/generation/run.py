@@ -185,7 +185,10 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
         settings = settings_of(opts, source)
         engine = build_engine(opts, source, stop)
         try:
-            return sample_prompts(source, engine, settings, opts.output, overwrite=opts.overwrite, log=log, stop=stop)
+            report = sample_prompts(source, engine, settings, opts.output, overwrite=opts.overwrite, log=log,
+                                    stop=stop)
+            report.notes.extend(getattr(engine, "notes", []))  # a pool's servers dropped mid-round
+            return report
         finally:
             engine.close()
 
