@@ -92,7 +92,7 @@ def test_update_weights_reloads_resets_the_cache_and_checks_before_sampling(stub
 
 
 def test_a_server_without_the_extension_or_lora_is_refused_in_one_line(stubs, weights, tmp_path):
-    bare = stubs(extension=False, lora=False)
+    bare = stubs(dev_mode=False, lora=False)
     engine = VllmEngine(bare.url)
     assert len(engine.generate(JOBS[:1], SETTINGS)) == 1  # a plain server still samples, no version asked
     with pytest.raises(GenerationError) as err:
@@ -107,6 +107,23 @@ def test_a_server_without_the_extension_or_lora_is_refused_in_one_line(stubs, we
         engine.load_adapter(adapter(tmp_path, "a1"), "round-1")
     assert all(h in one_line(err) for h in START_HINTS[2:])
     assert engine.version is None and bare.version is None
+
+
+def test_an_answered_error_is_a_refusal_not_a_dead_server(stubs, weights, tmp_path):
+    """vLLM answers 500 to an RPC method its workers lack (dev mode, no extension), and to an adapter load without
+    --enable-lora: refused with the start hint, and a pool does not drop the server as dead."""
+    no_ext, no_lora = stubs(extension=False), stubs(lora="no --enable-lora")
+    with pytest.raises(GenerationError) as err:
+        VllmEngine(no_ext.url).update_weights(weights, "round-1")
+    msg = one_line(err)
+    assert "HTTP 500" in msg and START_HINTS[0] in msg and no_ext.version is None
+    pool = VllmPool.from_urls([no_ext.url, no_lora.url])
+    with pytest.raises(GenerationError) as err:
+        pool.load_adapter(adapter(tmp_path, "a1"), "round-1")
+    assert "HTTP 500" in one_line(err) and START_HINTS[2] in str(err.value)
+    with pytest.raises(GenerationError, match="HTTP 500"):
+        pool.update_weights(weights, "round-1")
+    assert len(pool.live) == 2 and pool.notes == []
 
 
 def test_a_server_serving_another_version_is_refused(stubs, weights):

@@ -7,7 +7,9 @@ A live server's admin endpoints, shaped as vLLM's (tests/test_vllm_live.py): ``P
 ``{"method", "args", "kwargs", "timeout"}`` in, ``{"results": [one per worker]}`` out) answering the prefpack worker
 extension's reload and version methods, ``POST /reset_prefix_cache`` (empty answer), and, with ``lora``, ``POST
 /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (a line of text) with the adapters listed at ``/v1/models``.
-``extension=False`` is a server started without the extension or dev mode (404 on /collective_rpc)."""
+``dev_mode=False`` is a server started without VLLM_SERVER_DEV_MODE (404 on /collective_rpc), ``extension=False``
+one without the worker extension (500: its workers lack the method), ``lora="no --enable-lora"`` one with runtime
+LoRA updating but no LoRA support (500)."""
 
 from __future__ import annotations
 
@@ -38,11 +40,11 @@ class StubServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, port: int = 0, *, die_after: int | None = None, drop_stop_tokens: bool = False,
-                 extension: bool = True, lora: bool = True, workers: int = 1):
+                 dev_mode: bool = True, extension: bool = True, lora: bool = True, workers: int = 1):
         super().__init__(("127.0.0.1", port), Handler)
         self.requests: list[dict] = []  # completions requests
         self.die_after, self.drop_stop_tokens, self.lock = die_after, drop_stop_tokens, threading.Lock()
-        self.extension, self.lora, self.workers = extension, lora, workers
+        self.dev_mode, self.extension, self.lora, self.workers = dev_mode, extension, lora, workers
         self.admin: list[tuple[str, dict]] = []  # (path, body) of each admin request, in order
         self.version: str | None = None  # what the workers say they serve (None: the weights started on)
         self.loaded_from: str | None = None  # the folder the last reload read
@@ -120,17 +122,21 @@ class Handler(BaseHTTPRequestHandler):
 
     def _admin(self, server: StubServer, body: dict) -> None:
         """The admin endpoints, answered as vLLM answers them."""
-        if self.path == "/collective_rpc" and server.extension:
+        if self.path == "/collective_rpc" and server.dev_mode:
             method, args = body.get("method"), body.get("args", [])
-            if method == "prefpack_reload_weights":
+            if not server.extension:  # the workers lack the method: vLLM's engine raises, the server answers 500
+                self._text("Internal Server Error", 500)
+            elif method == "prefpack_reload_weights":
                 server.loaded_from, server.version = args
                 self._send({"results": [{"version": server.version, "tensors": 3}] * server.workers})
             elif method == "prefpack_weights_version":
                 self._send({"results": [{"version": server.version}] * server.workers})
             else:
                 self._send({"error": {"message": f"AttributeError: no method {method}", "code": 500}}, 500)
-        elif self.path == "/reset_prefix_cache" and server.extension:
+        elif self.path == "/reset_prefix_cache" and server.dev_mode:
             self._text("")
+        elif self.path == "/v1/load_lora_adapter" and server.lora == "no --enable-lora":
+            self._send({"error": {"message": "LoRA is not enabled", "code": 500}}, 500)
         elif self.path == "/v1/load_lora_adapter" and server.lora:
             if body["lora_name"] in server.adapters:
                 self._send({"error": {"message": f"The lora adapter '{body['lora_name']}' has already been loaded.",

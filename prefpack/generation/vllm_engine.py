@@ -126,10 +126,11 @@ class VllmEngine:
         return f"the vLLM server at {self.url} {what}; {hint}"
 
     def _failed(self, exc: BaseException, what: str, hint: str) -> GenerationError:
-        """A server that answered with an error status is refused with ``hint`` (how to start it); one that did
-        not answer is ``ServerUnreachable``."""
+        """An admin request the server answered with an error status (any: vLLM answers 500 to an RPC method its
+        workers lack, or to an adapter without --enable-lora) is refused with ``hint`` (how to start it); one it
+        did not answer is ``ServerUnreachable``."""
         reason = f"{what} ({describe_failure(exc)})"
-        if answered(exc):
+        if isinstance(exc, urllib.error.HTTPError):
             return GenerationError(self._where(reason, f"start it with {hint}"))
         return ServerUnreachable(self._where(reason))
 
