@@ -7,6 +7,10 @@ vLLM pins its own torch and transformers, so it runs in its own environment: eit
 (``url``), or one prefpack starts from a command (``server.VllmServer``) and stops after. Only the standard
 library speaks HTTP here. A server that does not answer, answers with an error, or dies mid-round is one line
 naming the URL (and the command, when prefpack started it).
+
+A live server serves every round: ``update_weights`` reloads full weights through the worker extension
+(``vllm_worker``, over vLLM's dev-mode ``/collective_rpc``), ``load_adapter`` loads a LoRA adapter at run time, and
+``check_version`` refuses a server that cannot confirm the version; several servers: ``vllm_pool``.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ ADAPTER_START = "--enable-lora with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its
 
 
 class ServerUnreachable(GenerationError):
-    """A server that did not answer (refused, reset, timed out): a pool deals its prompts to the others."""
+    """A server that did not answer (refused, reset, timed out; or a completions request answered 5xx, vLLM's
+    engine dead): a pool deals its prompts to the others."""
 
 
 def adapter_name(version: str) -> str:
