@@ -264,6 +264,17 @@ print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'nump
     assert lines[2:] == [str({"version": "round-1"}), "[]"]
 
 
+def test_the_reload_goes_through_vllms_in_place_reload_where_the_worker_has_it(weights):
+    """vLLM 0.32's workers have reload_weights (it restores parameters processed after loading): used when there."""
+    class Worker(PrefpackWorkerExtension):
+        def reload_weights(self, weights_iterator, is_checkpoint_format):
+            self.got = (sorted(name for name, _ in weights_iterator), is_checkpoint_format)
+
+    w = Worker()
+    assert w.prefpack_reload_weights(str(weights), "round-2") == {"version": "round-2", "tensors": 3}
+    assert w.got == (["lm_head.weight", "model.embed.weight", "model.norm.weight"], True)
+
+
 def test_a_reload_that_fails_serves_no_known_version(tmp_path):
     class Worker(PrefpackWorkerExtension):
         model_runner = type("Runner", (), {"model": type("M", (), {"load_weights": lambda self, weights: list(

@@ -67,3 +67,38 @@ def test_a_live_server_reloads_weights_in_place(tmp_path, toy_tokenizers, monkey
         assert meta["generation"]["weights_version"] == "round-1"
     finally:
         engine.close()
+
+
+def lora_adapter(base: Path, folder: Path, seed: int) -> Path:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False))
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_a_live_server_loads_each_rounds_adapter(tmp_path, toy_tokenizers, monkeypatch):
+    base = tiny_llama(tmp_path / "base", 0, toy_tokenizers["chatml"])
+    adapters = [lora_adapter(base, tmp_path / f"adapter-{k}", k) for k in (1, 2)]
+    rows = write_jsonl(tmp_path / "p.jsonl", [{"prompt": [{"role": "user", "content": f"question {i}?"}]}
+                                               for i in range(4)])
+    source = RowPrompts([str(rows)], str(base))
+    settings = SamplingSettings(n=1, temperature=0, max_new_tokens=8, stop_token_ids=stop_token_ids(source.tok))
+    want = [greedy(source, TransformersEngine.load(str(base), pad_id=0, batch_size=2, adapter=str(a)), settings,
+                   tmp_path / f"hf-{a.name}.jsonl") for a in adapters]
+    assert want[0] != want[1]
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    server = VllmServer(f"{COMMAND} --enable-lora --max-lora-rank 8", model=str(base),
+                        log_path=tmp_path / "vllm.log", start_timeout=900).start()
+    engine = VllmEngine(server.url, server=server)
+    try:
+        for k, folder in enumerate(adapters):
+            engine.load_adapter(folder, f"round-{k + 1}")
+            assert engine.model == f"prefpack-round-{k + 1}"
+            assert greedy(source, engine, settings, tmp_path / f"v{k + 1}.jsonl") == want[k]
+    finally:
+        engine.close()

