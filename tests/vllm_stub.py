@@ -1,7 +1,15 @@
 """A stand-in for a vLLM server's OpenAI-compatible API, standard library only: ``/v1/models`` and
 ``/v1/completions`` with token-id prompts, answering with token ids drawn from the request's seed (so a test can
 recompute them: ``stub_choice``). Used in a thread by tests/test_generate_vllm.py, and run as a script for the
-server prefpack starts from a command (``--die-after N`` exits abruptly on request N+1, as a crashed server)."""
+server prefpack starts from a command (``--die-after N`` exits abruptly on request N+1, as a crashed server).
+
+A live server's admin endpoints, shaped as vLLM's (tests/test_vllm_live.py): ``POST /collective_rpc`` (dev mode,
+``{"method", "args", "kwargs", "timeout"}`` in, ``{"results": [one per worker]}`` out) answering the prefpack worker
+extension's reload and version methods, ``POST /reset_prefix_cache`` (empty answer), and, with ``lora``, ``POST
+/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (a line of text) with the adapters listed at ``/v1/models``.
+``dev_mode=False`` is a server started without VLLM_SERVER_DEV_MODE (404 on /collective_rpc), ``extension=False``
+one without the worker extension (500: its workers lack the method), ``lora="no --enable-lora"`` one with runtime
+LoRA updating but no LoRA support (500)."""
 
 from __future__ import annotations
 
@@ -31,10 +39,16 @@ def stub_choice(body: dict, k: int) -> dict:
 class StubServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, port: int = 0, *, die_after: int | None = None, drop_stop_tokens: bool = False):
+    def __init__(self, port: int = 0, *, die_after: int | None = None, drop_stop_tokens: bool = False,
+                 dev_mode: bool = True, extension: bool = True, lora: bool = True, workers: int = 1):
         super().__init__(("127.0.0.1", port), Handler)
-        self.requests: list[dict] = []
+        self.requests: list[dict] = []  # completions requests
         self.die_after, self.drop_stop_tokens, self.lock = die_after, drop_stop_tokens, threading.Lock()
+        self.dev_mode, self.extension, self.lora, self.workers = dev_mode, extension, lora, workers
+        self.admin: list[tuple[str, dict]] = []  # (path, body) of each admin request, in order
+        self.version: str | None = None  # what the workers say they serve (None: the weights started on)
+        self.loaded_from: str | None = None  # the folder the last reload read
+        self.adapters: dict[str, str] = {}  # LoRA adapters loaded: name -> path
 
     @property
     def url(self) -> str:
@@ -57,18 +71,41 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _text(self, text: str, code: int = 200) -> None:
+        data = text.encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
     def do_GET(self) -> None:
         if self.path == "/v1/models":
-            self._send({"object": "list", "data": [{"id": MODEL_ID, "object": "model"}]})
+            cards = [{"id": MODEL_ID, "object": "model"}] + [
+                {"id": name, "object": "model", "root": path, "parent": MODEL_ID}
+                for name, path in self.server.adapters.items()]
+            self._send({"object": "list", "data": cards})
         else:
             self._send({"error": "not found"}, 404)
 
     def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
         server: StubServer = self.server
+        if self.path != "/v1/completions":
+            with server.lock:
+                dead = server.die_after is not None and len(server.requests) > server.die_after
+                if not dead:
+                    server.admin.append((self.path, body))
+                    self._admin(server, body)
+            if dead:  # a dead server answers nothing
+                self.close_connection = True
+                self.connection.shutdown(2)
+            return
         with server.lock:
             server.requests.append(body)
             dying = server.die_after is not None and len(server.requests) > server.die_after
+        if not dying and body["model"] not in (MODEL_ID, *server.adapters):
+            self._send({"error": {"message": f"The model `{body['model']}` does not exist.", "code": 404}}, 404)
+            return
         if dying:
             if __name__ == "__main__":
                 os._exit(1)  # the process dies mid-round, its connections with it
@@ -82,6 +119,38 @@ class Handler(BaseHTTPRequestHandler):
                     c["token_ids"] = c["token_ids"][:-1]
         self._send({"id": "cmpl-stub", "object": "text_completion", "model": MODEL_ID,
                     "choices": [dict(c, prompt_token_ids=body["prompt"]) for c in choices]})
+
+    def _admin(self, server: StubServer, body: dict) -> None:
+        """The admin endpoints, answered as vLLM answers them."""
+        if self.path == "/collective_rpc" and server.dev_mode:
+            method, args = body.get("method"), body.get("args", [])
+            if not server.extension:  # the workers lack the method: vLLM's engine raises, the server answers 500
+                self._text("Internal Server Error", 500)
+            elif method == "prefpack_reload_weights":
+                server.loaded_from, server.version = args
+                self._send({"results": [{"version": server.version, "tensors": 3}] * server.workers})
+            elif method == "prefpack_weights_version":
+                self._send({"results": [{"version": server.version}] * server.workers})
+            else:
+                self._send({"error": {"message": f"AttributeError: no method {method}", "code": 500}}, 500)
+        elif self.path == "/reset_prefix_cache" and server.dev_mode:
+            self._text("")
+        elif self.path == "/v1/load_lora_adapter" and server.lora == "no --enable-lora":
+            self._send({"error": {"message": "LoRA is not enabled", "code": 500}}, 500)
+        elif self.path == "/v1/load_lora_adapter" and server.lora:
+            if body["lora_name"] in server.adapters:
+                self._send({"error": {"message": f"The lora adapter '{body['lora_name']}' has already been loaded.",
+                                      "code": 400}}, 400)
+                return
+            server.adapters[body["lora_name"]] = body["lora_path"]
+            self._text(f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+        elif self.path == "/v1/unload_lora_adapter" and server.lora:
+            if server.adapters.pop(body["lora_name"], None) is None:
+                self._send({"error": {"message": "cannot be found", "code": 404}}, 404)
+                return
+            self._text(f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
+        else:
+            self._send({"detail": "Not Found"}, 404)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ def add_generate(sub) -> None:
                    "runs (default auto: CUDA when there is a GPU, else CPU)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="transformers: weights' dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--vllm-url", default=None, metavar="URL", help="a running vLLM server (http://host:port)")
+    p.add_argument("--vllm-url", action="append", default=None, metavar="URL", help="a running vLLM server "
+                   "(http://host:port); repeat the flag, or separate URLs by commas, to deal the prompts over several")
     p.add_argument("--vllm-command", default=None, metavar="CMD", help="start this server on --model and stop it "
                    "after, e.g. '/opt/vllm/bin/vllm serve {model} --port {port}' ({model}, {port}, {host} filled in)")
     p.add_argument("--vllm-start-timeout", type=float, default=900.0, metavar="S",

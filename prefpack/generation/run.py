@@ -47,7 +47,7 @@ class GenerateOptions:
     batch_size: int = 8  # transformers: prompts per generate call
     device: str = "auto"
     dtype: str = "auto"
-    vllm_url: str | None = None
+    vllm_url: str | list[str] | None = None  # one server, or several (a list, or URLs separated by commas)
     vllm_command: str | None = None  # e.g. "vllm serve {model} --port {port}"
     vllm_start_timeout: float = 900.0
     request_timeout: float = 600.0
@@ -120,7 +120,13 @@ def build_engine(opts: GenerateOptions, source: PromptSource, stop: StopSignal |
         raise GenerationError("--engine vllm needs --vllm-url URL (a running server) or --vllm-command CMD (prefpack "
                               "starts it on --model), one of the two")
     if opts.vllm_url:
-        return VllmEngine(opts.vllm_url, request_timeout=opts.request_timeout, concurrency=opts.concurrency)
+        urls = vllm_urls(opts.vllm_url)
+        kwargs = {"request_timeout": opts.request_timeout, "concurrency": opts.concurrency}
+        if len(urls) == 1:
+            return VllmEngine(urls[0], **kwargs)
+        from prefpack.generation.vllm_pool import VllmPool
+
+        return VllmPool.from_urls(urls, **kwargs)
     if not opts.model:
         raise GenerationError("--vllm-command needs --model: the checkpoint it serves ({model} in the command)")
     from prefpack.generation.server import VllmServer
@@ -134,6 +140,21 @@ def build_engine(opts: GenerateOptions, source: PromptSource, stop: StopSignal |
     except BaseException:
         server.stop()
         raise
+
+
+def vllm_urls(value: str | list[str]) -> list[str]:
+    """The servers' URLs from one string or a list, each possibly a comma-separated list; a URL given twice is
+    refused (its server would be counted twice)."""
+    from prefpack.generation.vllm_engine import base_url
+
+    items = [value] if isinstance(value, str) else list(value)
+    urls = [base_url(u) for item in items for u in str(item).split(",") if u.strip()]
+    if not urls:
+        raise GenerationError("--vllm-url names no server")
+    twice = sorted({u for u in urls if urls.count(u) > 1})
+    if twice:
+        raise GenerationError(f"--vllm-url names {', '.join(twice)} more than once")
+    return urls
 
 
 def settings_of(opts: GenerateOptions, source: PromptSource) -> SamplingSettings:
@@ -164,7 +185,10 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
         settings = settings_of(opts, source)
         engine = build_engine(opts, source, stop)
         try:
-            return sample_prompts(source, engine, settings, opts.output, overwrite=opts.overwrite, log=log, stop=stop)
+            report = sample_prompts(source, engine, settings, opts.output, overwrite=opts.overwrite, log=log,
+                                    stop=stop)
+            report.notes.extend(getattr(engine, "notes", []))  # a pool's servers dropped mid-round
+            return report
         finally:
             engine.close()
 

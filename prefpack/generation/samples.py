@@ -24,7 +24,8 @@ from prefpack.generation.engine import GenerationError
 
 SAMPLE_KEYS = ("prompt_ids", "completion_ids", "prompt", "completions", "truncated", "row")
 # what must match for a rerun to continue a samples file (the rest of the meta may change: a server's port)
-RESUME_KEYS = ("tokenizer", "chat_template", "prompts", "settings", "engine", "model", "batch_size", "dtype")
+RESUME_KEYS = ("tokenizer", "chat_template", "prompts", "settings", "engine", "model", "batch_size", "dtype",
+               "weights_version")
 
 
 def meta_path(samples: str | Path) -> Path:

@@ -7,12 +7,17 @@ vLLM pins its own torch and transformers, so it runs in its own environment: eit
 (``url``), or one prefpack starts from a command (``server.VllmServer``) and stops after. Only the standard
 library speaks HTTP here. A server that does not answer, answers with an error, or dies mid-round is one line
 naming the URL (and the command, when prefpack started it).
+
+A live server serves every round: ``update_weights`` reloads full weights through the worker extension
+(``vllm_worker``, over vLLM's dev-mode ``/collective_rpc``), ``load_adapter`` loads a LoRA adapter at run time, and
+``check_version`` refuses a server that cannot confirm the version; several servers: ``vllm_pool``.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import urllib.error
 import urllib.request
@@ -20,6 +25,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from prefpack.generation.engine import GenerationError, PromptJob, Sample, SamplingSettings, prompt_seed
+from prefpack.generation.vllm_worker import EXTENSION, RELOAD_METHOD, VERSION_METHOD, weight_files
 
 DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds one completions request may take (n long samples of a big model)
 DEFAULT_CONCURRENCY = 32  # requests in flight; vLLM batches them
@@ -27,6 +33,18 @@ CHUNK_REQUESTS = 8  # prompts per call of generate, in units of the concurrency 
 
 TRANSPORT_ERRORS = (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout, TimeoutError,
                     OSError)
+ADAPTER_PREFIX = "prefpack-"  # a round's LoRA adapter is served as prefpack-<version>
+FULL_WEIGHTS_START = f"--worker-extension-cls {EXTENSION} with VLLM_SERVER_DEV_MODE=1 in its environment"
+ADAPTER_START = "--enable-lora with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment"
+
+
+class ServerUnreachable(GenerationError):
+    """A server that did not answer (refused, reset, timed out; or a completions request answered 5xx, vLLM's
+    engine dead): a pool deals its prompts to the others."""
+
+
+def adapter_name(version: str) -> str:
+    return f"{ADAPTER_PREFIX}{version}"
 
 
 def base_url(url: str) -> str:
@@ -40,11 +58,18 @@ def base_url(url: str) -> str:
 def http_json(url: str, body: dict | None = None, *, timeout: float) -> dict:
     """GET (no body) or POST one JSON request; an HTTP error status raises ``urllib.error.HTTPError`` with its
     body readable."""
+    return json.loads(http_text(url, body, timeout=timeout))
+
+
+def http_text(url: str, body: dict | None = None, *, timeout: float, post: bool = False) -> str:
+    """The answer's body as text: vLLM's admin endpoints answer plain text (LoRA) or nothing (cache reset)."""
     data = None if body is None else json.dumps(body).encode("utf-8")
+    if data is None and post:
+        data = b""
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
-                                 method="GET" if body is None else "POST")
+                                 method="GET" if data is None else "POST")
     with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (http(s) only: base_url checks)
-        return json.loads(resp.read().decode("utf-8"))
+        return resp.read().decode("utf-8")
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -62,17 +87,26 @@ def describe_failure(exc: BaseException) -> str:
 
 
 def served_model(url: str, *, timeout: float) -> str:
-    """The id of the model the server at ``url`` serves (``/v1/models``); raises the transport error as is."""
-    listing = http_json(f"{url}/v1/models", timeout=timeout)
-    models = [m.get("id") for m in listing.get("data", []) if isinstance(m, dict)]
-    if not models or not isinstance(models[0], str):
-        raise GenerationError(f"the server at {url} lists no model at /v1/models (got {str(listing)[:200]})")
+    """The id of the model the server at ``url`` serves (``/v1/models``, the base model first); raises the
+    transport error as is."""
+    models = listed_models(url, timeout=timeout)
+    if not models:
+        raise GenerationError(f"the server at {url} lists no model at /v1/models")
     return models[0]
+
+
+def listed_models(url: str, *, timeout: float) -> list[str]:
+    """Every id ``/v1/models`` lists: the base model, then the LoRA adapters loaded."""
+    listing = http_json(f"{url}/v1/models", timeout=timeout)
+    data = listing.get("data") if isinstance(listing, dict) else None
+    return [m["id"] for m in data or [] if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
 
 class VllmEngine:
     """Samples through the completions API of the server at ``url``; ``server`` (a ``VllmServer`` prefpack started)
-    is stopped by ``close`` and named in errors."""
+    is stopped by ``close`` and named in errors. A live server (docs/generate.md) is given each round's weights by
+    ``update_weights`` (full weights) or ``load_adapter`` (LoRA); from then on every ``generate`` first checks that
+    the server still serves that version, so stale weights are never sampled silently."""
 
     name = "vllm"
     batch_dependent = False  # each request carries its prompt's seed
@@ -82,18 +116,33 @@ class VllmEngine:
         self.url, self.server, self.timeout = base_url(url), server, float(request_timeout)
         self.concurrency = max(1, int(concurrency))
         self.batch_prompts = CHUNK_REQUESTS * self.concurrency  # the pool keeps `concurrency` of them in flight
+        self.version: str | None = None  # the weights version set by update_weights / load_adapter
+        self.adapter: str | None = None  # the LoRA adapter name requests use (load_adapter)
         try:
             self.model = served_model(self.url, timeout=connect_timeout) if model is None else model
         except TRANSPORT_ERRORS as exc:
-            raise GenerationError(self._where(f"did not answer GET /v1/models ({describe_failure(exc)})")) from None
+            raise ServerUnreachable(self._where(f"did not answer GET /v1/models ({describe_failure(exc)})")) \
+                from None
+        self.base_model = self.model
 
-    def _where(self, what: str) -> str:
+    def _where(self, what: str, hint: str = "check that it runs and serves the completions API") -> str:
         if self.server is not None:
             return self.server.failure(f"the vLLM server at {self.url} {what}")
-        return f"the vLLM server at {self.url} {what}; check that it runs and serves the completions API"
+        return f"the vLLM server at {self.url} {what}; {hint}"
+
+    def _failed(self, exc: BaseException, what: str, hint: str) -> GenerationError:
+        """An admin request the server answered with an error status (any: vLLM answers 500 to an RPC method its
+        workers lack, or to an adapter without --enable-lora) is refused with ``hint`` (how to start it); one it
+        did not answer is ``ServerUnreachable``."""
+        reason = f"{what} ({describe_failure(exc)})"
+        if isinstance(exc, urllib.error.HTTPError):
+            return GenerationError(self._where(reason, f"start it with {hint}"))
+        return ServerUnreachable(self._where(reason))
 
     def describe(self) -> dict:
         out = {"model": self.model, "url": self.url, "concurrency": self.concurrency}
+        if self.version is not None:
+            out["weights_version"] = self.version
         if self.server is not None:
             out.update(self.server.describe())
         return out
@@ -101,6 +150,93 @@ class VllmEngine:
     def close(self) -> None:
         if self.server is not None:
             self.server.stop()
+
+    def rpc(self, method: str, *args: str, what: str, hint: str) -> list[dict]:
+        """Each worker's answer to ``method`` of the worker extension, through ``POST /collective_rpc`` (vLLM's
+        dev-mode endpoint: ``{"method", "args", "kwargs", "timeout"}`` in, ``{"results": [one per worker]}``
+        out)."""
+        body = {"method": method, "args": [str(a) for a in args], "kwargs": {}, "timeout": self.timeout}
+        try:
+            answer = json.loads(http_text(f"{self.url}/collective_rpc", body, timeout=self.timeout + 30))
+        except TRANSPORT_ERRORS as exc:
+            raise self._failed(exc, what, hint) from None
+        except ValueError as exc:
+            raise GenerationError(self._where(f"{what}: /collective_rpc answered other than JSON ({exc})",
+                                              f"start it with {hint}")) from None
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list) or not results or not all(isinstance(r, dict) for r in results):
+            raise GenerationError(self._where(f"{what}: /collective_rpc answered {str(answer)[:200]}",
+                                              f"start it with {hint}"))
+        return results
+
+    def update_weights(self, folder: str | os.PathLike, version: str) -> None:
+        """Load the full weights of ``folder`` (``*.safetensors``, a path the server's machine sees too) into the
+        running server, record ``version``, and empty its prefix cache (KV computed by the old weights)."""
+        version, folder = check_version_name(version), os.path.abspath(folder)
+        try:
+            weight_files(folder)
+        except FileNotFoundError as exc:
+            raise GenerationError(str(exc)) from None
+        what = f"did not reload weights version {version!r} from {folder}"
+        results = self.rpc(RELOAD_METHOD, folder, version, what=what, hint=FULL_WEIGHTS_START)
+        got = sorted({str(r.get("version")) for r in results})
+        if got != [version]:
+            raise GenerationError(self._where(f"{what}: its workers answered version(s) {', '.join(got)}",
+                                              f"start it with {FULL_WEIGHTS_START}"))
+        try:
+            http_text(f"{self.url}/reset_prefix_cache", timeout=self.timeout, post=True)
+        except TRANSPORT_ERRORS as exc:
+            raise self._failed(exc, "did not reset its prefix cache after a reload", FULL_WEIGHTS_START) from None
+        self.version, self.adapter, self.model = version, None, self.base_model
+
+    def load_adapter(self, folder: str | os.PathLike, version: str) -> None:
+        """Serve the LoRA adapter of ``folder`` (peft's ``adapter_config.json`` and weights) as
+        ``prefpack-<version>``, unloading the adapters an earlier round loaded; later requests name it as model."""
+        version, folder = check_version_name(version), os.path.abspath(folder)
+        if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
+            raise GenerationError(f"{folder}: no adapter_config.json, so no LoRA adapter to load")
+        name = adapter_name(version)
+        for old in self._listed(f"did not list its models before loading adapter {name}"):
+            if old.startswith(ADAPTER_PREFIX):
+                self._lora("unload", {"lora_name": old}, f"did not unload the earlier adapter {old}")
+        self._lora("load", {"lora_name": name, "lora_path": folder}, f"did not load adapter {name} from {folder}")
+        self.adapter, self.version, self.model = name, version, name
+        self.check_version(version)
+
+    def _lora(self, action: str, body: dict, what: str) -> None:
+        try:  # vLLM answers these with a line of text, not JSON
+            http_text(f"{self.url}/v1/{action}_lora_adapter", body, timeout=self.timeout)
+        except TRANSPORT_ERRORS as exc:
+            raise self._failed(exc, what, ADAPTER_START) from None
+
+    def _listed(self, what: str) -> list[str]:
+        try:
+            return listed_models(self.url, timeout=self.timeout)
+        except TRANSPORT_ERRORS as exc:
+            raise self._failed(exc, what, ADAPTER_START) from None
+        except ValueError as exc:
+            raise GenerationError(self._where(f"{what}: /v1/models answered other than JSON ({exc})")) from None
+
+    def check_version(self, expected: str) -> None:
+        """Refuse, in one line, a server that cannot confirm it serves weights version ``expected``: the adapter
+        ``prefpack-<expected>`` listed at ``/v1/models``, else the worker extension's version equal to it."""
+        expected = check_version_name(expected)
+        name = adapter_name(expected)
+        cannot = f"cannot confirm it serves weights version {expected!r}"
+        models = self._listed(cannot)
+        if name in models:
+            self.adapter, self.version, self.model = name, expected, name
+            return
+        if self.adapter is not None:
+            raise GenerationError(self._where(f"{cannot}: /v1/models lists {', '.join(models)}, not the adapter "
+                                              f"{name}", f"start it with {ADAPTER_START}"))
+        hint = f"{FULL_WEIGHTS_START} (full weights) or {ADAPTER_START} (LoRA adapters)"
+        results = self.rpc(VERSION_METHOD, what=cannot, hint=hint)
+        got = sorted({str(r.get("version")) for r in results})
+        if got != [expected]:
+            raise GenerationError(self._where(f"{cannot}: it serves version {', '.join(got)} (None: the weights "
+                                              "it was started on)", "update its weights first"))
+        self.version, self.model = expected, self.base_model
 
     def request(self, job: PromptJob, s: SamplingSettings) -> dict:
         """The completions request for one prompt (its ids as the prompt, the prompt's own seed)."""
@@ -113,25 +249,50 @@ class VllmEngine:
                 "logprobs": 0, "return_tokens_as_token_ids": True, "skip_special_tokens": False}
         return body
 
+    def check_served(self) -> None:
+        """Before sampling: the version set by an update is still the one served (a restarted server is not)."""
+        if self.version is not None:
+            self.check_version(self.version)
+
     def generate(self, jobs: Sequence[PromptJob], settings: SamplingSettings) -> list[list[Sample]]:
         if not jobs:
             return []
+        self.check_served()
         pool = ThreadPoolExecutor(max_workers=min(self.concurrency, len(jobs)))
         try:
-            futures = [pool.submit(self._one, job, settings) for job in jobs]
+            futures = [pool.submit(self.sample, job, settings) for job in jobs]
             return [f.result() for f in futures]
         finally:  # on a failure, the requests not yet sent are not sent
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def _one(self, job: PromptJob, s: SamplingSettings) -> list[Sample]:
+    def sample(self, job: PromptJob, s: SamplingSettings) -> list[Sample]:
+        """One prompt's ``n`` samples (one request); ``ServerUnreachable`` when the server did not answer."""
         try:
             answer = http_json(f"{self.url}/v1/completions", self.request(job, s), timeout=self.timeout)
         except TRANSPORT_ERRORS as exc:
-            raise GenerationError(self._where(f"failed on row {job.row} ({describe_failure(exc)})")) from None
+            cls = GenerationError if answered(exc) else ServerUnreachable
+            raise cls(self._where(f"failed on row {job.row} ({describe_failure(exc)})")) from None
         except ValueError as exc:  # not JSON
             raise GenerationError(self._where(f"answered row {job.row} with something other than JSON ({exc})")) \
                 from None
         return parse_choices(answer, job, s, self.url)
+
+
+def answered(exc: BaseException) -> bool:
+    """Whether the server answered (an HTTP status below 500: the request's fault, any server would refuse it),
+    as opposed to not answering or failing itself (5xx: vLLM's engine died)."""
+    return isinstance(exc, urllib.error.HTTPError) and exc.code < 500
+
+
+VERSION_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def check_version_name(version: str) -> str:
+    """A weights version is part of an adapter's name: letters, digits, ``.``, ``_`` and ``-`` only."""
+    if not isinstance(version, str) or not version or not set(version) <= VERSION_CHARS:
+        raise GenerationError(f"weights version {version!r}: use a non-empty name of letters, digits, '.', '_' or "
+                              "'-' (e.g. round-3)")
+    return version
 
 
 def parse_choices(answer: dict, job: PromptJob, s: SamplingSettings, url: str) -> list[Sample]:
