@@ -158,4 +158,5 @@ if __name__ == "__main__":
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--die-after", type=int, default=None)
     a = ap.parse_args()
+    print(f"stub server started on port {a.port}", flush=True)  # a line per start, in the log prefpack keeps
     StubServer(a.port, die_after=a.die_after).serve_forever()

@@ -339,9 +339,10 @@ def _rounds_problems(cfg: Config, errs: list[str]) -> None:
     if not r.in_process and r.optimizer == "keep":
         errs.append("rounds.in_process=false runs each round as a whole training run, with a fresh optimizer: set "
                     "rounds.optimizer=reset with it (keep carries the optimizer across rounds in one process)")
-    if r.vllm_url is not None and r.count > 1:
-        errs.append("rounds.vllm_url serves one fixed model, so it cannot sample the policy of round 2 on; use "
-                    "rounds.vllm_command (prefpack serves each round's policy) or rounds.count=1")
+    if r.vllm_url is not None and r.count > 1 and not r.in_process:
+        errs.append("rounds.vllm_url with rounds.in_process=false: a round run as its own training cannot give a "
+                    "running server its policy; leave rounds.in_process true (the server is updated in place) or "
+                    "use rounds.vllm_command")
     if cfg.train.objective in TRAIN_OBJECTIVES and not TRAIN_OBJECTIVES[cfg.train.objective].rounds:
         errs.append("rounds train the policy on preference pairs: train.objective must be "
                     + " or ".join(n for n, o in TRAIN_OBJECTIVES.items() if o.rounds))
@@ -366,7 +367,7 @@ def _rounds_reference_problems(cfg: Config, errs: list[str]) -> None:
         errs.append(f"rounds.reference=round_start with model.quantization={q}: the round's starting policy (the 4-bit "
                     "base and the last adapter) is held by no reference mode; use rounds.reference=initial with "
                     "reference.mode=adapter")
-    if cfg.lora.enabled and cfg.lora.adapter and r.engine == "vllm":
+    if cfg.lora.enabled and cfg.lora.adapter and r.engine == "vllm" and not r.in_process:
         errs.append("rounds.engine=vllm serves merged model folders, and round 1's policy is model.name_or_path under "
                     "lora.adapter; merge it into a folder for model.name_or_path, or use rounds.engine=transformers")
     if mode == "precomputed" and r.reference == "round_start" and cfg.data.eval:

@@ -283,12 +283,16 @@ class RoundsConfig:
     top_p: float = _f(1.0, "nucleus sampling threshold")
     max_new_tokens: int = _f(256, "longest completion; a longer one is cut and counted (cut_samples)")
     seed: int = _f(0, "sampling seed (round r samples with seed + r)")
-    engine: RoundsEngine = _f("transformers", "transformers = in process; vllm = a vLLM server on the round's policy")
+    engine: RoundsEngine = _f("transformers", "transformers = the policy in memory; vllm = a vLLM server given each "
+                              "round's policy in place (docs/on-policy.md)")
     batch_size: int = _f(8, "transformers engine: prompts per generate call")
-    vllm_command: str | None = _f(None, "vllm: the command that serves {model} on {port}, started and stopped each "
-                                  "round (e.g. 'vllm serve {model} --port {port}')")
-    vllm_url: str | None = _f(None, "vllm: a running server's URL (count must be 1: prefpack cannot load a new "
-                              "policy into it)")
+    vllm_command: str | None = _f(None, "vllm: the command that serves {model} on {port} (e.g. 'vllm serve {model} "
+                                  "--port {port} --worker-extension-cls prefpack.generation.vllm_worker."
+                                  "PrefpackWorkerExtension'), started once per run on the initial model (a round per "
+                                  "training: on each round's policy)")
+    vllm_url: str | list[str] | None = _f(None, "vllm: running servers' URLs (one, or a list: prompts dealt over "
+                                          "them), each given each round's policy in place; a round per training "
+                                          "(rounds.in_process=false): one URL, count 1")
     reward_fn: str | None = _f(None, "scorer: path/to/file.py:function (prefpack score --reward-fn)")
     reward_model: str | None = _f(None, "scorer: a reward model folder (prefpack score --reward-model)")
     pairs: PairMode = _f("best_vs_worst", "pairs of a prompt's samples: best_vs_worst (RLHFlow's max-min), "

@@ -48,6 +48,8 @@ class RolloutFeed:
         self.eval_feed = None  # the last StoreFeed built: data.eval's objectives
         self.started: float | None = None  # when this process started the round's training
         self.eval_scores: list[float] | None = None  # the round's held-out prompts' rewards (rank 0)
+        self.live = None  # rounds.engine vllm: the run's server(s), kept across rounds (rank 0)
+        self.pushed: str | None = None  # the weights version the live server was last given
         self._state: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------ what the loop reads
@@ -173,7 +175,10 @@ class RolloutFeed:
         return self._store_feed(k) if k is not None else None
 
     def _sampler(self, source):
-        """The policy in memory as the sampling engine, its weights as the round's saved final model holds them."""
+        """The policy in memory as the sampling engine, its weights as the round's saved final model holds them; with
+        ``rounds.engine: vllm`` the run's live server(s), given the round's weights first (:meth:`_live`)."""
+        if self.cfg.rounds.engine == "vllm":
+            return _Kept(self._live(source))
         from prefpack.generation.hf_engine import TransformersEngine
 
         # recorded as the folder the round's policy is exported to (the same weights): a samples file either loop
@@ -182,6 +187,44 @@ class RolloutFeed:
         where = opts.model if not opts.adapter else f"{opts.model} + adapter {opts.adapter}"
         return TransformersEngine.of_policy(self._sampling_model(), pad_id=self.pad_id,
                                             batch_size=self.cfg.rounds.batch_size, source=where)
+
+    def _live(self, source):
+        """The run's vLLM server(s): started once (``rounds.vllm_command``, on the initial model) or reached
+        (``rounds.vllm_url``, one or several), then given round ``self.round``'s policy in place: LoRA as an adapter
+        loaded at run time, else the full weights reloaded from the folder the policy was exported to, each under a
+        version the server must confirm before it samples (never stale weights silently)."""
+        from prefpack.generation.run import build_engine
+
+        cfg, r = self.cfg, self.round
+        if self.live is None:
+            opts = plan.generate_options(cfg, self.run_dir, 0, prompts=cfg.rounds.prompts,
+                                         output=self.run_dir / "sampler.jsonl")  # its log: sampler.vllm.log
+            opts.adapter = None  # a LoRA run's server serves the base; each round's adapter is loaded into it
+            self.live = build_engine(opts, source)
+            self.log(f"vLLM sampler for every round: {', '.join(self.live.describe().get('urls') or [self.live.url])}")
+        version = weights_version(self.run_dir, r)
+        if self.pushed != version:
+            t0 = time.perf_counter()
+            if cfg.lora.enabled:
+                self.live.load_adapter(plan.adapter_of(cfg, self.run_dir, r) or self._start_adapter(r), version)
+            else:
+                self.live.update_weights(plan.policy_of(cfg, self.run_dir, r), version)
+            self.pushed = version
+            self.log(f"round {r + 1}: the vLLM sampler serves {version} ({time.perf_counter() - t0:.2f} s)")
+        return self.live
+
+    def _start_adapter(self, r: int) -> str:
+        """A fresh adapter (round 1 without ``lora.adapter``) saved for the server to load (rank 0 samples)."""
+        folder = plan.round_dir(self.run_dir, r) / "start_adapter"
+        if not (folder / "adapter_config.json").is_file():
+            self.engine.policy.save_pretrained(folder)
+        return str(folder)
+
+    def close(self) -> None:
+        """Stop a server the run started (a server given by URL keeps running)."""
+        if self.live is not None:
+            self.live.close()
+            self.live = None
 
     def _sampling_model(self):
         """The policy, or a copy rounded to the dtype the round's final model is saved in and cast to the dtype the
@@ -277,3 +320,29 @@ class RolloutFeed:
         with open(path, encoding="utf-8") as fh:
             return [s for line in fh if line.strip() for s in json.loads(line)["scores"]]
 
+
+def weights_version(run_dir: Path, r: int) -> str:
+    """The name round ``r``'s weights are served under: the run (its folder's absolute path, hashed) and the round,
+    so a server another run updated is never taken for this one's."""
+    import hashlib
+
+    run = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]
+    return f"{run}-round-{r + 1:03d}"
+
+
+class _Kept:
+    """A sampler that lives across rounds, handed to one round's sampling: ``close`` leaves it running."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.name, self.batch_prompts = engine.name, engine.batch_prompts
+        self.batch_dependent = getattr(engine, "batch_dependent", False)
+
+    def generate(self, jobs, settings):
+        return self.engine.generate(jobs, settings)
+
+    def describe(self) -> dict:
+        return self.engine.describe()
+
+    def close(self) -> None:
+        return None

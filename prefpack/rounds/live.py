@@ -60,10 +60,11 @@ def run_in_process(cfg, *, resume: bool = False, log=print, progress: bool = Tru
         if stop_at is not None and stop_at[1] == "train":
             stop_steps = stop_at[0] * rc.steps_per_round + stop_at[2]
         try:
-            run_steps(cfg, setup, run_dir, resume=resume or latest_checkpoint(run_dir) is not None, log=log,
-                      progress=progress, stop_after_steps=stop_steps)
+            run_steps(cfg, setup, run_dir, resume=resume, log=log, progress=progress, stop_after_steps=stop_steps)
         except TrainingInterrupted as exc:
             raise RoundsInterrupted(str(exc)) from None
+        finally:
+            setup.feed.close()  # a vLLM server the run started
     result.rounds = [read_json(plan.round_dir(run_dir, r) / ROUND_FILE) for r in range(rc.count)]
     result.final_dir = Path(plan.policy_of(cfg, run_dir, rc.count))
     if cfg.run.plot and ranks.is_main:

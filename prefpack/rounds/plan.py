@@ -133,8 +133,6 @@ def why_restart(cfg) -> str | None:
     rc = cfg.rounds
     if not rc.in_process:
         return "rounds.in_process=false"
-    if rc.engine == "vllm":
-        return "rounds.engine=vllm starts a server on each round's saved policy"
     if cfg.reference.mode == "precomputed" and rc.reference == "round_start":
         return ("reference.mode=precomputed with rounds.reference=round_start computes each round's sidecar from the "
                 "last round's saved model")

@@ -1,0 +1,111 @@
+"""Rounds in one process sampling through vLLM servers that live across rounds (tests/vllm_stub.py's stand-in, on
+127.0.0.1): each round's policy is given to every server in place before it samples (the full weights reloaded from
+the folder the round's policy was exported to; LoRA: the round's adapter loaded at run time), under a version each
+server confirms and each round's samples record; prompts are dealt over two servers; a server prefpack starts is
+started once for every round; a server that cannot take the weights stops the run in one line."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from prefpack.config import load_config
+from prefpack.generation.engine import GenerationError
+from prefpack.rounds import run_rounds
+from prefpack.rounds.feed import weights_version
+from tests.conftest import quiet, read_jsonl
+from tests.test_rounds import overrides, task  # noqa: F401 - task: the quickstart fixture, built for this module too
+from tests.vllm_stub import StubServer
+
+ROUNDS = 3
+VLLM = (f"rounds.count={ROUNDS}", "rounds.steps_per_round=2", "rounds.eval_prompts=null", "rounds.engine=vllm",
+        "rounds.max_new_tokens=4")
+
+
+def rounds_config(task, run: str, *extra: str):  # noqa: F811
+    return load_config(None, overrides(task, run, *VLLM, *extra))
+
+
+@pytest.fixture
+def servers():
+    started = [StubServer().start(), StubServer().start()]
+    yield started
+    for s in started:
+        s.shutdown()
+
+
+def reloads(server) -> list[tuple[str, str]]:
+    return [tuple(body["args"]) for path, body in server.admin
+            if path == "/collective_rpc" and body["method"] == "prefpack_reload_weights"]
+
+
+def test_two_live_servers_take_each_rounds_weights_in_place(task, servers, one_thread):  # noqa: F811
+    run = task / "vllm_live"
+    urls = ",".join(s.url for s in servers)
+    result = run_rounds(rounds_config(task, "vllm_live", f"rounds.vllm_url=[{urls}]"), log=quiet, progress=False)
+    assert len(result.rounds) == ROUNDS
+    folders = [str(task / "init")] + [str(run / "rounds" / f"{r:03d}" / "train" / "final") for r in range(1, ROUNDS)]
+    versions = [weights_version(run, r) for r in range(ROUNDS)]
+    for server in servers:  # every server reloaded every round's policy, in order, each under its round's version
+        assert reloads(server) == list(zip(folders, versions))
+        assert server.version == versions[-1]
+        assert [p for p, _ in server.admin].count("/reset_prefix_cache") == ROUNDS
+    # the prompts dealt over both servers, each request the prompt's own seeded one, so every row as one server's
+    assert all(len(s.requests) > 0 for s in servers)
+    for r in range(ROUNDS):  # every sample names the weights that made it
+        assert samples_meta(run, r)["generation"]["weights_version"] == versions[r]
+    from prefpack.generation.engine import prompt_seed
+    from tests.vllm_stub import stub_choice
+
+    for row in read_jsonl(run / "rounds" / "002" / "samples.jsonl"):  # round 2 samples with seed rounds.seed + 1
+        body = next(b for s in servers for b in s.requests
+                    if b["prompt"] == row["prompt_ids"] and b["seed"] == prompt_seed(1, row["row"]))
+        assert row["completion_ids"] == [stub_choice(body, k)["token_ids"] for k in range(body["n"])]
+
+
+def samples_meta(run, r: int) -> dict:
+    import json
+
+    return json.loads((run / "rounds" / f"{r + 1:03d}" / "samples.meta.json").read_text())
+
+
+def test_a_server_prefpack_starts_serves_every_round_from_one_start(task, one_thread):  # noqa: F811
+    from pathlib import Path
+
+    run = task / "vllm_command"
+    stub = Path(__file__).resolve().parent / "vllm_stub.py"
+    command = f"{sys.executable} {stub} --port {{port}}"
+    result = run_rounds(rounds_config(task, "vllm_command", f"rounds.vllm_command='{command}'"), log=quiet,
+                        progress=False)
+    assert len(result.rounds) == ROUNDS
+    log = (run / "sampler.vllm.log").read_text()
+    assert log.count("stub server started") == 1  # one start for every round (a round per training: one each)
+    for r in range(ROUNDS):
+        assert samples_meta(run, r)["generation"]["weights_version"] == weights_version(run, r)
+
+
+def test_lora_rounds_load_each_rounds_adapter_into_the_live_server(task, servers, one_thread):  # noqa: F811
+    run = task / "vllm_lora"
+    server = servers[0]
+    run_rounds(rounds_config(task, "vllm_lora", f"rounds.vllm_url={server.url}", "lora.enabled=true", "lora.r=4",
+                             "reference.mode=adapter"), log=quiet, progress=False)
+    loads = [body for path, body in server.admin if path == "/v1/load_lora_adapter"]
+    paths = [str(run / "rounds" / "001" / "start_adapter")] + \
+        [str(run / "rounds" / f"{r:03d}" / "train" / "final" / "adapter") for r in range(1, ROUNDS)]
+    assert [b["lora_path"] for b in loads] == paths
+    assert [b["lora_name"] for b in loads] == [f"prefpack-{weights_version(run, r)}" for r in range(ROUNDS)]
+    assert list(server.adapters) == [f"prefpack-{weights_version(run, ROUNDS - 1)}"]  # the earlier ones unloaded
+    assert {b["model"] for b in server.requests} == {f"prefpack-{weights_version(run, r)}" for r in range(ROUNDS)}
+
+
+def test_a_server_that_cannot_take_the_weights_stops_the_run_in_one_line(task, one_thread):  # noqa: F811
+    server = StubServer(extension=False).start()
+    try:
+        with pytest.raises(GenerationError) as err:
+            run_rounds(rounds_config(task, "vllm_stale", f"rounds.vllm_url={server.url}"), log=quiet, progress=False)
+    finally:
+        server.shutdown()
+    message = str(err.value)
+    assert "\n" not in message and server.url in message and "--worker-extension-cls" in message
+    assert not server.requests  # nothing sampled from weights it could not confirm
