@@ -109,3 +109,33 @@ def test_a_server_that_cannot_take_the_weights_stops_the_run_in_one_line(task, o
     message = str(err.value)
     assert "\n" not in message and server.url in message and "--worker-extension-cls" in message
     assert not server.requests  # nothing sampled from weights it could not confirm
+
+
+def test_a_server_that_dies_mid_round_stops_it_in_one_line_and_a_resume_continues_exactly(task, one_thread):  # noqa: F811
+    """The only server dies after 3 requests of round 1: one line naming it; restarted at the same address, the run
+    resumes (the new server given the round's weights first) to the files of a run whose server never died."""
+    straight_server = StubServer().start()
+    try:
+        run_rounds(rounds_config(task, "vllm_straight", f"rounds.vllm_url={straight_server.url}"), log=quiet,
+                   progress=False)
+    finally:
+        straight_server.shutdown()
+    dying = StubServer(die_after=3).start()
+    url = dying.url
+    cfg = rounds_config(task, "vllm_died", f"rounds.vllm_url={url}")
+    try:
+        with pytest.raises(GenerationError) as err:
+            run_rounds(cfg, log=quiet, progress=False)
+    finally:
+        dying.shutdown()
+        dying.server_close()
+    assert "\n" not in str(err.value) and url in str(err.value)
+    again = StubServer(port=int(url.rsplit(":", 1)[1])).start()  # the server restarted where it was
+    try:
+        run_rounds(cfg, resume=True, log=quiet, progress=False)
+    finally:
+        again.shutdown()
+    assert reloads(again)[0] == (str(task / "init"), weights_version(task / "vllm_died", 0))
+    for r in range(1, ROUNDS + 1):
+        a, b = (task / run / "rounds" / f"{r:03d}" / "samples.jsonl" for run in ("vllm_straight", "vllm_died"))
+        assert a.read_bytes() == b.read_bytes(), r

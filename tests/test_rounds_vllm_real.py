@@ -1,13 +1,17 @@
-"""Opt-in: two on-policy rounds with ``rounds.engine: vllm`` and a real vLLM server prefpack starts from
+"""Opt-in: on-policy rounds with ``rounds.engine: vllm`` and a real vLLM server prefpack starts from
 ``PREFPACK_VLLM_COMMAND`` (as in test_generate_vllm_real.py: vLLM in its own environment, docs/generate.md; under the
-suite put ``env -u CUDA_VISIBLE_DEVICES`` in front). Skipped without the variable: each round starts a server, which
-takes minutes on CPU.
+suite put ``env -u CUDA_VISIBLE_DEVICES`` in front). Skipped without the variable: a server's start takes a minute or
+more on CPU.
 
-Checked: each round's server is started on that round's policy folder (the initial model, then round 1's
-``final/``) and its whole process group is gone before the round is scored; round 2's samples come from the
-round-1 policy (seeded sampling cannot be replayed in process, so by likelihood: round 1's samples are likelier
-under the initial model, round 2's under round 1's, each to a margin); the pair stores pass ``Store.verify`` and hold
-the samples file's ids. Each round's seconds per phase are printed (run with ``-s``)."""
+Rounds in one process (the default): three rounds from ONE server start (on the initial model, with prefpack's worker
+extension and dev mode; LoRA: ``--enable-lora`` and runtime updating), each round's policy given to it in place (the
+full weights reloaded from the round's exported folder, or the round's adapter loaded) under a version each round's
+samples record; the server's whole process group is gone after the run. A round per training
+(``rounds.in_process: false``): each round's server started on that round's policy folder and stopped before the
+round is scored. Either way round r's samples come from round r's policy (seeded sampling cannot be replayed in
+process, so by likelihood: round 1's samples are likelier under the initial model, round 2's under round 1's, each to
+a margin), and the pair stores pass ``Store.verify`` and hold the samples file's ids. Each round's seconds per phase
+are printed (run with ``-s``)."""
 
 from __future__ import annotations
 
@@ -99,26 +103,29 @@ def _check_stores_and_policies(run: Path, init: Path, rounds: list[dict]) -> Non
 
 
 
-def test_two_rounds_sample_each_round_policy_through_a_real_vllm_server(tmp_path, toy_tokenizers, monkeypatch,
-                                                                         one_thread):
+def _run(tmp_path, toy_tokenizers, monkeypatch, count: int, *extra: str):
+    """``count`` rounds on a tiny Llama; the servers' starts and stops and the rounds' scoring, in order."""
     from prefpack.config import load_config
     from prefpack.generation import server as server_module
-    from prefpack.rounds import driver, run_rounds
+    from prefpack.rounds import phases, run_rounds
 
     init, run = tmp_path / "init", tmp_path / "run"
     _tiny_llama(init, toy_tokenizers["chatml"])
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": [{"role": "user", "content": f"question {i}?"}]}
                                                        for i in range(8)])
     (tmp_path / "reward.py").write_text(REWARD)
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent))  # the worker extension's import
     cfg = load_config(None, [
         f"model.name_or_path={init}", "train.global_batch_pairs=4", "optim.lr=1e-2", "loss.beta=0.1",
-        f"run.output_dir={run}", "run.report_to=none", "run.plot=false", "rounds.count=2", f"rounds.prompts={prompts}",
-        "rounds.samples_per_prompt=4", "rounds.max_new_tokens=8", "rounds.temperature=1.0", "rounds.seed=3",
-        f"rounds.reward_fn={tmp_path / 'reward.py'}:reward", "rounds.steps_per_round=6", "rounds.engine=vllm",
-        f"rounds.vllm_command={COMMAND}"])
+        f"run.output_dir={run}", "run.report_to=none", "run.plot=false", f"rounds.count={count}",
+        f"rounds.prompts={prompts}", "rounds.samples_per_prompt=4", "rounds.max_new_tokens=8", "rounds.temperature=1.0",
+        "rounds.seed=3", f"rounds.reward_fn={tmp_path / 'reward.py'}:reward", "rounds.steps_per_round=6",
+        "rounds.engine=vllm", *extra])
 
     events: list[tuple] = []  # what happened, in order: each server's start and stop, each round's scoring
-    start, stop, score = server_module.VllmServer.start, server_module.VllmServer.stop, driver._score
+    start, stop, score = server_module.VllmServer.start, server_module.VllmServer.stop, phases._score
 
     def recorded_start(self, *a, **k):
         events.append(("start", self.command))
@@ -137,9 +144,41 @@ def test_two_rounds_sample_each_round_policy_through_a_real_vllm_server(tmp_path
 
     monkeypatch.setattr(server_module.VllmServer, "start", recorded_start)
     monkeypatch.setattr(server_module.VllmServer, "stop", recorded_stop)
-    monkeypatch.setattr(driver, "_score", recorded_score)
+    for module in ("prefpack.rounds.phases", "prefpack.rounds.driver"):
+        monkeypatch.setattr(f"{module}._score", recorded_score)
     result = run_rounds(cfg, log=quiet, progress=False)
+    for line in result.rounds:
+        print(f"round {line['round'] + 1}: " + ", ".join(
+            f"{k} {line[k]:.1f}" for k in ("seconds/generate", "seconds/score", "seconds/train",
+                                           "generate/tokens_per_s")) + f", {line['pairs']} pairs")
+    return init, run, events, result
 
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full-weights", "lora"])
+def test_three_rounds_in_one_process_from_one_server_start(tmp_path, toy_tokenizers, monkeypatch, one_thread, lora):
+    from prefpack.generation.vllm_worker import EXTENSION
+    from prefpack.rounds.feed import weights_version
+
+    flags = "--enable-lora --max-lora-rank 8" if lora else f"--worker-extension-cls {EXTENSION}"
+    extra = ("lora.enabled=true", "lora.r=8", "lora.alpha=16", "reference.mode=adapter", "optim.lr=0.1") if lora \
+        else ()
+    init, run, events, result = _run(tmp_path, toy_tokenizers, monkeypatch, 3,
+                                     f"rounds.vllm_command={COMMAND} {flags}", *extra)
+    kinds = [e[0] for e in events]
+    assert kinds == ["start", "serving", "score", "score", "score", "stopped"], events  # one start for every round
+    assert str(init) in events[0][1].split()  # started on the initial model (LoRA: the base)
+    assert events[-1][1] == events[1][1] and events[-1][2] == []  # the whole process group is gone
+    for r in range(3):
+        meta = json.loads((run / "rounds" / f"{r + 1:03d}" / "samples.meta.json").read_text())
+        assert meta["complete"] and meta["generation"]["weights_version"] == weights_version(run, r)
+    if not lora:  # the samples' likelihoods under the rounds' merged final models (LoRA: its adapter moves them less)
+        _check_stores_and_policies(run, init, result.rounds)
+
+
+def test_rounds_as_separate_trainings_start_a_server_on_each_round_policy(tmp_path, toy_tokenizers, monkeypatch,
+                                                                         one_thread):
+    init, run, events, result = _run(tmp_path, toy_tokenizers, monkeypatch, 2, f"rounds.vllm_command={COMMAND}",
+                                     "rounds.in_process=false", "rounds.optimizer=reset")
     policies = [init, run / "rounds" / "001" / "train" / "final"]
     kinds = [e[0] for e in events]
     assert kinds == ["start", "serving", "stopped", "score"] * 2, events
@@ -152,9 +191,4 @@ def test_two_rounds_sample_each_round_policy_through_a_real_vllm_server(tmp_path
         meta = json.loads((folder / "samples.meta.json").read_text())
         assert meta["complete"] and str(policy) in meta["generation"]["command"].split(), meta["generation"]
         assert (folder / "samples.vllm.log").stat().st_size > 0
-
     _check_stores_and_policies(run, init, result.rounds)
-    for line in result.rounds:
-        print(f"round {line['round'] + 1}: " + ", ".join(
-            f"{k} {line[k]:.1f}" for k in ("seconds/generate", "seconds/score", "seconds/train",
-                                           "generate/tokens_per_s")) + f", {line['pairs']} pairs")

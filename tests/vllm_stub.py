@@ -38,6 +38,7 @@ def stub_choice(body: dict, k: int) -> dict:
 
 class StubServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 128  # a round's requests connect at once (uvicorn's backlog is 2048; the default 5 resets)
 
     def __init__(self, port: int = 0, *, die_after: int | None = None, drop_stop_tokens: bool = False,
                  dev_mode: bool = True, extension: bool = True, lora: bool = True, workers: int = 1):
