@@ -336,6 +336,9 @@ def _rounds_problems(cfg: Config, errs: list[str]) -> None:
         errs.append(f"rounds.min_gap must be a finite number >= 0, got {r.min_gap}")
     if r.engine == "vllm" and (r.vllm_command is None) == (r.vllm_url is None):
         errs.append("rounds.engine vllm: give rounds.vllm_command (started on each round's policy) or rounds.vllm_url")
+    if not r.in_process and not r.save_each_round:
+        errs.append("rounds.save_each_round=false keeps no round's model but the last, and rounds run as separate "
+                    "trainings (rounds.in_process=false) read each round's policy back from its model: set one true")
     if not r.in_process and r.optimizer == "keep":
         errs.append("rounds.in_process=false runs each round as a whole training run, with a fresh optimizer: set "
                     "rounds.optimizer=reset with it (keep carries the optimizer across rounds in one process)")

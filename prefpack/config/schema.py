@@ -303,6 +303,10 @@ class RoundsConfig:
     optimizer: RoundsOptimizer = _f("keep", "keep = one optimizer over every round (its moments carry on, as the "
                                     "learning-rate schedule does); reset = a fresh optimizer state at each round's "
                                     "start (RLHFlow's iterative DPO)")
+    save_each_round: bool = _f(True, "true = at each round's end an evaluation (data.eval), a checkpoint and the "
+                               "round's model (rounds/NNN/train/final); false = online training (a round of a few "
+                               "steps): the last round's model only, checkpoints and evaluations by run.save_every / "
+                               "run.eval_every")
     in_process: bool = _f(True, "true = every round in one training process (the policy loaded once, sampled in "
                           "memory, one optimizer); false = each round a whole training run (the policy saved and read "
                           "back, a fresh optimizer, a vLLM server started per round): what vLLM, FSDP2 and a "

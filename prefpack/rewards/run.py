@@ -47,18 +47,19 @@ class ScoreOptions:
     argv: list[str] = field(default_factory=list)
 
 
-def score(opts: ScoreOptions, log: Callable[[str], None] = print) -> dict:
+def score(opts: ScoreOptions, log: Callable[[str], None] = print, scorer: Scorer | None = None) -> dict:
     """Score ``opts.input`` into ``opts.output``; returns a summary (rows, completions, the scores' spread, pairs).
-    SIGTERM or Ctrl-C is acted on between checkpoints: :class:`Terminated`, every scored chunk kept."""
+    SIGTERM or Ctrl-C is acted on between checkpoints: :class:`Terminated`, every scored chunk kept. ``scorer``: the
+    one the options name, already made (on-policy rounds keep a reward model loaded across rounds)."""
     with StopSignal(signums=STOP_SIGNALS) as stop:
-        return _score(opts, log, stop)
+        return _score(opts, log, stop, scorer)
 
 
-def _score(opts: ScoreOptions, log: Callable[[str], None], stop: StopSignal) -> dict:
+def _score(opts: ScoreOptions, log: Callable[[str], None], stop: StopSignal, scorer: Scorer | None = None) -> dict:
     _check(opts)
     source = ScoreInput(opts.input, tokenizer=opts.tokenizer, fallback_tokenizer=_model_tokenizer(opts.reward_model),
                         trust_remote_code=opts.trust_remote_code)
-    scorer = make_scorer(opts)
+    scorer = scorer if scorer is not None else make_scorer(opts)
     identity = scorer.identity()
     partial = PartialScores(opts.output, {"input": source.identity(), "scorer": identity}, log=log)
     total = source.count_rows()

@@ -52,6 +52,9 @@ def run_rounds(cfg, *, resume: bool = False, log=print, progress: bool = True,
         from prefpack.rounds.live import run_in_process
 
         return run_in_process(cfg, resume=resume, log=log, progress=progress, stop_at=stop_at)
+    if not cfg.rounds.save_each_round:
+        raise RoundsError(f"rounds.save_each_round=false runs the rounds in one process, and {why}; set "
+                          "rounds.save_each_round=true")
     ranks = Ranks(init_from_env(cfg.train.device))  # train() finds the group joined: one group for the whole run
     if not ranks.is_main:
         log, progress = _quiet, False

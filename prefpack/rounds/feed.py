@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from prefpack.distributed import SINGLE
 from prefpack.rounds import plan
 from prefpack.rounds.metrics import ROUND_FILE, read_json, record_phase
 from prefpack.training.feed import FeedStep, StoreSet, open_stores, store_feed
@@ -42,6 +43,9 @@ class RolloutFeed:
         self.per_round = rc.steps_per_round
         self.num_steps = rc.count * rc.steps_per_round
         self.moves_reference = rc.reference == "round_start" and engine.reference.model is not None
+        self.each_round = rc.save_each_round  # false: online training, only the last round's model exported
+        self.start = 0  # the step this process began at (rounds after it are recorded again when replayed)
+        self.scorer = None  # the rounds' scorer, made once (a reward model loaded once; rank 0)
         self.metrics = None
         self.round: int | None = None  # the round whose steps run now
         self.feed = None  # its StoreFeed (None: its samples all tied)
@@ -72,7 +76,7 @@ class RolloutFeed:
         return self.eval_feed.eval_tasks if self.eval_feed is not None else {}
 
     def begin(self, start: int, metrics) -> None:
-        self.metrics = metrics
+        self.metrics, self.start = metrics, start
         if start and start % self.per_round == 0:  # resumed at a round's end: its record first, if a kill skipped it
             self._record(start // self.per_round - 1, self._logged_eval(start))
         if start < self.num_steps:
@@ -92,10 +96,15 @@ class RolloutFeed:
         return FeedStep(work.objective, work.ids, work.key, work.epoch, {"round": r}, reset_optimizer=fresh)
 
     def boundary(self, done: int) -> bool:
-        return done % self.per_round == 0
+        return self.each_round and done % self.per_round == 0
 
-    def after_boundary(self, done: int, evaluation: dict | None) -> None:
-        self._record(done // self.per_round - 1, evaluation)
+    def step_done(self, done: int, evaluation: dict | None) -> None:
+        if done % self.per_round == 0:
+            self._record(done // self.per_round - 1, evaluation)
+        if done == self.num_steps and not self.each_round:  # the run's model, where the rounds' summary names it
+            final = Path(plan.policy_of(self.cfg, self.run_dir, self.cfg.rounds.count))
+            if not (final / "config.json").is_file() and final != Path(plan.initial_policy(self.cfg)):
+                self._export(final.parent)
 
     def state_dict(self) -> dict[str, Any]:
         return self.feed.state_dict() if self.feed is not None else dict(self._state)
@@ -131,15 +140,17 @@ class RolloutFeed:
         samples = folder / "samples.jsonl"
         _generate(cfg, run_dir, r, cfg.rounds.prompts, samples, "generate", stop, self.log, ranks, self._sampler)
         if not made:
-            ranks.main_only(f"scoring round {r + 1}'s samples", lambda: _score(cfg, r, samples, store, stop, self.log))
+            ranks.main_only(f"scoring round {r + 1}'s samples",
+                            lambda: _score(cfg, r, samples, store, stop, self.log, self._scorer()))
         trains = not tied.is_file()
         if trains and cfg.reference.mode == "precomputed":
             ranks.main_only(f"computing round {r + 1}'s reference log-probs",
                             lambda: precompute_round_reference(cfg, run_dir, r, self.log))
         if cfg.rounds.eval_prompts:
-            self.eval_scores = _eval_prompts(cfg, run_dir, r, stop, self.log, ranks, self._sampler)
+            self.eval_scores = _eval_prompts(cfg, run_dir, r, stop, self.log, ranks, self._sampler,
+                                             self._scorer() if ranks.is_main else None)
         if not trains:
-            if not (folder / ROUND_FILE).is_file():
+            if not self._recorded(r):
                 ranks.main_only(f"recording round {r + 1}", lambda: self._write_round(r, read_json(tied), None))
                 mean = read_json(folder / ROUND_FILE).get("reward/mean", float("nan")) if ranks.is_main else 0.0
                 self.log(f"round {r + 1}: every prompt's samples tie (reward mean {mean:.3f}): nothing to train on; "
@@ -174,6 +185,14 @@ class RolloutFeed:
         k = plan.last_trained(self.run_dir, r)
         return self._store_feed(k) if k is not None else None
 
+    def _scorer(self):
+        """The scorer ``rounds.reward_fn`` / ``rounds.reward_model`` names, made at its first use and kept."""
+        if self.scorer is None:
+            from prefpack.rewards.run import make_scorer
+
+            self.scorer = make_scorer(plan.score_options(self.cfg, Path(), Path(), pairs=True))
+        return self.scorer
+
     def _sampler(self, source):
         """The policy in memory as the sampling engine, its weights as the round's saved final model holds them; with
         ``rounds.engine: vllm`` the run's live server(s), given the round's weights first (:meth:`_live`)."""
@@ -185,6 +204,8 @@ class RolloutFeed:
         # wrote continues in the other
         opts = plan.generate_options(self.cfg, self.run_dir, self.round, prompts=self.cfg.rounds.prompts, output=Path())
         where = opts.model if not opts.adapter else f"{opts.model} + adapter {opts.adapter}"
+        if not self.each_round:  # no round's model is saved: the policy as it stands at the round's first step
+            where = f"the policy in memory at step {self.round * self.per_round}"
         return TransformersEngine.of_policy(self._sampling_model(), pad_id=self.pad_id,
                                             batch_size=self.cfg.rounds.batch_size, source=where)
 
@@ -205,14 +226,43 @@ class RolloutFeed:
         version = weights_version(self.run_dir, r)
         if self.pushed != version:
             t0 = time.perf_counter()
-            if cfg.lora.enabled:
-                self.live.load_adapter(plan.adapter_of(cfg, self.run_dir, r) or self._start_adapter(r), version)
+            if not self.each_round:  # no round's model is saved: the policy written for the servers, then given
+                folder = self._export_for_sampler(version)
+            elif cfg.lora.enabled:
+                folder = plan.adapter_of(cfg, self.run_dir, r) or self._start_adapter(r)
             else:
-                self.live.update_weights(plan.policy_of(cfg, self.run_dir, r), version)
+                folder = plan.policy_of(cfg, self.run_dir, r)
+            if cfg.lora.enabled:
+                self.live.load_adapter(folder, version)
+            else:
+                self.live.update_weights(folder, version)
             self.pushed = version
+            self._drop_sampler_folders(keep=version)
             self.log(f"round {r + 1}: the vLLM sampler serves {version} ({time.perf_counter() - t0:.2f} s)")
         return self.live
 
+    def _export_for_sampler(self, version: str) -> str:
+        """The policy in memory written where the servers read it, ``RUN_DIR/sampler/VERSION`` (LoRA: the adapter
+        alone; else the whole model, as a round's final model is written)."""
+        folder = self.run_dir / "sampler" / version
+        if self.cfg.lora.enabled:
+            if not (folder / "adapter_config.json").is_file():
+                self.engine.policy.save_pretrained(folder)
+            return str(folder)
+        if not (folder / "final" / "config.json").is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            self._export(folder, ranks_take_part=False)
+        return str(folder / "final")
+
+    def _drop_sampler_folders(self, keep: str) -> None:
+        """The folders of weights the servers no longer serve (prefpack wrote them, for them alone)."""
+        import shutil
+
+        root = self.run_dir / "sampler"
+        if root.is_dir():
+            for old in root.iterdir():
+                if old.is_dir() and old.name != keep:
+                    shutil.rmtree(old, ignore_errors=True)
     def _start_adapter(self, r: int) -> str:
         """A fresh adapter (round 1 without ``lora.adapter``) saved for the server to load (rank 0 samples)."""
         folder = plan.round_dir(self.run_dir, r) / "start_adapter"
@@ -270,24 +320,37 @@ class RolloutFeed:
             return None
         return {k: v for k, v in found[-1].items() if k not in ("step", "split", "time", "round")}
 
-    def _record(self, r: int, evaluation: dict | None) -> None:
-        """Round ``r``'s end: its model exported, its phases and metrics line written, ``round.json`` last (the round
-        is done); nothing for a round already recorded or one that trained nothing."""
-        from prefpack.data.store import Store
+    def _recorded(self, r: int) -> bool:
+        """Whether round ``r``'s record stands: its ``round.json`` written, and its metrics line (logged at the
+        round's first step) not dropped by this process's resume."""
+        return (plan.round_dir(self.run_dir, r) / ROUND_FILE).is_file() and r * self.per_round <= self.start
+
+    def _export(self, where: Path, ranks_take_part: bool = True) -> None:
+        """The policy saved as a final model in ``where/final`` (LoRA merged into a copy; the policy trains on)."""
         from prefpack.engine import final_dtype
         from prefpack.training.checkpoint import save_final
         from prefpack.training.guards import check_finite_weights
 
-        folder = plan.round_dir(self.run_dir, r)
-        if r < 0 or (folder / ROUND_FILE).is_file() or not (folder / "store" / "meta.json").is_file():
-            return
         engine, cfg = self.engine, self.cfg
+        ctx = engine.parallel.dist if ranks_take_part else SINGLE  # the servers' copy: rank 0's
         params = [p for p in engine.policy.parameters() if p.requires_grad]
-        check_finite_weights(params, engine.parallel.dist)  # never a NaN model saved as a round's
-        if self.ranks.is_main:
-            (folder / "train").mkdir(exist_ok=True)
-        save_final(folder / "train", engine.policy, self.tokenizer, module=engine.module, ctx=engine.parallel.dist,
+        check_finite_weights(params, ctx)  # never a NaN model saved
+        if ctx.is_main:
+            where.mkdir(parents=True, exist_ok=True)
+        save_final(where, engine.policy, self.tokenizer, module=engine.module, ctx=ctx,
                    strategy=cfg.distributed.strategy, dtype=final_dtype(cfg, engine.precision), keep_policy=True)
+
+    def _record(self, r: int, evaluation: dict | None) -> None:
+        """Round ``r``'s end: its model exported (every round's with ``rounds.save_each_round``, else the last's), its
+        phases and metrics line written, ``round.json`` last (the round is done); nothing for a round recorded
+        before or one that trained nothing."""
+        from prefpack.data.store import Store
+
+        folder = plan.round_dir(self.run_dir, r)
+        if r < 0 or self._recorded(r) or not (folder / "store" / "meta.json").is_file():
+            return
+        if self.each_round or r == self.cfg.rounds.count - 1:
+            self._export(folder / "train")
         seconds = time.perf_counter() - self.started if self.started is not None and self.round == r else None
         scores = self.eval_scores if self.round == r else self._read_eval_scores(folder)
 

@@ -95,14 +95,14 @@ def _record(metrics, r: int, step: int, samples: Path, scored: dict, eval_after:
     write_json(folder / ROUND_FILE, line)
 
 
-def _score(cfg, r: int, samples: Path, store: Path, stop, log) -> None:
-    """The round's samples scored into its pair store (rank 0)."""
+def _score(cfg, r: int, samples: Path, store: Path, stop, log, scorer=None) -> None:
+    """The round's samples scored into its pair store (rank 0); ``scorer``: one kept across rounds."""
     t0 = time.perf_counter()
     opts = plan.score_options(cfg, samples, store, pairs=True)
     if stop is not None and stop[0] == "score":
         opts.stop_after_rows, opts.checkpoint_rows = stop[1], stop[1]
     try:
-        score(opts, log=log)
+        score(opts, log=log, scorer=scorer)
     except ScoringInterrupted as exc:
         raise RoundsInterrupted(str(exc)) from None
     except NothingToWrite as exc:
@@ -170,7 +170,8 @@ def _sample(opts, output: Path, stop, phase: str, log, shard: tuple[int, int] = 
             engine.close()
 
 
-def _eval_prompts(cfg, run_dir: Path, r: int, stop, log, ranks: Ranks, sampler=None) -> list[float] | None:
+def _eval_prompts(cfg, run_dir: Path, r: int, stop, log, ranks: Ranks, sampler=None,
+                  scorer=None) -> list[float] | None:
     """The held-out prompts sampled by the round's policy and scored (never trained on): their rewards (rank 0's;
     None on the others)."""
     import json
@@ -180,7 +181,7 @@ def _eval_prompts(cfg, run_dir: Path, r: int, stop, log, ranks: Ranks, sampler=N
     _generate(cfg, run_dir, r, cfg.rounds.eval_prompts, samples, "eval_prompts", stop, log, ranks, sampler)
     if not scored.is_file():
         ranks.main_only(f"scoring round {r + 1}'s held-out samples",
-                        lambda: score(plan.score_options(cfg, samples, scored, pairs=False), log=log))
+                        lambda: score(plan.score_options(cfg, samples, scored, pairs=False), log=log, scorer=scorer))
     if not ranks.is_main:
         return None
     with open(scored, encoding="utf-8") as fh:

@@ -74,8 +74,10 @@ def generate_options(cfg, run_dir: Path, r: int, *, prompts, output: Path, held_
     rc = cfg.rounds
     store, inputs = prompt_inputs(prompts)
     base_and_adapter = cfg.lora.enabled and rc.engine == "transformers"  # vLLM serves the merged final/
+    # no round's model saved (online training): the initial folder names the model's end-of-turn ids, as each would
+    policy = policy_of(cfg, run_dir, r) if rc.save_each_round else initial_policy(cfg)
     return GenerateOptions(
-        output=str(output), model=initial_policy(cfg) if base_and_adapter else policy_of(cfg, run_dir, r),
+        output=str(output), model=initial_policy(cfg) if base_and_adapter else policy,
         adapter=adapter_of(cfg, run_dir, r) if base_and_adapter else None, store=store, inputs=inputs,
         subset=PromptSubset(rc.prompts_per_round, rc.seed, r) if rc.prompts_per_round and not held_out else None,
         quantization=cfg.model.quantization if base_and_adapter else None,

@@ -72,7 +72,7 @@ class Cadence:
     def __init__(self, run: Any, n_steps: int, metrics: Any, ctx: Dist, *, evaluate: Callable[[], dict] | None,
                  save: Callable[[int], None], stop_after_steps: int | None = None, log: Callable[[str], None] = print,
                  boundary: Callable[[int], bool] | None = None,
-                 on_boundary: Callable[[int, dict | None], None] | None = None):
+                 step_done: Callable[[int, dict | None], None] | None = None):
         self.log_every, self.eval_every, self.save_every = run.log_every, run.eval_every, run.save_every
         self.n_steps = n_steps
         self.metrics = metrics
@@ -83,7 +83,7 @@ class Cadence:
         # a feed's segment ends (a round's last step): an evaluation and a checkpoint there too, then the feed's own
         # record of the segment (a resume from that checkpoint records it when the record is missing)
         self.boundary = boundary or (lambda done: False)
-        self.on_boundary = on_boundary
+        self.step_done = step_done  # after each step's evaluation and checkpoint (the last step's: after finish's)
         self.bar = None
         self.lines = False  # plain progress lines (stderr is not a terminal)
         self.clock: tuple[int, float] = (0, 0.0)  # (first step, its time), for the lines' time left
@@ -130,8 +130,8 @@ class Cadence:
             evaluation = self._evaluate(done, f"at step {done}/{self.n_steps}")
         if self._due(self.save_every, done) or ends:
             self.save(done)
-        if ends and self.on_boundary is not None:  # after the checkpoint: a resume from it finds what to record
-            self.on_boundary(done, evaluation)
+        if self.step_done is not None and done < self.n_steps:  # after the checkpoint: a resume from it finds
+            self.step_done(done, evaluation)  # what the feed records here
         if self.stop_after_steps is not None and done >= self.stop_after_steps and done < self.n_steps:
             self._close_bar()
             self.metrics.close(status="KILLED")
@@ -162,8 +162,8 @@ class Cadence:
         after = None
         if self.evaluate is not None:
             after = self._evaluate(self.n_steps, "after training")
-        if self.on_boundary is not None:  # the last step ends the last segment
-            self.on_boundary(self.n_steps, after)
+        if self.step_done is not None:  # the last step, with the evaluation after training
+            self.step_done(self.n_steps, after)
         self.metrics.close()
         return after
 

@@ -6,7 +6,7 @@ schedule, ``train.max_steps`` / ``train.epochs`` steps. Its data position is a p
 state for resume is only what the objective carries across steps (BCO's running mean). A feed whose examples are
 made during training (on-policy rounds: ``prefpack.rounds.feed.RolloutFeed``) answers the same protocol: it makes
 a segment's examples at the segment's first step (the policy as the loop holds it then), asks for an evaluation and a
-checkpoint at each segment's end (``boundary``), and records the segment there (``after_boundary``).
+checkpoint at each segment's end (``boundary``), and records a finished segment after that (``step_done``).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Feed(Protocol):
 
     def boundary(self, done: int) -> bool: ...  # after step ``done``: evaluate and checkpoint (a segment ended)
 
-    def after_boundary(self, done: int, evaluation: dict | None) -> None: ...  # after that evaluation, before the save
+    def step_done(self, done: int, evaluation: dict | None) -> None: ...  # after each step's evaluation and checkpoint
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -115,7 +115,7 @@ class StoreFeed:
     def boundary(self, done: int) -> bool:
         return False  # the run's cadence (run.eval_every, run.save_every) alone
 
-    def after_boundary(self, done: int, evaluation: dict | None) -> None:
+    def step_done(self, done: int, evaluation: dict | None) -> None:
         return None
 
     def state_dict(self) -> dict[str, Any]:

@@ -214,7 +214,7 @@ def run_steps(cfg, setup, run_dir: Path, *, resume: bool, stop_after_steps: int 
                                                         cfg.run.keep_checkpoints, ctx,
                                                         with_reference=synced or feed.moves_reference),
                       stop_after_steps=stop_after_steps, log=log, boundary=feed.boundary,
-                      on_boundary=feed.after_boundary)
+                      step_done=feed.step_done)
     eval_before = cadence.begin(start, progress=progress)
     t_run, tokens_run = time.perf_counter(), 0.0
     last: dict[str, float] = {}
