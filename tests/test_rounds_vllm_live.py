@@ -9,10 +9,11 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 
 from prefpack.config import load_config
 from prefpack.generation.engine import GenerationError
-from prefpack.rounds import run_rounds
+from prefpack.rounds import RoundsInterrupted, run_rounds
 from prefpack.rounds.feed import weights_version
 from tests.conftest import quiet, read_jsonl
 from tests.test_rounds import overrides, task  # noqa: F401 - task: the quickstart fixture, built for this module too
@@ -139,3 +140,38 @@ def test_a_server_that_dies_mid_round_stops_it_in_one_line_and_a_resume_continue
     for r in range(1, ROUNDS + 1):
         a, b = (task / run / "rounds" / f"{r:03d}" / "samples.jsonl" for run in ("vllm_straight", "vllm_died"))
         assert a.read_bytes() == b.read_bytes(), r
+
+
+def test_overlap_samples_the_next_round_while_this_one_trains_one_round_stale(task, servers, one_thread):  # noqa: F811
+    """rounds.overlap: round r + 1 is sampled (in a thread) from round r's starting policy while round r trains;
+    round 1 and round 2 both sample the initial policy, round 3 round 2's start (round 1's final), and so on."""
+    run, server = task / "vllm_overlap", servers[0]
+    result = run_rounds(rounds_config(task, "vllm_overlap", f"rounds.vllm_url={server.url}", "rounds.count=4",
+                                      "rounds.overlap=true"), log=quiet, progress=False)
+    assert len(result.rounds) == 4 and all("seconds/generate_waited" in m for m in result.rounds[1:])
+    versions = [weights_version(run, r) for r in range(4)]
+    assert [samples_meta(run, r)["generation"]["weights_version"] for r in range(4)] == \
+        [versions[0], versions[0], versions[1], versions[2]]
+    folders = [str(task / "init")] + [str(run / "rounds" / f"{r:03d}" / "train" / "final") for r in (1, 2)]
+    assert reloads(server) == list(zip(folders, versions[:3]))  # round 4's start has no next round to sample
+
+
+def test_an_online_overlapped_run_killed_mid_way_resumes_to_the_uninterrupted_one(task, servers, one_thread):  # noqa: F811
+    from safetensors.torch import load_file
+
+    online = ("rounds.count=5", "rounds.steps_per_round=1", "rounds.save_each_round=false", "rounds.overlap=true",
+              "run.save_every=2", "rounds.prompts_per_round=4")
+    straight = rounds_config(task, "overlap_straight", f"rounds.vllm_url={servers[0].url}", *online)
+    run_rounds(straight, log=quiet, progress=False)
+    cfg = rounds_config(task, "overlap_resumed", f"rounds.vllm_url={servers[1].url}", *online)
+    with pytest.raises(RoundsInterrupted):  # stopped after step 3, while round 4 samples in its thread
+        run_rounds(cfg, log=quiet, progress=False, stop_at=(2, "train", 1))
+    run_rounds(cfg, resume=True, log=quiet, progress=False)
+    a, b = (task / x for x in ("overlap_straight", "overlap_resumed"))
+    for r in range(1, 6):
+        scored = "store/tokens.bin" if (a / "rounds" / f"{r:03d}" / "store").is_dir() else "no_pairs.json"
+        for name in ("samples.jsonl", scored):
+            assert (a / "rounds" / f"{r:03d}" / name).read_bytes() == (b / "rounds" / f"{r:03d}" / name).read_bytes()
+    wa, wb = (load_file(str(x / "rounds" / "005" / "train" / "final" / "model.safetensors")) for x in (a, b))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert [p.name for p in (b / "sampler").iterdir()] == [weights_version(b, 3)]  # round 5 sampled round 4's start

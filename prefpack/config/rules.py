@@ -336,6 +336,9 @@ def _rounds_problems(cfg: Config, errs: list[str]) -> None:
         errs.append(f"rounds.min_gap must be a finite number >= 0, got {r.min_gap}")
     if r.engine == "vllm" and (r.vllm_command is None) == (r.vllm_url is None):
         errs.append("rounds.engine vllm: give rounds.vllm_command (started on each round's policy) or rounds.vllm_url")
+    if r.overlap and (r.engine != "vllm" or not r.in_process):
+        errs.append("rounds.overlap samples the next round on vLLM servers while this one trains: it needs "
+                    "rounds.engine=vllm and rounds.in_process=true (the in-process engine shares the trainer's device)")
     if not r.in_process and not r.save_each_round:
         errs.append("rounds.save_each_round=false keeps no round's model but the last, and rounds run as separate "
                     "trainings (rounds.in_process=false) read each round's policy back from its model: set one true")

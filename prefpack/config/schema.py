@@ -307,6 +307,9 @@ class RoundsConfig:
                                "round's model (rounds/NNN/train/final); false = online training (a round of a few "
                                "steps): the last round's model only, checkpoints and evaluations by run.save_every / "
                                "run.eval_every")
+    overlap: bool = _f(False, "vllm: round r + 1 sampled while round r trains, from round r's starting policy (a "
+                       "staleness of one round, recorded in each round's samples meta); round 1 and 2 both sample the "
+                       "initial policy")
     in_process: bool = _f(True, "true = every round in one training process (the policy loaded once, sampled in "
                           "memory, one optimizer); false = each round a whole training run (the policy saved and read "
                           "back, a fresh optimizer, a vLLM server started per round): what vLLM, FSDP2 and a "

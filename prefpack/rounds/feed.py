@@ -54,6 +54,9 @@ class RolloutFeed:
         self.eval_scores: list[float] | None = None  # the round's held-out prompts' rewards (rank 0)
         self.live = None  # rounds.engine vllm: the run's server(s), kept across rounds (rank 0)
         self.pushed: str | None = None  # the weights version the live server was last given
+        self.overlap = rc.overlap  # round r + 1 sampled (from round r's starting policy) while round r trains
+        self.ahead = None  # (round, thread, its outcome) of the sampling running meanwhile (rank 0)
+        self.sampling_round = 0  # the round whose policy the live server is to serve for the sampling asked now
         self._state: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------ what the loop reads
@@ -138,7 +141,12 @@ class RolloutFeed:
         ranks.together(f"opening round {r + 1}'s folder", lambda: None)
         self.log(f"round {r + 1}/{cfg.rounds.count}: policy in memory (step {k})")
         samples = folder / "samples.jsonl"
+        if self.overlap:
+            ranks.main_only(f"waiting for round {r + 1}'s samples", lambda: self._join_ahead(r))
+        # with overlap a round samples the policy the round before started from (a staleness of one round)
+        self.sampling_round = r - 1 if self.overlap and r > 0 else r
         _generate(cfg, run_dir, r, cfg.rounds.prompts, samples, "generate", stop, self.log, ranks, self._sampler)
+        self.sampling_round = r
         if not made:
             ranks.main_only(f"scoring round {r + 1}'s samples",
                             lambda: _score(cfg, r, samples, store, stop, self.log, self._scorer()))
@@ -149,6 +157,8 @@ class RolloutFeed:
         if cfg.rounds.eval_prompts:
             self.eval_scores = _eval_prompts(cfg, run_dir, r, stop, self.log, ranks, self._sampler,
                                              self._scorer() if ranks.is_main else None)
+        if self.overlap and at_start and ranks.is_main:
+            self._start_ahead(r + 1)
         if not trains:
             if not self._recorded(r):
                 ranks.main_only(f"recording round {r + 1}", lambda: self._write_round(r, read_json(tied), None))
@@ -216,7 +226,7 @@ class RolloutFeed:
         version the server must confirm before it samples (never stale weights silently)."""
         from prefpack.generation.run import build_engine
 
-        cfg, r = self.cfg, self.round
+        cfg, r = self.cfg, self.sampling_round
         if self.live is None:
             opts = plan.generate_options(cfg, self.run_dir, 0, prompts=cfg.rounds.prompts,
                                          output=self.run_dir / "sampler.jsonl")  # its log: sampler.vllm.log
@@ -237,7 +247,7 @@ class RolloutFeed:
             else:
                 self.live.update_weights(folder, version)
             self.pushed = version
-            self._drop_sampler_folders(keep=version)
+            self._drop_sampler_folders(keep=(version, *self._versions_in_use()))
             self.log(f"round {r + 1}: the vLLM sampler serves {version} ({time.perf_counter() - t0:.2f} s)")
         return self.live
 
@@ -245,6 +255,12 @@ class RolloutFeed:
         """The policy in memory written where the servers read it, ``RUN_DIR/sampler/VERSION`` (LoRA: the adapter
         alone; else the whole model, as a round's final model is written)."""
         folder = self.run_dir / "sampler" / version
+        if self.sampling_round != self.round and not folder.is_dir():
+            from prefpack.rounds.phases import RoundsError
+
+            raise RoundsError(f"round {self.round + 1}'s samples are drawn from the policy round "
+                              f"{self.round} started from, and its copy ({folder}) is gone; resume from an earlier "
+                              "checkpoint (move the later ones aside) so the run passes that round's start again")
         if self.cfg.lora.enabled:
             if not (folder / "adapter_config.json").is_file():
                 self.engine.policy.save_pretrained(folder)
@@ -254,15 +270,76 @@ class RolloutFeed:
             self._export(folder, ranks_take_part=False)
         return str(folder / "final")
 
-    def _drop_sampler_folders(self, keep: str) -> None:
+    def _drop_sampler_folders(self, keep: tuple[str, ...]) -> None:
         """The folders of weights the servers no longer serve (prefpack wrote them, for them alone)."""
         import shutil
 
         root = self.run_dir / "sampler"
         if root.is_dir():
             for old in root.iterdir():
-                if old.is_dir() and old.name != keep:
+                if old.is_dir() and old.name not in keep:
                     shutil.rmtree(old, ignore_errors=True)
+
+    def _versions_in_use(self) -> list[str]:
+        """With overlap, the version a round's unfinished samples were begun with (a resume continues them with it)."""
+        if not self.overlap:
+            return []
+        out = []
+        for r in range(self.cfg.rounds.count):
+            meta = read_json(plan.round_dir(self.run_dir, r) / "samples.meta.json")
+            if meta and not meta.get("complete"):
+                out.append(meta.get("generation", {}).get("weights_version"))
+        return [v for v in out if v]
+
+    # ------------------------------------------------------------------------------------------ overlap
+
+    def _start_ahead(self, r: int) -> None:
+        """Round ``r``'s sampling begun in a thread, from the policy as it stands (round ``r - 1``'s start), while
+        round ``r - 1`` trains (the thread waits on the servers; the loop's process trains meanwhile)."""
+        import threading
+
+        if r >= self.cfg.rounds.count:
+            return
+        folder = plan.round_dir(self.run_dir, r)
+        if read_json(folder / "samples.meta.json").get("complete"):
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        self.sampling_round = r - 1
+        opts = plan.generate_options(self.cfg, self.run_dir, r, prompts=self.cfg.rounds.prompts,
+                                     output=folder / "samples.jsonl")
+        from prefpack.generation.run import prompt_source, sample_prompts, settings_of
+
+        source = prompt_source(opts)
+        settings = settings_of(opts, source)
+        engine = self._sampler(source)  # the server given round r - 1's starting policy (the one in memory)
+        outcome: dict = {}
+        halt = _Halt()
+
+        def sample() -> None:
+            t0 = time.perf_counter()
+            try:
+                report = sample_prompts(source, engine, settings, folder / "samples.jsonl", log=self.log, stop=halt)
+                record_phase(folder, "generate", seconds=time.perf_counter() - t0, tokens=report.tokens)
+            except BaseException as exc:  # raised again where the round waits for it
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=sample, name=f"prefpack-round-{r + 1}-sampling", daemon=True)
+        thread.start()
+        self.ahead = (r, thread, outcome, halt)
+
+    def _join_ahead(self, r: int) -> None:
+        """Wait for round ``r``'s sampling begun during the last round (its error, if any, raised here)."""
+        if self.ahead is None or self.ahead[0] != r:
+            return
+        _, thread, outcome, _ = self.ahead
+        t0 = time.perf_counter()
+        thread.join()
+        self.ahead = None
+        waited = time.perf_counter() - t0
+        if "error" in outcome:
+            raise outcome["error"]
+        phases = read_json(plan.round_dir(self.run_dir, r) / "phases.json")
+        record_phase(plan.round_dir(self.run_dir, r), "generate", **phases.get("generate", {}), waited=waited)
     def _start_adapter(self, r: int) -> str:
         """A fresh adapter (round 1 without ``lora.adapter``) saved for the server to load (rank 0 samples)."""
         folder = plan.round_dir(self.run_dir, r) / "start_adapter"
@@ -271,7 +348,13 @@ class RolloutFeed:
         return str(folder)
 
     def close(self) -> None:
-        """Stop a server the run started (a server given by URL keeps running)."""
+        """Stop the sampling running meanwhile (at a whole chunk: a resume continues it) and a server the run
+        started (a server given by URL keeps running)."""
+        if self.ahead is not None:
+            _, thread, _, halt = self.ahead
+            halt.signum = 15
+            thread.join()
+            self.ahead = None
         if self.live is not None:
             self.live.close()
             self.live = None
@@ -391,6 +474,15 @@ def weights_version(run_dir: Path, r: int) -> str:
 
     run = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]
     return f"{run}-round-{r + 1:03d}"
+
+
+class _Halt:
+    """The stop a thread's sampling reads between chunks (signals reach the main thread only): set by ``close``."""
+
+    signum = 0
+
+    def due(self) -> bool:
+        return bool(self.signum)
 
 
 class _Kept:

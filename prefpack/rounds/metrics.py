@@ -74,6 +74,8 @@ def round_metrics(r: int, samples_meta: dict, store_meta: dict, phases: dict, ev
     for phase in ("generate", "score", "reference", "train", "eval_prompts"):
         if phase in phases:
             out[f"seconds/{phase}"] = phases[phase]["seconds"]
+    if "waited" in gen:  # rounds.overlap: the part of the sampling the training did not hide
+        out["seconds/generate_waited"] = gen["waited"]
     if eval_scores:
         out["eval_reward/mean"] = math.fsum(eval_scores) / len(eval_scores)
     for key, value in (eval_after or {}).items():
