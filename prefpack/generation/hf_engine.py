@@ -45,7 +45,8 @@ class TransformersEngine:
              four_bit: str | None = None, double_quant: bool = True) -> TransformersEngine:
         """A model folder loaded for sampling: sdpa attention, bfloat16 on CUDA and float32 on CPU by default;
         ``adapter``: a LoRA adapter folder run over it unmerged (the weights a LoRA run trains); ``four_bit`` (nf4 |
-        fp4): its linear weights loaded in 4 bits, as a QLoRA run holds its base (``engine/quantize.py``)."""
+        fp4): its linear weights loaded in 4 bits, as a QLoRA run holds its base (``engine/quantize.py``). Loaded through
+        the one loading seam (``prefpack.model.weights.load_weights``, purpose ``sample``)."""
         from prefpack.model.load import pick_device
         from prefpack.model.weights import FourBit, WeightSpec, load_weights
 
