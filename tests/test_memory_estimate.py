@@ -165,13 +165,13 @@ def test_activation_offloading_keeps_two_layers_per_token():
 def test_cpu_offload_loads_the_weights_into_host_memory(monkeypatch):
     """distributed.cpu_offload: the policy and a reference copy load on the CPU, not each rank's GPU (where a whole
     copy would sit before sharding); a kernel that needs CUDA to load still loads there; without offload, the GPU."""
-    import prefpack.model as model_pkg
+    import prefpack.model.weights as seam
     from prefpack.engine.core import Engine
     from prefpack.engine.offload import OffloadStage
     from prefpack.precision import Precision
 
     loads = []
-    monkeypatch.setattr(model_pkg, "load_causal_lm", lambda path, **kw: loads.append(kw["device"]))
+    monkeypatch.setattr(seam, "load_causal_lm", lambda path, **kw: loads.append(kw["device"]))
     cfg = SimpleNamespace(distributed=SimpleNamespace(cpu_offload=True), data=SimpleNamespace(packing=True),
                           model=SimpleNamespace(trust_remote_code=False), train=SimpleNamespace(objective="preference"))
     parallel = SimpleNamespace(dist=SimpleNamespace(enabled=True))

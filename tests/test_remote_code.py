@@ -241,7 +241,11 @@ def test_an_adapter_name_that_is_no_local_folder_is_refused_before_peft_looks_an
 
     from prefpack.engine.lora import continued_adapter
     from prefpack.errors import PrefpackError
-    from prefpack.generation.hf_engine import _with_adapter
+    from prefpack.generation.engine import GenerationError
+    from prefpack.model.weights import load_adapter
+
+    def sampled(model, folder):  # generate --adapter's load (TransformersEngine.load's adapter step)
+        return load_adapter(model, folder, key="--adapter", error=GenerationError)
 
     def never(*args, **kwargs):
         raise AssertionError("peft was asked to load")
@@ -249,6 +253,6 @@ def test_an_adapter_name_that_is_no_local_folder_is_refused_before_peft_looks_an
     monkeypatch.setattr(peft.PeftModel, "from_pretrained", never)
     model = torch.nn.Linear(2, 2)
     for name in ("someone/adapter", str(tmp_path)):
-        for load in (continued_adapter, _with_adapter):
+        for load in (continued_adapter, sampled):
             with pytest.raises(PrefpackError, match="adapter_config.json"):
                 load(model, name)

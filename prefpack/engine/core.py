@@ -13,9 +13,8 @@ policy's weights, and a copied reference is loaded exactly like the policy.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -24,6 +23,9 @@ from prefpack.objectives.names import train_objective
 from prefpack.parallel import Parallel
 from prefpack.precision import Precision
 from prefpack.reference import Reference
+
+if TYPE_CHECKING:
+    from prefpack.model.weights import FourBit
 
 __all__ = ["Engine", "Stage", "build_engine"]
 
@@ -43,28 +45,28 @@ class Engine:
     precision: Precision | None = None
     attn: str = ""
     compile_layers: bool | str = False
-    quantization: Callable[[torch.dtype], Any] | None = None  # compute dtype -> 4-bit load config (engine/quantize.py)
+    quantization: FourBit | None = None  # the 4-bit base weights every load holds (engine/quantize.py)
     load_device: torch.device | None = None  # where the weights load when not on ``device`` (CPU offload: the host)
     policy: nn.Module | None = None
     reference: Reference | None = None
     budgets: Any = None  # prefpack.engine.budgets.Budgets
     module: nn.Module | None = None
 
-    def load_like_policy(self, path: str, *, device: torch.device | None = None, packed: bool | None = None):
-        """A model loaded as the policy is (precision, kernel, compiled layers): the policy itself, and the reference
-        (on another ``device``, e.g. only to be hashed: uncompiled); on ``load_device`` where a stage set one."""
-        from prefpack.model import kernel_named, load_causal_lm
+    def load_like_policy(self, path: str, *, device: torch.device | None = None, packed: bool | None = None,
+                         purpose: str = "train"):
+        """A model loaded as the policy is (precision, kernel, compiled layers, 4-bit), through the one loading seam
+        (``prefpack.model.weights``): the policy itself, and the reference (``purpose="reference"``; on another
+        ``device``, e.g. only to be hashed: uncompiled); on ``load_device`` where a stage set one."""
+        from prefpack.model import WeightSpec, kernel_named, load_weights
 
         cfg = self.cfg
         host = self.load_device if self.load_device is not None and not kernel_named(self.attn).needs_cuda else None
         packed = cfg.data.packing if packed is None else packed
-        quantization = self.quantization(self.precision.compute) if self.quantization is not None else None
-        return load_causal_lm(path, precision=self.precision, attn_implementation=self.attn,
-                              device=device or host or self.device,
-                              trust_remote_code=cfg.model.trust_remote_code,
-                              packed=packed, compile_layers=self.compile_layers if device is None else False,
-                              quantization_config=quantization,
-                              reward=train_objective(cfg).sequence_classifier)
+        return load_weights(WeightSpec(path, purpose, device or host or self.device, precision=self.precision,
+                                       attn=self.attn, trust_remote_code=cfg.model.trust_remote_code, packed=packed,
+                                       compile_layers=self.compile_layers if device is None else False,
+                                       four_bit=self.quantization,
+                                       reward=train_objective(cfg).sequence_classifier))
 
 
 class Stage(Protocol):

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from prefpack.model import ModelError, is_vision_language, lora_targets
+from prefpack.model import ModelError, is_vision_language, load_adapter, lora_targets
 from prefpack.objectives.names import train_objective
 
 if TYPE_CHECKING:
@@ -45,14 +45,5 @@ def wrap_lora(model: nn.Module, cfg) -> nn.Module:
 
 def continued_adapter(model: nn.Module, folder: str) -> nn.Module:
     """``lora.adapter``: a saved adapter loaded trainable over the base (on-policy rounds continue the last round's
-    adapter over the same base, which is never rewritten)."""
-    from pathlib import Path
-
-    from peft import PeftModel
-
-    if not (Path(folder) / "adapter_config.json").is_file():
-        raise ModelError(f"lora.adapter: {folder!r} holds no adapter_config.json (a peft adapter folder, e.g. a "
-                         "LoRA run's final/adapter)")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)
-        return PeftModel.from_pretrained(model, folder, is_trainable=True)
+    adapter over the same base, which is never rewritten); the loading seam's adapter load."""
+    return load_adapter(model, folder, trainable=True, key="lora.adapter")

@@ -2,8 +2,9 @@
 adapters trained over them in float32.
 
 It runs before the load stage because transformers quantises while it reads the checkpoint: it sets
-``engine.quantization``, a function of the compute dtype giving the ``BitsAndBytesConfig`` that
-``Engine.load_like_policy`` passes to every load (the policy; a copied reference of another model). The config's
+``engine.quantization`` (a ``FourBit``: kind and double quantisation) that ``Engine.load_like_policy`` passes to
+every load (the policy; a copied reference of another model); the loading seam (``prefpack.model.weights``) builds
+the ``BitsAndBytesConfig`` from it, in the compute dtype. The config's
 rules (``config/rules.py``) refuse what cannot work: no LoRA, a 4-bit copy of the same base as reference (the
 adapter-off policy is that reference, for free), FSDP2.
 
@@ -21,14 +22,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
-from prefpack.model import ModelError
+from prefpack.model import FourBit, ModelError
 
 if TYPE_CHECKING:
     from prefpack.engine.core import Engine
 
-__all__ = ["QuantizeStage", "check_four_bit", "four_bit_config"]
+__all__ = ["QuantizeStage", "check_four_bit"]
 
 
 class QuantizeStage:
@@ -42,7 +41,7 @@ class QuantizeStage:
             return
         check_four_bit(engine, f"model.quantization={m.quantization}")
         kind, double = m.quantization, m.quantization_double
-        engine.quantization = lambda compute: four_bit_config(kind, double=double, compute=compute)
+        engine.quantization = FourBit(kind, double=double)
         log(f"4-bit base weights ({kind}{', double quantisation' if double else ''}; model.quantization): LoRA "
             "adapters train over them, the final model is merged into the de-quantised base")
 
@@ -57,10 +56,3 @@ def check_four_bit(engine: Engine, key: str) -> None:
         raise ModelError(f"{key}: bitsandbytes' 4-bit weights run on cpu or cuda, not {engine.device.type}; set "
                          "train.device=cpu or cuda")
 
-
-def four_bit_config(kind: str, *, double: bool, compute: torch.dtype):
-    """transformers' ``BitsAndBytesConfig`` for 4-bit ``kind`` (nf4 | fp4) weights computed in ``compute``."""
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=double,
-                              bnb_4bit_compute_dtype=compute)

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from prefpack.engine.quantize import check_four_bit, four_bit_config
+from prefpack.engine.quantize import check_four_bit
 from prefpack.losses import LossTerm, needs_reference
-from prefpack.model import check_model_source, weights_hash
+from prefpack.model import FourBit, check_model_source, weights_hash
 from prefpack.objectives.names import train_objective
 from prefpack.reference import REFERENCE_MODES, ReferenceSetup
 
@@ -50,7 +50,7 @@ class ReferenceStage:
         # what a mode may ask for, computed only if it does: the reference weights loaded exactly like the policy's
         # (same dtype and autocast: at step 0 both give the same log-probs), or their hash (a sidecar's tag)
         engine.reference = REFERENCE_MODES[mode].set_up(ReferenceSetup(
-            load=partial(loader.load_like_policy, ref_path),
+            load=partial(loader.load_like_policy, ref_path, purpose="reference"),
             weights_hash=partial(_reference_hash, engine, ref_path) if engine.check_sidecar_reference else _no_hash,
             lora=cfg.lora.enabled))
 
@@ -60,7 +60,7 @@ def _four_bit_loader(engine: Engine, kind: str, log) -> Engine:
     check_four_bit(engine, f"reference.quantization={kind}")
     log(f"4-bit frozen reference ({kind}, double quantisation; reference.quantization): its log-probs are the 4-bit "
         "model's, so the first DPO loss is near ln 2, not exactly")
-    return replace(engine, quantization=lambda compute: four_bit_config(kind, double=True, compute=compute))
+    return replace(engine, quantization=FourBit(kind, double=True))
 
 
 def _no_hash() -> None:
@@ -70,7 +70,7 @@ def _no_hash() -> None:
 def _reference_hash(engine: Engine, ref_path: str) -> str:
     if ref_path == engine.cfg.model.name_or_path:
         return weights_hash(engine.policy)
-    ref = engine.load_like_policy(ref_path, device=torch.device("cpu"), packed=False)  # only hashed
+    ref = engine.load_like_policy(ref_path, device=torch.device("cpu"), packed=False, purpose="reference")  # hashed
     h = weights_hash(ref)
     del ref
     return h

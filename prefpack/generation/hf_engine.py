@@ -45,23 +45,19 @@ class TransformersEngine:
              four_bit: str | None = None, double_quant: bool = True) -> TransformersEngine:
         """A model folder loaded for sampling: sdpa attention, bfloat16 on CUDA and float32 on CPU by default;
         ``adapter``: a LoRA adapter folder run over it unmerged (the weights a LoRA run trains); ``four_bit`` (nf4 |
-        fp4): its linear weights loaded in 4 bits, as a QLoRA run holds its base (``engine/quantize.py``)."""
-        from prefpack.model.load import load_causal_lm, pick_device
+        fp4): its linear weights loaded in 4 bits, as a QLoRA run holds its base (``engine/quantize.py``). Loaded through
+        the one loading seam (``prefpack.model.weights.load_weights``, purpose ``sample``)."""
+        from prefpack.model.load import pick_device
+        from prefpack.model.weights import FourBit, WeightSpec, load_weights
 
         dev = pick_device(device)
         if dtype == "auto":
             dtype = "bfloat16" if dev.type == "cuda" else "float32"
-        quantization = None
-        if four_bit:
-            from transformers import BitsAndBytesConfig
-
-            quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=four_bit,
-                                              bnb_4bit_use_double_quant=double_quant,
-                                              bnb_4bit_compute_dtype=getattr(torch, dtype))
-        model = load_causal_lm(path, attn_implementation="sdpa", device=dev, dtype=getattr(torch, dtype),
-                               trust_remote_code=trust_remote_code, packed=False, quantization_config=quantization)
-        if adapter:
-            model = _with_adapter(model, adapter)
+        model = load_weights(WeightSpec(path, "sample", dev, dtype=getattr(torch, dtype), attn="sdpa",
+                                        trust_remote_code=trust_remote_code, packed=False,
+                                        four_bit=FourBit(four_bit, double=double_quant) if four_bit else None,
+                                        adapter=adapter or None, adapter_key="--adapter",
+                                        adapter_error=GenerationError))
         return cls(model.eval(), pad_id=pad_id, batch_size=batch_size,
                    source=path if not adapter else f"{path} + adapter {adapter}")
 
@@ -151,20 +147,3 @@ def _sampling_mode(model):
             c._attn_implementation = kernel
         model.train(training)
 
-
-def _with_adapter(model, folder: str):
-    """The base under a saved LoRA adapter, unmerged (peft's ``PeftModel``): the policy a LoRA run trains."""
-    from pathlib import Path
-
-    if not (Path(folder) / "adapter_config.json").is_file():
-        raise GenerationError(f"--adapter {folder!r}: no adapter_config.json there (a peft adapter folder, e.g. a "
-                              "LoRA run's final/adapter)")
-    try:
-        from peft import PeftModel
-    except ImportError as exc:
-        raise GenerationError("--adapter needs peft: pip install 'prefpack[lora]'") from exc
-    import warnings
-
-    with warnings.catch_warnings():  # peft reads transformers' deprecated name: not the user's to fix
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)
-        return PeftModel.from_pretrained(model, folder)

@@ -1,4 +1,6 @@
-"""The model: `load` (loading, dtype, packing-leak guard, tokenizer checks), `attention` (the kernel table
+"""The model: `weights` (the one loading seam: a `WeightSpec` through
+`load_weights`' ordered steps, the 4-bit config, a saved adapter), `load` (loading, dtype, packing-leak guard,
+tokenizer checks), `attention` (the kernel table
 `kernels`: one descriptor per kernel and the `auto` choice; the kernels registered with transformers:
 `packed_sdpa`, `varlen`), `head` (where the body ends and the LM head begins), `logprobs` (the chunked
 completion-only log-prob op), `forward` (a micro-batch to per-sequence log-probs), `checks` (the forward's load-time
@@ -36,7 +38,11 @@ _EXPORTS = {
     "load_causal_lm": "prefpack.model.load",
     "kernel_named": "prefpack.model.attention.kernels",
     "kernel_of": "prefpack.model.attention.kernels",
-    "load_scoring_model": "prefpack.model.load",
+    "FourBit": "prefpack.model.weights",
+    "WeightSpec": "prefpack.model.weights",
+    "four_bit_config": "prefpack.model.weights",
+    "load_adapter": "prefpack.model.weights",
+    "load_weights": "prefpack.model.weights",
     "packing_leak": "prefpack.model.checks",
     "pair_logps": "prefpack.model.forward",
     "pick_attention": "prefpack.model.attention.kernels",

@@ -47,7 +47,8 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
                    precision: Precision | None = None, dtype: torch.dtype | None = None,
                    trust_remote_code: bool = False, packed: bool = True,
                    compile_layers: bool | str = False, quantization_config=None, reward: bool = False) -> nn.Module:
-    """Load a model for training or scoring, in ``precision.weights``, to run in ``precision.compute`` (or
+    """Load a model for training or scoring (the package's loaders reach it through ``prefpack.model.weights``'
+    ``load_weights``), in ``precision.weights``, to run in ``precision.compute`` (or
     all in ``dtype``). ``reward``: a reward model (``AutoModelForSequenceClassification`` with one label), from a
     causal LM (its new ``score`` head initialised by transformers, as TRL's ``RewardTrainer`` loads it) or from a
     sequence classifier with one label.
@@ -55,13 +56,12 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
     A model without sdpa support falls back to eager attention (with a warning); with ``packed`` (prefpack's
     default batching) a model whose attention crosses packed sequences is refused, naming the padded fallback.
     ``compile_layers`` (True, or ``"auto"``: fall back to eager where compiling fails) compiles each decoder layer
-    after that check (``prefpack.model.compile``). ``quantization_config`` (a ``BitsAndBytesConfig``: the 4-bit
-    stage, ``prefpack.engine.quantize``) loads the linear layers' weights in 4 bits, straight onto ``device``.
+    after that check (``prefpack.model.compile``). ``quantization_config`` (a ``BitsAndBytesConfig``:
+    ``prefpack.model.weights.four_bit_config``) loads the linear layers' weights in 4 bits, straight onto ``device``.
     """
     from transformers import AutoModelForCausalLM
 
     from prefpack.model.checks import packing_leak, sibling_leak
-    from prefpack.model.compile import compile_decoder_layers
     from prefpack.model.recurrent import install_boundaries, packed_families, uncovered_layers
 
     kernel = kernel_named(attn_implementation)
@@ -163,11 +163,19 @@ def load_causal_lm(name_or_path: str, *, attn_implementation: str, device: torch
                 f"model {name_or_path!r} ({type(model).__name__}, attention {impl!r}) lets the completions of a "
                 f"prompt group attend to each other (a completion's hidden states moved by {leak:.2g}, relative, when "
                 "its sibling changed); set data.prefix_sharing=false and model.attn_implementation=sdpa")
-    if compile_layers and not compile_decoder_layers(model, fall_back=compile_layers == "auto") \
-            and compile_layers != "auto":
+    if compile_layers:
+        compile_loaded(model, compile_layers, name_or_path)
+    return model
+
+
+def compile_loaded(model: nn.Module, how: bool | str, name_or_path: str) -> None:
+    """``model.compile`` on a loaded model: each decoder layer compiled (``how="auto"``: eager where compiling fails,
+    and no error when there is no list of layers)."""
+    from prefpack.model.compile import compile_decoder_layers
+
+    if not compile_decoder_layers(model, fall_back=how == "auto") and how != "auto":
         raise ModelError(f"model {name_or_path!r}: model.compile found no list of decoder layers to compile; "
                          "set model.compile=false")
-    return model
 
 
 def check_reward_source(name_or_path: str, trust_remote_code: bool = False) -> None:
@@ -286,20 +294,6 @@ def source_dtype(name_or_path: str, *, trust_remote_code: bool = False) -> torch
     if isinstance(value, str):
         value = getattr(torch, value, None)
     return value if isinstance(value, torch.dtype) else None
-
-
-def load_scoring_model(name_or_path: str, dtype: str, device: torch.device, *,
-                       trust_remote_code: bool = False) -> nn.Module:
-    """A model for precompute-ref: the weights and compute dtype training uses (float32 masters under bfloat16
-    autocast on CUDA), so its log-probs and weights hash match the reference a run computes live."""
-    from prefpack.model.attention.auto import choose_attention
-    from prefpack.precision import resolve_precision
-
-    precision = resolve_precision(dtype, "auto", device)
-    attn = choose_attention("auto", device, precision.compute, source=name_or_path,
-                            trust_remote_code=trust_remote_code).name
-    return load_causal_lm(name_or_path, precision=precision, device=device, trust_remote_code=trust_remote_code,
-                          attn_implementation=attn)
 
 
 # A model that keeps packed sequences apart gives exactly 0 (the other block's scores are -inf or never

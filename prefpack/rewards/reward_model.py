@@ -37,7 +37,8 @@ class RewardModelScorer(Scorer):
 
         from prefpack.model.attention.auto import choose_attention
         from prefpack.model.attention.kernels import kernel_of
-        from prefpack.model.load import load_causal_lm, pick_device
+        from prefpack.model.load import pick_device
+        from prefpack.model.weights import WeightSpec, load_weights
 
         self.folder = folder
         check_model_code(folder, allowed=trust_remote_code, what="--reward-model")
@@ -60,9 +61,8 @@ class RewardModelScorer(Scorer):
         self.dtype = getattr(torch, dtype)
         self.attention = choose_attention("auto", self.device, self.dtype, source=folder,
                                           trust_remote_code=trust_remote_code)  # its describe(): the load line
-        self.model = load_causal_lm(folder, attn_implementation=self.attention.name,
-                                    device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code,
-                                    reward=True).eval()
+        self.model = load_weights(WeightSpec(folder, "score", self.device, dtype=self.dtype, attn=self.attention.name,
+                                             trust_remote_code=trust_remote_code, reward=True)).eval()
         kernel = kernel_of(self.model)
         self.share_prompts = kernel.runs_prompt_groups(kernel.flattens_rows)
         self.batch_tokens = batch_tokens

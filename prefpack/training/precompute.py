@@ -131,6 +131,21 @@ def _filled(values: np.ndarray, seen: np.ndarray, copies: np.ndarray | None) -> 
     return out
 
 
+def load_reference_model(name_or_path: str, dtype: str, device: torch.device, *,
+                         trust_remote_code: bool = False) -> nn.Module:
+    """The reference model precompute-ref scores with, through the loading seam: the weights and compute dtype
+    training uses (float32 masters under bfloat16 autocast on CUDA), so its log-probs and weights hash match the
+    reference a run computes live; ``auto`` attention for that device and compute dtype."""
+    from prefpack.model import WeightSpec, choose_attention, load_weights
+    from prefpack.precision import resolve_precision
+
+    precision = resolve_precision(dtype, "auto", device)
+    attn = choose_attention("auto", device, precision.compute, source=name_or_path,
+                            trust_remote_code=trust_remote_code).name
+    return load_weights(WeightSpec(name_or_path, "reference", device, precision=precision, attn=attn,
+                                   trust_remote_code=trust_remote_code))
+
+
 def precompute_reference(opts: PrecomputeOptions, *, parallel: Parallel = ONE_PROCESS, log=print,
                          progress: bool = True) -> dict:
     """Score a store with a reference model and write its sidecar (rank 0); returns what ``precompute-ref`` prints."""
@@ -139,7 +154,6 @@ def precompute_reference(opts: PrecomputeOptions, *, parallel: Parallel = ONE_PR
         check_model_source,
         check_vocab_fits,
         kernel_of,
-        load_scoring_model,
         pick_device,
         resolve_tokenizer,
         weights_hash,
@@ -153,7 +167,7 @@ def precompute_reference(opts: PrecomputeOptions, *, parallel: Parallel = ONE_PR
                       trust_remote_code=opts.trust_remote_code)
     ctx = parallel.dist
     device = ctx.device if opts.device == "auto" else pick_device(opts.device)
-    model = load_scoring_model(opts.model, opts.dtype, device, trust_remote_code=opts.trust_remote_code)
+    model = load_reference_model(opts.model, opts.dtype, device, trust_remote_code=opts.trust_remote_code)
     from prefpack.model.sharded import check_model
 
     check_model(model, parallel.seq)  # a kernel or head count the sequence groups cannot shard, refused now
