@@ -12,8 +12,11 @@ place (the command gets ``--worker-extension-cls``; dev mode and ``PYTHONPATH`` 
 started on each round's policy; ``sampler starts`` counts them. The model is then a 2-layer Llama with head size 64
 (vLLM's CPU attention has no smaller kernel), as tests/test_rounds_vllm_real.py builds it.
 
+``--online N`` also runs N rounds of one step each (8 prompts a round, ``rounds.save_each_round=false``; with
+``--overlap`` and vLLM, ``rounds.overlap``) and prints the mean seconds a round: the seconds per sync.
+
     python benchmarks/rounds_loop.py [--rounds 3] [--prompts 32] [--k 4] [--max-new-tokens 8] [--steps 4]
-                                     [--threads 1] [--vllm-command CMD]
+                                     [--threads 1] [--vllm-command CMD] [--online N [--overlap]]
 
 Prints a table and, last, one JSON line.
 """
@@ -32,6 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 SIDES = {"one process": ["rounds.in_process=true"], "a training per round": ["rounds.in_process=false"]}
+ONLINE = "online (a round a step)"  # --online N: N rounds of one step, rounds.save_each_round=false
 
 
 def run_side(root: Path, name: str, args) -> dict:
@@ -44,7 +48,7 @@ def run_side(root: Path, name: str, args) -> dict:
 
     vllm = []
     if args.vllm_command:
-        live = name == "one process"
+        live = name != "a training per round"
         vllm = ["rounds.engine=vllm",
                 f"rounds.vllm_command={args.vllm_command}" + (f" --worker-extension-cls {EXTENSION}" if live else "")]
 
@@ -54,8 +58,8 @@ def run_side(root: Path, name: str, args) -> dict:
         f"run.output_dir={run}", "run.report_to=none", "run.plot=false", "run.save_every=0",
         f"rounds.count={args.rounds}", f"rounds.prompts={root / 'prompts.jsonl'}", f"rounds.samples_per_prompt={args.k}",
         f"rounds.max_new_tokens={args.max_new_tokens}", "rounds.batch_size=16", "rounds.optimizer=reset",
-        f"rounds.reward_fn={root / 'reward.py'}:reward", f"rounds.steps_per_round={args.steps}", *SIDES[name],
-        *vllm])
+        f"rounds.reward_fn={root / 'reward.py'}:reward", f"rounds.steps_per_round={args.steps}",
+        *SIDES.get(name, []), *vllm, *(online_keys(args) if name == ONLINE else [])])
     loads, starts = [], []
     original = PreTrainedModel.from_pretrained.__func__
     start = server_module.VllmServer.start
@@ -78,10 +82,16 @@ def run_side(root: Path, name: str, args) -> dict:
         PreTrainedModel.from_pretrained = classmethod(original)
         server_module.VllmServer.start = start
     seconds = time.perf_counter() - t0
-    rounds = [{"round": m["round"] + 1, **{p: m.get(f"seconds/{p}") for p in ("generate", "score", "train")}}
-              for m in result.rounds]
+    rounds = [{"round": m["round"] + 1, **{p: m.get(f"seconds/{p}") for p in ("generate", "score", "train")},
+               "waited": m.get("seconds/generate_waited")} for m in result.rounds]
     return {"side": name, "seconds": seconds, "model_loads": len(loads), "sampler_starts": len(starts), "rounds": rounds,
             "reward_mean": [m["reward/mean"] for m in result.rounds]}
+
+
+def online_keys(args) -> list[str]:
+    """``--online`` rounds of one step each over 8 prompts, no model nor checkpoint per round (the last one's)."""
+    return [f"rounds.count={args.online}", "rounds.steps_per_round=1", "rounds.save_each_round=false",
+            "rounds.prompts_per_round=8", "rounds.optimizer=keep"] + (["rounds.overlap=true"] if args.overlap else [])
 
 
 def vllm_sized_model(folder: Path) -> None:
@@ -105,6 +115,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--vllm-command", default=None)
+    ap.add_argument("--online", type=int, default=0, help="also N online rounds of one step (seconds per sync)")
+    ap.add_argument("--overlap", action="store_true", help="the online rounds with rounds.overlap (vLLM)")
     ap.add_argument("--workdir", default=None, help="keep the runs (and a server's log) here instead of a temporary "
                     "folder")
     args = ap.parse_args()
@@ -121,7 +133,7 @@ def main() -> int:
         build_task(root, args.prompts)
         if args.vllm_command:
             vllm_sized_model(root / "init")
-        sides = [run_side(root, name, args) for name in SIDES]
+        sides = [run_side(root, name, args) for name in [*SIDES, *([ONLINE] if args.online else [])]]
     print(f"{'side':<22} {'round':>5} {'generate s':>11} {'score s':>8} {'train s':>8}")
     for side in sides:
         for r in side["rounds"]:
@@ -131,6 +143,13 @@ def main() -> int:
     print(f"{'side':<22} {'whole run s':>12} {'model loads':>12} {'sampler starts':>15}")
     for side in sides:
         print(f"{side['side']:<22} {side['seconds']:>12.2f} {side['model_loads']:>12} {side['sampler_starts']:>15}")
+    if args.online:
+        online = sides[-1]["rounds"][1:]  # the first round's sampling starts the server (vLLM)
+        per = {p: sum(r[p] or 0 for r in online) / len(online) for p in ("generate", "score", "train", "waited")}
+        print(f"\nonline, mean over rounds 2-{args.online}: generate (sync + sampling) {per['generate']:.3f} s "
+              f"(waited for: {per['waited']:.3f} s), score {per['score']:.3f} s, train {per['train']:.3f} s a round; "
+              f"whole run {sides[-1]['seconds']:.1f} s")
+        sides[-1]["per_round_mean"] = per
     same = sides[0]["reward_mean"] == sides[1]["reward_mean"]
     print(f"\nthe same sample rewards every round: {same}")
     print(json.dumps({"args": vars(args), "sides": sides, "same_rewards": same}))

@@ -45,8 +45,9 @@ def seen(monkeypatch):
             raise Reached(spec.purpose)
         return real(spec)
 
-    monkeypatch.setattr(seam, "load_weights", record)
+    # the package first: its lazy attribute reads the module's, which must still be the real one to be put back
     monkeypatch.setattr(model_pkg, "load_weights", record)
+    monkeypatch.setattr(seam, "load_weights", record)
     return specs
 
 
