@@ -44,7 +44,10 @@ def launch(task, one_thread):  # noqa: F811
     args = {name: ["train", *overrides(task, name, *EXTRA, *extra), "--no-progress", "--json"]
             for name, extra in RUNS.items()}
     one = run_here(args["one"], args["lora_one"], args["pre_one"])
-    proc = run_prefpack(args["ddp"], args["fsdp2"], args["lora_ddp"], args["pre_ddp"], nproc=2, timeout=300)
+    # the DDP run again, stopped after step 4 (in round 2: its last checkpoint is round 1's end, step 3) and resumed
+    killed = ["train", *overrides(task, "ddp_resumed", *EXTRA, *DDP), "--no-progress", "--json"]
+    proc = run_prefpack(args["ddp"], args["fsdp2"], args["lora_ddp"], args["pre_ddp"], [*killed, "--stop-after-steps",
+                        "4"], [*killed, "--resume"], nproc=2, timeout=300)
     return {"one": json.loads(one[0]), "printed": [json.loads(x) for x in proc.stdout.splitlines()],
             "stderr": proc.stderr}
 
@@ -76,7 +79,8 @@ def test_two_ranks_write_the_rounds_of_one_process(launch, task, strategy):  # n
     # rank 0 alone logs and prints: one round line per round, one summary per run
     lines = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
     assert [x["round"] for x in lines if x["split"] == "round"] == [0, 1]
-    assert [m["run_dir"] for m in launch["printed"]] == [str(task / x) for x in ("ddp", "fsdp2", "lora_ddp", "pre_ddp")]
+    assert [m["run_dir"] for m in launch["printed"]] == [str(task / x) for x in ("ddp", "fsdp2", "lora_ddp", "pre_ddp",
+                                                                                 "ddp_resumed")]
     assert [m["reward/mean"] for m in launch["printed"][0]["rounds"]] == \
         [m["reward/mean"] for m in launch["one"]["rounds"]]
 
@@ -149,3 +153,17 @@ def test_ranks_parts_merge_into_the_samples_of_one_process(task, tmp_path, one_t
     assert merged.read_bytes() == (tmp_path / "one.jsonl").read_bytes()
     assert meta == json.loads((tmp_path / "one.meta.json").read_text())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one.jsonl", "one.meta.json", "two.jsonl", "two.meta.json"]
+
+
+def test_two_ranks_killed_in_a_round_resume_to_the_uninterrupted_run(launch, task):  # noqa: F811
+    """Rounds in one process under DDP, stopped after step 4 and resumed from the run's checkpoint (round 1's end):
+    the same round files and the same final weights as the run that was never stopped."""
+    one, two = task / "ddp", task / "ddp_resumed"
+    assert_round_files_equal(one, two, FILES)
+    final = ("rounds", "002", "train", "final", "model.safetensors")
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(one.joinpath(*final))), load_file(str(two.joinpath(*final)))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "stopped after step 4; continue with --resume" in launch["stderr"]
+    assert f"resumed from {two / 'checkpoints' / 'step-00000003'} at step 3" in launch["stderr"]

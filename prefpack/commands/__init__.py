@@ -102,19 +102,26 @@ def run_train(args, argv) -> int:
 
 
 def _run_rounds(cfg, args, argv) -> int:
-    from prefpack.rounds import run_rounds
+    from prefpack.rounds import RoundsInterrupted, run_rounds
+    from prefpack.rounds.plan import why_restart
     from prefpack.rounds.stopped import stopped_round, where_stopped
     from prefpack.stop_signal import Terminated
     from prefpack.training.guards import TrainingTerminated
     from prefpack.training.resume_check import resume_hint
 
-    if args.allow_config_change or args.stop_after_steps is not None:
-        _err("prefpack train: error: --allow-config-change and --stop-after-steps do not apply to rounds")
+    if args.allow_config_change or (args.stop_after_steps is not None and why_restart(cfg) is not None):
+        _err("prefpack train: error: --allow-config-change does not apply to rounds, nor --stop-after-steps to rounds "
+             "run as separate trainings")
         return 2
     from prefpack.distributed import shutdown
 
     try:  # under torchrun every rank runs the rounds (prefpack.rounds.ranks); rank 0 alone prints
-        result = run_rounds(cfg, resume=args.resume, log=_err, progress=not args.no_progress)
+        result = run_rounds(cfg, resume=args.resume, log=_err, progress=not args.no_progress,
+                            stop_after_steps=args.stop_after_steps)
+    except RoundsInterrupted as stop:  # --stop-after-steps: the run's steps, counted from round 1's first
+        if _is_main_rank():
+            _err(f"{stop}; continue with --resume")
+        return 0
     except TrainingTerminated as term:  # the round's checkpoint is in RUN_DIR/rounds/NNN/train/checkpoints
         if _is_main_rank():
             what = f"terminated by signal {term.signum} after step {term.step} of round {stopped_round(cfg) + 1}"

@@ -38,7 +38,7 @@ from prefpack.training.cadence import TrainingInterrupted
 
 
 def run_rounds(cfg, *, resume: bool = False, log=print, progress: bool = True,
-               stop_at: tuple[int, str, int] | None = None) -> RoundsResult:
+               stop_at: tuple[int, str, int] | None = None, stop_after_steps: int | None = None) -> RoundsResult:
     """Run ``cfg.rounds.count`` rounds into ``run.output_dir``. ``stop_at`` = (round, phase, count), tests only:
     stop as if killed after ``count`` generate calls / scored rows / training steps of that round's phase."""
     from prefpack.distributed import init_from_env
@@ -51,7 +51,8 @@ def run_rounds(cfg, *, resume: bool = False, log=print, progress: bool = True,
     if why is None:  # the default: every round in this one training process
         from prefpack.rounds.live import run_in_process
 
-        return run_in_process(cfg, resume=resume, log=log, progress=progress, stop_at=stop_at)
+        return run_in_process(cfg, resume=resume, log=log, progress=progress, stop_at=stop_at,
+                              stop_after_steps=stop_after_steps)
     if not cfg.rounds.save_each_round:
         raise RoundsError(f"rounds.save_each_round=false runs the rounds in one process, and {why}; set "
                           "rounds.save_each_round=true")

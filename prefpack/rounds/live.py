@@ -16,9 +16,10 @@ __all__ = ["run_in_process"]
 
 
 def run_in_process(cfg, *, resume: bool = False, log=print, progress: bool = True,
-                   stop_at: tuple[int, str, int] | None = None):
+                   stop_at: tuple[int, str, int] | None = None, stop_after_steps: int | None = None):
     """``cfg.rounds.count`` rounds into ``run.output_dir`` in this process (see the module doc); ``stop_at`` as
-    :func:`prefpack.rounds.driver.run_rounds`'s."""
+    :func:`prefpack.rounds.driver.run_rounds`'s; ``stop_after_steps``: stop as a kill would after that many steps of
+    the run (``--stop-after-steps``, tests)."""
     from prefpack.parallel import start_parallel
     from prefpack.rounds.feed import RolloutFeed
     from prefpack.rounds.phases import RoundsInterrupted, RoundsResult, _open_run_dir, _quiet
@@ -56,7 +57,7 @@ def run_in_process(cfg, *, resume: bool = False, log=print, progress: bool = Tru
                                log=log, stop_at=stop_at)
 
         setup = build(engine_cfg, log=log, parallel=parallel, make_feed=make_feed)
-        stop_steps = None
+        stop_steps = stop_after_steps
         if stop_at is not None and stop_at[1] == "train":
             stop_steps = stop_at[0] * rc.steps_per_round + stop_at[2]
         try:
