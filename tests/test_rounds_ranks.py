@@ -37,15 +37,30 @@ RUNS = {"one": (), "ddp": DDP, "fsdp2": ("distributed.strategy=fsdp2",), "lora_o
         "lora_ddp": SHORT + LORA + DDP, "pre_one": SHORT + PRECOMPUTED, "pre_ddp": SHORT + PRECOMPUTED + DDP}
 
 
+# the reward of tests/test_rounds.py, which also notes the rank that computed it: under torchrun the ranks share the
+# scoring (row i on rank i % 2), so rank 1 scores too
+SCORED_BY = """import difflib
+import os
+
+
+def reward(prompt, completion, row):
+    with open(os.path.join(os.path.dirname(__file__), "scored_by.txt"), "a") as fh:
+        fh.write(os.environ.get("RANK", "-") + "\\n")
+    return difflib.SequenceMatcher(None, completion.strip().lower(), row["label"]).ratio()
+"""
+
+
 @pytest.fixture(scope="module")
 def launch(task, one_thread):  # noqa: F811
     """One process, in this one (each run); then one torchrun launch of two ranks: DDP, FSDP2, LoRA under DDP, a
     precomputed reference under DDP."""
-    args = {name: ["train", *overrides(task, name, *EXTRA, *extra), "--no-progress", "--json"]
+    (task / "reward_ranks.py").write_text(SCORED_BY)
+    scorer = f"rounds.reward_fn={task / 'reward_ranks.py'}:reward"
+    args = {name: ["train", *overrides(task, name, *EXTRA, *extra, scorer), "--no-progress", "--json"]
             for name, extra in RUNS.items()}
     one = run_here(args["one"], args["lora_one"], args["pre_one"])
     # the DDP run again, stopped after step 4 (in round 2: its last checkpoint is round 1's end, step 3) and resumed
-    killed = ["train", *overrides(task, "ddp_resumed", *EXTRA, *DDP), "--no-progress", "--json"]
+    killed = ["train", *overrides(task, "ddp_resumed", *EXTRA, *DDP, scorer), "--no-progress", "--json"]
     proc = run_prefpack(args["ddp"], args["fsdp2"], args["lora_ddp"], args["pre_ddp"], [*killed, "--stop-after-steps",
                         "4"], [*killed, "--resume"], nproc=2, timeout=300)
     return {"one": json.loads(one[0]), "printed": [json.loads(x) for x in proc.stdout.splitlines()],
@@ -76,6 +91,8 @@ def test_two_ranks_write_the_rounds_of_one_process(launch, task, strategy):  # n
     assert_round_files_equal(one, two, FILES)
     final = ("rounds", "002", "train", "final", "model.safetensors")
     assert_weights_close(one.joinpath(*final), two.joinpath(*final))
+    # the ranks shared the scoring (rounds in one process: DDP), and rank 0 wrote the store one process writes
+    assert "1" in (task / "scored_by.txt").read_text().split()
     # rank 0 alone logs and prints: one round line per round, one summary per run
     lines = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
     assert [x["round"] for x in lines if x["split"] == "round"] == [0, 1]

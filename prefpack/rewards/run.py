@@ -55,10 +55,15 @@ def score(opts: ScoreOptions, log: Callable[[str], None] = print, scorer: Scorer
         return _score(opts, log, stop, scorer)
 
 
+def open_input(opts: ScoreOptions) -> ScoreInput:
+    """The input the options name, with the tokenizer it is read with."""
+    return ScoreInput(opts.input, tokenizer=opts.tokenizer, fallback_tokenizer=_model_tokenizer(opts.reward_model),
+                      trust_remote_code=opts.trust_remote_code)
+
+
 def _score(opts: ScoreOptions, log: Callable[[str], None], stop: StopSignal, scorer: Scorer | None = None) -> dict:
     _check(opts)
-    source = ScoreInput(opts.input, tokenizer=opts.tokenizer, fallback_tokenizer=_model_tokenizer(opts.reward_model),
-                        trust_remote_code=opts.trust_remote_code)
+    source = open_input(opts)
     scorer = scorer if scorer is not None else make_scorer(opts)
     identity = scorer.identity()
     partial = PartialScores(opts.output, {"input": source.identity(), "scorer": identity}, log=log)

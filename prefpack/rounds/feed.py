@@ -120,7 +120,14 @@ class RolloutFeed:
     def _enter(self, r: int, k: int) -> None:
         """Round ``r`` from step ``k``: its samples, scores and store made where missing (only at its first step: the
         policy is then the round's), its reference moved to the policy (``round_start``), its objective built."""
-        from prefpack.rounds.phases import RoundsError, _eval_prompts, _generate, _score
+        from prefpack.rounds.phases import (
+            RoundsError,
+            SharedScores,
+            _eval_prompts,
+            _generate,
+            _score,
+            scores_over_ranks,
+        )
         from prefpack.rounds.reference import precompute_round_reference
 
         cfg, run_dir, ranks = self.cfg, self.run_dir, self.ranks
@@ -148,8 +155,11 @@ class RolloutFeed:
         _generate(cfg, run_dir, r, cfg.rounds.prompts, samples, "generate", stop, self.log, ranks, self._sampler)
         self.sampling_round = r
         if not made:
+            scorer = self._scorer() if ranks.is_main or ranks.world > 1 else None
+            if ranks.world > 1:  # every rank scores its share; rank 0 writes the store from the whole table
+                scorer = SharedScores(scorer, scores_over_ranks(cfg, samples, scorer, ranks))
             ranks.main_only(f"scoring round {r + 1}'s samples",
-                            lambda: _score(cfg, r, samples, store, stop, self.log, self._scorer()))
+                            lambda: _score(cfg, r, samples, store, stop, self.log, scorer))
         trains = not tied.is_file()
         if trains and cfg.reference.mode == "precomputed":
             ranks.main_only(f"computing round {r + 1}'s reference log-probs",

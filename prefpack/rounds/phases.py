@@ -207,3 +207,47 @@ def _open_run_dir(cfg, resume: bool) -> Path:
     if not saved.is_file():
         save_config(cfg, saved)
     return run_dir
+
+
+CHUNK_ROWS = 256  # rows a rank hands its scorer at once
+
+
+class SharedScores:
+    """A scorer whose scores were computed already (by the ranks, each its share): the real scorer's name and
+    identity, so the store's meta is what one process writes."""
+
+    def __init__(self, scorer, table: dict[int, list[float]]):
+        self.scorer, self.table, self.name = scorer, table, scorer.name
+
+    def identity(self) -> dict:
+        return self.scorer.identity()
+
+    def score(self, rows) -> list[list[float]]:
+        return [list(self.table[row.row]) for row in rows]
+
+
+def scores_over_ranks(cfg, samples: Path, scorer, ranks: Ranks) -> dict[int, list[float]]:
+    """Under torchrun every rank scores its share of the samples' rows (row i: rank i % world) with its own scorer
+    (a reward model on its own device); the ranks' tables, each row's scores on one rank and zeros on the others,
+    are summed, so every rank holds the whole table (adding zeros is exact)."""
+    from prefpack.rewards.run import open_input
+
+    source = open_input(plan.score_options(cfg, samples, Path(), pairs=True))
+    k, n = cfg.rounds.samples_per_prompt, source.count_rows()
+    rank, world = ranks.ctx.rank, ranks.world
+
+    def mine() -> list[float]:
+        from prefpack.rewards.scorers import ScorerError
+
+        table = [0.0] * (n * k)
+        rows = [row for row in source.rows() if row.row % world == rank]
+        for start in range(0, len(rows), CHUNK_ROWS):  # as score() hands a scorer its rows: a chunk at a time
+            chunk = rows[start:start + CHUNK_ROWS]
+            for row, values in zip(chunk, scorer.score(chunk)):
+                if len(values) != k:
+                    raise ScorerError(f"{scorer.name}: {len(values)} scores for the {k} completions of row {row.row}")
+                table[row.row * k:(row.row + 1) * k] = [float(v) for v in values]  # a NaN is named by rank 0's check
+        return table
+
+    summed = ranks.together(f"scoring the samples of {samples.parent.name}", mine, size=n * k)
+    return {i: summed[i * k:(i + 1) * k] for i in range(n)}
