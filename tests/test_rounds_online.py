@@ -106,7 +106,7 @@ def test_trl_online_dpo_as_rounds_loads_its_reward_model_once(task, tmp_path, on
 
 
 def test_online_rounds_give_each_steps_weights_to_a_live_vllm_server(task, one_thread):  # noqa: F811
-    from prefpack.rounds.feed import weights_version
+    from prefpack.rounds.sampler import weights_version
     from tests.vllm_stub import StubServer
 
     server = StubServer().start()

@@ -14,7 +14,7 @@ import torch
 from prefpack.config import load_config
 from prefpack.generation.engine import GenerationError
 from prefpack.rounds import RoundsInterrupted, run_rounds
-from prefpack.rounds.feed import weights_version
+from prefpack.rounds.sampler import weights_version
 from tests.conftest import quiet, read_jsonl
 from tests.test_rounds import overrides, task  # noqa: F401 - task: the quickstart fixture, built for this module too
 from tests.vllm_stub import StubServer

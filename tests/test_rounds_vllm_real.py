@@ -157,7 +157,7 @@ def _run(tmp_path, toy_tokenizers, monkeypatch, count: int, *extra: str):
 @pytest.mark.parametrize("lora", [False, True], ids=["full-weights", "lora"])
 def test_three_rounds_in_one_process_from_one_server_start(tmp_path, toy_tokenizers, monkeypatch, one_thread, lora):
     from prefpack.generation.vllm_worker import EXTENSION
-    from prefpack.rounds.feed import weights_version
+    from prefpack.rounds.sampler import weights_version
 
     flags = "--enable-lora --max-lora-rank 8" if lora else f"--worker-extension-cls {EXTENSION}"
     extra = ("lora.enabled=true", "lora.r=8", "lora.alpha=16", "reference.mode=adapter", "optim.lr=0.1") if lora \

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from prefpack.distributed import SINGLE
 from prefpack.rounds import plan
 from prefpack.rounds.metrics import ROUND_FILE, read_json, record_phase
+from prefpack.rounds.sampler import RoundSampler, export_policy
 from prefpack.training.feed import FeedStep, StoreSet, open_stores, store_feed
 
 __all__ = ["RolloutFeed"]
@@ -52,11 +52,8 @@ class RolloutFeed:
         self.eval_feed = None  # the last StoreFeed built: data.eval's objectives
         self.started: float | None = None  # when this process started the round's training
         self.eval_scores: list[float] | None = None  # the round's held-out prompts' rewards (rank 0)
-        self.live = None  # rounds.engine vllm: the run's server(s), kept across rounds (rank 0)
-        self.pushed: str | None = None  # the weights version the live server was last given
         self.overlap = rc.overlap  # round r + 1 sampled (from round r's starting policy) while round r trains
-        self.ahead = None  # (round, thread, its outcome) of the sampling running meanwhile (rank 0)
-        self.sampling_round = 0  # the round whose policy the live server is to serve for the sampling asked now
+        self.sampler = RoundSampler(cfg, run_dir, engine, pad_id=pad_id, tokenizer=tokenizer, log=log)
         self._state: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------ what the loop reads
@@ -109,6 +106,10 @@ class RolloutFeed:
             if not (final / "config.json").is_file() and final != Path(plan.initial_policy(self.cfg)):
                 self._export(final.parent)
 
+    def close(self) -> None:
+        """The sampling running meanwhile stopped, a vLLM server the run started stopped (``RoundSampler.close``)."""
+        self.sampler.close()
+
     def state_dict(self) -> dict[str, Any]:
         return self.feed.state_dict() if self.feed is not None else dict(self._state)
 
@@ -149,11 +150,11 @@ class RolloutFeed:
         self.log(f"round {r + 1}/{cfg.rounds.count}: policy in memory (step {k})")
         samples = folder / "samples.jsonl"
         if self.overlap:
-            ranks.main_only(f"waiting for round {r + 1}'s samples", lambda: self._join_ahead(r))
+            ranks.main_only(f"waiting for round {r + 1}'s samples", lambda: self.sampler.join_ahead(r))
         # with overlap a round samples the policy the round before started from (a staleness of one round)
-        self.sampling_round = r - 1 if self.overlap and r > 0 else r
-        _generate(cfg, run_dir, r, cfg.rounds.prompts, samples, "generate", stop, self.log, ranks, self._sampler)
-        self.sampling_round = r
+        weights = r - 1 if self.overlap and r > 0 else r
+        _generate(cfg, run_dir, r, cfg.rounds.prompts, samples, "generate", stop, self.log, ranks,
+                  self.sampler.factory(r, weights))
         if not made:
             scorer = self._scorer() if ranks.is_main or ranks.world > 1 else None
             if ranks.world > 1:  # every rank scores its share; rank 0 writes the store from the whole table
@@ -165,10 +166,10 @@ class RolloutFeed:
             ranks.main_only(f"computing round {r + 1}'s reference log-probs",
                             lambda: precompute_round_reference(cfg, run_dir, r, self.log))
         if cfg.rounds.eval_prompts:
-            self.eval_scores = _eval_prompts(cfg, run_dir, r, stop, self.log, ranks, self._sampler,
+            self.eval_scores = _eval_prompts(cfg, run_dir, r, stop, self.log, ranks, self.sampler.factory(r, r),
                                              self._scorer() if ranks.is_main else None)
         if self.overlap and at_start and ranks.is_main:
-            self._start_ahead(r + 1)
+            self.sampler.start_ahead(r + 1)
         if not trains:
             if not self._recorded(r):
                 ranks.main_only(f"recording round {r + 1}", lambda: self._write_round(r, read_json(tied), None))
@@ -213,179 +214,6 @@ class RolloutFeed:
             self.scorer = make_scorer(plan.score_options(self.cfg, Path(), Path(), pairs=True))
         return self.scorer
 
-    def _sampler(self, source):
-        """The policy in memory as the sampling engine, its weights as the round's saved final model holds them; with
-        ``rounds.engine: vllm`` the run's live server(s), given the round's weights first (:meth:`_live`)."""
-        if self.cfg.rounds.engine == "vllm":
-            return _Kept(self._live(source))
-        from prefpack.generation.hf_engine import TransformersEngine
-
-        # recorded as the folder the round's policy is exported to (the same weights): a samples file either loop
-        # wrote continues in the other
-        opts = plan.generate_options(self.cfg, self.run_dir, self.round, prompts=self.cfg.rounds.prompts, output=Path())
-        where = opts.model if not opts.adapter else f"{opts.model} + adapter {opts.adapter}"
-        if not self.each_round:  # no round's model is saved: the policy as it stands at the round's first step
-            where = f"the policy in memory at step {self.round * self.per_round}"
-        return TransformersEngine.of_policy(self._sampling_model(), pad_id=self.pad_id,
-                                            batch_size=self.cfg.rounds.batch_size, source=where)
-
-    def _live(self, source):
-        """The run's vLLM server(s): started once (``rounds.vllm_command``, on the initial model) or reached
-        (``rounds.vllm_url``, one or several), then given round ``self.round``'s policy in place: LoRA as an adapter
-        loaded at run time, else the full weights reloaded from the folder the policy was exported to, each under a
-        version the server must confirm before it samples (never stale weights silently)."""
-        from prefpack.generation.run import build_engine
-
-        cfg, r = self.cfg, self.sampling_round
-        if self.live is None:
-            opts = plan.generate_options(cfg, self.run_dir, 0, prompts=cfg.rounds.prompts,
-                                         output=self.run_dir / "sampler.jsonl")  # its log: sampler.vllm.log
-            opts.adapter = None  # a LoRA run's server serves the base; each round's adapter is loaded into it
-            self.live = build_engine(opts, source)
-            self.log(f"vLLM sampler for every round: {', '.join(self.live.describe().get('urls') or [self.live.url])}")
-        version = weights_version(self.run_dir, r)
-        if self.pushed != version:
-            t0 = time.perf_counter()
-            if not self.each_round:  # no round's model is saved: the policy written for the servers, then given
-                folder = self._export_for_sampler(version)
-            elif cfg.lora.enabled:
-                folder = plan.adapter_of(cfg, self.run_dir, r) or self._start_adapter(r)
-            else:
-                folder = plan.policy_of(cfg, self.run_dir, r)
-            if cfg.lora.enabled:
-                self.live.load_adapter(folder, version)
-            else:
-                self.live.update_weights(folder, version)
-            self.pushed = version
-            self._drop_sampler_folders(keep=(version, *self._versions_in_use()))
-            self.log(f"round {r + 1}: the vLLM sampler serves {version} ({time.perf_counter() - t0:.2f} s)")
-        return self.live
-
-    def _export_for_sampler(self, version: str) -> str:
-        """The policy in memory written where the servers read it, ``RUN_DIR/sampler/VERSION`` (LoRA: the adapter
-        alone; else the whole model, as a round's final model is written)."""
-        folder = self.run_dir / "sampler" / version
-        if self.sampling_round != self.round and not folder.is_dir():
-            from prefpack.rounds.phases import RoundsError
-
-            raise RoundsError(f"round {self.round + 1}'s samples are drawn from the policy round "
-                              f"{self.round} started from, and its copy ({folder}) is gone; resume from an earlier "
-                              "checkpoint (move the later ones aside) so the run passes that round's start again")
-        if self.cfg.lora.enabled:
-            if not (folder / "adapter_config.json").is_file():
-                self.engine.policy.save_pretrained(folder)
-            return str(folder)
-        if not (folder / "final" / "config.json").is_file():
-            folder.mkdir(parents=True, exist_ok=True)
-            self._export(folder, ranks_take_part=False)
-        return str(folder / "final")
-
-    def _drop_sampler_folders(self, keep: tuple[str, ...]) -> None:
-        """The folders of weights the servers no longer serve (prefpack wrote them, for them alone)."""
-        import shutil
-
-        root = self.run_dir / "sampler"
-        if root.is_dir():
-            for old in root.iterdir():
-                if old.is_dir() and old.name not in keep:
-                    shutil.rmtree(old, ignore_errors=True)
-
-    def _versions_in_use(self) -> list[str]:
-        """With overlap, the version a round's unfinished samples were begun with (a resume continues them with it)."""
-        if not self.overlap:
-            return []
-        out = []
-        for r in range(self.cfg.rounds.count):
-            meta = read_json(plan.round_dir(self.run_dir, r) / "samples.meta.json")
-            if meta and not meta.get("complete"):
-                out.append(meta.get("generation", {}).get("weights_version"))
-        return [v for v in out if v]
-
-    # ------------------------------------------------------------------------------------------ overlap
-
-    def _start_ahead(self, r: int) -> None:
-        """Round ``r``'s sampling begun in a thread, from the policy as it stands (round ``r - 1``'s start), while
-        round ``r - 1`` trains (the thread waits on the servers; the loop's process trains meanwhile)."""
-        import threading
-
-        if r >= self.cfg.rounds.count:
-            return
-        folder = plan.round_dir(self.run_dir, r)
-        if read_json(folder / "samples.meta.json").get("complete"):
-            return
-        folder.mkdir(parents=True, exist_ok=True)
-        self.sampling_round = r - 1
-        opts = plan.generate_options(self.cfg, self.run_dir, r, prompts=self.cfg.rounds.prompts,
-                                     output=folder / "samples.jsonl")
-        from prefpack.generation.run import prompt_source, sample_prompts, settings_of
-
-        source = prompt_source(opts)
-        settings = settings_of(opts, source)
-        engine = self._sampler(source)  # the server given round r - 1's starting policy (the one in memory)
-        outcome: dict = {}
-        halt = _Halt()
-
-        def sample() -> None:
-            t0 = time.perf_counter()
-            try:
-                report = sample_prompts(source, engine, settings, folder / "samples.jsonl", log=self.log, stop=halt)
-                record_phase(folder, "generate", seconds=time.perf_counter() - t0, tokens=report.tokens)
-            except BaseException as exc:  # raised again where the round waits for it
-                outcome["error"] = exc
-
-        thread = threading.Thread(target=sample, name=f"prefpack-round-{r + 1}-sampling", daemon=True)
-        thread.start()
-        self.ahead = (r, thread, outcome, halt)
-
-    def _join_ahead(self, r: int) -> None:
-        """Wait for round ``r``'s sampling begun during the last round (its error, if any, raised here)."""
-        if self.ahead is None or self.ahead[0] != r:
-            return
-        _, thread, outcome, _ = self.ahead
-        t0 = time.perf_counter()
-        thread.join()
-        self.ahead = None
-        waited = time.perf_counter() - t0
-        if "error" in outcome:
-            raise outcome["error"]
-        phases = read_json(plan.round_dir(self.run_dir, r) / "phases.json")
-        record_phase(plan.round_dir(self.run_dir, r), "generate", **phases.get("generate", {}), waited=waited)
-    def _start_adapter(self, r: int) -> str:
-        """A fresh adapter (round 1 without ``lora.adapter``) saved for the server to load (rank 0 samples)."""
-        folder = plan.round_dir(self.run_dir, r) / "start_adapter"
-        if not (folder / "adapter_config.json").is_file():
-            self.engine.policy.save_pretrained(folder)
-        return str(folder)
-
-    def close(self) -> None:
-        """Stop the sampling running meanwhile (at a whole chunk: a resume continues it) and a server the run
-        started (a server given by URL keeps running)."""
-        if self.ahead is not None:
-            _, thread, _, halt = self.ahead
-            halt.signum = 15
-            thread.join()
-            self.ahead = None
-        if self.live is not None:
-            self.live.close()
-            self.live = None
-
-    def _sampling_model(self):
-        """The policy, or a copy rounded to the dtype the round's final model is saved in and cast to the dtype the
-        transformers engine samples a saved folder in (float32 on CPU, bfloat16 on CUDA): the same weights."""
-        from prefpack.engine import final_dtype
-        from prefpack.training.checkpoint.final import is_four_bit
-
-        policy = self.engine.policy
-        if is_four_bit(policy):
-            return policy
-        saved = final_dtype(self.cfg, self.engine.precision)
-        sampled = torch.bfloat16 if self.engine.device.type == "cuda" else torch.float32
-        if all(p.dtype == saved == sampled for p in policy.parameters()):
-            return policy
-        import copy
-
-        return copy.deepcopy(policy).to(saved).to(sampled)
-
     @torch.no_grad()
     def _reference_to_policy(self) -> None:
         """``rounds.reference: round_start`` with a copied reference: the reference takes the policy's weights (LoRA:
@@ -418,20 +246,9 @@ class RolloutFeed:
         round's first step) not dropped by this process's resume."""
         return (plan.round_dir(self.run_dir, r) / ROUND_FILE).is_file() and r * self.per_round <= self.start
 
-    def _export(self, where: Path, ranks_take_part: bool = True) -> None:
-        """The policy saved as a final model in ``where/final`` (LoRA merged into a copy; the policy trains on)."""
-        from prefpack.engine import final_dtype
-        from prefpack.training.checkpoint import save_final
-        from prefpack.training.guards import check_finite_weights
-
-        engine, cfg = self.engine, self.cfg
-        ctx = engine.parallel.dist if ranks_take_part else SINGLE  # the servers' copy: rank 0's
-        params = [p for p in engine.policy.parameters() if p.requires_grad]
-        check_finite_weights(params, ctx)  # never a NaN model saved
-        if ctx.is_main:
-            where.mkdir(parents=True, exist_ok=True)
-        save_final(where, engine.policy, self.tokenizer, module=engine.module, ctx=ctx,
-                   strategy=cfg.distributed.strategy, dtype=final_dtype(cfg, engine.precision), keep_policy=True)
+    def _export(self, where: Path) -> None:
+        """The policy as a final model in ``where/final``, every rank taking part (FSDP2 gathers)."""
+        export_policy(self.cfg, self.engine, self.tokenizer, where, self.engine.parallel.dist)
 
     def _record(self, r: int, evaluation: dict | None) -> None:
         """Round ``r``'s end: its model exported (every round's with ``rounds.save_each_round``, else the last's), its
@@ -475,39 +292,3 @@ class RolloutFeed:
             return None
         with open(path, encoding="utf-8") as fh:
             return [s for line in fh if line.strip() for s in json.loads(line)["scores"]]
-
-
-def weights_version(run_dir: Path, r: int) -> str:
-    """The name round ``r``'s weights are served under: the run (its folder's absolute path, hashed) and the round,
-    so a server another run updated is never taken for this one's."""
-    import hashlib
-
-    run = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]
-    return f"{run}-round-{r + 1:03d}"
-
-
-class _Halt:
-    """The stop a thread's sampling reads between chunks (signals reach the main thread only): set by ``close``."""
-
-    signum = 0
-
-    def due(self) -> bool:
-        return bool(self.signum)
-
-
-class _Kept:
-    """A sampler that lives across rounds, handed to one round's sampling: ``close`` leaves it running."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.name, self.batch_prompts = engine.name, engine.batch_prompts
-        self.batch_dependent = getattr(engine, "batch_dependent", False)
-
-    def generate(self, jobs, settings):
-        return self.engine.generate(jobs, settings)
-
-    def describe(self) -> dict:
-        return self.engine.describe()
-
-    def close(self) -> None:
-        return None
