@@ -19,8 +19,8 @@ from tests.test_rounds import overrides, task  # noqa: F401 - task: the quicksta
 # batch 3: 16 prompts make chunks of 3,3,3,3,3,1 (ranks 0 and 1 take 9 and 7 rows), the 8 held-out ones 3,3,2.
 # eps 1e-3: AdamW divides by sqrt(v) + eps, which turns float32 rounding noise (the all-reduce sums in another order
 # than one process) in near-zero gradients into full-size updates (as in tests/test_distributed.py)
-# rounds.optimizer reset: one process and DDP run their rounds in one process, FSDP2 (which cannot sample a sharded
-# policy in memory yet) as a training run per round, which starts a fresh optimizer; the LoRA runs keep theirs
+# rounds.optimizer reset: the rounds of one process, DDP and FSDP2 run in one process each, compared with the files of
+# rounds run as separate trainings elsewhere (tests/test_rounds_live.py); the LoRA runs keep their optimizer
 EXTRA = ("rounds.batch_size=3", "rounds.steps_per_round=3", "optim.eps=1.0e-3", "rounds.optimizer=reset")
 ATOL = 1e-5  # measured: 1.2e-7 apart; a round of training moves them by up to 8e-3 (lr 1e-2)
 FILES = ("samples.jsonl", "samples.meta.json", "eval_samples.jsonl", "eval_scores.jsonl", "store/tokens.bin",
@@ -62,7 +62,7 @@ def launch(task, one_thread):  # noqa: F811
     # the DDP run again, stopped after step 4 (in round 2: its last checkpoint is round 1's end, step 3) and resumed
     killed = ["train", *overrides(task, "ddp_resumed", *EXTRA, *DDP, scorer), "--no-progress", "--json"]
     proc = run_prefpack(args["ddp"], args["fsdp2"], args["lora_ddp"], args["pre_ddp"], [*killed, "--stop-after-steps",
-                        "4"], [*killed, "--resume"], nproc=2, timeout=300)
+                        "4"], [*killed, "--resume"], nproc=2, timeout=600)
     return {"one": json.loads(one[0]), "printed": [json.loads(x) for x in proc.stdout.splitlines()],
             "stderr": proc.stderr}
 
@@ -88,6 +88,7 @@ def assert_weights_close(a_path, b_path) -> None:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_ranks_write_the_rounds_of_one_process(launch, task, strategy):  # noqa: F811
     one, two = task / "one", task / strategy
+    assert (two / "checkpoints").is_dir()  # rounds in one process (FSDP2: each rank samples the gathered policy)
     assert_round_files_equal(one, two, FILES)
     final = ("rounds", "002", "train", "final", "model.safetensors")
     assert_weights_close(one.joinpath(*final), two.joinpath(*final))

@@ -218,11 +218,16 @@ class RolloutFeed:
     def _reference_to_policy(self) -> None:
         """``rounds.reference: round_start`` with a copied reference: the reference takes the policy's weights (LoRA:
         merged into a copy), as the round driver loads it from the last round's final model."""
+        from prefpack.reference import sync_reference
         from prefpack.training.checkpoint.final import merged_dequantized
 
-        policy, reference = self.engine.policy, self.engine.reference.model
-        source = merged_dequantized(policy) if hasattr(policy, "merge_and_unload") else policy
-        weights = dict(source.named_parameters())
+        engine = self.engine
+        policy, reference = engine.policy, engine.reference.model
+        if not hasattr(policy, "merge_and_unload"):  # ref <- 0 * ref + policy: exact (FSDP2: shard by shard)
+            fsdp = self.cfg.distributed.strategy == "fsdp2" and engine.parallel.dist.enabled
+            sync_reference(policy, reference, 1.0, wrappers=(engine.module, engine.reference.module) if fsdp else ())
+            return
+        weights = dict(merged_dequantized(policy).named_parameters())
         for name, ref in reference.named_parameters():
             ref.copy_(weights[name].to(ref.dtype))
         for module in reference.modules():  # its vision weights' key is computed again (as sync_reference does)

@@ -138,6 +138,6 @@ def why_restart(cfg) -> str | None:
     if cfg.reference.mode == "precomputed" and rc.reference == "round_start":
         return ("reference.mode=precomputed with rounds.reference=round_start computes each round's sidecar from the "
                 "last round's saved model")
-    if cfg.distributed.strategy == "fsdp2" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return "FSDP2 shards the policy, which cannot sample in memory yet"
+    if cfg.distributed.strategy == "fsdp2" and int(os.environ.get("WORLD_SIZE", "1")) > 1 and cfg.lora.enabled:
+        return "LoRA under FSDP2 shards the adapter, which cannot sample in memory over the base yet"
     return None

@@ -86,11 +86,28 @@ class RoundSampler:
             return policy
         saved = final_dtype(self.cfg, self.engine.precision)
         sampled = torch.bfloat16 if self.engine.device.type == "cuda" else torch.float32
+        if self.cfg.distributed.strategy == "fsdp2" and self.engine.parallel.dist.enabled:
+            return self._gathered(saved).to(sampled)
         if all(p.dtype == saved == sampled for p in policy.parameters()):
             return policy
         import copy
 
         return copy.deepcopy(policy).to(saved).to(sampled)
+
+    def _gathered(self, dtype: torch.dtype):
+        """FSDP2: the policy's shards gathered on every rank (each samples its chunks) into a plain model in
+        ``dtype``, as ``save_final`` gathers them for the final folder (every rank takes part)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from transformers import AutoModelForCausalLM
+        from transformers.initialization import no_init_weights
+
+        full = get_model_state_dict(self.engine.module, options=StateDictOptions(full_state_dict=True))
+        state = {k.removeprefix("model."): v for k, v in full.items()}
+        with no_init_weights():  # every weight is loaded below
+            model = AutoModelForCausalLM.from_config(self.engine.policy.config, dtype=dtype)
+        model.load_state_dict({k: v.to(dtype) for k, v in state.items()})
+        del full, state
+        return model.to(self.engine.device)
 
     # ------------------------------------------------------------------------------------------ live servers
 
