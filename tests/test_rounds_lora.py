@@ -106,8 +106,8 @@ def test_reference_combinations_that_cannot_be_right_are_refused(task, extra, wo
 
 def test_precomputed_round_start_reference_gives_the_copied_references_losses(task, one_thread):  # noqa: F811
     """All weights trained, rounds.reference round_start: round 2's sidecar is computed with round 1's final model,
-    and every loss equals the run holding that model as a frozen copy (in one process, with a fresh optimizer each
-    round: the precomputed round_start reference runs each round as its own training, which starts one)."""
+    and every loss equals the run holding that model as a frozen copy (in one process, each round's sidecar computed
+    with the policy in memory at the round's start)."""
     losses = {}
     for mode in ("copy", "precomputed"):
         run = f"full_{mode}"

@@ -125,8 +125,9 @@ def test_lora_rounds_under_ddp_are_those_of_one_process(launch, task):  # noqa: 
 
 
 def test_a_precomputed_reference_under_ddp_is_that_of_one_process(launch, task):  # noqa: F811
-    """Rank 0 computes each round's sidecar (round 2's with round 1's final model, of its own run) while the other
-    waits; every rank trains on it: the same stores and sidecars, the same losses and final weights."""
+    """Rank 0 computes each round's sidecar (round 2's with the policy in memory at its start, named by the folder
+    its own run saved those weights in: round 1's final model) while the other waits; every rank trains on it: the same
+    stores and sidecars, the same losses and final weights."""
     from safetensors import safe_open
 
     one, two = task / "pre_one", task / "pre_ddp"

@@ -129,7 +129,7 @@ class RolloutFeed:
             _score,
             scores_over_ranks,
         )
-        from prefpack.rounds.reference import precompute_round_reference
+        from prefpack.rounds.reference import precompute_from_policy, precompute_round_reference
 
         cfg, run_dir, ranks = self.cfg, self.run_dir, self.ranks
         folder = plan.round_dir(run_dir, r)
@@ -162,7 +162,13 @@ class RolloutFeed:
             ranks.main_only(f"scoring round {r + 1}'s samples",
                             lambda: _score(cfg, r, samples, store, stop, self.log, scorer))
         trains = not tied.is_file()
-        if trains and cfg.reference.mode == "precomputed":
+        if trains and cfg.reference.mode == "precomputed" and cfg.rounds.reference == "round_start":
+            # the policy in memory is the round's reference: rank 0's full copy scores it (DDP; FSDP2 runs a
+            # training per round), every rank reads the tag it was recorded with
+            ranks.main_only(f"computing round {r + 1}'s reference log-probs",
+                            lambda: precompute_from_policy(cfg, run_dir, r, self.engine.policy, self.log))
+            self.engine.reference.reference_hash = read_json(folder / "phases.json")["reference"]["reference_hash"]
+        elif trains and cfg.reference.mode == "precomputed":
             ranks.main_only(f"computing round {r + 1}'s reference log-probs",
                             lambda: precompute_round_reference(cfg, run_dir, r, self.log))
         if cfg.rounds.eval_prompts:

@@ -135,9 +135,10 @@ def why_restart(cfg) -> str | None:
     rc = cfg.rounds
     if not rc.in_process:
         return "rounds.in_process=false"
-    if cfg.reference.mode == "precomputed" and rc.reference == "round_start":
-        return ("reference.mode=precomputed with rounds.reference=round_start computes each round's sidecar from the "
-                "last round's saved model")
-    if cfg.distributed.strategy == "fsdp2" and int(os.environ.get("WORLD_SIZE", "1")) > 1 and cfg.lora.enabled:
-        return "LoRA under FSDP2 shards the adapter, which cannot sample in memory over the base yet"
+    if cfg.distributed.strategy == "fsdp2" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if cfg.lora.enabled:
+            return "LoRA under FSDP2 shards the adapter, which cannot sample in memory over the base yet"
+        if cfg.reference.mode == "precomputed" and rc.reference == "round_start":
+            return ("a precomputed round_start reference under FSDP2 is scored by rank 0 alone, which holds a shard "
+                    "of the policy")
     return None

@@ -32,3 +32,27 @@ def precompute_round_reference(cfg, run_dir: Path, r: int, log) -> None:
             trust_remote_code=cfg.model.trust_remote_code), log=log, progress=False)
         log(f"round {r + 1}: reference log-probs of {store} computed with {model} ({report['sequences']} sequences)")
     record_phase(folder, PHASE, seconds=time.perf_counter() - t0)
+
+
+def precompute_from_policy(cfg, run_dir: Path, r: int, policy, log) -> str:
+    """``rounds.reference: round_start`` in one process: the round's sidecar computed with the policy in memory at the
+    round's first step (what a training per round reads back from the last round's final model), once; returns the
+    weights hash it is tagged with, recorded with the phase (a resume mid-round reads it there)."""
+    from prefpack.training.precompute import PrecomputeOptions, precompute_reference
+
+    folder = plan.round_dir(run_dir, r)
+    done = read_json(folder / PHASES_FILE).get(PHASE)
+    if done:
+        return done["reference_hash"]
+    t0 = time.perf_counter()
+    # named by the folder that holds the same weights (the last round's final model), where rounds keep one
+    name = plan.policy_of(cfg, run_dir, r) if cfg.rounds.save_each_round else \
+        f"the policy in memory at step {r * cfg.rounds.steps_per_round}"
+    report = precompute_reference(PrecomputeOptions(
+        model=name, data=str(folder / "store"), seed=cfg.train.seed,
+        micro_batch_tokens=cfg.train.micro_batch_tokens, chunk_size=cfg.train.chunk_size, device=cfg.train.device,
+        dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code), log=log, progress=False, model=policy)
+    log(f"round {r + 1}: reference log-probs of {folder / 'store'} computed with the policy in memory "
+        f"({report['sequences']} sequences)")
+    record_phase(folder, PHASE, seconds=time.perf_counter() - t0, reference_hash=report["reference_hash"])
+    return report["reference_hash"]

@@ -5,6 +5,7 @@ kernel reads prompt groups, KTO's fixed KL sequences beside their examples)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,28 +148,38 @@ def load_reference_model(name_or_path: str, dtype: str, device: torch.device, *,
 
 
 def precompute_reference(opts: PrecomputeOptions, *, parallel: Parallel = ONE_PROCESS, log=print,
-                         progress: bool = True) -> dict:
-    """Score a store with a reference model and write its sidecar (rank 0); returns what ``precompute-ref`` prints."""
+                         progress: bool = True, model: nn.Module | None = None) -> dict:
+    """Score a store with a reference model and write its sidecar (rank 0); returns what ``precompute-ref`` prints
+    and the weights hash the sidecar is tagged with. ``model``: one in memory (on-policy rounds: the policy at the
+    round's start), scored in place of ``opts.model``, which then only names it; its training state is put back."""
     from prefpack.data.store import Store
     from prefpack.model import (
         check_model_source,
-        check_vocab_fits,
-        kernel_of,
         pick_device,
         resolve_tokenizer,
-        weights_hash,
     )
 
     kto = opts.kto or read_only_unpaired(Store(opts.data).kind)
     store = open_store(opts.data, "reference", unpaired=kto, paired_as_kto=opts.kto)
     check_sidecar_writable(store)  # at once, not after the whole store is scored (every rank: none waits on rank 0)
-    check_model_source(opts.model, "--model")
-    resolve_tokenizer(opts.model, store.meta, store.tokenizer_path(), allow_mismatch=opts.allow_tokenizer_mismatch,
-                      trust_remote_code=opts.trust_remote_code)
     ctx = parallel.dist
-    device = ctx.device if opts.device == "auto" else pick_device(opts.device)
-    model = load_reference_model(opts.model, opts.dtype, device, trust_remote_code=opts.trust_remote_code)
+    if model is None:
+        check_model_source(opts.model, "--model")
+        resolve_tokenizer(opts.model, store.meta, store.tokenizer_path(),
+                          allow_mismatch=opts.allow_tokenizer_mismatch, trust_remote_code=opts.trust_remote_code)
+        device = ctx.device if opts.device == "auto" else pick_device(opts.device)
+        model = load_reference_model(opts.model, opts.dtype, device, trust_remote_code=opts.trust_remote_code)
+    else:
+        device = next(model.parameters()).device
+    with _scored_as_reference(model):
+        return _precompute(opts, store, model, device, kto, parallel, log, progress)
+
+
+def _precompute(opts, store, model, device, kto, parallel, log, progress) -> dict:
+    from prefpack.model import check_vocab_fits, kernel_of, weights_hash
     from prefpack.model.sharded import check_model
+
+    ctx = parallel.dist
 
     check_model(model, parallel.seq)  # a kernel or head count the sequence groups cannot shard, refused now
     check_vocab_fits(model, store.meta, opts.data)
@@ -183,11 +194,27 @@ def precompute_reference(opts: PrecomputeOptions, *, parallel: Parallel = ONE_PR
     space = task.key_space()
     if not ctx.is_main:
         return {}
-    path = write_keyed_sidecar(store, space, table, reference_hash=weights_hash(model), reference_name=opts.model)
+    reference_hash = weights_hash(model)
+    path = write_keyed_sidecar(store, space, table, reference_hash=reference_hash, reference_name=opts.model)
     scored = np.isfinite(table.logps)
     return {"sidecar": str(path), "kind": space.kind, "rows": len(store), "sequences": int(scored.sum()),
+            "reference_hash": reference_hash,
             "mean_logp": float(table.logps[scored].mean()) if scored.any() else None,
             **({"kl_seed": opts.seed} if kto else {})}
+
+
+@contextmanager
+def _scored_as_reference(model: nn.Module):
+    """The model frozen while it scores (``CopyReference`` freezes it), its training mode and trainable flags put
+    back after: a policy in memory scored as its own reference trains on."""
+    training = model.training
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    try:
+        yield
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
+        model.train(training)
 
 
 def _scoring_budgets(opts: PrecomputeOptions, model: nn.Module, device: torch.device, log):
