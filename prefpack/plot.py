@@ -15,7 +15,8 @@ from pathlib import Path
 from prefpack.errors import PrefpackError
 from prefpack.metrics import METRICS_FILE, read_metrics
 
-__all__ = ["PANELS", "PlotError", "eval_store_names", "legend_label", "panels", "plot_run", "train_source_names"]
+__all__ = ["PANELS", "PlotError", "eval_store_names", "legend_label", "panels", "plot_run", "train_source_names",
+           "try_plot"]
 
 # (panel title, metric keys drawn in it); a panel appears only when one of its keys has a value.
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -196,3 +197,14 @@ def plot_run(run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None
     fig.savefig(tmp, dpi=100, format="png")
     os.replace(tmp, target)
     return target
+
+
+def try_plot(run_dir: str | os.PathLike, log: Callable[[str], None]) -> bool:
+    """curves.png at a run's end (True when drawn): a missing plotting library or an empty run is a note, never the
+    failure of a finished run."""
+    try:
+        plot_run(run_dir)
+        return True
+    except Exception as exc:
+        log(f"note: no curves.png ({exc})")
+        return False

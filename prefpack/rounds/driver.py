@@ -101,12 +101,9 @@ def run_rounds(cfg, *, resume: bool = False, log=print, progress: bool = True,
         metrics.close()
     result.final_dir = Path(plan.policy_of(cfg, run_dir, rc.count))
     if cfg.run.plot and ranks.is_main:
-        try:
-            from prefpack.plot import plot_run
+        from prefpack.plot import try_plot
 
-            plot_run(run_dir)
-        except Exception as exc:  # a missing plotting library must not fail finished rounds
-            log(f"note: no curves.png ({exc})")
+        try_plot(run_dir, log)
     return result
 
 

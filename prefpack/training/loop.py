@@ -23,6 +23,7 @@ from prefpack.engine import final_dtype, make_optimizer, wrap_forward
 from prefpack.model import ModelError, release_freed_memory
 from prefpack.objectives import StepTotals, release_images
 from prefpack.parallel import Parallel, start_parallel
+from prefpack.plot import try_plot
 from prefpack.training.cadence import Cadence
 from prefpack.training.checkpoint import (
     Checkpointed,
@@ -133,7 +134,7 @@ def _train(cfg, parallel: Parallel, *, resume: bool, stop_after_steps: int | Non
     final_dir = save_final(run_dir, engine.policy, setup.tokenizer, module=run.module, ctx=ctx,
                            strategy=cfg.distributed.strategy, dtype=final_dtype(cfg, engine.precision),
                            image_processor_dir=setup.image_processor_dir)
-    plotted = bool(cfg.run.plot and main) and _plot(run_dir, log)
+    plotted = bool(cfg.run.plot and main) and try_plot(run_dir, log)
     ctx.barrier()
     n_steps = setup.feed.num_steps
     return TrainResult(run_dir, n_steps, final_dir, run.eval_before, run.eval_after, run.last,
@@ -327,18 +328,6 @@ def _free_training_state(optimizer, reference, parts: Checkpointed) -> None:
     reference.release()
     parts.reference = parts.reference_module = None
     release_freed_memory()
-
-
-def _plot(run_dir: Path, log) -> bool:
-    """curves.png (True when drawn); a missing plotting library must not fail a finished training run."""
-    try:
-        from prefpack.plot import plot_run
-
-        plot_run(run_dir)
-        return True
-    except Exception as exc:
-        log(f"note: no curves.png ({exc})")
-        return False
 
 
 def _quiet(*_args, **_kwargs) -> None:
