@@ -92,7 +92,11 @@ class RoundSampler:
             return policy
         import copy
 
-        return copy.deepcopy(policy).to(saved).to(sampled)
+        # each parameter made in the sampled dtype before the copy takes it (deepcopy's memo), so the copy never
+        # holds a second set of the training weights: the peak is the policy and one copy in the sampled dtype
+        memo = {id(p): torch.nn.Parameter(p.detach().to(saved).to(sampled), requires_grad=False)
+                for p in policy.parameters()}
+        return copy.deepcopy(policy, memo)
 
     def _gathered(self, dtype: torch.dtype):
         """FSDP2: the policy's shards gathered on every rank (each samples its chunks) into a plain model in
