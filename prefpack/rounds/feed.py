@@ -2,14 +2,15 @@
 with one engine (the policy loaded once), one optimizer and one learning-rate schedule, and this feed makes each
 round's examples at the round's first step.
 
-At round ``r``'s first step the policy the loop holds is the round's policy: it samples the round's prompts in
-memory (``TransformersEngine.of_policy``; nothing is read back from disk), the samples are scored and the round's
-pair store written (the same files as the round driver's, which stay the resume record: ``plan``'s layout), and the
-round's objective is built over that store for the weights as the engine holds them. At the round's last step the
-loop evaluates and checkpoints (``boundary``), then the feed records the round (``after_boundary``): the round's model
-exported to ``rounds/NNN/train/final``, its phases' seconds, its metrics line and ``round.json``. A resume from a
-round's closing checkpoint whose record is missing records it first (``begin``), reading that step's evaluation back
-from the run's metrics.
+At round ``r``'s first step the policy the loop holds is the round's policy: it samples the round's prompts
+(``rounds.sampler``: in memory, nothing read back from disk, or live vLLM servers given these weights), the samples
+are scored and the round's pair store written (the same files as the round driver's, which stay the resume record:
+``plan``'s layout), and the round's objective is built over that store for the weights as the engine holds them. At
+the round's last step the loop evaluates and checkpoints (``boundary``; with ``rounds.save_each_round``), then the
+feed records the round (``step_done``): the round's model exported to ``rounds/NNN/train/final``, its phases'
+seconds, its metrics line and ``round.json``. A resume from a round's closing checkpoint whose record is missing
+records it first (``begin``), reading that step's evaluation back from the run's metrics; a resume from an earlier
+checkpoint replays the rounds after it from their stores and records them again.
 """
 
 from __future__ import annotations
