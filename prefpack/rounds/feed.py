@@ -148,7 +148,7 @@ class RolloutFeed:
         if ranks.is_main:
             folder.mkdir(parents=True, exist_ok=True)
         ranks.together(f"opening round {r + 1}'s folder", lambda: None)
-        self.log(f"round {r + 1}/{cfg.rounds.count}: policy in memory (step {k})")
+        self.log(f"round {r + 1}/{cfg.rounds.count} from step {k} (the policy in memory)")
         samples = folder / "samples.jsonl"
         if self.overlap:
             ranks.main_only(f"waiting for round {r + 1}'s samples", lambda: self.sampler.join_ahead(r))
@@ -157,7 +157,7 @@ class RolloutFeed:
         _generate(cfg, run_dir, r, cfg.rounds.prompts, samples, "generate", stop, self.log, ranks,
                   self.sampler.factory(r, weights))
         if not made:
-            scorer = self._scorer() if ranks.is_main or ranks.world > 1 else None
+            scorer = self._scorer()  # every rank's under torchrun (each scores its share)
             if ranks.world > 1:  # every rank scores its share; rank 0 writes the store from the whole table
                 scorer = SharedScores(scorer, scores_over_ranks(cfg, samples, scorer, ranks))
             ranks.main_only(f"scoring round {r + 1}'s samples",
