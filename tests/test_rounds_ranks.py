@@ -51,20 +51,35 @@ def reward(prompt, completion, row):
 
 
 @pytest.fixture(scope="module")
-def launch(task, one_thread):  # noqa: F811
+def stubs():
+    """Two stand-in vLLM servers (tests/vllm_stub.py) for the launch: under torchrun each rank drives one."""
+    from tests.vllm_stub import StubServer
+
+    servers = [StubServer().start(), StubServer().start()]
+    yield servers
+    for server in servers:
+        server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def launch(task, stubs, one_thread):  # noqa: F811
     """One process, in this one (each run); then one torchrun launch of two ranks: DDP, FSDP2, LoRA under DDP, a
     precomputed reference under DDP."""
     (task / "reward_ranks.py").write_text(SCORED_BY)
     scorer = f"rounds.reward_fn={task / 'reward_ranks.py'}:reward"
     args = {name: ["train", *overrides(task, name, *EXTRA, *extra, scorer), "--no-progress", "--json"]
             for name, extra in RUNS.items()}
-    one = run_here(args["one"], args["lora_one"], args["pre_one"])
+    vllm = (*SHORT, "rounds.engine=vllm", f"rounds.vllm_url=[{stubs[0].url},{stubs[1].url}]", "rounds.max_new_tokens=4")
+    args["vllm_one"], args["vllm_ddp"] = (["train", *overrides(task, name, *EXTRA, *extra, *vllm, scorer), "--no-progress",
+                                           "--json"] for name, extra in (("vllm_one", ()), ("vllm_ddp", DDP)))
+    one = run_here(args["one"], args["lora_one"], args["pre_one"], args["vllm_one"])
+    answered = [len(s.requests) for s in stubs]
     # the DDP run again, stopped after step 4 (in round 2: its last checkpoint is round 1's end, step 3) and resumed
     killed = ["train", *overrides(task, "ddp_resumed", *EXTRA, *DDP, scorer), "--no-progress", "--json"]
     proc = run_prefpack(args["ddp"], args["fsdp2"], args["lora_ddp"], args["pre_ddp"], [*killed, "--stop-after-steps",
-                        "4"], [*killed, "--resume"], nproc=2, timeout=600)
+                        "4"], [*killed, "--resume"], args["vllm_ddp"], nproc=2, timeout=600)
     return {"one": json.loads(one[0]), "printed": [json.loads(x) for x in proc.stdout.splitlines()],
-            "stderr": proc.stderr}
+            "stderr": proc.stderr, "answered": [len(s.requests) - n for s, n in zip(stubs, answered)]}
 
 
 def assert_round_files_equal(one, two, names) -> None:
@@ -98,7 +113,7 @@ def test_two_ranks_write_the_rounds_of_one_process(launch, task, strategy):  # n
     lines = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
     assert [x["round"] for x in lines if x["split"] == "round"] == [0, 1]
     assert [m["run_dir"] for m in launch["printed"]] == [str(task / x) for x in ("ddp", "fsdp2", "lora_ddp", "pre_ddp",
-                                                                                 "ddp_resumed")]
+                                                                                 "ddp_resumed", "vllm_ddp")]
     assert [m["reward/mean"] for m in launch["printed"][0]["rounds"]] == \
         [m["reward/mean"] for m in launch["one"]["rounds"]]
 
@@ -186,3 +201,21 @@ def test_two_ranks_killed_in_a_round_resume_to_the_uninterrupted_run(launch, tas
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert "stopped after step 4; continue with --resume" in launch["stderr"]
     assert f"resumed from {two / 'checkpoints' / 'step-00000003'} at step 3" in launch["stderr"]
+
+
+def test_each_rank_drives_a_vllm_server_of_its_own(launch, task, stubs):  # noqa: F811
+    """rounds.vllm_url with a server a rank: rank k samples its chunks of rounds.batch_size prompts through server k
+    (given each round's weights by that rank), and the merged samples are one process's (which deals its prompts over
+    both); rank 0's part names its own server alone."""
+    one, two = task / "vllm_one", task / "vllm_ddp"
+    assert_round_files_equal(one, two, ("samples.jsonl", "store/tokens.bin", "store/index.bin"))
+    assert all(n > 0 for n in launch["answered"])  # both servers sampled for the launch
+    meta = json.loads((two / "rounds" / "002" / "samples.meta.json").read_text())
+    assert meta["generation"]["url"] == stubs[0].url  # rank 0 drove the first server, rank 1 the second
+    from prefpack.rounds.sampler import weights_version
+
+    for stub in stubs:  # each rank gave its server both rounds' weights, in order
+        reloads = [tuple(b["args"]) for p, b in stub.admin if p == "/collective_rpc"
+                   and b["method"] == "prefpack_reload_weights" and b["args"][1].startswith(weights_version(two, 0)[:10])]
+        assert reloads == [(str(task / "init"), weights_version(two, 0)),
+                           (str(two / "rounds" / "001" / "train" / "final"), weights_version(two, 1))]

@@ -285,13 +285,15 @@ class RoundsConfig:
     seed: int = _f(0, "sampling seed (round r samples with seed + r)")
     engine: RoundsEngine = _f("transformers", "transformers = the policy in memory; vllm = a vLLM server given each "
                               "round's policy in place (docs/on-policy.md)")
-    batch_size: int = _f(8, "transformers engine: prompts per generate call")
+    batch_size: int = _f(8, "transformers engine: prompts per generate call; under torchrun the chunks the ranks "
+                         "share (vllm too, where each rank drives servers of its own: raise it there, e.g. 256)")
     vllm_command: str | None = _f(None, "vllm: the command that serves {model} on {port} (e.g. 'vllm serve {model} "
                                   "--port {port} --worker-extension-cls prefpack.generation.vllm_worker."
                                   "PrefpackWorkerExtension'), started once per run on the initial model (a round per "
                                   "training: on each round's policy)")
     vllm_url: str | list[str] | None = _f(None, "vllm: running servers' URLs (one, or a list: prompts dealt over "
-                                          "them), each given each round's policy in place; a round per training "
+                                          "them), each given each round's policy in place; under torchrun with a "
+                                          "server a rank at least, each rank drives its own; a round per training "
                                           "(rounds.in_process=false): one URL, count 1")
     reward_fn: str | None = _f(None, "scorer: path/to/file.py:function (prefpack score --reward-fn)")
     reward_model: str | None = _f(None, "scorer: a reward model folder (prefpack score --reward-model)")

@@ -154,6 +154,7 @@ class RolloutFeed:
             ranks.main_only(f"waiting for round {r + 1}'s samples", lambda: self.sampler.join_ahead(r))
         # with overlap a round samples the policy the round before started from (a staleness of one round)
         weights = r - 1 if self.overlap and r > 0 else r
+        self.sampler.prepare(r, weights)
         _generate(cfg, run_dir, r, cfg.rounds.prompts, samples, "generate", stop, self.log, ranks,
                   self.sampler.factory(r, weights))
         if not made:

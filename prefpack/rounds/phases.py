@@ -119,7 +119,8 @@ def _score(cfg, r: int, samples: Path, store: Path, stop, log, scorer=None) -> N
 def _generate(cfg, run_dir: Path, r: int, prompts, samples: Path, phase: str, stop, log,
               ranks: Ranks | None = None, sampler=None) -> None:
     """The round's policy samples ``prompts`` into ``samples`` (continued when a killed run left part of it); under
-    torchrun the ranks share the transformers engine's chunks (merged by rank 0), and a vLLM server is rank 0's.
+    torchrun the ranks share the transformers engine's chunks (merged by rank 0), and so they do vLLM's where each rank
+    drives servers of its own (``plan.servers_per_rank``); else the vLLM servers are rank 0's.
     ``sampler(source)``: the engine (in-process rounds: the policy in memory); None: built from the options."""
     ranks = ranks if ranks is not None else Ranks(Dist())  # one process
     if read_json(samples.with_name(samples.name.removesuffix(".jsonl") + ".meta.json")).get("complete"):
@@ -127,7 +128,8 @@ def _generate(cfg, run_dir: Path, r: int, prompts, samples: Path, phase: str, st
     t0 = time.perf_counter()
     opts = plan.generate_options(cfg, run_dir, r, prompts=prompts, output=samples, held_out=phase == "eval_prompts")
     what = f"sampling round {r + 1}'s {'held-out ' if phase == 'eval_prompts' else ''}prompts"
-    if ranks.world == 1 or opts.engine != "transformers":
+    shared = opts.engine == "transformers" or sampler is not None and plan.servers_per_rank(cfg, ranks.world)
+    if ranks.world == 1 or not shared:
         def alone() -> None:
             report = _sample(opts, samples, stop, phase, log, sampler=sampler)
             for stale in part_files(samples):  # an earlier run's parts under torchrun: these rows are done

@@ -142,3 +142,15 @@ def why_restart(cfg) -> str | None:
             return ("a precomputed round_start reference under FSDP2 is scored by rank 0 alone, which holds a shard "
                     "of the policy")
     return None
+
+
+def servers_per_rank(cfg, world: int) -> bool:
+    """Rounds in one process under torchrun with ``rounds.vllm_url`` naming at least a server a rank: each rank drives
+    its own (rank k the URLs k, k + world, ...) and samples its chunks of ``rounds.batch_size`` prompts, as the ranks
+    share the in-process engine's chunks; else rank 0 drives every server (and ``rounds.overlap`` keeps it so)."""
+    rc = cfg.rounds
+    if world < 2 or rc.engine != "vllm" or not rc.vllm_url or rc.overlap or why_restart(cfg) is not None:
+        return False
+    from prefpack.generation.run import vllm_urls
+
+    return len(vllm_urls(rc.vllm_url)) >= world

@@ -47,6 +47,8 @@ class RoundSampler:
 
     def __init__(self, cfg, run_dir: Path, engine, *, pad_id: int, tokenizer, log):
         self.cfg, self.run_dir, self.engine = cfg, Path(run_dir), engine
+        self.dist = engine.parallel.dist
+        self.per_rank = plan.servers_per_rank(cfg, self.dist.world)  # each rank drives servers of its own
         self.pad_id, self.tokenizer, self.log = pad_id, tokenizer, log
         rc = cfg.rounds
         self.per_round, self.each_round, self.overlap = rc.steps_per_round, rc.save_each_round, rc.overlap
@@ -62,8 +64,9 @@ class RoundSampler:
     def engine_for(self, source, r: int, weights_of: int, *, now: int):
         """Round ``r``'s engine, sampling round ``weights_of``'s starting policy; ``now``: the round whose start
         the policy in memory stands at."""
-        if self.cfg.rounds.engine == "vllm":
-            return _Kept(self._live(source, r, weights_of, now))
+        if self.cfg.rounds.engine == "vllm":  # the ranks' chunks are rounds.batch_size prompts, as in memory
+            return _Kept(self._live(source, r, weights_of, now),
+                         batch_prompts=self.cfg.rounds.batch_size if self.per_rank else None)
         from prefpack.generation.hf_engine import TransformersEngine
 
         # recorded as the folder the round's policy is exported to (the same weights): a samples file either loop
@@ -126,6 +129,10 @@ class RoundSampler:
             opts = plan.generate_options(cfg, self.run_dir, 0, prompts=cfg.rounds.prompts,
                                          output=self.run_dir / "sampler.jsonl")  # its log: sampler.vllm.log
             opts.adapter = None  # a LoRA run's server serves the base; each round's adapter is loaded into it
+            if self.per_rank:
+                from prefpack.generation.run import vllm_urls
+
+                opts.vllm_url = vllm_urls(cfg.rounds.vllm_url)[self.dist.rank::self.dist.world]
             self.live = build_engine(opts, source)
             self.log(f"vLLM sampler for every round: {', '.join(self.live.describe().get('urls') or [self.live.url])}")
         version = weights_version(self.run_dir, weights_of)
@@ -164,6 +171,24 @@ class RoundSampler:
         if not (folder / "final" / "config.json").is_file():
             export_policy(self.cfg, self.engine, self.tokenizer, folder, SINGLE)  # the servers' copy: rank 0's
         return str(folder / "final")
+
+    def prepare(self, r: int, weights_of: int) -> None:
+        """Where each rank drives its own servers, what they will read written first by every rank together (rank 0
+        writes; FSDP2 gathers): the policy's copy for the servers (``rounds.save_each_round: false``) and round 1's
+        fresh adapter, so no two ranks write one folder."""
+        if not self.per_rank or weights_of != r or \
+                read_json(plan.round_dir(self.run_dir, r) / "samples.meta.json").get("complete"):
+            return
+        version = weights_version(self.run_dir, weights_of)
+        folder = self.run_dir / "sampler" / version
+        if not self.each_round and not self.cfg.lora.enabled and not (folder / "final" / "config.json").is_file():
+            export_policy(self.cfg, self.engine, self.tokenizer, folder, self.dist)
+        elif self.dist.is_main:
+            if not self.each_round and self.cfg.lora.enabled:
+                self._export_for_sampler(version, in_memory=True)
+            elif self.each_round and self.cfg.lora.enabled and not plan.adapter_of(self.cfg, self.run_dir, r):
+                self._start_adapter(r)
+        self.dist.barrier()
 
     def _start_adapter(self, r: int) -> str:
         """A fresh adapter (round 1 without ``lora.adapter``) saved for the server to load (rank 0 samples)."""
@@ -267,9 +292,9 @@ class _Halt:
 class _Kept:
     """A sampler that lives across rounds, handed to one round's sampling: ``close`` leaves it running."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, *, batch_prompts: int | None = None):
         self.engine = engine
-        self.name, self.batch_prompts = engine.name, engine.batch_prompts
+        self.name, self.batch_prompts = engine.name, batch_prompts or engine.batch_prompts
         self.batch_dependent = getattr(engine, "batch_dependent", False)
 
     def generate(self, jobs, settings):
