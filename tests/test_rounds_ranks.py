@@ -33,8 +33,10 @@ LORA = ("lora.enabled=true", "lora.r=4", "lora.alpha=8", "reference.mode=adapter
 # all weights trained, each round's reference its starting policy: round 2's sidecar is computed with round 1's final
 PRECOMPUTED = ("reference.mode=precomputed", "rounds.reference=round_start")
 DDP = ("distributed.strategy=ddp",)
-RUNS = {"one": (), "ddp": DDP, "fsdp2": ("distributed.strategy=fsdp2",), "lora_one": SHORT + LORA,
-        "lora_ddp": SHORT + LORA + DDP, "pre_one": SHORT + PRECOMPUTED, "pre_ddp": SHORT + PRECOMPUTED + DDP}
+FSDP2 = ("distributed.strategy=fsdp2",)
+RUNS = {"one": (), "ddp": DDP, "fsdp2": FSDP2, "lora_one": SHORT + LORA, "lora_ddp": SHORT + LORA + DDP,
+        "lora_fsdp2": SHORT + LORA + FSDP2, "pre_one": SHORT + PRECOMPUTED, "pre_ddp": SHORT + PRECOMPUTED + DDP,
+        "pre_fsdp2": SHORT + PRECOMPUTED + FSDP2}
 
 
 # the reward of tests/test_rounds.py, which also notes the rank that computed it: under torchrun the ranks share the
@@ -77,7 +79,8 @@ def launch(task, stubs, one_thread):  # noqa: F811
     # the DDP run again, stopped after step 4 (in round 2: its last checkpoint is round 1's end, step 3) and resumed
     killed = ["train", *overrides(task, "ddp_resumed", *EXTRA, *DDP, scorer), "--no-progress", "--json"]
     proc = run_prefpack(args["ddp"], args["fsdp2"], args["lora_ddp"], args["pre_ddp"], [*killed, "--stop-after-steps",
-                        "4"], [*killed, "--resume"], args["vllm_ddp"], nproc=2, timeout=600)
+                        "4"], [*killed, "--resume"], args["vllm_ddp"], args["lora_fsdp2"], args["pre_fsdp2"], nproc=2,
+                        timeout=600)
     return {"one": json.loads(one[0]), "printed": [json.loads(x) for x in proc.stdout.splitlines()],
             "stderr": proc.stderr, "answered": [len(s.requests) - n for s, n in zip(stubs, answered)]}
 
@@ -113,7 +116,8 @@ def test_two_ranks_write_the_rounds_of_one_process(launch, task, strategy):  # n
     lines = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
     assert [x["round"] for x in lines if x["split"] == "round"] == [0, 1]
     assert [m["run_dir"] for m in launch["printed"]] == [str(task / x) for x in ("ddp", "fsdp2", "lora_ddp", "pre_ddp",
-                                                                                 "ddp_resumed", "vllm_ddp")]
+                                                                                 "ddp_resumed", "vllm_ddp",
+                                                                                 "lora_fsdp2", "pre_fsdp2")]
     assert [m["reward/mean"] for m in launch["printed"][0]["rounds"]] == \
         [m["reward/mean"] for m in launch["one"]["rounds"]]
 
@@ -123,10 +127,13 @@ def train_losses(run_dir) -> list[float]:
     return [x["loss"] for x in lines if x["split"] == "train"]
 
 
-def test_lora_rounds_under_ddp_are_those_of_one_process(launch, task):  # noqa: F811
-    """Each rank samples base + the last round's adapter and trains the adapter: the same samples and pair stores,
-    both rounds' adapters and the merged final model to float32 rounding."""
-    one, two = task / "lora_one", task / "lora_ddp"
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_lora_rounds_under_ranks_are_those_of_one_process(launch, task, strategy):  # noqa: F811
+    """Each rank samples base + the adapter it trains (FSDP2: the shards gathered into a copy under the same
+    adapter, unmerged): the same samples and pair stores, both rounds' adapters and the merged final model to float32
+    rounding."""
+    one, two = task / "lora_one", task / f"lora_{strategy}"
+    assert (two / "checkpoints").is_dir()  # rounds in one process
     assert_round_files_equal(one, two, FILES[:2] + FILES[4:])
     # round 2 sampled base + round 1's adapter (its meta names them)
     assert str(two / "rounds" / "001" / "train" / "final" / "adapter") in \
@@ -139,13 +146,15 @@ def test_lora_rounds_under_ddp_are_those_of_one_process(launch, task):  # noqa: 
     assert train_losses(two) == pytest.approx(train_losses(one), abs=1e-5) and len(train_losses(two)) == 2
 
 
-def test_a_precomputed_reference_under_ddp_is_that_of_one_process(launch, task):  # noqa: F811
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_a_precomputed_reference_under_ranks_is_that_of_one_process(launch, task, strategy):  # noqa: F811
     """Rank 0 computes each round's sidecar (round 2's with the policy in memory at its start, named by the folder
     its own run saved those weights in: round 1's final model) while the other waits; every rank trains on it: the same
     stores and sidecars, the same losses and final weights."""
     from safetensors import safe_open
 
-    one, two = task / "pre_one", task / "pre_ddp"
+    one, two = task / "pre_one", task / f"pre_{strategy}"
+    assert (two / "checkpoints").is_dir()  # rounds in one process (FSDP2: each rank scores with the gathered policy)
     assert_round_files_equal(one, two, FILES[:2] + FILES[4:])
     for r, reference in (("001", task / "init"), ("002", two / "rounds" / "001" / "train" / "final")):
         (a,), (b,) = ((run / "rounds" / r / "store").glob("ref_logps*.safetensors") for run in (one, two))

@@ -314,8 +314,8 @@ class RoundsConfig:
                        "initial policy")
     in_process: bool = _f(True, "true = every round in one training process (the policy loaded once, sampled in "
                           "memory, one optimizer); false = each round a whole training run (the policy saved and read "
-                          "back, a fresh optimizer, a vLLM server started per round): what LoRA, or a precomputed "
-                          "round_start reference, under FSDP2 still run as")
+                          "back, a fresh optimizer, a vLLM server started per round): what a 4-bit base, or a copied "
+                          "round_start reference of LoRA, under FSDP2 still run as")
     reference: RoundsReference = _f("initial", "the reference of every round: initial = the initial policy "
                                     "(reference.model when set), round_start = the policy at the round's start")
 

@@ -165,11 +165,12 @@ class RolloutFeed:
                             lambda: _score(cfg, r, samples, store, stop, self.log, scorer))
         trains = not tied.is_file()
         if trains and cfg.reference.mode == "precomputed" and cfg.rounds.reference == "round_start":
-            # the policy in memory is the round's reference: rank 0's full copy scores it (DDP; FSDP2 runs a
-            # training per round), every rank reads the tag it was recorded with
-            ranks.main_only(f"computing round {r + 1}'s reference log-probs",
-                            lambda: precompute_from_policy(cfg, run_dir, r, self.engine.policy, self.log))
-            self.engine.reference.reference_hash = read_json(folder / "phases.json")["reference"]["reference_hash"]
+            # the policy in memory is the round's reference: each rank scores its share with its full copy (FSDP2:
+            # the shards gathered), rank 0 writes the sidecar, every rank takes the tag it was recorded with
+            model = self.sampler.whole_policy()
+            self.engine.reference.reference_hash = precompute_from_policy(cfg, run_dir, r, model, self.engine.parallel,
+                                                                          self.log)
+            del model
         elif trains and cfg.reference.mode == "precomputed":
             ranks.main_only(f"computing round {r + 1}'s reference log-probs",
                             lambda: precompute_round_reference(cfg, run_dir, r, self.log))
@@ -235,7 +236,7 @@ class RolloutFeed:
             fsdp = self.cfg.distributed.strategy == "fsdp2" and engine.parallel.dist.enabled
             sync_reference(policy, reference, 1.0, wrappers=(engine.module, engine.reference.module) if fsdp else ())
             return
-        weights = dict(merged_dequantized(policy).named_parameters())
+        weights = dict(merged_dequantized(policy).named_parameters())  # LoRA (not under FSDP2: plan.why_restart)
         for name, ref in reference.named_parameters():
             ref.copy_(weights[name].to(ref.dtype))
         for module in reference.modules():  # its vision weights' key is computed again (as sync_reference does)

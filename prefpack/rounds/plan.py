@@ -136,11 +136,10 @@ def why_restart(cfg) -> str | None:
     if not rc.in_process:
         return "rounds.in_process=false"
     if cfg.distributed.strategy == "fsdp2" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        if cfg.lora.enabled:
-            return "LoRA under FSDP2 shards the adapter, which cannot sample in memory over the base yet"
-        if cfg.reference.mode == "precomputed" and rc.reference == "round_start":
-            return ("a precomputed round_start reference under FSDP2 is scored by rank 0 alone, which holds a shard "
-                    "of the policy")
+        if cfg.model.quantization:
+            return "a 4-bit base under FSDP2 cannot be gathered into a copy to sample"
+        if cfg.lora.enabled and cfg.reference.mode == "copy" and rc.reference == "round_start":
+            return "a copied round_start reference of LoRA under FSDP2 takes the merged policy, which is not gathered yet"
     return None
 
 

@@ -34,10 +34,11 @@ def precompute_round_reference(cfg, run_dir: Path, r: int, log) -> None:
     record_phase(folder, PHASE, seconds=time.perf_counter() - t0)
 
 
-def precompute_from_policy(cfg, run_dir: Path, r: int, policy, log) -> str:
+def precompute_from_policy(cfg, run_dir: Path, r: int, policy, parallel, log) -> str:
     """``rounds.reference: round_start`` in one process: the round's sidecar computed with the policy in memory at the
-    round's first step (what a training per round reads back from the last round's final model), once; returns the
-    weights hash it is tagged with, recorded with the phase (a resume mid-round reads it there)."""
+    round's first step (what a training per round reads back from the last round's final model), once, every rank
+    scoring its share with its whole copy (``parallel``; rank 0 writes); returns the weights hash it is tagged with,
+    recorded with the phase (a resume mid-round reads it there)."""
     from prefpack.training.precompute import PrecomputeOptions, precompute_reference
 
     folder = plan.round_dir(run_dir, r)
@@ -51,8 +52,12 @@ def precompute_from_policy(cfg, run_dir: Path, r: int, policy, log) -> str:
     report = precompute_reference(PrecomputeOptions(
         model=name, data=str(folder / "store"), seed=cfg.train.seed,
         micro_batch_tokens=cfg.train.micro_batch_tokens, chunk_size=cfg.train.chunk_size, device=cfg.train.device,
-        dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code), log=log, progress=False, model=policy)
-    log(f"round {r + 1}: reference log-probs of {folder / 'store'} computed with the policy in memory "
-        f"({report['sequences']} sequences)")
-    record_phase(folder, PHASE, seconds=time.perf_counter() - t0, reference_hash=report["reference_hash"])
-    return report["reference_hash"]
+        dtype=cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code), parallel=parallel, log=log,
+        progress=False, model=policy)
+    ctx = parallel.dist
+    if ctx.is_main:
+        log(f"round {r + 1}: reference log-probs of {folder / 'store'} computed with the policy in memory "
+            f"({report['sequences']} sequences)")
+        record_phase(folder, PHASE, seconds=time.perf_counter() - t0, reference_hash=report["reference_hash"])
+    ctx.barrier()
+    return read_json(folder / PHASES_FILE)[PHASE]["reference_hash"]

@@ -101,20 +101,42 @@ class RoundSampler:
                 for p in policy.parameters()}
         return copy.deepcopy(policy, memo)
 
+    def whole_policy(self):
+        """The policy with all its weights on this rank: itself, or under FSDP2 its shards gathered into a copy (in
+        the training weights' dtype) that the caller drops after use."""
+        if self.cfg.distributed.strategy == "fsdp2" and self.dist.enabled:
+            return self._gathered(self.engine.precision.weights)
+        return self.engine.policy
+
+    def gathered_state(self) -> dict:
+        """FSDP2: the policy's full state dict on every rank (keys as the policy's own), as ``save_final`` gathers it
+        for the final folder; every rank takes part."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.engine.module, options=StateDictOptions(full_state_dict=True))
+        return {k.removeprefix("model."): v for k, v in full.items()}
+
     def _gathered(self, dtype: torch.dtype):
         """FSDP2: the policy's shards gathered on every rank (each samples its chunks) into a plain model in
-        ``dtype``, as ``save_final`` gathers them for the final folder (every rank takes part)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        ``dtype``; LoRA: the base built from its config under the same adapter, unmerged, as the policy trains it."""
+        import copy
+
         from transformers import AutoModelForCausalLM
         from transformers.initialization import no_init_weights
 
-        full = get_model_state_dict(self.engine.module, options=StateDictOptions(full_state_dict=True))
-        state = {k.removeprefix("model."): v for k, v in full.items()}
+        policy = self.engine.policy
+        state = {k: v.to(dtype) for k, v in self.gathered_state().items()}
+        lora = hasattr(policy, "peft_config")
         with no_init_weights():  # every weight is loaded below
-            model = AutoModelForCausalLM.from_config(self.engine.policy.config, dtype=dtype)
-        model.load_state_dict({k: v.to(dtype) for k, v in state.items()})
-        del full, state
-        return model.to(self.engine.device)
+            model = AutoModelForCausalLM.from_config((policy.get_base_model() if lora else policy).config, dtype=dtype)
+        if lora:
+            from peft import get_peft_model
+
+            name = policy.active_adapter
+            model = get_peft_model(model, copy.deepcopy(policy.peft_config[name]), adapter_name=name)
+        model.load_state_dict(state)
+        del state
+        return model.to(device=self.engine.device, dtype=dtype)
 
     # ------------------------------------------------------------------------------------------ live servers
 
