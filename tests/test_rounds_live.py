@@ -99,3 +99,29 @@ def test_reset_in_one_process_writes_the_files_of_rounds_run_as_separate_trainin
         return [x["lr"] for x in lines if x["split"] == "train"]
 
     assert lrs(live) == pytest.approx(lrs(restart), rel=1e-12) and len(lrs(live)) == ROUNDS * STEPS
+
+
+def test_a_run_folder_begun_with_a_training_per_round_resumes_as_it_was_begun(runs, task):  # noqa: F811
+    """A run an older prefpack began (each round a training run: the rounds' own checkpoints and metrics, its
+    config.yaml without the keys of rounds in one process), killed in round 2's training, resumed by this one with
+    that config: it continues each round as a training run, to the uninterrupted one's files and weights."""
+    from safetensors.torch import load_file
+
+    from prefpack.config import save_config
+    from prefpack.rounds import RoundsInterrupted, plan
+
+    old = rounds_config(task, "begun_old", "rounds.optimizer=reset", "rounds.in_process=false", "run.save_every=2")
+    with pytest.raises(RoundsInterrupted):
+        run_rounds(old, log=quiet, progress=False, stop_at=(1, "train", 3))
+    resumed = rounds_config(task, "begun_old", "run.save_every=2")  # the defaults: rounds in one process
+    # the run's and the killed round's config.yaml as the older prefpack saved them: none of the new keys
+    save_config(resumed, task / "begun_old" / "config.yaml")
+    save_config(plan.train_config(resumed, task / "begun_old", 1), task / "begun_old" / "rounds" / "002" / "train" /
+                "config.yaml")
+    notes: list[str] = []
+    run_rounds(resumed, resume=True, log=notes.append, progress=False)
+    assert any("the run folder was started with each round a training run" in n for n in notes)
+    assert not (task / "begun_old" / "checkpoints").exists()
+    for r in range(1, ROUNDS + 1):
+        a, b = (load_file(str(task / run / "rounds" / f"{r:03d}" / FILES[-1])) for run in ("restart", "begun_old"))
+        assert all(torch.equal(a[k], b[k]) for k in a), r

@@ -135,6 +135,9 @@ def why_restart(cfg) -> str | None:
     rc = cfg.rounds
     if not rc.in_process:
         return "rounds.in_process=false"
+    if started_per_round(Path(cfg.run.output_dir)):
+        return ("the run folder was started with each round a training run (prefpack before rounds ran in one "
+                "process), and it resumes so")
     if cfg.distributed.strategy == "fsdp2" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         if cfg.model.quantization:
             return "a 4-bit base under FSDP2 cannot be gathered into a copy to sample"
@@ -153,3 +156,13 @@ def servers_per_rank(cfg, world: int) -> bool:
     from prefpack.generation.run import vllm_urls
 
     return len(vllm_urls(rc.vllm_url)) >= world
+
+
+def started_per_round(run_dir: Path) -> bool:
+    """Whether a run folder holds rounds run as separate trainings (each round's own checkpoints or metrics, and no
+    checkpoint of the run's own): a folder an older prefpack began, which a resume continues the same way."""
+    if (run_dir / "checkpoints").is_dir():
+        return False
+    rounds = run_dir / "rounds"
+    return rounds.is_dir() and any((d / "train" / "metrics.jsonl").is_file() or (d / "train" / "checkpoints").is_dir()
+                                   for d in rounds.iterdir())
