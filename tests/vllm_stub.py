@@ -36,15 +36,21 @@ def stub_choice(body: dict, k: int) -> dict:
     return {"index": k, "text": "", "token_ids": ids, "finish_reason": "length", "stop_reason": None}
 
 
+MISANSWERS = ("float_ids", "string_ids", "negative", "out_of_vocab", "too_long", "empty", "wrong_stop", "not_objects",
+              "redirect", "huge", "dribble")
+
+
 class StubServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # a round's requests connect at once (uvicorn's backlog is 2048; the default 5 resets)
 
     def __init__(self, port: int = 0, *, die_after: int | None = None, drop_stop_tokens: bool = False,
+                 answer: str | None = None,
                  dev_mode: bool = True, extension: bool = True, lora: bool = True, workers: int = 1):
         super().__init__(("127.0.0.1", port), Handler)
         self.requests: list[dict] = []  # completions requests
         self.die_after, self.drop_stop_tokens, self.lock = die_after, drop_stop_tokens, threading.Lock()
+        self.answer = answer  # a misbehaving answer (MISANSWERS), for tests of what prefpack refuses
         self.dev_mode, self.extension, self.lora, self.workers = dev_mode, extension, lora, workers
         self.admin: list[tuple[str, dict]] = []  # (path, body) of each admin request, in order
         self.version: str | None = None  # what the workers say they serve (None: the weights started on)
@@ -114,12 +120,58 @@ class Handler(BaseHTTPRequestHandler):
             self.connection.shutdown(2)  # the server drops the request unanswered
             return
         choices = [stub_choice(body, k) for k in range(body["n"])]
+        if server.answer is not None:
+            self._misanswer(server.answer, body, choices)
+            return
         if server.drop_stop_tokens:  # a server that leaves the stop token out of token_ids (stop_reason names it)
             for c in choices:
                 if c["finish_reason"] == "stop":
                     c["token_ids"] = c["token_ids"][:-1]
         self._send({"id": "cmpl-stub", "object": "text_completion", "model": MODEL_ID,
                     "choices": [dict(c, prompt_token_ids=body["prompt"]) for c in choices]})
+
+    def _misanswer(self, how: str, body: dict, choices: list[dict]) -> None:
+        """A wrong answer of kind ``how`` (see ``MISANSWERS``)."""
+        import time
+
+        if how == "redirect":
+            self.send_response(302)
+            self.send_header("Location", "http://127.0.0.1:9/v1/completions")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if how == "dribble":  # the whole answer, a byte at a time, 0.1 s apart
+            data = json.dumps({"choices": [dict(c, prompt_token_ids=body["prompt"]) for c in choices]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            for b in data:
+                self.wfile.write(bytes([b]))
+                self.wfile.flush()
+                time.sleep(0.1)
+            return
+        for c in choices:
+            c["prompt_token_ids"] = body["prompt"]
+            ids = c["token_ids"]
+            if how == "float_ids":
+                c["token_ids"] = [t + 0.7 for t in ids]
+            elif how == "string_ids":
+                c["token_ids"] = [str(t) for t in ids]
+            elif how == "negative":
+                c["token_ids"] = [-5, *ids]
+            elif how == "out_of_vocab":
+                c["token_ids"] = [123456, *ids[1:]]
+            elif how == "too_long":
+                c["token_ids"], c["finish_reason"], c["stop_reason"] = ids * 60, "length", None
+            elif how == "empty":
+                c["token_ids"], c["finish_reason"], c["stop_reason"] = [], "length", None
+            elif how == "wrong_stop":
+                c["token_ids"], c["finish_reason"], c["stop_reason"] = [5, 6], "stop", None
+            elif how == "huge":
+                c["text"] = "x" * 5000
+        if how == "not_objects":
+            choices = ["x"] * len(choices)
+        self._send({"id": "cmpl-stub", "object": "text_completion", "model": MODEL_ID, "choices": choices})
 
     def _admin(self, server: StubServer, body: dict) -> None:
         """The admin endpoints, answered as vLLM answers them."""

@@ -260,6 +260,7 @@ def _chunk(chunk: list[Prompt], engine, settings, writer: SamplesWriter, tok, co
         return
     asked = chunk if getattr(engine, "batch_dependent", True) else todo  # redo a batch whole where it matters
     results = engine.generate([PromptJob(p.row, p.ids) for p in asked], settings)
+    check_answers(asked, results, settings, len(tok), _engine_name(engine))  # nothing of a wrong answer is written
     for prompt, samples in zip(asked, results):
         if prompt.row in writer.done:
             continue
@@ -275,3 +276,29 @@ def _chunk(chunk: list[Prompt], engine, settings, writer: SamplesWriter, tok, co
         counts["tokens"] += sum(len(s.ids) for s in samples)
         counts["samples"] += len(samples)
         counts["truncated"] += sum(s.truncated for s in samples)
+
+
+def _engine_name(engine) -> str:
+    """The engine as errors name it: vllm at its server(s), transformers with its model."""
+    told = engine.describe()
+    where = told.get("url") or ", ".join(told.get("urls") or []) or told.get("model") or ""
+    return f"{engine.name} engine ({where})" if where else f"{engine.name} engine"
+
+
+def check_answers(prompts: list[Prompt], results: list, settings: SamplingSettings, vocab: int, engine: str) -> None:
+    """An engine's answer before any of it is written: a list of ``n`` samples for each prompt asked, each of at most
+    ``max_new_tokens`` ids inside the tokenizer's ``vocab`` (one line naming the engine, the row and what is wrong)."""
+    if len(results) != len(prompts):
+        raise GenerationError(f"the {engine} answered {len(results)} prompts of the {len(prompts)} asked")
+    for prompt, samples in zip(prompts, results):
+        if len(samples) != settings.n:
+            raise GenerationError(f"the {engine} answered row {prompt.row} with {len(samples)} samples, not "
+                                  f"n={settings.n}")
+        for sample in samples:
+            if len(sample.ids) > settings.max_new_tokens + 1:  # a stop token a server left out, put back: + 1
+                raise GenerationError(f"the {engine} answered row {prompt.row} with a sample of "
+                                      f"{len(sample.ids)} tokens, past max_new_tokens={settings.max_new_tokens}")
+            bad = next((t for t in sample.ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise GenerationError(f"the {engine} answered row {prompt.row} with token id {bad}, outside the "
+                                      f"tokenizer's {vocab} ids (another model or tokenizer than the prompts')")

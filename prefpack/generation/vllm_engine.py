@@ -61,15 +61,69 @@ def http_json(url: str, body: dict | None = None, *, timeout: float) -> dict:
     return json.loads(http_text(url, body, timeout=timeout))
 
 
-def http_text(url: str, body: dict | None = None, *, timeout: float, post: bool = False) -> str:
-    """The answer's body as text: vLLM's admin endpoints answer plain text (LoRA) or nothing (cache reset)."""
+MAX_ANSWER_BYTES = 64 << 20  # an answer larger than this is refused unread (a round's n samples are far smaller)
+
+
+class AnswerTooLarge(http.client.HTTPException):
+    """An answer past ``MAX_ANSWER_BYTES``: read no further (a server, or something posing as one, sending
+    without end)."""
+
+
+def http_text(url: str, body: dict | None = None, *, timeout: float, post: bool = False,
+              max_bytes: int | None = None) -> str:
+    """The answer's body as text (vLLM's admin endpoints answer plain text, or nothing). ``timeout`` bounds the whole
+    exchange, not each read (a server that sends a byte a second is cut off at the deadline); a redirect is not
+    followed (its answer would not be the server's) and an error status raises ``urllib.error.HTTPError`` with its
+    body readable; an answer over ``max_bytes`` raises :class:`AnswerTooLarge`."""
+    import io
+    import threading
+    import urllib.parse
+
+    max_bytes = MAX_ANSWER_BYTES if max_bytes is None else max_bytes
     data = None if body is None else json.dumps(body).encode("utf-8")
     if data is None and post:
         data = b""
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
-                                 method="GET" if data is None else "POST")
-    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (http(s) only: base_url checks)
-        return resp.read().decode("utf-8")
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = connection(parts.hostname, parts.port, timeout=timeout)
+    expired, held = threading.Event(), []
+
+    def expire() -> None:  # the deadline: the socket shut, so a read blocked on it returns at once
+        expired.set()
+        for sock in [conn.sock, *held]:  # the response keeps the socket after the connection lets it go
+            try:
+                if sock is not None:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    timer = threading.Timer(timeout, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        conn.request("GET" if data is None else "POST", path, body=data,
+                     headers={"Content-Type": "application/json"})
+        held.append(conn.sock)
+        resp = conn.getresponse()
+        raw = resp.read(max_bytes + 1)
+        if len(raw) > max_bytes:
+            raise AnswerTooLarge(f"an answer over {max_bytes} bytes")
+        if 300 <= resp.status < 400:
+            raise urllib.error.HTTPError(url, resp.status, f"{resp.reason} (a redirect to "
+                                         f"{resp.getheader('Location')!r}, not followed)", resp.headers, io.BytesIO())
+        if resp.status >= 400:
+            raise urllib.error.HTTPError(url, resp.status, resp.reason, resp.headers, io.BytesIO(raw))
+        if expired.is_set():
+            raise TimeoutError(f"no answer before the timeout ({timeout:g} s for the whole answer)")
+        return raw.decode("utf-8")
+    except (OSError, http.client.HTTPException) as exc:
+        if expired.is_set() and not isinstance(exc, urllib.error.HTTPError):
+            raise TimeoutError(f"no answer before the timeout ({timeout:g} s for the whole answer)") from None
+        raise
+    finally:
+        timer.cancel()
+        conn.close()
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -82,7 +136,9 @@ def describe_failure(exc: BaseException) -> str:
     if isinstance(exc, urllib.error.URLError):
         exc = exc.reason if isinstance(exc.reason, BaseException) else exc
     if isinstance(exc, socket.timeout | TimeoutError):
-        return "no answer before the timeout"
+        return str(exc) if str(exc).startswith("no answer before") else "no answer before the timeout"
+    if isinstance(exc, AnswerTooLarge):
+        return str(exc)
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
@@ -296,37 +352,63 @@ def check_version_name(version: str) -> str:
 
 
 def parse_choices(answer: dict, job: PromptJob, s: SamplingSettings, url: str) -> list[Sample]:
-    """A completions answer's ``n`` choices as samples, in choice order; refuses an answer whose prompt ids are not
-    the ids sent (a server that re-tokenised or added BOS) or that lacks output token ids."""
+    """A completions answer's ``n`` choices as samples, in choice order, each checked before anything is written:
+    its prompt ids the ids sent (a server that re-tokenised or added BOS is refused), its output token ids integers
+    of at most ``max_new_tokens`` ending where it says (a stop token, or the length limit)."""
+    where = f"the vLLM server at {url} answered row {job.row} with"
     choices = answer.get("choices") if isinstance(answer, dict) else None
     if not isinstance(choices, list) or len(choices) != s.n:
-        raise GenerationError(f"the vLLM server at {url} answered row {job.row} with "
-                              f"{len(choices) if isinstance(choices, list) else 'no'} choices, not n={s.n}")
+        raise GenerationError(f"{where} {len(choices) if isinstance(choices, list) else 'no'} choices, not n={s.n}")
+    if not all(isinstance(c, dict) for c in choices):
+        raise GenerationError(f"{where} choices that are not objects")
+    indices = [c.get("index", k) for k, c in enumerate(choices)]
+    if sorted(indices) != list(range(s.n)):
+        raise GenerationError(f"{where} choice indices {indices}, not 0..{s.n - 1}")
     out = []
     for choice in sorted(choices, key=lambda c: c.get("index", 0)):
         sent = choice.get("prompt_token_ids", answer.get("prompt_token_ids"))
         if sent is not None and list(sent) != list(job.ids):
             raise GenerationError(f"the vLLM server at {url} generated row {job.row} from other prompt ids than "
-                                  f"sent ({len(sent)} tokens, not {len(job.ids)}): it re-tokenised the prompt")
-        ids = output_ids(choice)
+                                  f"sent ({len(sent) if isinstance(sent, list) else sent!r} tokens, not "
+                                  f"{len(job.ids)}): it re-tokenised the prompt")
+        ids = output_ids(choice, where)
         if ids is None:
             raise GenerationError(f"the vLLM server at {url} returned no output token ids for row {job.row} (neither "
                                   "token_ids, asked with return_token_ids, nor token_id:N logprobs): use vLLM >= "
                                   "0.10.2")
+        if len(ids) > s.max_new_tokens:
+            raise GenerationError(f"{where} a sample of {len(ids)} tokens, past max_new_tokens={s.max_new_tokens}")
         reason, stop = choice.get("finish_reason"), choice.get("stop_reason")
         if reason not in ("stop", "length"):
             raise GenerationError(f"the vLLM server at {url} stopped a sample of row {job.row} for {reason!r}")
         if reason == "stop" and isinstance(stop, int) and not isinstance(stop, bool) and (not ids or ids[-1] != stop):
             ids.append(stop)  # a server that leaves the stop token out of the output ids
+        if reason == "stop" and (not ids or ids[-1] not in s.stop_token_ids):
+            raise GenerationError(f"{where} a sample said to stop at a stop token that ends "
+                                  f"{'with token ' + str(ids[-1]) if ids else 'empty'}, not one of the stop ids "
+                                  f"{list(s.stop_token_ids)}")
+        if reason == "length" and not ids:
+            raise GenerationError(f"{where} an empty sample said to be cut by the length limit")
         out.append(Sample(tuple(ids), reason == "length"))
     return out
 
 
-def output_ids(choice: dict) -> list[int] | None:
+def output_ids(choice: dict, where: str = "the vLLM server answered") -> list[int] | None:
+    """A choice's output token ids (``token_ids``, or ``token_id:N`` logprob tokens); None when it holds neither;
+    ids that are not non-negative integers (floats, strings, booleans) are refused, never rounded."""
     ids = choice.get("token_ids")
-    if isinstance(ids, list):
+    if ids is None:
+        tokens = (choice.get("logprobs") or {}).get("tokens") if isinstance(choice.get("logprobs"), dict) else None
+        if not (isinstance(tokens, list) and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens)):
+            return None
+        ids = [t.removeprefix("token_id:") for t in tokens]
+        if not all(t.isdigit() for t in ids):
+            raise GenerationError(f"{where} token ids that are not integers: "
+                                  f"{next(t for t in ids if not t.isdigit())!r}")
         return [int(t) for t in ids]
-    tokens = (choice.get("logprobs") or {}).get("tokens")
-    if isinstance(tokens, list) and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
-        return [int(t.removeprefix("token_id:")) for t in tokens]
-    return None
+    if not isinstance(ids, list):
+        raise GenerationError(f"{where} token_ids that are not a list ({type(ids).__name__})")
+    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or t < 0), None)
+    if bad is not None or any(isinstance(t, bool) for t in ids):
+        raise GenerationError(f"{where} a token id that is not a non-negative integer: {bad!r}")
+    return list(ids)
