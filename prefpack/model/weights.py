@@ -102,6 +102,8 @@ def _four_bit_step(state: Loading) -> None:
 
 def _model_step(state: Loading) -> None:
     s = state.spec
+    if not s.reward:
+        refuse_classifier(s.path)
     state.model = load_causal_lm(s.path, attn_implementation=s.attn, device=s.device, precision=s.precision,
                                  dtype=s.dtype, trust_remote_code=s.trust_remote_code, packed=s.packed,
                                  quantization_config=state.quantization, reward=s.reward)
@@ -143,6 +145,52 @@ def four_bit_config(kind: str, *, double: bool, compute: torch.dtype):
                               bnb_4bit_compute_dtype=compute)
 
 
+def refuse_classifier(path: str) -> None:
+    """A local folder whose config names a sequence classifier (a reward model) refused as a causal LM in one line:
+    transformers would load it with a random language-model head and only its load report would say so."""
+    import json
+
+    config = Path(path) / "config.json"
+    try:
+        architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return  # not a local folder, or a config the load itself reports
+    classifiers = [a for a in architectures if isinstance(a, str) and a.endswith("ForSequenceClassification")]
+    if classifiers:
+        raise ModelError(f"model {path!r} is a sequence classifier ({classifiers[0]}: a reward model, its head a "
+                         "score), not a causal language model to train or sample; give it as a reward model "
+                         "(--reward-model, rounds.reward_model) or train it with train.objective=reward")
+
+
+def check_adapter_folder(folder: str, *, key: str, error: type[Exception]) -> None:
+    """A saved adapter read only as prefpack reads weights: ``adapter_config.json`` a JSON object of a LoRA adapter,
+    the weights in ``adapter_model.safetensors`` with a readable header (never ``adapter_model.bin``, a pickle that
+    can run code)."""
+    import json
+
+    where = f"{key} {folder!r}" if key.startswith("--") else f"{key}: {folder!r}"
+    try:
+        config = json.loads((Path(folder) / "adapter_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise error(f"{where}: adapter_config.json is not readable JSON ({exc})") from None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        kind = config.get("peft_type") if isinstance(config, dict) else type(config).__name__
+        raise error(f"{where}: adapter_config.json describes a {kind!r} adapter; prefpack reads LoRA adapters")
+    weights = Path(folder) / "adapter_model.safetensors"
+    if not weights.is_file():
+        pickled = (Path(folder) / "adapter_model.bin").is_file()
+        raise error(f"{where}: no adapter_model.safetensors" + (" (only adapter_model.bin, a pickle, which can run "
+                                                                "code when read: save the adapter as safetensors)"
+                                                                if pickled else ""))
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(weights), framework="pt") as fh:
+            list(fh.keys())
+    except Exception as exc:  # a damaged or truncated file
+        raise error(f"{where}: adapter_model.safetensors is damaged ({type(exc).__name__}: {exc})") from None
+
+
 def load_adapter(model: nn.Module, folder: str, *, trainable: bool = False, key: str = "lora.adapter",
                  error: type[Exception] = ModelError) -> nn.Module:
     """``model`` under the saved LoRA adapter of ``folder``, unmerged (peft's ``PeftModel``); ``trainable``: its
@@ -159,6 +207,12 @@ def load_adapter(model: nn.Module, folder: str, *, trainable: bool = False, key:
         from peft import PeftModel
     except ImportError as exc:
         raise error(f"{key} needs peft: pip install 'prefpack[lora]'") from exc
+    check_adapter_folder(folder, key=key, error=error)
     with warnings.catch_warnings():  # peft reads transformers' deprecated name: not the user's to fix
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)
-        return PeftModel.from_pretrained(model, folder, is_trainable=trainable)
+        try:
+            return PeftModel.from_pretrained(model, folder, is_trainable=trainable)  # safetensors: checked there
+        except (RuntimeError, ValueError, KeyError) as exc:  # shapes or target modules of another base
+            where = f"{key} {folder!r}" if key.startswith("--") else f"{key}: {folder!r}"
+            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            raise error(f"{where}: the adapter does not fit this base model ({first})") from None
