@@ -125,3 +125,18 @@ def test_a_run_folder_begun_with_a_training_per_round_resumes_as_it_was_begun(ru
     for r in range(1, ROUNDS + 1):
         a, b = (load_file(str(task / run / "rounds" / f"{r:03d}" / FILES[-1])) for run in ("restart", "begun_old"))
         assert all(torch.equal(a[k], b[k]) for k in a), r
+
+
+def test_a_second_run_on_a_rounds_folder_in_use_is_refused_in_one_line(task, tmp_path):  # noqa: F811
+    """The run folder's lock covers every phase of the rounds: a resume started while the run still samples is
+    refused, naming the process that holds it (it read another's temporary files before)."""
+    from prefpack.training.run_folder import RunFolderLocked, RunLock
+
+    cfg = rounds_config(task, "locked")
+    held = RunLock(task / "locked")  # as the running process holds it
+    try:
+        with pytest.raises(RunFolderLocked) as err:
+            run_rounds(cfg, resume=True, log=quiet, progress=False)
+    finally:
+        held.release()
+    assert "\n" not in str(err.value) and "is in use" in str(err.value)

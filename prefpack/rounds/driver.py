@@ -39,6 +39,25 @@ from prefpack.training.cadence import TrainingInterrupted
 
 def run_rounds(cfg, *, resume: bool = False, log=print, progress: bool = True,
                stop_at: tuple[int, str, int] | None = None, stop_after_steps: int | None = None) -> RoundsResult:
+    """The rounds under the run folder's lock (rank 0 takes it: one `prefpack train` at a time on a run folder, in
+    every phase); see :func:`_run_rounds`."""
+    import os
+
+    from prefpack.training.run_folder import RunLock
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return _run_rounds(cfg, resume=resume, log=log, progress=progress, stop_at=stop_at,
+                           stop_after_steps=stop_after_steps)
+    lock = RunLock(cfg.run.output_dir, log=log)
+    try:
+        return _run_rounds(cfg, resume=resume, log=log, progress=progress, stop_at=stop_at,
+                           stop_after_steps=stop_after_steps)
+    finally:
+        lock.release()
+
+
+def _run_rounds(cfg, *, resume: bool = False, log=print, progress: bool = True,
+                stop_at: tuple[int, str, int] | None = None, stop_after_steps: int | None = None) -> RoundsResult:
     """Run ``cfg.rounds.count`` rounds into ``run.output_dir``. ``stop_at`` = (round, phase, count), tests only:
     stop as if killed after ``count`` generate calls / scored rows / training steps of that round's phase."""
     from prefpack.distributed import init_from_env

@@ -195,10 +195,11 @@ def _open_run_dir(cfg, resume: bool) -> Path:
     the config it was started with."""
     from prefpack.config import save_config
     from prefpack.training.resume_check import config_unchanged
+    from prefpack.training.run_folder import LOCK_FILE
 
     run_dir = Path(cfg.run.output_dir)
     saved = run_dir / "config.yaml"
-    if run_dir.exists() and any(run_dir.iterdir()):
+    if run_dir.exists() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):  # the lock is this run's own
         if not resume:
             raise RoundsError(f"run folder {str(run_dir)!r} already holds a run; pass --resume to continue it or "
                               "choose another run.output_dir")
