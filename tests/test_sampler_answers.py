@@ -45,3 +45,17 @@ def test_a_wrong_answer_stops_generate_in_one_line_and_writes_nothing(how, tmp_p
         assert "row 0" in message
     assert not out.exists() or out.read_text() == ""  # nothing of it written
     assert time.monotonic() - t0 < 15  # the dribbled answer is cut off at the timeout, not read for its 30 s
+
+
+@pytest.mark.parametrize("field, flag", [("request_timeout", "--request-timeout"),
+                                         ("vllm_start_timeout", "--vllm-start-timeout"),
+                                         ("concurrency", "--concurrency")])
+def test_a_limit_that_is_not_positive_is_refused_by_its_flag(field, flag, tmp_path, toy_tokenizers):
+    import dataclasses
+
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text(json.dumps({"prompt": "Human: hi?\n\nAssistant:"}) + "\n")
+    opts = GenerateOptions(output=str(tmp_path / "s.jsonl"), inputs=[str(rows)], tokenizer=str(toy_tokenizers["llama"]),
+                           engine="vllm", vllm_url="http://127.0.0.1:9")
+    with pytest.raises(GenerationError, match=f"^{flag} must be a positive"):
+        generate(dataclasses.replace(opts, **{field: -1}), log=lambda *_: None)

@@ -111,6 +111,7 @@ def build_engine(opts: GenerateOptions, source: PromptSource, stop: StopSignal |
                                        dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
                                        adapter=opts.adapter, four_bit=opts.quantization,
                                        double_quant=opts.quantization_double)
+    check_vllm_limits(opts)
     if opts.adapter:
         raise GenerationError("--adapter is sampled by --engine transformers; for vLLM serve a merged model folder "
                               "(a LoRA run's final/ holds one)")
@@ -140,6 +141,19 @@ def build_engine(opts: GenerateOptions, source: PromptSource, stop: StopSignal |
     except BaseException:
         server.stop()
         raise
+
+
+def check_vllm_limits(opts: GenerateOptions) -> None:
+    """The vLLM engine's limits, each a positive number, refused by the flag's name (a negative timeout would reach
+    the socket layer as an unexplained error)."""
+    import math
+
+    for flag, value in (("--request-timeout", opts.request_timeout), ("--vllm-start-timeout", opts.vllm_start_timeout),
+                        ("--concurrency", opts.concurrency)):
+        number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if not number or value <= 0 or (flag == "--concurrency" and value != int(value)):
+            what = "a positive whole number" if flag == "--concurrency" else "a positive number of seconds"
+            raise GenerationError(f"{flag} must be {what}, not {value!r}")
 
 
 def vllm_urls(value: str | list[str]) -> list[str]:
