@@ -92,3 +92,31 @@ def test_an_adapter_that_is_not_what_it_claims_is_refused_in_one_line(folders, t
         sample_with(folders, tmp_path, toy_tokenizers, str(folders / "base"), adapter=str(adapter))
     message = str(err.value)
     assert "\n" not in message and words in message and "--adapter" in message, message
+
+
+def test_eval_of_a_reward_model_says_which_settings_do_not_apply(folders, tmp_path, toy_tokenizers, capsys):
+    """A reward model evaluated with a DPO run's --config, --ref and --beta: scored by its own objective, and one note
+    names what of those it did not use."""
+    import transformers as tf
+
+    from prefpack.cli import main
+    from prefpack.config import load_config, save_config
+    from prefpack.data.prepare import PrepareOptions, prepare
+
+    tok = tf.AutoTokenizer.from_pretrained(toy_tokenizers["llama"])
+    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tok.eos_token_id)
+    tf.LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    rows = tmp_path / "pairs.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"Human: {i}?\n\nAssistant:", "chosen": " yes", "rejected": " no"})
+                            + "\n" for i in range(4)))
+    prepare(PrepareOptions(inputs=[str(rows)], output=str(tmp_path / "store"), tokenizer=str(toy_tokenizers["llama"])))
+    run_cfg = load_config(None, ["loss.beta=0.3", "reference.mode=copy"])
+    save_config(run_cfg, tmp_path / "run.yaml")
+    code = main(["eval", "--model", str(tmp_path / "rm"), "--data", str(tmp_path / "store"), "--config",
+                 str(tmp_path / "run.yaml"), "--ref", str(folders / "base"), "--beta", "0.2"])
+    err = capsys.readouterr().err
+    notes = [line for line in err.splitlines() if "is a reward model" in line]
+    assert code == 0 and len(notes) == 1, err
+    assert "--ref" in notes[0] and "--beta" in notes[0] and "run.yaml's loss terms" in notes[0]

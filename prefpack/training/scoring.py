@@ -93,7 +93,7 @@ def eval_config(opts: EvalOptions):
     cfg.model.dtype = opts.dtype or (cfg.model.dtype if opts.config else "auto")
     cfg.model.allow_tokenizer_mismatch = opts.allow_tokenizer_mismatch
     cfg.model.trust_remote_code = opts.trust_remote_code or cfg.model.trust_remote_code
-    cfg.reference.mode, cfg.reference.model = mode, opts.ref
+    cfg.reference.mode, cfg.reference.model = mode, opts.ref if mode == "copy" else None  # a reward model: no --ref
     if mode != "copy":  # a run's 4-bit reference copy: only a --ref model is loaded as the run loaded its own
         cfg.reference.quantization = None
     cfg.reference.sync = False  # eval scores fixed models: a run's TR-DPO syncing does not apply
@@ -111,6 +111,25 @@ def eval_config(opts: EvalOptions):
     return cfg
 
 
+def reward_model_notes(opts: EvalOptions, cfg) -> list[str]:
+    """What of the flags and the --config run a reward model's evaluation does not use, said once (it is scored by
+    its own objective: the pairs' accuracy and Bradley-Terry loss, no reference)."""
+    from prefpack.objectives import train_objective
+
+    if train_objective(cfg).reads_reference:  # a causal LM's objective: every setting applies
+        return []
+    unused = [f"--ref {opts.ref}"] if opts.ref else []
+    if opts.loss:
+        unused.append(f"--loss {opts.loss}")
+    unused += [f"--{k.replace('_', '-')}" for k, v in opts.loss_params.items() if v is not None]
+    if opts.config:
+        unused.append(f"{opts.config}'s loss terms, loss numbers and reference")
+    if not unused:
+        return []
+    return [f"note: {opts.model} is a reward model (a one-label sequence classifier), scored by its own objective "
+            f"(pairwise accuracy, Bradley-Terry loss, no reference): {', '.join(unused)} do not apply"]
+
+
 def score_store(opts: EvalOptions, *, parallel: Parallel = ONE_PROCESS, log=print, progress: bool = False) -> dict:
     """``prefpack eval`` on one store: its metrics, counts and reference mode."""
     from prefpack.training.evaluation import evaluate
@@ -118,6 +137,8 @@ def score_store(opts: EvalOptions, *, parallel: Parallel = ONE_PROCESS, log=prin
 
     cfg = eval_config(opts)
     cfg.validate()
+    for line in reward_model_notes(opts, cfg):
+        log(line)
     setup = build(cfg, log=log, parallel=parallel, check_sidecar_reference=False,  # the sidecar IS the ref
                   training=False)
     result = evaluate(setup.policy, setup.reference, setup.train_task, parallel=parallel, progress=progress)
