@@ -218,6 +218,13 @@ BAD_TOOLS = [
     ({"chat_template_kwargs": {"add_generation_prompt": True}}, "chat_template_kwargs", "set by prepare itself"),
     ({"chosen": [{"role": "assistant", "content": None, "tool_calls": {"name": "x"}}]}, "chosen", "'tool_calls'"),
     ({"chosen": [{"role": "assistant", "content": None}]}, "chosen", "content may be null only beside"),
+    # a call that names no function (issue 50): the template would render "name": "" or "None"
+    ({"chosen": [{"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+        "arguments": "{}"}}]}]}, "chosen", "tool call 0 names no function (its name is missing or null)"),
+    ({"chosen": [{"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+        "name": None, "arguments": "{}"}}]}]}, "chosen", "names no function (its name is missing or null)"),
+    ({"chosen": [{"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+        "name": " ", "arguments": "{}"}}]}]}, "chosen", "names no function (its name is empty)"),
 ]
 
 

@@ -132,6 +132,14 @@ def _check_message(msg: Any, name: str, i: int, parts: str = "") -> dict:
         if calls and msg["role"] != "assistant":
             raise InvalidRow("wrong_type", name, f"field {name!r}: message {i} has 'tool_calls' but role "
                              f"{msg['role']!r}; only assistant messages call tools")
+        for k, call in enumerate(calls):  # the function called: OpenAI's {"function": {"name": ...}}, or "name"
+            function = call.get("function") if isinstance(call.get("function"), dict) else call
+            called = function.get("name")
+            if not isinstance(called, str) or not called.strip():
+                what = "missing or null" if called is None else "empty" if isinstance(called, str) else \
+                    json_type(called)
+                raise InvalidRow("wrong_type", name, f"field {name!r}: message {i}'s tool call {k} names no function "
+                                 f"(its name is {what}); a template would render it as an empty or 'None' call")
     content = msg.get("content")
     if parts and isinstance(content, list):  # --processor: content parts, text and (in prompts) images
         _check_parts(content, name, i, images=parts == "image")
