@@ -356,3 +356,17 @@ def test_implicit_prompt_without_any_marker_is_cut_where_trl_cuts_it(tmp_path, t
         assert [int(t) for t in pair.prompt] == enc(prompt)
         assert [int(t) for t in pair.chosen] == enc(chosen) + [tok.eos_token_id]
         assert [int(t) for t in pair.rejected] == enc(rejected) + [tok.eos_token_id]
+
+
+def test_a_chat_template_that_does_not_parse_is_refused_once_naming_it(tmp_path, tool_tok):
+    """Issue 50: a template with a syntax error was every row's error (with --skip-invalid every row "skipped");
+    it is the template's, refused before any row, naming it and the line."""
+    src = write_jsonl(tmp_path / "d.jsonl", [GOOD, GOOD])
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m.content }\n{% endfor %}")
+    for skip in (False, True):
+        with pytest.raises(PrepareError) as err:
+            run([src], tool_tok, tmp_path / "s", chat_template=str(broken), skip_invalid=skip)
+        message = str(err.value)
+        assert "\n" not in message and f"--chat-template {broken}" in message and "does not parse (line 1" in message
+        assert not (tmp_path / "s").exists()

@@ -44,13 +44,19 @@ def template_reads(template: str | dict | None) -> TemplateReads:
     return TemplateReads(frozenset().union(*(p.variables for p in parts)), frozenset().union(*(p.keys for p in parts)))
 
 
+def sandbox():
+    """The Jinja environment transformers renders chat templates in (sandboxed, {% generation %}, loop controls)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment(extensions=[_generation_extension(), "jinja2.ext.loopcontrols"])
+
+
 @functools.lru_cache(maxsize=16)
 def _reads(source: str) -> TemplateReads:
     import jinja2
     from jinja2 import meta, nodes
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(extensions=[_generation_extension(), "jinja2.ext.loopcontrols"])
+    env = sandbox()
     try:
         tree = env.parse(source)
     except jinja2.TemplateSyntaxError:

@@ -116,6 +116,8 @@ def select_template(tok, path: str | None, earlier_reasoning: str | None, layout
         template = choose(own, given, f"--chat-template {path}")
     else:
         template = choose(own)
+    if template is not None:
+        check_parses(template)
     if layout in ("pairs", "text-pairs") or template is None:
         return template
     if template.training:
@@ -130,6 +132,20 @@ def select_template(tok, path: str | None, earlier_reasoning: str | None, layout
         log(f"note: --earlier-reasoning has no effect with {template.name} template (only prefpack's training "
             "templates and --chat-template files that read `earlier_reasoning` use it)")
     return template
+
+
+def check_parses(template: ChatTemplate) -> None:
+    """A template that does not parse refused once, naming it and the line (transformers would fail on every row,
+    and prepare count each as a bad row of the data)."""
+    import jinja2
+
+    from prefpack.data.template_vars import sandbox
+
+    try:
+        sandbox().parse(template.source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"chat template {template.name}: it does not parse (line {exc.lineno}: {exc.message}); "
+                                "mend it, or give another with --chat-template FILE") from None
 
 
 def template_meta(template: ChatTemplate | None, earlier_reasoning: str | None) -> dict | None:
