@@ -370,3 +370,23 @@ def test_a_chat_template_that_does_not_parse_is_refused_once_naming_it(tmp_path,
         message = str(err.value)
         assert "\n" not in message and f"--chat-template {broken}" in message and "does not parse (line 1" in message
         assert not (tmp_path / "s").exists()
+
+
+def test_a_template_that_renders_without_end_is_a_bad_row_naming_it(tmp_path, tool_tok, monkeypatch):
+    """Issue 50: a template with an enormous loop hung prepare; its rendering is bounded (RENDER_SECONDS) and the
+    row it hangs on is a bad row, skipped and counted with --skip-invalid."""
+    from prefpack.data import chat_masks
+
+    monkeypatch.setattr(chat_masks, "RENDER_SECONDS", 0.5)
+    template = tmp_path / "loop.jinja"
+    template.write_text("{% for m in messages %}{% if m.content == 'LOOP' %}{% for i in range(100000) %}"
+                        "{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}"
+                        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    looping = {**GOOD, "chosen": [{"role": "assistant", "content": "LOOP"}]}
+    src = write_jsonl(tmp_path / "d.jsonl", [GOOD, looping, GOOD])
+    with pytest.raises(PrepareError) as err:
+        run([src], tool_tok, tmp_path / "s", chat_template=str(template))
+    assert "line 2" in str(err.value) and "ran past 0.5 s" in str(err.value)
+    r = run([src], tool_tok, tmp_path / "s", chat_template=str(template), skip_invalid=True)
+    assert r.examples == 2 and r.skipped == {"template_timeout": 1}

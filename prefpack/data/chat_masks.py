@@ -12,6 +12,7 @@ leaves out of a reply (content beside tool calls, reasoning, a second tool call)
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,15 +51,55 @@ class Renderer:
                  spans: bool = False) -> tuple[str, list[tuple[int, int]]]:
         kwargs = {**self.tok.special_tokens_map, **self.extra, **kwargs}
         tools = kwargs.pop("tools", None)
+        what = "the prompt" if name is None else f"the conversation with field {name!r}"
         try:
-            out, idx = render_jinja_template([messages], tools=tools, chat_template=self.source(tools),
-                                             return_assistant_tokens_mask=spans,
-                                             add_generation_prompt=generation_prompt, **kwargs)
+            with time_limit(RENDER_SECONDS):
+                out, idx = render_jinja_template([messages], tools=tools, chat_template=self.source(tools),
+                                                 return_assistant_tokens_mask=spans,
+                                                 add_generation_prompt=generation_prompt, **kwargs)
+        except RenderTimeout:
+            raise InvalidRow("template_timeout", name, f"the chat template ran past {RENDER_SECONDS:g} s on {what} "
+                             "(a loop without end?)") from None
         except Exception as exc:  # jinja2 errors, templates' raise_exception(), str + None in a template...
-            what = "the prompt" if name is None else f"the conversation with field {name!r}"
             raise InvalidRow("template_error", name, f"the chat template failed on {what}: "
                              f"{type(exc).__name__}: {exc}") from None
+        if len(out[0]) > RENDER_CHARS:
+            raise InvalidRow("template_output_too_large", name, f"the chat template rendered {what} as "
+                             f"{len(out[0]):,} characters, past {RENDER_CHARS:,}")
         return out[0], (idx[0] if spans else [])
+
+
+RENDER_SECONDS = 10.0  # one rendering's time (a row's conversation renders in milliseconds)
+RENDER_CHARS = 20_000_000  # one rendering's length (far past any row a model can take)
+
+
+class RenderTimeout(Exception):
+    """A template rendering past ``RENDER_SECONDS``."""
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """``RenderTimeout`` raised in the rendering after ``seconds`` (SIGALRM; only on a process's main thread, where
+    prepare's workers and generate render; elsewhere unbounded). The caller's alarm, if any, is put back."""
+    import signal
+    import threading
+
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(_signum, _frame):
+        raise RenderTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    left, interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if left:  # an outer alarm (a caller's own limit) resumes with what it had left
+            signal.setitimer(signal.ITIMER_REAL, left, interval)
 
 
 def render_chat(tok, ex: Example, kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None,
