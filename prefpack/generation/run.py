@@ -131,7 +131,8 @@ def build_engine(opts: GenerateOptions, source: PromptSource, stop: StopSignal |
         raise GenerationError("--vllm-command needs --model: the checkpoint it serves ({model} in the command)")
     from prefpack.generation.server import VllmServer
 
-    server = VllmServer(opts.vllm_command, model=opts.model, log_path=vllm_log_path(opts.output), start_timeout=opts.vllm_start_timeout)
+    server = VllmServer(opts.vllm_command, model=opts.model, log_path=vllm_log_path(opts.output),
+                        start_timeout=opts.vllm_start_timeout)
     server.start(stop)
     try:
         return VllmEngine(server.url, request_timeout=opts.request_timeout, concurrency=opts.concurrency,

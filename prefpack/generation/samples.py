@@ -11,8 +11,9 @@ and sha256, so a meta beside another file is told apart) and, once finished, cou
 
 Rows are appended as they are made, so a killed run keeps what it wrote: run again with the same settings and it
 skips the rows done (a partial last line, which a kill -9 mid-write leaves, is dropped and said, and its row made
-again); other settings, or prompts whose content changed, are refused unless ``overwrite``. An empty file (a run that failed before its first row,
-e.g. on a too-long ``max_new_tokens``) holds nothing to keep: it is started again with the new settings.
+again); other settings, or prompts whose content changed, are refused unless ``overwrite``. An empty file (a run
+that failed before its first row, e.g. on a too-long ``max_new_tokens``) holds nothing to keep: it is started again
+with the new settings. A scorer reads a file back with its meta checked to be its own (``check_meta``).
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ def check_meta(path: str | Path, meta: dict, meta_file: str | Path, *, allow_unf
                                   f"file, {owner!r}{held}; give this file its own meta (the one generate wrote beside "
                                   "it, renamed with it), or score the file the meta belongs to")
         if record.get("rows") is not None and record["rows"] != rows:
-            raise GenerationError(f"{path} holds {rows} rows, but its meta {meta_file} was written for {record['rows']} "
-                                  "rows of it: the file was changed after generate finished it")
+            raise GenerationError(f"{path} holds {rows} rows, but its meta {meta_file} was written for "
+                                  f"{record['rows']} rows of it: the file was changed after generate finished it")
         raise GenerationError(f"{path}: its bytes are not those generate finished (sha256 {sha[:12]}, its meta "
                               f"{meta_file} records {str(record['sha256'])[:12]}): the file was changed after generate "
                               "wrote it")
