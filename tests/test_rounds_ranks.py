@@ -194,7 +194,8 @@ def test_ranks_parts_merge_into_the_samples_of_one_process(task, tmp_path, one_t
         sample_prompts(source, engine, settings, part_path(merged, rank, 2), log=lambda m: None, shard=(rank, 2))
     meta = merge_parts(merged, 2, opts.batch_size)
     assert merged.read_bytes() == (tmp_path / "one.jsonl").read_bytes()
-    assert meta == json.loads((tmp_path / "one.meta.json").read_text())
+    one = json.loads((tmp_path / "one.meta.json").read_text())
+    assert meta == {**one, "samples": {**one["samples"], "file": "two.jsonl"}}  # each meta names its own file
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one.jsonl", "one.meta.json", "two.jsonl", "two.meta.json"]
 
 

@@ -50,6 +50,8 @@ def add_score(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="the reward model's weights and compute (default float32)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--allow-unfinished", action="store_true", help="score a samples file generate has not finished "
+                   "(its meta says complete: false): only the rows it holds; refused otherwise")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="run Python code the reward model or tokenizer folder names in its config (auto_map)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (or progress lines off a terminal)")
@@ -66,6 +68,7 @@ def run_score(args, argv: list[str]) -> int:
     opts = ScoreOptions(input=args.input, output=args.output, reward_model=args.reward_model,
                         reward_fn=args.reward_fn, tokenizer=args.tokenizer, format=args.format, pairs=args.pairs,
                         min_gap=args.min_gap, checkpoint_rows=args.checkpoint_rows, overwrite=args.overwrite,
+                        allow_unfinished=args.allow_unfinished,
                         device=args.device, dtype=args.dtype, batch_tokens=args.batch_tokens,
                         trust_remote_code=args.trust_remote_code, progress=not args.no_progress,
                         stop_after_rows=args.stop_after_rows, argv=argv)

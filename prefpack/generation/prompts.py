@@ -6,6 +6,7 @@ convention), so a store later prepared from the same rows starts its completions
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ from prefpack.data.row_checks import (
     parse_template_kwargs,
     parse_tools,
 )
-from prefpack.data.sources import iter_rows, resolve_inputs
+from prefpack.data.sources import file_sha256, iter_rows, resolve_inputs
 from prefpack.data.store import Store
 from prefpack.data.tokenize import ExampleTokenizer, TokenizeConfig
 from prefpack.generation.engine import GenerationError
@@ -64,6 +65,15 @@ class PromptSource:
         raise NotImplementedError
 
     def describe(self) -> dict:
+        raise NotImplementedError
+
+    def inputs(self) -> list[str]:
+        """The files or folders the prompts are read from (what generate's output must not be)."""
+        raise NotImplementedError
+
+    def content_sha256(self) -> dict[str, str]:
+        """Each input's content hash, by its path: the samples' meta records it (``prompts.sha256``), and a file is
+        continued only while they are unchanged."""
         raise NotImplementedError
 
     def chat_template_record(self) -> dict | None:
@@ -138,6 +148,18 @@ class StorePrompts(PromptSource):
 
     def describe(self) -> dict:
         return {"store": str(self.path), "kind": self.store.kind, "examples": len(self.store)}
+
+    def inputs(self) -> list[str]:
+        return [str(self.path)]
+
+    def content_sha256(self) -> dict[str, str]:
+        """The hash of the store's files' own hashes (meta.json's ``files``: the tokens and the index), as score
+        identifies a store; the folder's bytes where the meta lists none."""
+        files = {name: info.get("sha256") for name, info in (self.store.meta.get("files") or {}).items()
+                 if isinstance(info, dict)}
+        if not files:
+            return {str(self.path): file_sha256(str(self.path))}
+        return {str(self.path): hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()}
 
 
 class RowPrompts(PromptSource):
@@ -214,3 +236,9 @@ class RowPrompts(PromptSource):
     def describe(self) -> dict:
         return {"inputs": [s.path for s in self.sources], "field": self.field,
                 "chat_template_kwargs": self.kwargs or None, "tools": self.tools}
+
+    def inputs(self) -> list[str]:
+        return [s.path for s in self.sources]
+
+    def content_sha256(self) -> dict[str, str]:
+        return {s.path: file_sha256(s.path) for s in self.sources}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from prefpack.generation.engine import GenerationEngine, GenerationError, PromptJob, SamplingSettings
 from prefpack.generation.prompts import Prompt, PromptSource, RowPrompts, StorePrompts
-from prefpack.generation.samples import SamplesWriter, meta_path
+from prefpack.generation.samples import SamplesWriter, check_not_inputs, meta_path, samples_record
 from prefpack.generation.stops import stop_token_ids
 from prefpack.generation.subsets import PromptSubset, SubsetPrompts
 from prefpack.stop_signal import STOP_SIGNALS, StopSignal, Terminated
@@ -132,8 +132,8 @@ def build_engine(opts: GenerateOptions, source: PromptSource, stop: StopSignal |
         raise GenerationError("--vllm-command needs --model: the checkpoint it serves ({model} in the command)")
     from prefpack.generation.server import VllmServer
 
-    log = meta_path(opts.output).with_name(Path(opts.output).name.removesuffix(".jsonl") + ".vllm.log")
-    server = VllmServer(opts.vllm_command, model=opts.model, log_path=log, start_timeout=opts.vllm_start_timeout)
+    server = VllmServer(opts.vllm_command, model=opts.model, log_path=vllm_log_path(opts.output),
+                        start_timeout=opts.vllm_start_timeout)
     server.start(stop)
     try:
         return VllmEngine(server.url, request_timeout=opts.request_timeout, concurrency=opts.concurrency,
@@ -154,6 +154,16 @@ def check_vllm_limits(opts: GenerateOptions) -> None:
         if not number or value <= 0 or (flag == "--concurrency" and value != int(value)):
             what = "a positive whole number" if flag == "--concurrency" else "a positive number of seconds"
             raise GenerationError(f"{flag} must be {what}, not {value!r}")
+
+
+def vllm_log_path(output: str | Path) -> Path:
+    """``OUTPUT.vllm.log``: what a server ``--vllm-command`` starts prints."""
+    return Path(output).with_name(Path(output).name.removesuffix(".jsonl") + ".vllm.log")
+
+
+def written_paths(output: str | Path) -> list[tuple[str, Path]]:
+    """What sampling into ``output`` writes: the samples file and its meta (what must not be an input)."""
+    return [("--output", Path(output)), ("its meta", meta_path(output))]
 
 
 def vllm_urls(value: str | list[str]) -> list[str]:
@@ -196,6 +206,10 @@ def generate(opts: GenerateOptions, log: Callable[[str], None] = print) -> Gener
     prefpack started stopped."""
     with StopSignal(signums=STOP_SIGNALS) as stop:
         source = prompt_source(opts)
+        writes = written_paths(opts.output)
+        if opts.engine == "vllm" and opts.vllm_command:
+            writes.append(("--vllm-command's log", vllm_log_path(opts.output)))
+        check_not_inputs(writes, source.inputs(), "generate")  # before anything is opened for writing
         settings = settings_of(opts, source)
         engine = build_engine(opts, source, stop)
         try:
@@ -223,10 +237,15 @@ def sample_prompts(source: PromptSource, engine: GenerationEngine, settings: Sam
 def _sample_prompts(source, engine, settings, output, overwrite, log, stop: StopSignal,
                     shard: tuple[int, int]) -> GenerateReport:
     t0 = time.perf_counter()
+    check_not_inputs(written_paths(output), source.inputs(), "generate")
+    rank, world = shard
     meta = {"tokenizer": source.tokenizer_record(), "chat_template": source.chat_template_record(),
-            "prompts": source.describe(),
-            "generation": {"engine": engine.name, "settings": settings.to_json(), **engine.describe()}}
+            "prompts": {**source.describe(), "sha256": source.content_sha256()},
+            "generation": {"engine": engine.name, "settings": settings.to_json(), **engine.describe()},
+            "samples": samples_record(output, shard_rows(source.count(), engine.batch_prompts, rank, world))}
     writer = SamplesWriter(output, meta, overwrite=overwrite)
+    for note in writer.notes:
+        log(f"note: {note}")
     if writer.torn:
         log(f"{output}: its last line was cut off by a kill mid-write ({writer.torn} bytes); dropped, its row is "
             "made again")
@@ -234,7 +253,6 @@ def _sample_prompts(source, engine, settings, output, overwrite, log, stop: Stop
         log(f"continuing {output}: {len(writer.done)} rows were written by an earlier run")
     tok = source.tok
     counts = {"prompts": 0, "tokens": 0, "written": 0, **writer.prior}
-    rank, world = shard
     seen, index = 0, 0  # prompts of the source, chunks of the source
     try:
         chunk: list[Prompt] = []
@@ -259,6 +277,13 @@ def _sample_prompts(source, engine, settings, output, overwrite, log, stop: Stop
         writer.close()
     return GenerateReport(Path(output), counts["prompts"], counts["written"], counts["samples"], counts["truncated"],
                           counts["tokens"], time.perf_counter() - t0, list(source.notes))
+
+
+def shard_rows(prompts: int, batch: int, rank: int, world: int) -> int:
+    """How many of ``prompts`` prompts rank ``rank`` of ``world`` samples: chunk k of ``batch`` prompts is rank
+    k % world's (all of them in one process)."""
+    chunks = -(-prompts // batch) if prompts else 0
+    return sum(min(batch, prompts - k * batch) for k in range(rank, chunks, world))
 
 
 def _stop_if_due(stop: StopSignal, writer: SamplesWriter, source: PromptSource) -> None:

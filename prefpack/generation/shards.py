@@ -10,12 +10,13 @@ reused (their rows are sampled again, the same), and are removed with the others
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 
 from prefpack.generation.engine import GenerationError
-from prefpack.generation.samples import _write_json, meta_path
+from prefpack.generation.samples import _write_json, meta_path, samples_record
 
 
 def part_path(output: str | Path, rank: int, world: int) -> Path:
@@ -45,9 +46,14 @@ def merge_parts(output: str | Path, world: int, batch_prompts: int) -> dict:
     counts = {k: sum(int(m["counts"][k]) for m in metas) for k in ("prompts", "samples", "truncated")}
     merged = dict(metas[0], complete=False)
     merged.pop("counts", None)
+    if all(isinstance(m.get("samples"), dict) for m in metas):  # the merged file's own record, as one process writes
+        merged["samples"] = samples_record(output, sum(int(m["samples"]["expected_rows"]) for m in metas))
+    else:  # parts an older prefpack began
+        merged.pop("samples", None)
     _write_json(meta_path(output), merged)  # incomplete first: a kill before the end leaves a file that continues
     tmp = output.with_name(output.name + ".tmp")
     handles = [open(part, "rb") for part in parts]
+    sha = hashlib.sha256()
     try:
         with open(tmp, "wb") as out:
             lines, rank, live = 0, 0, world
@@ -55,6 +61,7 @@ def merge_parts(output: str | Path, world: int, batch_prompts: int) -> dict:
                 taken = 0
                 for line in handles[rank]:
                     out.write(line)
+                    sha.update(line)
                     taken += 1
                     if taken == batch_prompts:
                         break
@@ -67,6 +74,8 @@ def merge_parts(output: str | Path, world: int, batch_prompts: int) -> dict:
     if lines != counts["prompts"]:
         raise GenerationError(f"{output}: the parts hold {lines} rows, their metas count {counts['prompts']}")
     os.replace(tmp, output)
+    if "samples" in merged:
+        merged["samples"].update(rows=lines, sha256=sha.hexdigest())
     merged.update(complete=True, counts=counts)
     _write_json(meta_path(output), merged)
     for path in part_files(output):

@@ -74,3 +74,9 @@ class SubsetPrompts(PromptSource):
 
     def describe(self) -> dict:
         return {**self.source.describe(), "subset": self.record}
+
+    def inputs(self) -> list[str]:
+        return self.source.inputs()
+
+    def content_sha256(self) -> dict[str, str]:
+        return self.source.content_sha256()

@@ -27,7 +27,6 @@ from prefpack.data.spans import scored_of
 from prefpack.data.store import FLAG_COMPLETION_TRUNCATED, Store
 from prefpack.errors import PrefpackError
 
-SAMPLES_META = "samples.meta.json"  # beside a samples file: {tokenizer, chat_template, generation}
 TEXT_BATCH = 64  # text rows tokenised per call
 
 
@@ -55,10 +54,12 @@ class ScoreInput:
     """An opened input: its kind, tokenizer (decodes ids; copied into the output store) and rows."""
 
     def __init__(self, path: str | Path, *, tokenizer: str | None = None, fallback_tokenizer: str | None = None,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, allow_unfinished: bool = False):
         from prefpack.tokenizer import load_tokenizer, special_tokens
 
         self.path = Path(path)
+        self.notes: list[str] = []  # said in a line each (an older samples meta, an unfinished file scored)
+        self._sha: str | None = None
         if not self.path.exists():
             raise ScoreInputError(f"{str(self.path)!r}: no such file or folder")
         self.kind = "store" if self.path.is_dir() else _file_kind(self.path)
@@ -73,7 +74,7 @@ class ScoreInput:
             tokenizer = tokenizer or str(self.store.tokenizer_path())
             self.meta = {"tokenizer": self.store.meta.get("tokenizer")}
         elif self.kind == "samples":
-            self.meta = _samples_meta(self.path)
+            self.meta = self._samples_meta(allow_unfinished)
             recorded = self.meta.get("tokenizer") or {}
             if tokenizer is None and recorded.get("name") and Path(recorded["name"]).is_dir():
                 tokenizer = recorded["name"]
@@ -99,8 +100,32 @@ class ScoreInput:
             digest = {name: info.get("sha256") for name, info in self.store.meta.get("files", {}).items()}
             sha = hashlib.sha256(json.dumps(digest, sort_keys=True).encode()).hexdigest()
         else:
-            sha = file_sha256(str(self.path))
+            sha = self._sha or file_sha256(str(self.path))
         return {"kind": self.kind, "path": str(self.path), "sha256": sha}
+
+    def _samples_meta(self, allow_unfinished: bool) -> dict:
+        """The meta beside a samples file (``generation.samples.find_meta``), checked to be this file's and the file
+        finished (``check_meta``); {} when there is none."""
+        from prefpack.generation.engine import GenerationError
+        from prefpack.generation.samples import check_meta, file_rows_sha256, find_meta
+
+        meta_file = find_meta(self.path)
+        if meta_file is None:
+            return {}
+        try:
+            meta = json.loads(meta_file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ScoreInputError(f"{meta_file}: not JSON ({exc})") from None
+        if not isinstance(meta, dict):
+            raise ScoreInputError(f"{meta_file}: not a samples meta (a JSON object)")
+        rows, sha = file_rows_sha256(self.path)  # a gzipped file: its rows' bytes, as generate wrote them
+        self._sha = None if self.path.suffix == ".gz" else sha  # the input's identity: the bytes as they lie
+        try:
+            self.notes += check_meta(self.path, meta, meta_file, allow_unfinished=allow_unfinished,
+                                     rows_sha=(rows, sha))
+        except GenerationError as exc:
+            raise ScoreInputError(str(exc)) from None
+        return meta
 
     def count_rows(self) -> int:
         """How many rows ``rows()`` yields (for the progress bar)."""
@@ -248,16 +273,3 @@ def _ids(row: dict, name: str, where: str, vocab: int) -> list[int]:
     if min(ids) < 0 or max(ids) >= vocab:
         raise ScoreInputError(f"{where}, field {name!r}: token id outside the tokenizer's {vocab} ids")
     return ids
-
-
-def _samples_meta(path: Path) -> dict:
-    """``NAME.meta.json`` beside ``NAME.jsonl`` (``samples.meta.json`` beside ``samples.jsonl``), else a
-    ``samples.meta.json`` in the same folder; {} when there is none."""
-    named = path.parent / (path.name.split(".")[0] + ".meta.json")
-    meta = named if named.is_file() else path.parent / SAMPLES_META
-    if not meta.is_file():
-        return {}
-    try:
-        return json.loads(meta.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ScoreInputError(f"{meta}: not JSON ({exc})") from None

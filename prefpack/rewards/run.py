@@ -38,6 +38,7 @@ class ScoreOptions:
     min_gap: float = 0.0  # a pair's least score gap; prompts left with no pair are skipped and counted
     checkpoint_rows: int = 64
     overwrite: bool = False
+    allow_unfinished: bool = False  # score a samples file generate has not finished (its meta: complete false)
     device: str = "auto"
     dtype: str = "float32"
     batch_tokens: int = 8192
@@ -58,12 +59,14 @@ def score(opts: ScoreOptions, log: Callable[[str], None] = print, scorer: Scorer
 def open_input(opts: ScoreOptions) -> ScoreInput:
     """The input the options name, with the tokenizer it is read with."""
     return ScoreInput(opts.input, tokenizer=opts.tokenizer, fallback_tokenizer=_model_tokenizer(opts.reward_model),
-                      trust_remote_code=opts.trust_remote_code)
+                      trust_remote_code=opts.trust_remote_code, allow_unfinished=opts.allow_unfinished)
 
 
 def _score(opts: ScoreOptions, log: Callable[[str], None], stop: StopSignal, scorer: Scorer | None = None) -> dict:
     _check(opts)
     source = open_input(opts)
+    for note in source.notes:
+        log(f"note: {note}")
     scorer = scorer if scorer is not None else make_scorer(opts)
     identity = scorer.identity()
     partial = PartialScores(opts.output, {"input": source.identity(), "scorer": identity}, log=log)
@@ -133,6 +136,15 @@ def _check(opts: ScoreOptions) -> None:
         raise PrefpackError(f"--checkpoint-rows must be at least 1, not {opts.checkpoint_rows}")
     from pathlib import Path
 
+    from prefpack.generation.samples import find_meta, same_file
+
+    out = Path(opts.output).resolve()
+    read = [Path(opts.input)] + ([m] if Path(opts.input).is_file() and (m := find_meta(opts.input)) else [])
+    for inp in read:  # before anything is written: the output (a folder, replaced whole) must not hold the input
+        if same_file(out, inp) or out.is_relative_to(inp.resolve()) or inp.resolve().is_relative_to(out):
+            what = "the input" if inp == read[0] else "the input's meta"
+            raise ScoreOutputError(f"--output {opts.output} is {what} {inp} (or holds it, or lies inside it): "
+                                   "writing it would destroy what score reads; choose another output")
     if Path(opts.output).exists() and not opts.overwrite:  # before any scoring: refuse at once
         raise ScoreOutputError(f"output {opts.output!r} exists; pass --overwrite to replace it")
 
