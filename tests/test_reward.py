@@ -348,3 +348,14 @@ def test_a_margin_column_is_stored_and_the_reward_loss_reads_it(tmp_path, toy_to
     with pytest.raises(PrepareError, match=r"bad.jsonl line 3, field 'margin': field 'margin' must be a finite number"):
         prepare(PrepareOptions(inputs=[str(write_jsonl(tmp_path / "bad.jsonl", bad))], tokenizer=tok,
                                output=str(tmp_path / "bad"), workers=1), log=quiet)
+
+
+def test_a_margin_field_no_row_holds_is_named(tmp_path, toy_tokenizers):
+    """Issue 50: --margin-field nosuchfield wrote a plain store and said nothing; the report names the field."""
+    plain = [{k: v for k, v in r.items() if k != "margin"} for r in MARGIN_PAIRS]
+    report = prepare(PrepareOptions(inputs=[str(write_jsonl(tmp_path / "p.jsonl", plain))],
+                                    tokenizer=str(toy_tokenizers["neox"]), output=str(tmp_path / "s"),
+                                    fields={"margin": "nosuchfield"}, workers=1), log=quiet)
+    text = report.summary()
+    assert "warning: --margin-field 'nosuchfield': no row holds it" in text
+    assert Store(tmp_path / "s").margins is None

@@ -74,6 +74,9 @@ class PrepareReport:
         if self.spans:
             lines.append(f"unscored spans: {self.spans} token ranges inside completions get no loss (spans.bin; "
                          "`prefpack inspect --row N` shows them)")
+        if not self.margins and self.margin_field != "margin":  # named, and no row holds it: a misspelt field?
+            lines.append(f"warning: --margin-field {self.margin_field!r}: no row holds it, so the store holds no "
+                         "margins (check the field's name)")
         if self.margins:
             lines.append(f"margins: {self.margins} of {self.examples} pairs give a {self.margin_field!r} (margins.bin, "
                          "store version 4; 0 for the others): a reward model's loss reads them "
