@@ -59,3 +59,29 @@ def test_a_limit_that_is_not_positive_is_refused_by_its_flag(field, flag, tmp_pa
                            engine="vllm", vllm_url="http://127.0.0.1:9")
     with pytest.raises(GenerationError, match=f"^{flag} must be a positive"):
         generate(dataclasses.replace(opts, **{field: -1}), log=lambda *_: None)
+
+
+def test_a_full_disk_while_sampling_names_the_samples_file(tmp_path):
+    """Issue 50: a write that fails (a full disk) is one line naming the samples file, not a bare OSError."""
+    import errno
+
+    from prefpack.generation.samples import SamplesWriter
+
+    writer = SamplesWriter(tmp_path / "samples.jsonl", {"generation": {}})
+
+    class Full:
+        closed = False
+
+        def write(self, _text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    writer.fh = Full()
+    with pytest.raises(GenerationError) as err:
+        writer.write({"row": 0})
+    assert str(err.value).startswith(f"cannot write {tmp_path / 'samples.jsonl'}: No space left on device")

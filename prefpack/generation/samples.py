@@ -149,8 +149,18 @@ def _resume_view(meta: dict) -> dict:
 
 def _write_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise _unwritable(path, exc) from None
+
+
+def _unwritable(path: Path, exc: OSError) -> GenerationError:
+    """A failed write (a full disk, a quota, a folder gone) named by its file, never a bare OSError."""
+    return GenerationError(f"cannot write {path}: {exc.strerror or exc}; the whole rows written so far are kept, and "
+                           "running the same command again continues them once there is room")
 
 
 class SamplesWriter:
@@ -168,9 +178,15 @@ class SamplesWriter:
         elif self.meta_file.exists() and not self.path.exists() and not overwrite:
             raise GenerationError(f"{self.meta_file} exists without its samples file {self.path}; remove it, or pass "
                                   "--overwrite")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _unwritable(self.path.parent, exc) from None
         _write_json(self.meta_file, self.meta)
-        self.fh = open(self.path, "a" if self.done else "w", encoding="utf-8")
+        try:
+            self.fh = open(self.path, "a" if self.done else "w", encoding="utf-8")
+        except OSError as exc:
+            raise _unwritable(self.path, exc) from None
 
     def _resume(self) -> set[int]:
         if not self.meta_file.is_file():
@@ -221,8 +237,11 @@ class SamplesWriter:
                                   "choose another output")
 
     def write(self, row: dict) -> None:
-        self.fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-        self.fh.flush()
+        try:
+            self.fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+            self.fh.flush()
+        except OSError as exc:  # a part-written last line is dropped when the file is continued
+            raise _unwritable(self.path, exc) from None
         self.written += 1
 
     def finish(self, counts: dict) -> None:
