@@ -120,3 +120,25 @@ def test_eval_of_a_reward_model_says_which_settings_do_not_apply(folders, tmp_pa
     notes = [line for line in err.splitlines() if "is a reward model" in line]
     assert code == 0 and len(notes) == 1, err
     assert "--ref" in notes[0] and "--beta" in notes[0] and "run.yaml's loss terms" in notes[0]
+
+
+def test_a_reward_model_of_another_tokenizer_is_refused_in_one_line(tmp_path, toy_tokenizers, capsys):
+    """Issue 50: a reward model saved with its own tokenizer scored another tokenizer's ids as if they were its own."""
+    import transformers as tf
+
+    from prefpack.cli import main
+
+    own = tf.AutoTokenizer.from_pretrained(toy_tokenizers["llama"])
+    cfg = tf.LlamaConfig(vocab_size=2 * len(own), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=own.eos_token_id)
+    tf.LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
+    own.save_pretrained(tmp_path / "rm")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "Human: hi?\n\nAssistant:", "completions": [" yes", " no"]}) + "\n")
+    args = ["score", str(rows), "-o", str(tmp_path / "scored.jsonl"), "--reward-model", str(tmp_path / "rm"),
+            "--format", "jsonl", "--tokenizer"]
+    capsys.readouterr()
+    assert main([*args, str(toy_tokenizers["neox"])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "was trained with another tokenizer than the input's" in err
+    assert main([*args, str(toy_tokenizers["llama"])]) == 0  # its own tokenizer's ids score

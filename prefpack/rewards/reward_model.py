@@ -40,7 +40,7 @@ class RewardModelScorer(Scorer):
         from prefpack.model.load import pick_device
         from prefpack.model.weights import WeightSpec, load_weights
 
-        self.folder = folder
+        self.folder, self.trust_remote_code, self.checked = folder, trust_remote_code, set()
         check_model_code(folder, allowed=trust_remote_code, what="--reward-model")
         try:
             config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -66,6 +66,25 @@ class RewardModelScorer(Scorer):
         kernel = kernel_of(self.model)
         self.share_prompts = kernel.runs_prompt_groups(kernel.flattens_rows)
         self.batch_tokens = batch_tokens
+
+    def check_tokenizer(self, tok) -> None:
+        """The input's token ids must mean to this model what they meant to the tokenizer that wrote them: a folder
+        that holds its own tokenizer (as an exported reward model does) with another vocabulary is refused in one line
+        (its scores of those ids would be of other text). Checked once per input tokenizer."""
+        from prefpack.tokenizer import load_tokenizer
+
+        vocab = tok.get_vocab()
+        key = hashlib.sha256(repr(sorted(vocab.items())).encode()).hexdigest()
+        if key in self.checked:
+            return
+        if any((Path(self.folder) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+            own = load_tokenizer(self.folder, trust_remote_code=self.trust_remote_code)
+            if own.get_vocab() != vocab:
+                raise ScorerError(f"--reward-model {self.folder!r} was trained with another tokenizer than the input's "
+                                  f"({len(own.get_vocab())} tokens against {len(vocab)}, or the same ids for other "
+                                  "text): it would score other text than the samples hold; score with the reward model "
+                                  "of this tokenizer")
+        self.checked.add(key)
 
     def identity(self) -> dict:
         h = hashlib.sha256()

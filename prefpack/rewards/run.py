@@ -68,6 +68,8 @@ def _score(opts: ScoreOptions, log: Callable[[str], None], stop: StopSignal, sco
     for note in source.notes:
         log(f"note: {note}")
     scorer = scorer if scorer is not None else make_scorer(opts)
+    if hasattr(scorer, "check_tokenizer"):  # a reward model: the input's ids must be its tokenizer's
+        scorer.check_tokenizer(source.tok)
     identity = scorer.identity()
     partial = PartialScores(opts.output, {"input": source.identity(), "scorer": identity}, log=log)
     total = source.count_rows()

@@ -225,6 +225,11 @@ class SharedScores:
     def identity(self) -> dict:
         return self.scorer.identity()
 
+    def check_tokenizer(self, tok) -> None:
+        check = getattr(self.scorer, "check_tokenizer", None)
+        if check is not None:
+            check(tok)
+
     def score(self, rows) -> list[list[float]]:
         return [list(self.table[row.row]) for row in rows]
 
