@@ -10,6 +10,8 @@ import signal
 import time
 
 import pytest
+from test_rounds import overrides
+from test_rounds import task as task  # noqa: F401 - a module-scoped fixture shared with test_rounds (its quickstart task)
 from test_score import cli, make_samples
 from test_stop_generate_score import _hint
 
@@ -179,3 +181,56 @@ def test_a_signal_outside_a_reward_functions_call_still_lets_the_chunk_in_flight
                         progress=False)
     with pytest.raises(Terminated, match="terminated by signal 15: 4 of 6 rows are scored"):
         score(opts, log=lambda _: None, scorer=Signalling())
+
+
+def test_a_function_that_swallows_the_timeout_still_times_out_and_a_thread_checks_after_the_call():
+    import threading
+
+    from prefpack.rewards.user_call import CallFailed, call_contained
+
+    def swallows_once():
+        try:
+            time.sleep(3600)
+        except BaseException:  # a bare `except:` in the user's code
+            pass
+        return 1.0
+
+    with pytest.raises(CallFailed, match=r"did not return within 0\.2 s") as failed:
+        call_contained(swallows_once, 0.2)
+    assert failed.value.timed_out and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert call_contained(lambda: 2.0, 0.2) == 2.0
+    outcome = []
+
+    def on_a_thread():  # no signal reaches a thread: the call runs to its end, then the limit is checked
+        try:
+            call_contained(lambda: time.sleep(0.3), 0.1)
+        except CallFailed as exc:
+            outcome.append(str(exc))
+
+    thread = threading.Thread(target=on_a_thread)
+    thread.start()
+    thread.join()
+    assert len(outcome) == 1 and "over the 0.1 s limit" in outcome[0] and "cannot be cut off" in outcome[0]
+
+
+@pytest.mark.parametrize("body, code", [("import sys\n        sys.exit(0)", 2),
+                                        (SIGTERM_THEN_SLEEP, 128 + signal.SIGTERM)])
+def test_a_rounds_reward_function_that_exits_or_hangs_under_sigterm_stops_the_run(  # noqa: F811
+        task, tmp_path, capsys, monkeypatch, body, code):
+    """Once a round's samples are drawn: sys.exit(0) was a silent exit 0; a SIGTERM during a stuck call was lost."""
+    from prefpack.cli import main
+
+    fn = tmp_path / "fn.py"
+    fn.write_text(STUCK_AT_ROW_3.format(stuck=body))
+    monkeypatch.setenv("STUCK", "1")
+    capsys.readouterr()
+    t0 = time.monotonic()
+    assert main(["train", *overrides(task, str(tmp_path / "run"), f"rounds.reward_fn={fn}:reward"),
+                 "--no-progress"]) == code
+    assert time.monotonic() - t0 < 60
+    err = capsys.readouterr().err.strip().splitlines()
+    if code == 2:
+        assert err[-1].endswith(f"--reward-fn {fn}:reward: row 3, completion 0: the function called sys.exit(0)"), err
+    else:
+        assert "terminated by signal 15" in err[-2] and "--resume" in err[-1], err[-2:]
+        assert (tmp_path / "run" / "rounds" / "001" / "samples.jsonl").is_file()  # kept: --resume scores them

@@ -95,8 +95,8 @@ def call_contained(fn: Callable[[], Any], timeout: float | None = DEFAULT_TIMEOU
             guard.previous[s] = current
             signal.signal(s, guard.on_stop)
     alarm_handler, timer, t0 = None, (0.0, 0.0), time.monotonic()
-    if timeout is not None:
-        alarm_handler = signal.signal(signal.SIGALRM, guard.on_alarm)
+    if timeout is not None:  # (a previous handler set outside Python reads as None: restored as SIG_DFL)
+        alarm_handler = signal.signal(signal.SIGALRM, guard.on_alarm) or signal.SIG_DFL
         timer = signal.setitimer(signal.ITIMER_REAL, timeout)
     failure: CallFailed | None = None
     value = None

@@ -7,7 +7,8 @@ step it applies from to `RUN_DIR/config_changes.jsonl`, and `config.yaml` is upd
 
 Keys that cannot change the result may change freely (FREE_KEYS): how often to log, evaluate and save, how many
 checkpoints to keep, TensorBoard, W&B and the plot, where the run folder is, the held-out store, and the permission
-flag model.allow_tokenizer_mismatch (the tokens are in the store already). `train.max_steps` and `train.epochs`
+flag model.allow_tokenizer_mismatch (the tokens are in the store already), and rounds.reward_timeout (a score once
+made is the same under any limit). `train.max_steps` and `train.epochs`
 decide the number of steps, and through it the length of the learning-rate schedule: with `optim.schedule`
 cosine or linear, or a warmup given as `optim.warmup_ratio`, another length changes the learning rate of every
 step, so they are refused; with a constant schedule and a fixed `optim.warmup_steps` (or none), step k's update
