@@ -55,6 +55,9 @@ def test_a_call_that_never_returns_is_stopped_by_the_timeout(tmp_path, toy_token
     assert f"--reward-fn {fn}:reward: row 3, completion 0: the function did not return within 0.5 s" in err, err
     assert "--reward-timeout" in err and not (tmp_path / "out").exists()
     assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert cli(samples, "-o", tmp_path / "out", "--reward-fn", f"{fn}:reward", "--reward-timeout", "-1") == 2
+    assert capsys.readouterr().err.strip() == ("prefpack score: error: --reward-timeout must be a number of seconds >= 0 "
+                                               "(0: no limit), not -1.0")
 
 
 def test_sigterm_while_a_call_is_stuck_stops_score_keeping_the_scored_chunks(tmp_path, toy_tokenizers, capsys,
