@@ -84,21 +84,20 @@ def test_ctrl_c_mid_score_keeps_the_scored_chunks_and_the_same_command_continues
                 "--checkpoint-rows", "2", "--no-progress"]
 
     assert main(argv("whole")) == 0
-    monkeypatch.setenv("SIGNAL_AT_ROW", "3")  # in the chunk of rows 2-3
+    monkeypatch.setenv("SIGNAL_AT_ROW", "3")  # in the chunk of rows 2-3: the call is cut off, the chunk dropped
     capsys.readouterr()
     assert main(argv("cut")) == 130
     what, command = _hint(capsys.readouterr().err)
     partial = tmp_path / "cut.partial"
-    assert what == (f"prefpack score: terminated by signal 2: 4 of 9 rows are scored in {partial}; continue with the "
+    assert what == (f"prefpack score: terminated by signal 2: 2 of 9 rows are scored in {partial}; continue with the "
                     "same command:")
     assert command[1:] == argv("cut") and not (tmp_path / "cut").exists()
-    assert sorted(p.name for p in partial.iterdir()) == ["manifest.json", "rows-000000000-000000002.json",
-                                                         "rows-000000002-000000004.json"]
-    (partial / ".rows-000000004-000000006.json.tmp-99").write_text('{"scores": [[1')  # a kill -9 mid-write
+    assert sorted(p.name for p in partial.iterdir()) == ["manifest.json", "rows-000000000-000000002.json"]
+    (partial / ".rows-000000002-000000004.json.tmp-99").write_text('{"scores": [[1')  # a kill -9 mid-write
     monkeypatch.delenv("SIGNAL_AT_ROW")
     assert main(command[1:]) == 0
     err = capsys.readouterr().err
-    assert "a checkpoint a kill left half-written; removed" in err and "4 rows already scored" in err
+    assert "a checkpoint a kill left half-written; removed" in err and "2 rows already scored" in err
     for name in ("tokens.bin", "index.bin"):
         assert (tmp_path / "cut" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
     whole = (tmp_path / "whole" / "meta.json").read_text()  # the same scores; the meta names its own command

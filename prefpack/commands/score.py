@@ -29,6 +29,9 @@ def add_score(sub) -> None:
                      help="a Python function called as FUNCTION(prompt, completion) or FUNCTION(prompt, completion, "
                      "row) (row: the input row, passthrough fields such as label included), returning a float. "
                      "The file is YOUR code: it is imported (run) only when this flag names it")
+    p.add_argument("--reward-timeout", type=float, default=None, metavar="SECONDS",
+                   help="--reward-fn: the longest one call may take, then it is stopped and the run fails naming the "
+                   "row (default 60; 0: no limit)")
     p.add_argument("--tokenizer", default=None,
                    help="the input's tokenizer (default: a store's own copy, or the samples meta's when it is a folder; "
                    "required for text rows)")
@@ -71,7 +74,8 @@ def run_score(args, argv: list[str]) -> int:
                         allow_unfinished=args.allow_unfinished,
                         device=args.device, dtype=args.dtype, batch_tokens=args.batch_tokens,
                         trust_remote_code=args.trust_remote_code, progress=not args.no_progress,
-                        stop_after_rows=args.stop_after_rows, argv=argv)
+                        stop_after_rows=args.stop_after_rows, argv=argv,
+                        **({} if args.reward_timeout is None else {"reward_timeout": args.reward_timeout}))
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     try:
         summary = score(opts, log=log)

@@ -332,6 +332,8 @@ def _rounds_problems(cfg: Config, errs: list[str]) -> None:
             errs.append(f"rounds.{key} must be >= 1, got {getattr(r, key)}")
     if r.pairs == "best_vs_worst" and r.samples_per_prompt < 2:
         errs.append("rounds.samples_per_prompt must be >= 2: pairs are drawn from a prompt's samples")
+    if not (math.isfinite(r.reward_timeout) and r.reward_timeout >= 0):
+        errs.append(f"rounds.reward_timeout must be a number of seconds >= 0 (0 = no limit), got {r.reward_timeout}")
     if not (math.isfinite(r.min_gap) and r.min_gap >= 0):
         errs.append(f"rounds.min_gap must be a finite number >= 0, got {r.min_gap}")
     if r.engine == "vllm" and (r.vllm_command is None) == (r.vllm_url is None):

@@ -296,6 +296,8 @@ class RoundsConfig:
                                           "server a rank at least, each rank drives its own; a round per training "
                                           "(rounds.in_process=false): one URL, count 1")
     reward_fn: str | None = _f(None, "scorer: path/to/file.py:function (prefpack score --reward-fn)")
+    reward_timeout: float = _f(60.0, "reward_fn: the seconds one call may take, then it is stopped and the run fails "
+                               "naming the row (prefpack score --reward-timeout); 0 = no limit")
     reward_model: str | None = _f(None, "scorer: a reward model folder (prefpack score --reward-model)")
     pairs: PairMode = _f("best_vs_worst", "pairs of a prompt's samples: best_vs_worst (RLHFlow's max-min), "
                          "best_vs_rest, all_pairs")

@@ -17,6 +17,7 @@ from prefpack.rewards.pairs import PAIR_MODES, PairSelection
 from prefpack.rewards.partial import PartialScores
 from prefpack.rewards.rows import ScoreInput, ScoreRow
 from prefpack.rewards.scorers import RewardFunctionScorer, Scorer, ScorerError
+from prefpack.rewards.user_call import DEFAULT_TIMEOUT, CallStopped
 from prefpack.stop_signal import STOP_SIGNALS, StopSignal, Terminated
 
 OUTPUT_FORMATS = ("store", "jsonl")
@@ -32,6 +33,7 @@ class ScoreOptions:
     output: str
     reward_model: str | None = None
     reward_fn: str | None = None  # path/to/file.py:function (user code: imported only when given)
+    reward_timeout: float = DEFAULT_TIMEOUT  # seconds one call of reward_fn may take (0: no limit)
     tokenizer: str | None = None  # the input's tokenizer (a store's own copy by default)
     format: str = "store"  # store (ranked, or pairs with `pairs`) | jsonl
     pairs: str | None = None  # write a pair store of these pairs (pairs.PAIR_MODES) instead of a ranked store
@@ -50,7 +52,8 @@ class ScoreOptions:
 
 def score(opts: ScoreOptions, log: Callable[[str], None] = print, scorer: Scorer | None = None) -> dict:
     """Score ``opts.input`` into ``opts.output``; returns a summary (rows, completions, the scores' spread, pairs).
-    SIGTERM or Ctrl-C is acted on between checkpoints: :class:`Terminated`, every scored chunk kept. ``scorer``: the
+    SIGTERM or Ctrl-C is acted on between checkpoints, or cuts a reward function's call off (the chunk in flight
+    dropped): :class:`Terminated`, every scored chunk kept. ``scorer``: the
     one the options name, already made (on-policy rounds keep a reward model loaded across rounds)."""
     with StopSignal(signums=STOP_SIGNALS) as stop:
         return _score(opts, log, stop, scorer)
@@ -81,11 +84,11 @@ def _score(opts: ScoreOptions, log: Callable[[str], None], stop: StopSignal, sco
         pending.append(row)
         if len(pending) == opts.checkpoint_rows:
             _stop_if_due(stop, partial, total, bar)
-            _checkpoint(scorer, pending, partial, bar, opts)
+            _checkpoint(scorer, pending, partial, bar, opts, stop, total)
             pending = []
     if pending:
         _stop_if_due(stop, partial, total, bar)
-        _checkpoint(scorer, pending, partial, bar, opts)
+        _checkpoint(scorer, pending, partial, bar, opts, stop, total)
     _stop_if_due(stop, partial, total, bar)  # a signal during the last chunk: stop before writing the output
     bar.close()
     scores = partial.scores
@@ -109,7 +112,7 @@ def _score(opts: ScoreOptions, log: Callable[[str], None], stop: StopSignal, sco
 def make_scorer(opts: ScoreOptions) -> Scorer:
     """The one scorer the options name; the reward function's file is imported here, never otherwise."""
     if opts.reward_fn is not None:
-        return RewardFunctionScorer(opts.reward_fn)
+        return RewardFunctionScorer(opts.reward_fn, timeout=opts.reward_timeout)
     from prefpack.rewards.reward_model import RewardModelScorer
 
     return RewardModelScorer(opts.reward_model, device=opts.device, dtype=opts.dtype, batch_tokens=opts.batch_tokens,
@@ -134,6 +137,9 @@ def _check(opts: ScoreOptions) -> None:
         raise PrefpackError(f"--pairs is one of {', '.join(PAIR_MODES)} and writes a pair store (--format store)")
     if not opts.min_gap >= 0:
         raise PrefpackError(f"--min-gap must be >= 0, not {opts.min_gap}")
+    if not (math.isfinite(opts.reward_timeout) and opts.reward_timeout >= 0):
+        raise PrefpackError(f"--reward-timeout must be a number of seconds >= 0 (0: no limit), not "
+                            f"{opts.reward_timeout}")
     if opts.checkpoint_rows < 1:
         raise PrefpackError(f"--checkpoint-rows must be at least 1, not {opts.checkpoint_rows}")
     from pathlib import Path
@@ -152,8 +158,13 @@ def _check(opts: ScoreOptions) -> None:
 
 
 def _checkpoint(scorer: Scorer, rows: list[ScoreRow], partial: PartialScores, bar: Progress,
-                opts: ScoreOptions) -> None:
-    scores = scorer.score(rows)
+                opts: ScoreOptions, stop: StopSignal, total: int) -> None:
+    try:
+        scores = scorer.score(rows)
+    except CallStopped as cut:  # a stop signal cut a reward function's call off: this chunk is dropped, as a kill
+        stop.signum, stop.acted = stop.signum or cut.signum, True  # would; the checkpointed ones kept
+        bar.close()
+        raise Terminated(f"{len(partial)} of {total} rows are scored in {partial.path}", cut.signum) from None
     for row, values in zip(rows, scores):
         if len(values) != len(row.completion_ids):
             raise ScorerError(f"{scorer.name}: {len(values)} scores for the {len(row.completion_ids)} completions of "

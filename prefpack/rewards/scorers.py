@@ -3,7 +3,9 @@ is better. ``prefpack score`` and the on-policy rounds call only this.
 
 - :class:`RewardFunctionScorer`: ``--reward-fn path/to/file.py:function``, user code (a verifier), imported only when
   that flag names it; called as ``function(prompt, completion)`` or, when it takes a third parameter,
-  ``function(prompt, completion, row)`` with the input row (passthrough fields such as ``label`` included).
+  ``function(prompt, completion, row)`` with the input row (passthrough fields such as ``label`` included); each
+  call contained by ``user_call``: bounded by ``timeout`` seconds, cut off by SIGTERM / Ctrl-C, its failures (an
+  exception, ``sys.exit``, a value that is no finite float) one line naming the function, the row and the completion.
 - ``reward_model.RewardModelScorer``: ``--reward-model FOLDER``, a sequence-classification model with one label.
 """
 
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from prefpack.errors import PrefpackError
 from prefpack.rewards.rows import ScoreRow
+from prefpack.rewards.user_call import DEFAULT_TIMEOUT, CallFailed, CallStopped, call_contained, short_repr
 
 
 class ScorerError(PrefpackError, ValueError):
@@ -39,11 +42,14 @@ class Scorer:
 
 
 class RewardFunctionScorer(Scorer):
-    """A Python function from a file, imported here and only here (the file is the user's own code)."""
+    """A Python function from a file, imported here and only here (the file is the user's own code). ``timeout``:
+    the seconds one call may take (None or 0: no limit); the import is not bounded (it may load a model), but a stop
+    signal cuts it off too."""
 
     name = "reward_fn"
 
-    def __init__(self, spec: str):
+    def __init__(self, spec: str, timeout: float | None = DEFAULT_TIMEOUT):
+        self.timeout = timeout
         path, sep, fn_name = spec.rpartition(":")
         if not sep or not path or not fn_name:
             raise ScorerError(f"--reward-fn {spec}: give it as path/to/file.py:function")
@@ -67,17 +73,33 @@ class RewardFunctionScorer(Scorer):
 
     def _one(self, r: ScoreRow, k: int) -> float:
         where = f"--reward-fn {self.spec}: row {r.row}, completion {k}"
-        try:
-            args = (r.prompt, r.completions[k], r.fields) if self.takes_row else (r.prompt, r.completions[k])
-            value = self.fn(*args)
-        except Exception as exc:  # the user's code: any failure becomes one line naming the row
-            raise ScorerError(f"{where}: the function raised {type(exc).__name__}: {_one_line(exc)}") from None
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ScorerError(f"{where}: the function returned {type(value).__name__} {_short(value)}, not a number")
-        value = float(value)
-        if not math.isfinite(value):
-            raise ScorerError(f"{where}: the function returned {value}, not a finite number")
-        return value
+        args = (r.prompt, r.completions[k], r.fields) if self.takes_row else (r.prompt, r.completions[k])
+        try:  # the value checked inside the call too: float() and repr() of a returned object are user code as well
+            number, problem = call_contained(lambda: _finite_float(self.fn(*args)), self.timeout)
+        except CallFailed as exc:
+            limit = " (--reward-timeout, rounds.reward_timeout)" if exc.timed_out else ""
+            raise ScorerError(f"{where}: the function {exc}{limit}") from None
+        except CallStopped as stop:
+            raise CallStopped(f"the reward function {self.spec} was cut off at row {r.row}, completion {k}",
+                              stop.signum) from None
+        if problem is not None:
+            raise ScorerError(f"{where}: the function returned {problem}")
+        return number
+
+
+def _finite_float(value) -> tuple[float | None, str | None]:
+    """A returned value as a float (a bool or an int in float range converted), or why it is refused."""
+    if not isinstance(value, numbers.Real):
+        return None, f"{type(value).__name__} {short_repr(value)}, not a number"
+    try:
+        number = float(value)
+    except OverflowError:
+        return None, f"{type(value).__name__} {short_repr(value)}, too large for a float"
+    except Exception as exc:  # a Real whose __float__ fails
+        return None, f"{type(value).__name__} {short_repr(value)}, which float() refused ({type(exc).__name__})"
+    if not math.isfinite(number):
+        return None, f"{number}, not a finite number"
+    return number, None
 
 
 def _load_function(path: Path, fn_name: str, spec: str):
@@ -87,26 +109,19 @@ def _load_function(path: Path, fn_name: str, spec: str):
         raise ScorerError(f"--reward-fn {spec}: {str(path)!r} is not a Python file")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException as exc:  # SyntaxError, ImportError, anything the file raises, even SystemExit
+    try:  # SyntaxError, ImportError, anything the file raises, even SystemExit; not bounded in time (it may load a
+        call_contained(lambda: module_spec.loader.exec_module(module), None)  # model), but a stop signal cuts it off
+    except CallFailed as exc:
         sys.modules.pop(name, None)
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        raise ScorerError(f"--reward-fn {spec}: importing {path} failed: {type(exc).__name__}: "
-                          f"{_one_line(exc)}") from None
+        raise ScorerError(f"--reward-fn {spec}: importing {path} failed: {exc.raised or exc}") from None
+    except CallStopped as stop:
+        sys.modules.pop(name, None)
+        raise CallStopped(f"importing the reward function's file {path} was cut off", stop.signum) from None
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         found = "not defined" if fn is None else f"a {type(fn).__name__}, not a function"
         raise ScorerError(f"--reward-fn {spec}: {fn_name!r} is {found} in {path}")
     return fn
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text[:300] or "(no message)"
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -192,7 +192,7 @@ def _eval_prompts(cfg, run_dir: Path, r: int, stop, log, ranks: Ranks, sampler=N
 
 def _open_run_dir(cfg, resume: bool) -> Path:
     """RUN_DIR with the run's config.yaml; a folder that holds a run is continued only with --resume, and only with
-    the config it was started with."""
+    the config it was started with (rounds.reward_timeout aside: a run stopped by it continues under another)."""
     from prefpack.config import save_config
     from prefpack.training.resume_check import config_unchanged
     from prefpack.training.run_folder import LOCK_FILE
@@ -203,7 +203,7 @@ def _open_run_dir(cfg, resume: bool) -> Path:
         if not resume:
             raise RoundsError(f"run folder {str(run_dir)!r} already holds a run; pass --resume to continue it or "
                               "choose another run.output_dir")
-        if saved.is_file() and not config_unchanged(cfg, saved):
+        if saved.is_file() and not config_unchanged(cfg, saved, ignore=("rounds.reward_timeout",)):
             raise RoundsError(f"{saved}: the config differs from the one this run was started with; a resumed run "
                               "takes the same config (its rounds' files were made with it)")
     run_dir.mkdir(parents=True, exist_ok=True)

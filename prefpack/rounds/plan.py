@@ -100,6 +100,7 @@ def check_prompt_subset(cfg) -> None:
 def score_options(cfg, samples: Path, output: Path, *, pairs: bool) -> ScoreOptions:
     rc = cfg.rounds
     return ScoreOptions(input=str(samples), output=str(output), reward_model=rc.reward_model, reward_fn=rc.reward_fn,
+                        reward_timeout=rc.reward_timeout,
                         format="store" if pairs else "jsonl", pairs=rc.pairs if pairs else None,
                         min_gap=rc.min_gap, device=cfg.train.device, trust_remote_code=cfg.model.trust_remote_code,
                         progress=False)

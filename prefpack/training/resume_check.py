@@ -7,7 +7,8 @@ step it applies from to `RUN_DIR/config_changes.jsonl`, and `config.yaml` is upd
 
 Keys that cannot change the result may change freely (FREE_KEYS): how often to log, evaluate and save, how many
 checkpoints to keep, TensorBoard, W&B and the plot, where the run folder is, the held-out store, and the permission
-flag model.allow_tokenizer_mismatch (the tokens are in the store already). `train.max_steps` and `train.epochs`
+flag model.allow_tokenizer_mismatch (the tokens are in the store already), and rounds.reward_timeout (a score once
+made is the same under any limit). `train.max_steps` and `train.epochs`
 decide the number of steps, and through it the length of the learning-rate schedule: with `optim.schedule`
 cosine or linear, or a warmup given as `optim.warmup_ratio`, another length changes the learning rate of every
 step, so they are refused; with a constant schedule and a fixed `optim.warmup_steps` (or none), step k's update
@@ -36,6 +37,7 @@ STORE_FILE = "train_store.json"  # the training store's identity, in the run fol
 FREE_KEYS = frozenset({
     "run.log_every", "run.eval_every", "run.save_every", "run.keep_checkpoints", "run.tensorboard", "run.plot",
     "run.report_to", "run.wandb_project", "run.output_dir", "data.eval", "model.allow_tokenizer_mismatch",
+    "rounds.reward_timeout",  # bounds a reward function's call; a score, once made, is the same under any limit
 })
 LENGTH_KEYS = ("train.max_steps", "train.epochs")
 PATH_KEYS = frozenset({"model.name_or_path", "model.tokenizer", "reference.model", "data.train"})
@@ -194,15 +196,17 @@ def _append_line(path: Path, line: str) -> None:
         raise CheckpointWriteError(f"could not write {path}: {exc}") from exc
 
 
-def config_unchanged(cfg: Config, path: str | os.PathLike) -> bool:
-    """Whether `path` holds this very config (then a resume need not write it: on a full disk it could not)."""
+def config_unchanged(cfg: Config, path: str | os.PathLike, ignore: tuple[str, ...] = ()) -> bool:
+    """Whether `path` holds this very config (then a resume need not write it: on a full disk it could not);
+    ``ignore``: keys (``section.key``) that may differ."""
     p = Path(path)
     if not p.exists():
         return False
     try:
-        return config_to_dict(load_config(p, [])) == config_to_dict(cfg)
+        saved, now = _flatten(config_to_dict(load_config(p, []))), _flatten(config_to_dict(cfg))
     except ConfigError:
         return False
+    return {k: v for k, v in saved.items() if k not in ignore} == {k: v for k, v in now.items() if k not in ignore}
 
 
 @contextmanager
