@@ -43,6 +43,16 @@ LOSS_PARAMS: dict[str, LossParam] = {p.name: p for p in (
               "(TRL's router_aux_loss_coef): null = the model config's router_aux_loss_coef, 0 = off; only for "
               "models whose config has output_router_logits (Mixtral, Qwen2/3-MoE), an error otherwise; pair "
               "losses only (not KTO)", ()),
+    LossParam("epsilon", 0.2, "train.objective=policy_gradient: the ratio's lower clip, 1 - epsilon (TRL's epsilon)", ()),
+    LossParam("epsilon_high", None, "train.objective=policy_gradient: the ratio's upper clip, 1 + epsilon_high; null = "
+              "epsilon (DAPO's clip-higher recommends 0.28; TRL's epsilon_high)", ()),
+    LossParam("kl_coef", 0.0, "train.objective=policy_gradient: weight of the KL to the reference (TRL's GRPO/RLOO "
+              "beta): grpo family, the k3 estimate per token in the loss; rloo, the summed log-ratio taken off the "
+              "reward; 0 = off (no reference loaded)", ()),
+    LossParam("delta", None, "train.objective=policy_gradient: cap the unclipped ratio at delta too (two-sided "
+              "clipping, TRL's delta; > 1 + epsilon_high); null = off", ()),
+    LossParam("max_completion_length", None, "loss dr_grpo: the constant each completion's token sum is divided by; "
+              "null = the sampling's max_new_tokens where the store records it, else its longest completion", ()),
     LossParam("center_rewards_coefficient", None, "train.objective=reward: add coef * mean((r_chosen + r_rejected)^2) "
               "to the Bradley-Terry loss, so rewards stay centred on 0 (TRL's center_rewards_coefficient); null = off",
               ()),

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 import torch
@@ -104,6 +105,9 @@ class Batch:
     # still on the host, so that a forward flattens the rows by index_select, not by a boolean mask (whose result
     # size the host would have to read back from the device: a sync per forward)
     real_index: torch.Tensor | None = None
+    # A per-token term the forward sums per sequence (``prefpack.model.sums.TokenTerm``: group policy gradients'
+    # clipped surrogate and KL); set by the objective, moved with the batch
+    token_term: Any = None
 
     @property
     def pair_indices(self) -> torch.Tensor:
@@ -148,7 +152,8 @@ class Batch:
             self.real_index = self.token_mask.reshape(-1).nonzero().squeeze(1)
         for f in fields(self):
             v = getattr(self, f.name)
-            moved[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+            movable = isinstance(v, torch.Tensor) or f.name == "token_term" and v is not None
+            moved[f.name] = v.to(device, non_blocking=non_blocking) if movable else v
         return Batch(**moved)
 
 

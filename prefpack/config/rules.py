@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from prefpack.config.mixture import mixture_problems, mixture_warnings
 from prefpack.model.attention.kernels import KERNELS, kernel_named
-from prefpack.objectives.names import OBJECTIVE_NAMES, TRAIN_OBJECTIVES
+from prefpack.objectives.names import OBJECTIVE_NAMES, PG_LOSS_NAMES, TRAIN_OBJECTIVES
 
 if TYPE_CHECKING:
     from prefpack.config.schema import Config
@@ -247,10 +247,55 @@ def _reference_quantization_problems(cfg: Config, errs: list[str]) -> None:
 LOSS_ALIASES = {"dpo": "sigmoid", "slic": "hinge"}
 
 
+def _policy_gradient_problems(cfg: Config, names: tuple[str, ...], errs: list[str]) -> None:
+    """``train.objective=policy_gradient`` (objectives/pg.py): one of its loss terms, and its numbers."""
+    terms, lo = cfg.loss.terms, cfg.loss
+    given = [t.name for t in terms]
+    if len(terms) != 1 or terms[0].name not in names:
+        errs.append(f"train.objective={cfg.train.objective} trains one loss term, one of {', '.join(names)}; got "
+                    f"{given or 'none'}")
+    elif not (math.isfinite(terms[0].weight) and terms[0].weight > 0):
+        errs.append(f"loss.terms[0].weight must be finite and > 0, got {terms[0].weight}")
+    for key in ("epsilon", "epsilon_high", "kl_coef"):
+        value = getattr(lo, key)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            errs.append(f"loss.{key} must be finite and >= 0, got {value}")
+    if lo.epsilon is not None and math.isfinite(lo.epsilon) and lo.epsilon >= 1:
+        errs.append(f"loss.epsilon must be < 1 (the ratio's lower clip is 1 - epsilon), got {lo.epsilon}")
+    high = lo.epsilon if lo.epsilon_high is None else lo.epsilon_high
+    if lo.delta is not None and not (math.isfinite(lo.delta) and lo.delta > 1 + high):
+        errs.append(f"loss.delta caps the ratio above its clip: it must be > 1 + epsilon_high ({1 + high}), got "
+                    f"{lo.delta}")
+    if lo.max_completion_length is not None and not (math.isfinite(lo.max_completion_length)
+                                                     and lo.max_completion_length >= 1):
+        errs.append(f"loss.max_completion_length must be >= 1 (or null), got {lo.max_completion_length}")
+    rloo = bool(terms) and terms[0].name == "rloo"
+    if lo.kl_coef and not rloo and cfg.reference.mode == "precomputed":
+        errs.append("loss.kl_coef > 0 reads the reference's per-token log-probs, which a sidecar (reference.mode "
+                    "precomputed: per-sequence sums) does not hold; use reference.mode copy or adapter")
+    if lo.kl_coef and cfg.reference.mode == "none":
+        errs.append("loss.kl_coef > 0 needs a reference; set reference.mode copy (or adapter), or loss.kl_coef=0")
+    if cfg.data.group_by_prompt or cfg.data.paired_as_kto:
+        errs.append(f"train.objective={cfg.train.objective} reads ranked stores (every sample of a prompt with its "
+                    "score); data.group_by_prompt and data.paired_as_kto are for pair stores: remove them")
+    if lo.ld_alpha is not None or lo.use_weighting:
+        errs.append(f"loss.ld_alpha and loss.use_weighting weight DPO pairs; train.objective={cfg.train.objective} "
+                    "has none: remove them")
+
+
 def _loss_problems(cfg: Config, errs: list[str]) -> None:
     from prefpack.losses import PAIR_LOSSES, UNPAIRED_LOSS_NAMES
 
     terms = cfg.loss.terms
+    objective = TRAIN_OBJECTIVES.get(cfg.train.objective)
+    if objective is not None and objective.loss_names is not None:
+        _policy_gradient_problems(cfg, objective.loss_names, errs)
+        return
+    misplaced = [t.name for t in terms if t.name in PG_LOSS_NAMES]
+    if misplaced:
+        errs.append(f"loss {', '.join(misplaced)} trains with train.objective=policy_gradient (on a ranked store of "
+                    f"scored samples); set train.objective=policy_gradient")
+        return
     valid = (*PAIR_LOSSES, *UNPAIRED_LOSS_NAMES)
     reference_free = sorted(n for n, spec in PAIR_LOSSES.items() if not spec.needs_reference)
     if not terms:
@@ -305,7 +350,6 @@ def _loss_problems(cfg: Config, errs: list[str]) -> None:
                         f"{', '.join(sorted(F_DIVERGENCE_LOSSES))} (TRL 1.16's list; nll and sft may be added): "
                         f"{', '.join(refused)} {'has' if len(refused) == 1 else 'have'} no f-divergence form; use "
                         f"loss.f_divergence_type=reverse_kl with {'it' if len(refused) == 1 else 'them'}")
-    objective = TRAIN_OBJECTIVES.get(cfg.train.objective)
     if cfg.reference.mode == "none" and with_ref and (objective is None or objective.reads_reference):
         errs.append(
             f"reference.mode is 'none' but loss {', '.join(repr(n) for n in with_ref)} needs a reference; "

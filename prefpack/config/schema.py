@@ -47,6 +47,8 @@ Switch = bool | Literal["auto"]
 Quantization = Literal["nf4", "fp4"]  # bitsandbytes' 4-bit types (engine/quantize.py)
 ReferenceMode = Literal[REFERENCE_MODE_NAMES]  # the reference folder's table
 KLPairing = Literal["step", "fixed"]
+ScaleRewards = Literal["group", "batch", "none"]  # losses.pg.group_advantages
+OldLogprobs = Literal["recompute", "sampler", "current"]  # objectives.pg
 RankedPairs = Literal["auto", "best_vs_rest", "all_pairs"]
 FDivergence = Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"]  # losses.F_DIVERGENCES
 Schedule = Literal["cosine", "linear", "constant"]
@@ -149,6 +151,17 @@ def _loss_config() -> type:
             "exp(mean token log p - log sum p^2) of chosen times that of rejected, from the policy, without "
             "gradient; not with aot/aot_unpaired; pair losses only")),
         ("kl_pairing", KLPairing, _f("step", "KTO KL partners: step = from the same step, fixed = seeded per store")),
+        ("scale_rewards", ScaleRewards, _f("group", "train.objective=policy_gradient, GRPO's advantages: (score - group "
+                                           "mean) / the group's std (group), the whole store's (batch), or none "
+                                           "(Dr. GRPO); TRL's scale_rewards")),
+        ("normalize_advantages", bool, _f(False, "loss rloo: centre and scale the leave-one-out advantages over the "
+                                                 "store (TRL's RLOO normalize_advantages)")),
+        ("mask_truncated_completions", bool, _f(False, "train.objective=policy_gradient: a completion the length "
+                                                       "limit cut moves no loss (TRL's mask_truncated_completions)")),
+        ("old_logprobs", OldLogprobs, _f("recompute", "train.objective=policy_gradient, the ratio's old policy: "
+                                         "recompute = the policy's own over the store before its first step (TRL), "
+                                         "sampler = the sampler's recorded at generation, current = the policy's "
+                                         "at each step, detached (ratio 1: exact when each sample trains once)")),
     ])
     cls.__module__ = __name__  # make_dataclass's own module argument needs Python 3.12
     return cls
@@ -347,8 +360,11 @@ class Config:
         """Whether any loss term reads reference log-probs (a reward model's objective reads none)."""
         from prefpack.losses import PAIR_LOSSES
 
-        if not train_objective(self).reads_reference:
+        objective = train_objective(self)
+        if not objective.reads_reference:
             return False
+        if objective.loss_names is not None:  # group policy gradients: only their KL term reads it
+            return bool(self.loss.kl_coef)
         return any(t.name not in PAIR_LOSSES or PAIR_LOSSES[t.name].needs_reference for t in self.loss.terms)
 
     def validate(self, *, training: bool = True) -> None:

@@ -159,10 +159,11 @@ class RankedGroups(PromptGroups):
     and is counted in ``groups_without_pairs``). ``best_vs_rest``: the best completion (the first of the top score)
     against each completion scored lower; ``all_pairs``: every (higher, lower) pair of completions whose scores
     differ. Pairs are (chosen, rejected) indices of the group's completions, in store order. A completion's key is
-    its store row.
+    its store row. ``keep_ties``: every prompt group is an example, those whose scores all tie with no pair (group
+    policy gradients train them all).
     """
 
-    def __init__(self, store: Store, mode: str = "best_vs_rest"):
+    def __init__(self, store: Store, mode: str = "best_vs_rest", *, keep_ties: bool = False):
         if store.kind != "ranked":
             raise StoreError(f"store {str(store.path)!r} holds {store.kind}, not ranked completions")
         if mode not in RANKED_PAIR_MODES:
@@ -175,7 +176,7 @@ class RankedGroups(PromptGroups):
         groups, pairs = [], []
         for g in range(len(starts) - 1):
             got = group_pairs(scores[starts[g]:starts[g + 1]], mode)
-            if got:
+            if got or keep_ties:
                 groups.append(g)
                 pairs.append(got)
         self.groups = np.asarray(groups, dtype=np.int64)  # store group number of each example

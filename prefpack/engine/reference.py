@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from prefpack.engine.quantize import check_four_bit
-from prefpack.losses import LossTerm, needs_reference
+from prefpack.losses import LossTerm
 from prefpack.model import FourBit, check_model_source, weights_hash
 from prefpack.objectives.names import train_objective
 from prefpack.reference import REFERENCE_MODES, ReferenceSetup
@@ -40,7 +40,7 @@ class ReferenceStage:
                 log(f"note: train.objective={cfg.train.objective} reads no reference; reference.mode {mode!r} is "
                     "ignored")
             mode = "none"
-        elif not engine.unpaired and not needs_reference(terms) and mode != "none":
+        elif not engine.unpaired and not cfg.needs_reference() and mode != "none":
             log(f"note: the losses {[t.name for t in terms]} need no reference; reference.mode {mode!r} is ignored")
             mode = "none"
         ref_path = cfg.reference.model or cfg.model.name_or_path

@@ -145,6 +145,7 @@ def sequence_logps(
     wpo: bool = False,
     entropy: bool = False,
     seq: SeqPar = SINGLE_SP,
+    token_logps: bool = False,
 ) -> SequenceOutput:
     """Completion log-prob sum and completion token count per sequence, and what the options ask for.
 
@@ -156,7 +157,9 @@ def sequence_logps(
     each completion's tokens past the length of the shorter completion of its pair (``tail_sum``; LD-DPO weights it).
     ``wpo``: also WPO's per-sequence ``wpo_mean`` (see :func:`prefpack.model.sums.wpo_means`). ``entropy``: also each
     sequence's mean token entropy over its scored tokens (``entropy_mean``, from the head's own logits, without
-    gradient). ``seq``: this rank's sequence group (``distributed.sequence_parallel``); a group of several ranks runs
+    gradient). ``token_logps``: also every scored token's log-prob, detached, as an [S, W] matrix (``token_logp``).
+    A batch that carries a ``token_term`` (``prefpack.model.sums.TokenTerm``) also gets its per-sequence sums
+    (``term_sums``). ``seq``: this rank's sequence group (``distributed.sequence_parallel``); a group of several ranks runs
     this rank's token shards of every row and sums over the group.
     """
     body, _ = body_and_head(model)
@@ -182,10 +185,11 @@ def sequence_logps(
                                         "shards (distributed.sequence_parallel); set distributed.sequence_parallel=1")
         with compute_context(model, device):
             return sharded_logps(body, spec, kernel, batch, seq, flatten=flatten, chunk_size=chunk_size,
-                                 pair_tails=pair_tails, wpo=wpo, entropy=entropy)
+                                 pair_tails=pair_tails, wpo=wpo, entropy=entropy, token_logps=token_logps)
     batch = batch.to(device, non_blocking=True)
     with compute_context(model, device):
-        return _sequence_logps(body, spec, batch, flatten, chunk_size, extra, aux, pair_tails, wpo, entropy, vision)
+        return _sequence_logps(body, spec, batch, flatten, chunk_size, extra, aux, pair_tails, wpo, entropy, vision,
+                               token_logps)
 
 
 def _vision_of(model: nn.Module, batch: Batch):
@@ -322,7 +326,8 @@ def body_forward(body, batch: Batch, flatten: bool, extra: dict, vision=None):
 
 
 def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, extra: dict, aux=None,
-                    pair_tails: bool = False, wpo: bool = False, entropy: bool = False, vision=None) -> SequenceOutput:
+                    pair_tails: bool = False, wpo: bool = False, entropy: bool = False, vision=None,
+                    token_logps: bool = False) -> SequenceOutput:
     shared = batch.score_positions is not None
     out, hidden, mask = body_forward(body, batch, flatten, extra, vision)
     loss_mask, targets, seq_index = batch.loss_mask, batch.target_ids, batch.seq_index
@@ -341,7 +346,8 @@ def _sequence_logps(body, spec, batch: Batch, flatten: bool, chunk_size: int, ex
         logp = completion_logprobs(h, scored_targets, spec.weight, spec.bias, chunk_size=chunk_size, scale=spec.scale,
                                    softcap=spec.softcap, with_log_sum_sq=wpo, with_entropy=entropy)
     sums = reduce_sequences(logp, index, batch.num_sequences, batch.completion_tokens, wpo=wpo, entropy=entropy,
-                            pair_tails=pair_tails, tail_pairs=batch.tail_pairs)
+                            pair_tails=pair_tails, tail_pairs=batch.tail_pairs, term=batch.token_term,
+                            token_logps=token_logps)
     return sums if aux is None else sums._replace(aux_loss=_aux_loss(out, aux, mask, hidden.device))
 
 
@@ -365,7 +371,8 @@ class SequenceLogps(nn.Module):
     ``forward``; DDP's gradient hooks and FSDP2's root pre-forward run only through a wrapped ``forward``,
     so wrap this module, not the bare causal LM.
 
-    ``router_aux``, ``pair_tails``, ``wpo``, ``entropy``: the optional outputs of :func:`sequence_logps`. The aux loss goes out
+    ``router_aux``, ``pair_tails``, ``wpo``, ``entropy``, ``token_logps``: the optional outputs of
+    :func:`sequence_logps`. The aux loss goes out
     through ``forward`` (not stashed on the module) so DDP / FSDP2 see its graph. ``seq``: the rank's sequence group.
     ``offload_activations`` (under autograd only; see ``prefpack.model.offload_activations``): None = as the engine
     marked the model (``train.activation_offloading``), False = never, True = from the marked device, else the head's.
@@ -373,8 +380,9 @@ class SequenceLogps(nn.Module):
 
     def __init__(self, model: nn.Module, chunk_size: int = DEFAULT_CHUNK_SIZE, flatten: bool | None = None,
                  router_aux: bool = False, pair_tails: bool = False, wpo: bool = False, entropy: bool = False,
-                 seq: SeqPar = SINGLE_SP, offload_activations: bool | None = None):
+                 seq: SeqPar = SINGLE_SP, offload_activations: bool | None = None, token_logps: bool = False):
         super().__init__()
+        self.token_logps = token_logps
         self.model = model
         self.seq = seq
         self.chunk_size = chunk_size
@@ -395,7 +403,7 @@ class SequenceLogps(nn.Module):
     def _forward(self, batch: Batch) -> SequenceOutput:
         return sequence_logps(self.model, batch, chunk_size=self.chunk_size, flatten=self.flatten,
                               router_aux=self.router_aux, pair_tails=self.pair_tails, wpo=self.wpo,
-                              entropy=self.entropy, seq=self.seq)
+                              entropy=self.entropy, seq=self.seq, token_logps=self.token_logps)
 
     def _offload_device(self) -> torch.device | None:
         """Where saved activations are offloaded from in this forward; None without autograd (nothing is saved)."""

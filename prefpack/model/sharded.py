@@ -71,7 +71,7 @@ def shard_rows(batch: Batch, sp: SeqPar, flatten: bool) -> ShardedRows:
 
 def sharded_logps(body: nn.Module, spec: HeadSpec, kernel: Kernel, batch: Batch, sp: SeqPar, *, flatten: bool,
                   chunk_size: int, pair_tails: bool = False, wpo: bool = False,
-                  entropy: bool = False) -> SequenceOutput:
+                  entropy: bool = False, token_logps: bool = False) -> SequenceOutput:
     """``forward.sequence_logps`` on this rank's token shard, its sums over the group (under the compute context)."""
     if not batch.packed:
         raise ValueError("sequence parallelism runs packed micro-batches (data.packing)")
@@ -91,7 +91,7 @@ def sharded_logps(body: nn.Module, spec: HeadSpec, kernel: Kernel, batch: Batch,
                                scale=spec.scale, softcap=spec.softcap, with_log_sum_sq=wpo, with_entropy=entropy)
     return reduce_sequences(logp, index, batch.num_sequences, batch.completion_tokens, wpo=wpo, entropy=entropy,
                             pair_tails=pair_tails, tail_pairs=batch.tail_pairs, offset=rows.offset.to(device),
-                            reduce=partial(group_sum, sp=sp))
+                            reduce=partial(group_sum, sp=sp), term=batch.token_term, token_logps=token_logps)
 
 
 def check_model(model: nn.Module, sp: SeqPar, *, router_aux: bool = False) -> None:

@@ -10,7 +10,8 @@ sequence's scored tokens on earlier shards, sequence parallelism; None: none).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -20,6 +21,7 @@ from prefpack.model.logprobs import segment_sum
 
 __all__ = [
     "SequenceOutput",
+    "TokenTerm",
     "boundary_kwargs",
     "drawn_pair_tails",
     "hidden_of",
@@ -41,6 +43,37 @@ class SequenceOutput(NamedTuple):
     # [2, P] per drawn pair (chosen, rejected) when the batch gives ``tail_pairs`` (ranked stores)
     wpo_mean: torch.Tensor | None = None  # [S] detached mean over tokens of log p - log sum_v p_v^2 (WPO)
     entropy_mean: torch.Tensor | None = None  # [S] detached mean over scored tokens of the policy's entropy
+    term_sums: dict[str, torch.Tensor] | None = None  # [S] each: the batch's TokenTerm values summed per sequence
+    token_logp: torch.Tensor | None = None  # [S, W] detached per-token log-probs, sequence s's k-th scored token at
+    # [s, k] (0 past its last): W the batch's most scored tokens of one sequence (``token_logps``)
+
+
+@dataclass
+class TokenTerm:
+    """A per-token term an objective asks the forward to sum per sequence (group policy gradients: the clipped
+    surrogate against the sampling policy's log-probs, and the reference's k3 KL).
+
+    ``fn(logp, **token_inputs, **sequence_inputs)`` gets the policy's log-probs of the scored tokens [N] (with
+    gradient) and, per token, the value of each ``token_inputs`` tensor at that token ([S, W] as ``token_logp``
+    lays them out: sequence s's k-th scored token at [s, k]) and of each ``sequence_inputs`` tensor [S] at its
+    sequence; it returns named per-token tensors [N], each summed per sequence into ``SequenceOutput.term_sums``.
+    Summing keeps every layout (packed, padded, prompt-shared, token shards) giving the same per-sequence values."""
+
+    fn: Callable[..., Mapping[str, torch.Tensor]]
+    token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    sequence_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def to(self, device, non_blocking: bool = False) -> TokenTerm:
+        def move(d: dict) -> dict:
+            return {k: v.to(device, non_blocking=non_blocking) for k, v in d.items()}
+
+        return TokenTerm(self.fn, move(self.token_inputs), move(self.sequence_inputs))
+
+    def values(self, logp: torch.Tensor, index: torch.Tensor, places: torch.Tensor) -> Mapping[str, torch.Tensor]:
+        """``fn`` at the gathered tokens (``index`` [N] each token's sequence, ``places`` [N] its place in it)."""
+        per_token = {k: v.to(logp.device)[index, places].to(logp.dtype) for k, v in self.token_inputs.items()}
+        per_sequence = {k: v.to(logp.device)[index].to(logp.dtype) for k, v in self.sequence_inputs.items()}
+        return self.fn(logp, **per_token, **per_sequence)
 
 
 def boundary_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict:
@@ -121,17 +154,31 @@ def _whole(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def token_matrix(logp: torch.Tensor, index: torch.Tensor, completion_tokens: torch.Tensor,
+                 offset: torch.Tensor | None = None) -> torch.Tensor:
+    """[S, W] detached: sequence s's k-th scored token's ``logp`` at [s, k], 0 elsewhere (W: the most scored tokens
+    of a sequence, read from the host-side counts). Linear: shards' matrices add up."""
+    n = completion_tokens.long()
+    width = int(n.max()) if n.numel() else 0
+    index = index.long()
+    return logp.detach().new_zeros(n.numel(), max(width, 1)).index_put(
+        (index, _places(index, n.numel(), offset)), logp.detach())
+
+
 def reduce_sequences(scored, index: torch.Tensor, num_sequences: int, completion_tokens: torch.Tensor, *,
                      wpo: bool = False, entropy: bool = False, pair_tails: bool = False,
                      tail_pairs: torch.Tensor | None = None, offset: torch.Tensor | None = None,
-                     reduce: Callable[[torch.Tensor], torch.Tensor] = _whole) -> SequenceOutput:
+                     reduce: Callable[[torch.Tensor], torch.Tensor] = _whole, term: TokenTerm | None = None,
+                     token_logps: bool = False) -> SequenceOutput:
     """The per-sequence values of one forward from its head's per-token output, ``aux_loss`` left None.
 
     ``scored`` is what ``completion_logprobs`` returned with ``with_log_sum_sq=wpo, with_entropy=entropy``; ``index``
     [N] each scored token's sequence. ``pair_tails``: LD-DPO's tails, per drawn pair when ``tail_pairs`` is given.
     ``reduce`` turns a per-sequence sum over this process's tokens into the sum over the whole rows (sequence
     parallelism: the group's sum, with ``offset`` the sequence's scored tokens on earlier shards); by default the
-    tokens are the whole rows already. Every value is a sum first, so sharded and whole forwards agree.
+    tokens are the whole rows already. ``term``: an objective's per-token term, summed per sequence (``term_sums``);
+    ``token_logps``: also the detached per-token log-probs as an [S, W] matrix. Every value is a sum first, so
+    sharded and whole forwards agree.
     """
     log_sum_sq = token_entropy = None
     if wpo or entropy:
@@ -152,4 +199,10 @@ def reduce_sequences(scored, index: torch.Tensor, num_sequences: int, completion
     if entropy:
         sums = reduce(segment_sum(token_entropy, index, num_sequences))
         entropy_mean = sums / completion_tokens.to(sums.device, sums.dtype).clamp(min=1.0)
-    return SequenceOutput(logp_sum, completion_tokens, None, tail_sum, wpo_mean, entropy_mean)
+    term_sums = matrix = None
+    if term is not None:
+        values = term.values(logp, index.long(), _places(index.long(), num_sequences, offset))
+        term_sums = {k: reduce(segment_sum(v, index, num_sequences)) for k, v in values.items()}
+    if token_logps:
+        matrix = reduce(token_matrix(logp, index, completion_tokens, offset))
+    return SequenceOutput(logp_sum, completion_tokens, None, tail_sum, wpo_mean, entropy_mean, term_sums, matrix)

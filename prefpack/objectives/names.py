@@ -14,7 +14,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-__all__ = ["LAYOUTS", "OBJECTIVE_NAMES", "TRAIN_OBJECTIVES", "TrainObjective", "train_objective"]
+__all__ = ["LAYOUTS", "OBJECTIVE_NAMES", "PG_LOSS_NAMES", "TRAIN_OBJECTIVES", "TrainObjective", "train_objective"]
+
+PG_LOSS_NAMES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "bnpo", "rloo")
+"""``train.objective=policy_gradient``'s losses: GRPO's token-level aggregations by TRL's ``loss_type`` names, and
+RLOO (sequence-level ratios, leave-one-out baseline)."""
 
 LAYOUTS: tuple[str, ...] = ("pairs", "groups", "unpaired")
 """How a store is read: ``pairs`` one pair at a time, ``groups`` a prompt's completions together (a ranked store, or
@@ -47,6 +51,14 @@ class TrainObjective:
     """Whether it trains over 4-bit base weights (``model.quantization``)."""
     rounds: bool = False
     """Whether on-policy rounds (``rounds.count``) train it."""
+    loss_names: tuple[str, ...] | None = None
+    """The ``loss.terms`` names it trains (exactly one of them); None: the DPO and KTO families' registries."""
+    per_token: bool = False
+    """Whether its loss reads per-token log-probs (the policy's against the sampler's, a per-token KL to the
+    reference): the reference then returns them, and a precomputed reference (per-sequence sums) cannot serve it."""
+    round_output: Literal["pairs", "ranked"] = "pairs"
+    """What an on-policy round writes of its scored samples: the pairs ``rounds.pairs`` draws, or every sample of
+    every prompt with its score (a ranked store)."""
 
     @property
     def sequence_classifier(self) -> bool:
@@ -66,6 +78,11 @@ TRAIN_OBJECTIVES: Mapping[str, TrainObjective] = MappingProxyType({o.name: o for
     TrainObjective("reward", head="score", rows={"pairs": "reward", "groups": "reward_groups", "unpaired": None},
                    reads_reference=False, lora_task="SEQ_CLS", ranked_pairs="all_pairs", reads_margins=True,
                    sets_pad_token=True, token_shards=False, four_bit=False),
+    # group policy gradients over a ranked store's (a round's) k scored samples per prompt (docs/losses.md): GRPO's
+    # aggregations by TRL's names, RLOO's sequence-level surrogate
+    TrainObjective("policy_gradient", head="lm", rows={"pairs": None, "groups": "pg_groups", "unpaired": None},
+                   reads_reference=True, lora_task="CAUSAL_LM", ranked_pairs="best_vs_rest", rounds=True,
+                   loss_names=PG_LOSS_NAMES, per_token=True, round_output="ranked"),
 )})
 """Every ``train.objective`` by name; its order is the config's choices' order (the first is the default)."""
 

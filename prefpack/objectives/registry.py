@@ -18,6 +18,7 @@ from prefpack.objectives.groups import PromptGroupTask
 from prefpack.objectives.kto import KTOTask
 from prefpack.objectives.names import OBJECTIVE_NAMES, train_objective
 from prefpack.objectives.pairs import PairTask
+from prefpack.objectives.pg import GroupPolicyTask
 from prefpack.objectives.reward import RewardGroupTask, RewardPairTask
 
 __all__ = ["OBJECTIVES", "ObjectiveSpec", "objective_for", "read_only_unpaired", "trains_unpaired"]
@@ -42,6 +43,8 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {spec.name: spec for spec in (
     # a reward model (train.objective=reward): the pairs' and prompt groups' layouts, rewards instead of log-probs
     ObjectiveSpec("reward", RewardPairTask, ("pairs",), output="rewards"),
     ObjectiveSpec("reward_groups", RewardGroupTask, ("ranked", "pairs"), output="rewards"),
+    # group policy gradients (train.objective=policy_gradient): a ranked store's prompts with all their samples
+    ObjectiveSpec("pg_groups", GroupPolicyTask, ("ranked",)),
 )}
 """Every objective by name (``Objective.kind`` of its class is the store kind it lays out)."""
 

@@ -4,6 +4,7 @@ value they read cannot disagree with the one training resolved (an unresolved ``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, make_dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -27,7 +28,10 @@ def _loss_params() -> type:
     """Every ``loss.*`` value an objective reads: one field per row of ``LOSS_PARAMS`` (so a new parameter is one
     row there) plus the choices and switches that are not numbers."""
     rows = [(p.name, float | None) for p in LOSS_PARAMS.values()]
-    extra = [("f_divergence_type", str), ("use_weighting", bool), ("kl_pairing", str)]
+    extra = [("f_divergence_type", str), ("use_weighting", bool), ("kl_pairing", str), ("scale_rewards", str, "group"),
+             ("normalize_advantages", bool, False), ("mask_truncated_completions", bool, False),
+             ("old_logprobs", str, "recompute")]
+    extra = [(n, t) if len(rest) == 0 else (n, t, dataclasses.field(default=rest[0])) for n, t, *rest in extra]
     cls = make_dataclass("LossParams", rows + extra, frozen=True)
     cls.__module__ = __name__
 
@@ -105,7 +109,10 @@ def settings_from_config(cfg, *, pad_id: int, micro_batch_tokens: int | None = N
     sharing = shares_prompts if shares_prompts is not None else given(d.prefix_sharing, "data.prefix_sharing")
     params = LossParams(**{name: getattr(lo, name) for name in LOSS_PARAMS},
                         f_divergence_type=lo.f_divergence_type, use_weighting=bool(lo.use_weighting),
-                        kl_pairing=lo.kl_pairing)
+                        kl_pairing=lo.kl_pairing, scale_rewards=lo.scale_rewards,
+                        normalize_advantages=bool(lo.normalize_advantages),
+                        mask_truncated_completions=bool(lo.mask_truncated_completions),
+                        old_logprobs=lo.old_logprobs)
     return RunSettings(
         micro_batch_tokens=int(given(micro_batch_tokens or tr.micro_batch_tokens, "train.micro_batch_tokens")),
         row_tokens=int(given(row_tokens or d.max_tokens_per_row, "data.max_tokens_per_row")),

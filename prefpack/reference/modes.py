@@ -60,14 +60,17 @@ class Reference:
         self.chunk_size = chunk_size
         self.module: nn.Module | None = None
         self.pair_tails = False
+        self.token_logps = False
         self.seq = SINGLE_SP
 
-    def configure(self, *, chunk_size: int, pair_tails: bool, seq: SeqPar = SINGLE_SP) -> None:
-        """The run's head chunk size, whether LD-DPO needs tail sums (known once budgets are resolved) and the
-        sequence group the forwards run on."""
-        self.chunk_size, self.pair_tails, self.seq = chunk_size, pair_tails, seq
+    def configure(self, *, chunk_size: int, pair_tails: bool, seq: SeqPar = SINGLE_SP,
+                  token_logps: bool = False) -> None:
+        """The run's head chunk size, whether LD-DPO needs tail sums (known once budgets are resolved), the
+        sequence group the forwards run on, and whether the objective reads per-token log-probs (a KL per token)."""
+        self.chunk_size, self.pair_tails, self.seq, self.token_logps = chunk_size, pair_tails, seq, token_logps
         if self.module is not None:
             self.module.chunk_size, self.module.pair_tails, self.module.seq = chunk_size, pair_tails, seq
+            self.module.token_logps = token_logps
 
     def attach(self, wrap, policy_module: nn.Module) -> None:
         """Give the reference its training-time forward: ``wrap(module, model)`` wraps a module for the run's
@@ -107,7 +110,7 @@ class CopyReference(Reference):
 
     def attach(self, wrap, policy_module: nn.Module) -> None:
         self.module = wrap(SequenceLogps(self.model, chunk_size=self.chunk_size, pair_tails=self.pair_tails,
-                                         seq=self.seq), self.model)
+                                         seq=self.seq, token_logps=self.token_logps), self.model)
 
     @torch.no_grad()
     def outputs(self, batch: Batch):
@@ -143,7 +146,8 @@ class AdapterReference(Reference):
         try:
             with self.policy.disable_adapter():
                 module = self.module if self.module is not None else SequenceLogps(
-                    self.policy, self.chunk_size, pair_tails=self.pair_tails, seq=self.seq)
+                    self.policy, self.chunk_size, pair_tails=self.pair_tails, seq=self.seq,
+                    token_logps=self.token_logps)
                 return module(batch)
         finally:
             self.policy.train(was_training)

@@ -190,7 +190,7 @@ def build(cfg, *, log=print, parallel: Parallel | None = None, check_sidecar_ref
                 f"train.objective=reward reads; the {cfg.train.objective} objective's losses ignore it")
     # LD-DPO weights the reference's sums too
     engine.reference.configure(chunk_size=engine.budgets.chunk_size, pair_tails=cfg.loss.ld_alpha is not None,
-                               seq=parallel.seq)
+                               seq=parallel.seq, token_logps=train_objective(cfg).per_token)
     pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     if train_objective(cfg).sets_pad_token:  # saved with the reward model: transformers' classifier needs it
         from prefpack.model.reward import set_pad_token

@@ -1,0 +1,133 @@
+"""Group policy gradients (GRPO, Dr. GRPO, DAPO, BNPO, RLOO) as pure functions: advantages from a group's scores,
+the clipped per-token surrogate with its k3 KL term, RLOO's sequence-level surrogate, and the per-completion values
+whose mean over a step's completions is the loss each aggregation names.
+
+Definitions follow TRL 1.16 (``GRPOTrainer._compute_loss``, ``RLOOTrainer._compute_loss``; tests/test_pg_trl.py
+checks the numbers). Where prefpack differs it is said here and in docs/losses.md: every aggregation is a sum over
+the optimizer step divided by a count of the whole step (its completions, or its scored tokens), so a step gives the
+same loss and gradient however it is split into micro-batches and ranks (TRL's ``grpo`` and ``bnpo`` normalise per
+micro-batch, so theirs change with the split).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["ADVANTAGE_EPS", "PG_AGGREGATIONS", "clipped_token_terms", "completion_values", "group_advantages",
+           "rloo_advantages", "sequence_clipped_loss"]
+
+ADVANTAGE_EPS = 1e-4
+"""Added to a standard deviation before dividing by it (TRL's constant)."""
+
+PG_AGGREGATIONS = ("grpo", "dr_grpo", "dapo", "bnpo")
+"""The token-level losses by TRL's ``loss_type`` names (``rloo`` is sequence-level)."""
+
+
+def _std(x: np.ndarray) -> float:
+    """The sample standard deviation (ddof 1, as torch.std and TRL's nanstd); 0 for fewer than two values."""
+    return float(np.std(x, ddof=1)) if x.size > 1 else 0.0
+
+
+def group_advantages(scores: np.ndarray, starts: np.ndarray, scale: str = "group") -> np.ndarray:
+    """GRPO's advantages (float64, one per completion): each score minus its group's mean, divided by the group's
+    standard deviation (``group``), the whole batch's (``batch``) or nothing (``none``), + ``ADVANTAGE_EPS``.
+
+    ``starts`` [G + 1]: where each group's completions start in ``scores`` (the last entry: its length). A group
+    whose scores all tie gets advantages 0 (its completions still count in every average, as TRL's do)."""
+    scores = np.asarray(scores, dtype=np.float64)
+    out = np.empty_like(scores)
+    batch_std = _std(scores)
+    for a, b in zip(starts[:-1], starts[1:]):
+        g = scores[a:b]
+        centred = g - g.mean()
+        if scale == "group":
+            centred = centred / (_std(g) + ADVANTAGE_EPS)
+        elif scale == "batch":
+            centred = centred / (batch_std + ADVANTAGE_EPS)
+        elif scale != "none":
+            raise ValueError(f"unknown advantage scaling {scale!r}; choose group, batch or none")
+        out[a:b] = centred
+    return out
+
+
+def rloo_advantages(scores: np.ndarray, starts: np.ndarray, normalize: bool = False) -> np.ndarray:
+    """RLOO's advantages (Ahmadian et al. 2024, arXiv:2402.14740): each score minus the mean of the other scores of
+    its group; with ``normalize``, then centred and divided by their standard deviation over the batch
+    (+ ``ADVANTAGE_EPS``), as TRL's ``normalize_advantages``. A group of one completion gets 0."""
+    scores = np.asarray(scores, dtype=np.float64)
+    out = np.zeros_like(scores)
+    for a, b in zip(starts[:-1], starts[1:]):
+        k = b - a
+        if k > 1:
+            g = scores[a:b]
+            out[a:b] = g - (g.sum() - g) / (k - 1)
+    if normalize:
+        out = (out - out.mean()) / (_std(out) + ADVANTAGE_EPS)
+    return out
+
+
+def clipped_token_terms(logp: Tensor, old: Tensor, advantage: Tensor, *, epsilon_low: float, epsilon_high: float,
+                        kl_coef: float = 0.0, ref: Tensor | None = None, delta: float | None = None,
+                        sampler: Tensor | None = None) -> dict[str, Tensor]:
+    """Per scored token: GRPO's clipped surrogate loss ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` with
+    ``r = exp(logp - old)`` (``delta``: r also capped above, two-sided clipping, TRL's ``delta``), plus
+    ``kl_coef`` times the k3 estimate of KL(policy || reference), ``exp(ref - logp) - (ref - logp) - 1``.
+
+    Every input is per token ([N], ``advantage`` its completion's). Returns ``loss`` (with gradient) and, detached,
+    the tokens clipped below (ratio under 1 - eps_low where A < 0) and above (over 1 + eps_high where A > 0), ``kl``
+    (when ``ref`` is given) and ``sampler_gap`` |logp - sampler| (when the sampler's own log-probs are given: the
+    train/rollout mismatch). Each is summed per completion by the forward (``prefpack.model.sums``)."""
+    ratio = torch.exp(logp - old)
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    loss = -torch.minimum(unclipped * advantage, clipped * advantage)
+    with torch.no_grad():
+        out = {"clip_low": ((ratio < 1.0 - epsilon_low) & (advantage < 0)).to(logp.dtype),
+               "clip_high": ((ratio > 1.0 + epsilon_high) & (advantage > 0)).to(logp.dtype)}
+        if sampler is not None:
+            out["sampler_gap"] = (logp - sampler).abs()
+    if ref is not None:
+        diff = ref - logp
+        kl = torch.exp(diff) - diff - 1.0
+        if kl_coef:
+            loss = loss + kl_coef * kl
+        out["kl"] = kl.detach()
+    out["loss"] = loss
+    return out
+
+
+def sequence_clipped_loss(logp_sum: Tensor, old_sum: Tensor, advantage: Tensor, *, epsilon_low: float,
+                          epsilon_high: float) -> tuple[Tensor, Tensor, Tensor]:
+    """RLOO's per-completion surrogate (TRL 1.16's RLOOTrainer): the clipped ratio of the whole completion's
+    probability, ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``, ``r = exp(sum logp - sum old)``; with the
+    completions clipped below and above (detached)."""
+    ratio = torch.exp(logp_sum - old_sum)
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    loss = -torch.minimum(ratio * advantage, clipped * advantage)
+    low = ((ratio < 1.0 - epsilon_low) & (advantage < 0)).to(logp_sum.dtype).detach()
+    high = ((ratio > 1.0 + epsilon_high) & (advantage > 0)).to(logp_sum.dtype).detach()
+    return loss, low, high
+
+
+def completion_values(loss_sum: Tensor, n_tokens: Tensor, aggregation: str, *, max_completion_length: int = 0,
+                      tokens_per_completion: float = 1.0) -> Tensor:
+    """Per completion, the value whose mean over a step's completions is the step's loss:
+
+    - ``grpo``: the completion's token mean (the step's loss: the mean over completions of their token means);
+    - ``dr_grpo``: its token sum / ``max_completion_length`` (Liu et al. 2025, arXiv:2503.20783);
+    - ``dapo`` and ``bnpo``: its token sum / ``tokens_per_completion`` (the step's scored tokens over its
+      completions), so the step's loss is its token sum over its token count (Yu et al. 2025, arXiv:2503.14476).
+
+    ``loss_sum`` [S]: each completion's summed per-token loss, ``n_tokens`` [S] its scored tokens."""
+    n = n_tokens.to(loss_sum.device, loss_sum.dtype)
+    if aggregation == "grpo":
+        return loss_sum / n.clamp(min=1.0)
+    if aggregation == "dr_grpo":
+        if max_completion_length < 1:
+            raise ValueError("dr_grpo needs max_completion_length >= 1")
+        return loss_sum / float(max_completion_length)
+    if aggregation in ("dapo", "bnpo"):
+        return loss_sum / max(float(tokens_per_completion), 1e-12)
+    raise ValueError(f"unknown aggregation {aggregation!r}; choose one of {', '.join(PG_AGGREGATIONS)}")

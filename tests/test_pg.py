@@ -1,0 +1,175 @@
+"""Group policy gradients (issue 49; prefpack.objectives.pg, prefpack.losses.pg): GRPO's aggregations and RLOO over a
+ranked store's prompt groups, against a float64 formula written out here, each completion run alone through the
+model; prompts once = packed = padded; masked spans move nothing; the old policy's log-probs recomputed before the
+first step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import float64_llama, make_task, scored_logps_f64, store_with_spans, write_jsonl
+
+from prefpack.data.prepare import PrepareOptions, prepare
+from prefpack.data.store import Store
+
+ROWS = [
+    {"prompt": "\n\nHuman: What is two plus two?\n\nAssistant:",
+     "completions": [{"text": " Four.", "score": 1.0}, {"text": " Five, I think.", "score": 0.0},
+                     {"text": " It is four, because two and two make four.", "score": 0.5},
+                     {"text": " Four!", "score": 1.0}]},
+    {"prompt": "\n\nHuman: Name a colour.\n\nAssistant:",
+     "completions": [{"text": " Blue.", "score": 2.0}, {"text": " A dog.", "score": -1.0},
+                     {"text": " Red, or green.", "score": 0.25}]},
+    {"prompt": "\n\nHuman: Say something.\n\nAssistant:",  # all tied: advantages 0, still counted
+     "completions": [{"text": " Something.", "score": 3.0}, {"text": " Anything at all.", "score": 3.0}]},
+]
+EPS_LOW, EPS_HIGH, KL = 0.02, 0.03, 0.07  # small clips, so some tokens clip at this policy / old-policy gap
+
+
+@pytest.fixture(scope="module")
+def ranked(tmp_path_factory, toy_tokenizers):
+    root = tmp_path_factory.mktemp("pg")
+    prepare(PrepareOptions(inputs=[str(write_jsonl(root / "rows.jsonl", ROWS))], tokenizer=str(toy_tokenizers["llama"]),
+                           output=str(root / "ranked"), workers=1), log=lambda m: None)
+    spans = store_with_spans(root / "ranked", root / "spans")
+    return {"plain": Store(root / "ranked"), "spans": Store(spans)}
+
+
+def _config(loss: str, layout: str, *extra):
+    from prefpack.config import load_config
+
+    return load_config(None, ["train.objective=policy_gradient", f"loss.terms=[{{name: {loss}}}]",
+                              f"data.prefix_sharing={layout == 'shared'}", f"data.packing={layout != 'padded'}",
+                              f"loss.epsilon={EPS_LOW}", f"loss.epsilon_high={EPS_HIGH}", *extra])
+
+
+def _advantages(scores: list[float], loss: str, scale: str = "group") -> np.ndarray:
+    s = np.asarray(scores, dtype=np.float64)
+    if loss == "rloo":
+        return s - (s.sum() - s) / (len(s) - 1)
+    centred = s - s.mean()
+    return centred / (np.std(s, ddof=1) + 1e-4) if scale == "group" else centred
+
+
+def _formula(policy, old_model, store: Store, loss: str, kl_coef: float, max_len: int) -> torch.Tensor:
+    """The step's loss over the whole store, every completion run alone through ``policy`` (with gradient) and
+    ``old_model`` (the old policy, also the reference), in float64."""
+    terms, tokens, completions = [], 0, 0
+    starts = store.group_starts()
+    scores = store.scores()
+    for g in range(len(starts) - 1):
+        prompt, comps = store.ranked_group(g)
+        adv = _advantages(scores[starts[g]:starts[g + 1]].tolist(), loss)
+        for c, a in zip(comps, adv):
+            scored = getattr(c, "scored", None)
+            ids = torch.tensor([[int(t) for t in prompt] + [int(t) for t in c]])
+            logits = policy(input_ids=ids, use_cache=False).logits.double()
+            lp = torch.log_softmax(logits[0, :-1], -1)[torch.arange(ids.shape[1] - 1), ids[0, 1:]][len(prompt) - 1:]
+            if scored is not None:
+                lp = lp[torch.as_tensor(np.asarray(scored, dtype=bool))]
+            old = torch.as_tensor(scored_logps_f64(old_model, prompt, c, scored))
+            completions += 1
+            tokens += lp.numel()
+            if loss == "rloo":
+                r = torch.exp(lp.sum() - old.sum())
+                terms.append(-torch.minimum(r * a, torch.clamp(r, 1 - EPS_LOW, 1 + EPS_HIGH) * a))
+                continue
+            r = torch.exp(lp - old)
+            per_token = -torch.minimum(r * a, torch.clamp(r, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
+            per_token = per_token + kl_coef * (torch.exp(old - lp) - (old - lp) - 1)
+            terms.append(per_token.sum() / (lp.numel() if loss == "grpo" else max_len if loss == "dr_grpo" else 1))
+    total = torch.stack(terms).sum()
+    return total / (tokens if loss in ("dapo", "bnpo") else completions)
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "bnpo", "rloo"])
+@pytest.mark.parametrize(("which", "layout"), [("plain", "shared"), ("plain", "packed"), ("plain", "padded"),
+                                               ("spans", "shared")])
+def test_loss_and_gradients_equal_the_float64_formula(ranked, toy_tokenizers, loss, layout, which):
+    """The step's loss (the sum of the completions' values over the step's units, as the loop takes it) and its
+    gradient equal the written-out formula, each completion alone; the old policy recomputed before the first step
+    (here: another model, so ratios differ from 1 and some tokens clip); prompts once, packed and padded alike;
+    a store's unscored spans are not in any sum or count."""
+    from prefpack.model import SequenceLogps
+    from prefpack.objectives.base import Planned
+    from prefpack.objectives.pg import GroupPolicyTask
+    from prefpack.reference import CopyReference
+
+    store = ranked[which]
+    tok = toy_tokenizers["llama"]
+    kl = 0.0 if loss == "rloo" else KL
+    policy, old_model = float64_llama(tok, 0), float64_llama(tok, 1)
+    task = make_task(GroupPolicyTask, store, _config(loss, layout, f"loss.kl_coef={kl}",
+                                                     "loss.max_completion_length=16"))
+    reference = CopyReference(float64_llama(tok, 1))
+    reference.configure(chunk_size=7, pair_tails=False, token_logps=True)
+    task._start(SequenceLogps(old_model, chunk_size=5, token_logps=True), reference)  # the old policy's, once
+    module = SequenceLogps(policy, chunk_size=7, token_logps=True, entropy=True)
+    ids = np.arange(len(task))
+    task.plan_step(ids, seed=None)
+    rows = [[0, 1], [2]] if layout != "padded" else [[0], [1], [2]]
+    got = torch.cat([task.loss(module, reference, task.collate(Planned([r], 0, 0)), None).loss for r in rows]
+                    if layout == "padded" else [task.loss(module, reference, task.collate(Planned(rows, 0, 0)),
+                                                          None).loss])
+    got = got.sum() / task.units(ids)
+    want = _formula(policy, old_model, store, loss, kl, 16)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    # gradients to float32 accuracy: LlamaRMSNorm casts to float32 even in a float64 model (tests/test_ranked.py)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    out = task.loss(module, reference, task.collate(Planned([[0, 1, 2]], 0, 0)), None)
+    if loss != "rloo":  # the clip is active on some tokens of this pair of models, and not on all
+        clipped = out.metrics["clip_ratio/region"]
+        assert 0 < float(clipped.max()) and float(clipped.min()) < 1
+
+
+def test_current_old_logprobs_give_the_plain_policy_gradient(ranked, toy_tokenizers):
+    """``loss.old_logprobs=current``: ratio 1, so the grpo loss is -mean(A) = 0 per group with group scaling, and
+    its gradient is -A times the gradient of the token mean of log p (the REINFORCE form)."""
+    from prefpack.model import SequenceLogps
+    from prefpack.objectives.base import Planned
+    from prefpack.objectives.pg import GroupPolicyTask
+    from prefpack.reference import NoReference
+
+    store = ranked["plain"]
+    tok = toy_tokenizers["llama"]
+    policy = float64_llama(tok, 0)
+    task = make_task(GroupPolicyTask, store, _config("grpo", "shared", "loss.old_logprobs=current"))
+    module = SequenceLogps(policy, chunk_size=7, token_logps=True, entropy=True)
+    task.begin_step(module, NoReference(), [])
+    assert task.old is None
+    ids = np.arange(len(task))
+    task.plan_step(ids, seed=None)
+    got = task.loss(module, NoReference(), task.collate(Planned([[0, 1, 2]], 0, 0)), None).loss.sum() / task.units(ids)
+    starts, scores = store.group_starts(), store.scores()
+    want = []
+    for g in range(len(starts) - 1):
+        prompt, comps = store.ranked_group(g)
+        for c, a in zip(comps, _advantages(scores[starts[g]:starts[g + 1]].tolist(), "grpo")):
+            ids_ = torch.tensor([[int(t) for t in prompt] + [int(t) for t in c]])
+            lp = torch.log_softmax(policy(input_ids=ids_).logits.double()[0, :-1], -1)
+            lp = lp[torch.arange(ids_.shape[1] - 1), ids_[0, 1:]][len(prompt) - 1:]
+            want.append(-a * lp.mean())
+    want = torch.stack(want).sum() / len(want)
+    assert float(got.detach()) == pytest.approx(0.0, abs=1e-12)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_config_names_the_wrong_combinations():
+    from prefpack.config import ConfigError, load_config
+
+    def problems(*args):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, ["model.name_or_path=m", "data.train=s", *args]).validate()
+        return str(err.value)
+
+    assert "one of grpo, dr_grpo, dapo, bnpo, rloo" in problems("train.objective=policy_gradient")
+    assert "set train.objective=policy_gradient" in problems("loss.terms=[{name: grpo}]")
+    assert "loss.epsilon must be < 1" in problems("train.objective=policy_gradient", "loss.terms=[{name: dapo}]",
+                                                  "loss.epsilon=1.5")
+    assert "sidecar" in problems("train.objective=policy_gradient", "loss.terms=[{name: grpo}]", "loss.kl_coef=0.1",
+                                 "reference.mode=precomputed")
