@@ -173,3 +173,42 @@ def test_config_names_the_wrong_combinations():
                                                   "loss.epsilon=1.5")
     assert "sidecar" in problems("train.objective=policy_gradient", "loss.terms=[{name: grpo}]", "loss.kl_coef=0.1",
                                  "reference.mode=precomputed")
+
+
+def _train(tmp_path, model, store, name, *extra):
+    import json
+
+    from prefpack.config import load_config
+    from prefpack.training import train
+
+    cfg = load_config(None, [f"model.name_or_path={model}", f"data.train={store.path}", "train.max_steps=2",
+                             "train.global_batch_pairs=3", "train.device=cpu", "optim.lr=5e-3",
+                             "train.objective=policy_gradient", "loss.terms=[{name: dapo}]", "loss.kl_coef=0.05",
+                             "optim.schedule=constant", f"run.output_dir={tmp_path / name}", "run.plot=false",
+                             "run.save_every=1", *extra])
+    notes: list[str] = []
+    train(cfg, progress=False, log=notes.append)
+    lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if x.get("split", "train") == "train"], notes
+
+
+def test_training_steps_do_not_depend_on_micro_batches(ranked, toy_tokenizers, tmp_path, one_thread):
+    """Two optimizer steps over the store: one micro-batch per step, or one per prompt group (1 x k = k x 1), give
+    the same losses, metrics and final weights; the old policy is the starting one (recomputed once, so step 2's
+    ratios differ from 1); a run of the objective reports its metrics."""
+    from conftest import final_weights, tiny_llama
+
+    model = tiny_llama(toy_tokenizers["llama"], tmp_path / "model", seed=0)
+    store = ranked["spans"]
+    whole, notes = _train(tmp_path, model, store, "whole")
+    split, _ = _train(tmp_path, model, store, "split", "train.micro_batch_tokens=40")
+    assert any("all tie" in n for n in notes)
+    assert len(whole) == len(split) == 2
+    for a, b in zip(whole, split):
+        for key in ("loss", "kl", "clip_ratio/region", "reward", "advantage", "entropy", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    assert whole[0]["kl"] == pytest.approx(0.0, abs=1e-7) and whole[1]["kl"] > 0
+    assert whole[0]["clip_ratio/region"] == 0.0  # ratio 1 at the first step
+    a, b = final_weights(tmp_path / "whole"), final_weights(tmp_path / "split")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)

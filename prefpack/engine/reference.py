@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from prefpack.engine.quantize import check_four_bit
-from prefpack.losses import LossTerm
 from prefpack.model import FourBit, check_model_source, weights_hash
 from prefpack.objectives.names import train_objective
 from prefpack.reference import REFERENCE_MODES, ReferenceSetup
@@ -34,14 +33,14 @@ class ReferenceStage:
         mode = cfg.reference.mode
         if cfg.reference.model and REFERENCE_MODES[mode].reads_weights:
             check_model_source(cfg.reference.model, "reference.model")
-        terms = [] if engine.unpaired else [LossTerm(t.name, float(t.weight)) for t in cfg.loss.terms]
+        terms = [] if engine.unpaired else [t.name for t in cfg.loss.terms]
         if not train_objective(cfg).reads_reference:  # a reward model's Bradley-Terry loss reads no reference
             if mode != "none":
                 log(f"note: train.objective={cfg.train.objective} reads no reference; reference.mode {mode!r} is "
                     "ignored")
             mode = "none"
         elif not engine.unpaired and not cfg.needs_reference() and mode != "none":
-            log(f"note: the losses {[t.name for t in terms]} need no reference; reference.mode {mode!r} is ignored")
+            log(f"note: the losses {terms} need no reference; reference.mode {mode!r} is ignored")
             mode = "none"
         ref_path = cfg.reference.model or cfg.model.name_or_path
         loader = engine

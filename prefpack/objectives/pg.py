@@ -168,6 +168,16 @@ class GroupPolicyTask(PromptGroupTask):
             self._start(policy, reference)
         return StepState()
 
+    def end_step(self, totals) -> None:
+        """No running state: the advantages are the store's."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"GroupPolicyTask keeps no running state, got {sorted(state)}")
+
     def _rloo_kl_pending(self) -> bool:
         return self.loss_name == "rloo" and self.kl_coef > 0 and not getattr(self, "_rloo_kl_done", False)
 
