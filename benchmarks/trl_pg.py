@@ -10,7 +10,7 @@ tokenizer with BOS, no chat template).
 Fixed inputs (seeded, `random.Random(SEED)`): k = 4 completions per prompt, each 3-12 token ids drawn from the
 non-special ids and ending with EOS, except the last completion of the last group, 12 ids without EOS (a completion
 cut at max_completion_length = 12: `truncated` in the JSON); one reward per completion, where group 1's four rewards
-tie and group 2 has two tied rewards. The `tool` cases also carry a seeded 0/1 mask over some completion tokens (TRL's
+tie and group 2 has two tied rewards. The `[tool_mask]` cases also carry a seeded 0/1 mask over some completion tokens (TRL's
 `tool_mask`: tokens the model did not write, handed to TRL as a rollout's `env_mask`).
 
 Every number comes from TRL's own code, nothing is re-implemented. Per case a trainer is built on `policy/` (float32,
@@ -18,34 +18,41 @@ CPU, sdpa, `disable_dropout=True`, `use_cpu=True`, `report_to=[]`, 16 completion
 `steps_per_generation=1`, no vLLM, so no importance-sampling correction) with a reward function that returns the
 case's fixed rewards, and in train mode:
 
-1. `trainer._generate_and_score_completions(rows)` builds the batch dict (left-padded prompts, right-padded
-   completions, masks, advantages from the rewards, `num_items_in_batch`, `tool_mask`, the truncated completion's
-   mask zeroed by `mask_truncated_completions`, RLOO's KL-in-reward). Generation is replaced, not re-implemented:
+1. `_generate_and_score_completions(rows)` builds the batch dict (left-padded prompts, right-padded completions,
+   masks, advantages from the rewards, `num_items_in_batch`, `tool_mask`, the truncated completion's mask zeroed by
+   `mask_truncated_completions`, RLOO's old_logps and KL-in-reward). Generation is replaced, not re-implemented:
    GRPO gets the fixed completions from a `rollout_func` (TRL's public hook), RLOO (which has none) from its instance's
-   `_generate_single_turn`. `trainer.ref_model` is set to `reference/` (with TRL's fused LM head, as TRL sets up a ref
-   model), so ref_per_token_logps (beta != 0) are the reference's, not a copy of the policy TRL would otherwise load.
+   `_generate_single_turn`. `ref_model` is set to `reference/` (with TRL's fused LM head, as TRL sets up a ref model):
+   with beta != 0 TRL would otherwise load its ref model from the POLICY's folder (`get_config_model_id`).
 2. GRPO: `old_per_token_logps` = the reference's per-token log-probs of the completions, from TRL's own
    `_get_per_token_logps_and_entropies` on a GRPOTrainer built on `reference/` (the same ids and attention mask);
    so the ratios policy / old differ from 1 and the clipping is active on some tokens. (TRL itself leaves
    old_per_token_logps unset here, i.e. ratio 1, as generation and optimisation steps are aligned.)
-   RLOO: `old_logps` (sequence sums) likewise the reference's for the beta 0 cases; the beta 0.05 case keeps TRL's
-   own path (old = the policy before the step, ratio 1) because its KL-in-reward reads old - ref, which would be 0.
+   RLOO: the batch is built by an RLOOTrainer on the OLD model (`old_model`), the one that generated the completions:
+   its old_logps (sequence sums) and its KL-in-reward (old - ref) are TRL's own. old_model is `reference/` for the
+   beta 0 cases, the policy itself for `rloo[beta=0.05]` (TRL's on-policy path: ratio 1, so loss = -mean(A) = 0,
+   as leave-one-out advantages sum to 0 per group; the gradient is not 0), and `policy_sppo/` (the third weights of
+   tests/data/trl_losses) for `rloo[beta=0.05,old=policy_sppo]`, where both the ratio and the KL differ from 0/1.
 3. `loss = trainer._compute_loss(trainer.model, batch)`, with the policy's per-token log-probs and entropies TRL
    computed in that call captured (a wrapper around the instance's `_get_per_token_logps_and_entropies`); the
-   metrics TRL logged (`trainer._metrics["train"]`) during 1. and 3.; then `loss.backward()` and the gradients.
+   metrics TRL logged (`_metrics["train"]`) during 1. and 3.; then `loss.backward()` and the gradients.
 
-Per case the JSON holds: id, trainer, config (the values the loss reads), old_model, rewards, advantages (TRL's,
-per completion), completion_mask and tool_mask (per completion over its own tokens), num_items_in_batch (GRPO),
-old_/ref_/policy_per_token_logps and policy_entropies (per completion, its own tokens only; 0.0 where TRL's mask
-hides a token from attention: the truncated completion under mask_truncated_completions), old_logps (RLOO: TRL's
-float32 sums), loss, clipped token counts (low / high, as TRL's metrics define them), metrics_generate,
-metrics_loss, and the gradients: for every parameter (named_parameters() order, `parameters` at the top level)
-its L2 norm and its dot product with a seeded standard normal tensor z, and the full flattened gradient for the
-parameters of at most 4096 elements. z for the parameter at position i (0-based) of named_parameters():
-`torch.randn(shape, generator=torch.Generator().manual_seed(PROJ_SEED + i), dtype=torch.float32)`, PROJ_SEED =
-1234; norm and dot are computed in float64 from the float32 gradient. Top level: versions, command, token ids.
+Per case the JSON holds: id, trainer, config (the values the loss reads, with TRL's defaults for the others it
+reads: use_bias_correction_kl is True, so GRPO's KL term is multiplied by the unclipped ratio), old_model,
+rewards, advantages (TRL's, per completion), completion_mask and tool_mask (per completion over its own tokens),
+num_items_in_batch (GRPO), old_/ref_/policy_per_token_logps and policy_entropies (per completion, its own tokens
+only; 0.0 where TRL's mask hides a token from attention: the truncated completion under
+mask_truncated_completions), old_logps and policy_logps (RLOO: TRL's float32 sequence sums), loss, clipped token
+(GRPO) or sequence (RLOO) counts (low / high, as TRL's metrics define them), metrics_generate, metrics_loss, and
+`grads`: for every parameter (named_parameters() order, listed with shapes in the top-level `parameters`) its L2
+norm and its dot product with a seeded standard normal z, and the full flattened gradient (9 significant digits:
+float32 exactly) for the parameters of at most 4096 elements (all but the embedding and the LM head). z for the
+parameter at position i (0-based) of named_parameters(): `torch.randn(shape, generator=torch.Generator().
+manual_seed(PROJ_SEED + i), dtype=torch.float32)`, PROJ_SEED = 1234; norm and dot are computed in float64 from
+the float32 gradient. Top level: versions, command, prompts and prompt ids, completion ids, `truncated`, rewards,
+the tool mask. The file is about 1.6 MB (the full gradients: 4688 numbers per case).
 
-    PYTHONPATH=/path/to/trl-1.16:. python benchmarks/trl_pg.py      # about 40 s on 2 CPU cores
+    PYTHONPATH=/path/to/trl-1.16:. python benchmarks/trl_pg.py      # about 10 s on 2 CPU cores
 """
 
 from __future__ import annotations
@@ -202,6 +209,7 @@ def run_case(kind: str, cid: str, config: dict, old_model: str, prompts, fixed, 
         t.current_gradient_accumulation_steps = 1
         t._metrics["train"].clear()
     model = trainer.model
+    assert model.dtype == torch.float32 and model.config._attn_implementation == "sdpa"
     assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
     assert all(getattr(model.config, k, 0.0) == 0.0 for k in ("attention_dropout", "hidden_dropout", "dropout"))
     model.zero_grad(set_to_none=True)
@@ -217,6 +225,8 @@ def run_case(kind: str, cid: str, config: dict, old_model: str, prompts, fixed, 
     with torch.no_grad():
         ref_logps = ref_trainer._get_per_token_logps_and_entropies(ref, input_ids, attention_mask, keep,
                                                                      batch_size=input_ids.size(0))[0]
+        if "ref_per_token_logps" in batch:  # TRL's own, from trainer.ref_model: the same numbers
+            assert torch.equal(batch["ref_per_token_logps"], ref_logps)
         if kind == "grpo":  # TRL leaves it unset (aligned steps): the reference's, so that ratios differ from 1
             batch["old_per_token_logps"] = rec_old = ref_logps
         else:  # the per-token values behind TRL's old_logps sums, as its generation step computed them
