@@ -77,7 +77,7 @@ def _formula(policy, old_model, store: Store, loss: str, kl_coef: float, max_len
                 continue
             r = torch.exp(lp - old)
             per_token = -torch.minimum(r * a, torch.clamp(r, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
-            per_token = per_token + kl_coef * (torch.exp(old - lp) - (old - lp) - 1)
+            per_token = per_token + kl_coef * (torch.exp(old - lp) - (old - lp) - 1) * r  # TRL's bias correction
             terms.append(per_token.sum() / (lp.numel() if loss == "grpo" else max_len if loss == "dr_grpo" else 1))
     total = torch.stack(terms).sum()
     return total / (tokens if loss in ("dapo", "bnpo") else completions)

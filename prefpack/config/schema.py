@@ -158,6 +158,9 @@ def _loss_config() -> type:
                                                  "store (TRL's RLOO normalize_advantages)")),
         ("mask_truncated_completions", bool, _f(False, "train.objective=policy_gradient: a completion the length "
                                                        "limit cut moves no loss (TRL's mask_truncated_completions)")),
+        ("use_bias_correction_kl", bool, _f(True, "train.objective=policy_gradient, grpo family with loss.kl_coef: "
+                                                  "the k3 KL per token times the ratio to the old policy (TRL 1.16's "
+                                                  "use_bias_correction_kl, also on by default)")),
         ("old_logprobs", OldLogprobs, _f("recompute", "train.objective=policy_gradient, the ratio's old policy: "
                                          "recompute = the policy's own over the store before its first step (TRL), "
                                          "sampler = the sampler's recorded at generation, current = the policy's "

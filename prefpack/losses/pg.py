@@ -70,10 +70,12 @@ def rloo_advantages(scores: np.ndarray, starts: np.ndarray, normalize: bool = Fa
 
 def clipped_token_terms(logp: Tensor, old: Tensor, advantage: Tensor, *, epsilon_low: float, epsilon_high: float,
                         kl_coef: float = 0.0, ref: Tensor | None = None, delta: float | None = None,
-                        sampler: Tensor | None = None) -> dict[str, Tensor]:
+                        kl_ratio: bool = True, sampler: Tensor | None = None) -> dict[str, Tensor]:
     """Per scored token: GRPO's clipped surrogate loss ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` with
     ``r = exp(logp - old)`` (``delta``: r also capped above, two-sided clipping, TRL's ``delta``), plus
-    ``kl_coef`` times the k3 estimate of KL(policy || reference), ``exp(ref - logp) - (ref - logp) - 1``.
+    ``kl_coef`` times the k3 estimate of KL(policy || reference), ``exp(ref - logp) - (ref - logp) - 1``, times the
+    unclipped ratio r with ``kl_ratio`` (the importance correction of the estimate for samples drawn from the old
+    policy: TRL 1.16's ``use_bias_correction_kl``, on by default there too).
 
     Every input is per token ([N], ``advantage`` its completion's). Returns ``loss`` (with gradient) and, detached,
     the tokens clipped below (ratio under 1 - eps_low where A < 0) and above (over 1 + eps_high where A > 0), ``kl``
@@ -91,6 +93,8 @@ def clipped_token_terms(logp: Tensor, old: Tensor, advantage: Tensor, *, epsilon
     if ref is not None:
         diff = ref - logp
         kl = torch.exp(diff) - diff - 1.0
+        if kl_ratio:
+            kl = kl * ratio
         if kl_coef:
             loss = loss + kl_coef * kl
         out["kl"] = kl.detach()

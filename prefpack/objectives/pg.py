@@ -245,7 +245,8 @@ class GroupPolicyTask(PromptGroupTask):
             sequence_inputs: dict[str, torch.Tensor] = {}
         else:
             surrogate = partial(clipped_token_terms, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
-                                kl_coef=self.kl_coef, delta=self.delta)
+                                kl_coef=self.kl_coef, delta=self.delta,
+                                kl_ratio=bool(self.settings.loss.use_bias_correction_kl))
             if self.old is None:
                 fn = partial(_current_old, fn=surrogate)
             else:
