@@ -212,3 +212,44 @@ def test_training_steps_do_not_depend_on_micro_batches(ranked, toy_tokenizers, t
     a, b = final_weights(tmp_path / "whole"), final_weights(tmp_path / "split")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+
+
+def test_resumed_equals_uninterrupted(ranked, toy_tokenizers, tmp_path, one_thread):
+    """Stopped after step 1 of 3 and resumed: the old policy's log-probs recomputed before step 1 come back from the
+    checkpoint (not recomputed from the resumed weights), so steps 2-3 and the final weights equal an uninterrupted
+    run's."""
+    from conftest import final_weights, tiny_llama
+
+    from prefpack.config import load_config
+    from prefpack.training import train
+
+    model = tiny_llama(toy_tokenizers["llama"], tmp_path / "model", seed=0)
+    args = [f"model.name_or_path={model}", f"data.train={ranked['plain'].path}", "train.max_steps=3",
+            "train.global_batch_pairs=1", "train.device=cpu", "optim.lr=2e-2", "train.objective=policy_gradient",
+            "loss.terms=[{name: grpo}]", "optim.schedule=constant", "run.plot=false", "run.save_every=1",
+            "loss.epsilon=0.05", "data.shuffle=false"]
+
+    def cfg(name):
+        return load_config(None, [*args, f"run.output_dir={tmp_path / name}"])
+
+    import json
+
+    train(cfg("straight"), progress=False, log=lambda m: None)
+    from prefpack.training.cadence import TrainingInterrupted
+
+    with pytest.raises(TrainingInterrupted):
+        train(cfg("resumed"), stop_after_steps=1, progress=False, log=lambda m: None)
+    train(cfg("resumed"), resume=True, progress=False, log=lambda m: None)
+
+    def lines(name):
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r for r in rows if r.get("split", "train") == "train"}
+
+    a, b = lines("straight"), lines("resumed")
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    assert a[2]["clip_ratio/region"] > 0  # step 2's ratios are to the starting policy, not 1
+    for step in (2, 3):
+        for key in ("loss", "clip_ratio/region", "grad_norm"):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-9), (step, key)
+    wa, wb = final_weights(tmp_path / "straight"), final_weights(tmp_path / "resumed")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

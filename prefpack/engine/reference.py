@@ -40,7 +40,8 @@ class ReferenceStage:
                     "ignored")
             mode = "none"
         elif not engine.unpaired and not cfg.needs_reference() and mode != "none":
-            log(f"note: the losses {terms} need no reference; reference.mode {mode!r} is ignored")
+            why = "loss.kl_coef is 0, so" if train_objective(cfg).loss_names else "the losses"
+            log(f"note: {why} {terms} need no reference; reference.mode {mode!r} is ignored")
             mode = "none"
         ref_path = cfg.reference.model or cfg.model.name_or_path
         loader = engine

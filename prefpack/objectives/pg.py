@@ -48,7 +48,16 @@ from prefpack.objectives.groups import PromptGroupTask
 from prefpack.objectives.settings import RunSettings
 from prefpack.reference import Reference, as_sequence_output
 
-__all__ = ["GroupPolicyTask"]
+__all__ = ["GroupPolicyTask", "pg_forward_options"]
+
+
+def pg_forward_options(settings: RunSettings | None = None) -> dict:
+    """What the policy forward returns for group policy gradients: each token's log-prob (the old policy's, recomputed
+    by the policy) and the entropy reported."""
+    return {"entropy": True, "token_logps": True}
+
+
+_STORE, _OLD, _ADVANTAGES = "pg_store", "pg_old_logprobs", "pg_advantages"  # state_dict keys
 
 
 def _current_old(logp, *, fn, **inputs):
@@ -141,11 +150,12 @@ class GroupPolicyTask(PromptGroupTask):
         ties = sum(1 for i in range(len(self.view)) if not self.view.pairs[i])
         if not ties:
             return None
+        moves = "only the KL term moves them" if self.kl_coef else "nothing moves them"
         return (f"{ties} of {len(self.view)} prompts of {self.store.path} have completions whose scores all tie: "
-                "their advantages are 0 (they add only the KL term, and count in every average, as in TRL)")
+                f"their advantages are 0 ({moves}; they count in every average, as in TRL)")
 
     def forward_options(self) -> dict:
-        return {"entropy": True, "token_logps": True}
+        return pg_forward_options(self.settings)
 
     def units(self, ids: np.ndarray) -> int:
         """A step's loss units: its completions."""
@@ -171,12 +181,37 @@ class GroupPolicyTask(PromptGroupTask):
     def end_step(self, totals) -> None:
         """No running state: the advantages are the store's."""
 
+    def _identity(self) -> str:
+        return f"{self.store.path}:{len(self.store)}:{self.store.num_tokens}"
+
     def state_dict(self) -> dict:
-        return {}
+        """The old policy's log-probs it recomputed (and RLOO's advantages with their KL), as tensors a checkpoint
+        keeps beside the optimizer's, tagged with the store: a run resumed inside this objective's steps goes on
+        with the ratios it started with, as an uninterrupted run does."""
+        out: dict[str, Any] = {}
+        if self.old is not None and self.old_mode == "recompute":
+            out[_OLD] = torch.as_tensor(np.concatenate(self.old) if self.old else np.zeros(0))
+        if getattr(self, "_rloo_kl_done", False):
+            out[_ADVANTAGES] = torch.as_tensor(self.advantages)
+        return {_STORE: self._identity(), **out} if out else {}
 
     def load_state_dict(self, state: dict) -> None:
-        if state:
-            raise ValueError(f"GroupPolicyTask keeps no running state, got {sorted(state)}")
+        """A state saved by this objective over this store (another round's, or the training objective's handed to
+        an evaluation store, is not this one's: it recomputes its own)."""
+        unknown = set(state) - {_STORE, _OLD, _ADVANTAGES}
+        if unknown:
+            raise ValueError(f"GroupPolicyTask: unknown state {sorted(unknown)}")
+        if state.get(_STORE) != self._identity():
+            return
+        if _OLD in state:
+            flat = state[_OLD].double().numpy()
+            if flat.size != int(self.scored.sum()):
+                raise ValueError(f"checkpointed old log-probs: {flat.size} values for {int(self.scored.sum())} "
+                                 f"scored tokens of {self.store.path}")
+            self.old = np.split(flat, np.cumsum(self.scored)[:-1])
+        if _ADVANTAGES in state:
+            self.advantages = state[_ADVANTAGES].double().numpy()
+            self._rloo_kl_done = True
 
     def _rloo_kl_pending(self) -> bool:
         return self.loss_name == "rloo" and self.kl_coef > 0 and not getattr(self, "_rloo_kl_done", False)

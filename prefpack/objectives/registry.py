@@ -17,8 +17,8 @@ from prefpack.objectives.base import Objective
 from prefpack.objectives.groups import PromptGroupTask
 from prefpack.objectives.kto import KTOTask
 from prefpack.objectives.names import OBJECTIVE_NAMES, train_objective
-from prefpack.objectives.pairs import PairTask
-from prefpack.objectives.pg import GroupPolicyTask
+from prefpack.objectives.pairs import PairTask, pair_forward_options
+from prefpack.objectives.pg import GroupPolicyTask, pg_forward_options
 from prefpack.objectives.reward import RewardGroupTask, RewardPairTask
 
 __all__ = ["OBJECTIVES", "ObjectiveSpec", "objective_for", "read_only_unpaired", "trains_unpaired"]
@@ -34,17 +34,20 @@ class ObjectiveSpec:
     reads: tuple[str, ...]
     unpaired: bool = False
     output: str = "logps"
+    options: Callable[..., dict] | None = None
+    """The forward's options from the run's settings alone (``forward_options`` before a store exists: a rounds
+    feed wraps the forward before round 1's store is made); None: not trained by on-policy rounds."""
 
 
 OBJECTIVES: dict[str, ObjectiveSpec] = {spec.name: spec for spec in (
-    ObjectiveSpec("pairs", PairTask, ("pairs",)),
-    ObjectiveSpec("groups", PromptGroupTask, ("ranked", "pairs")),  # a pair store grouped by prompt, or ranked
+    ObjectiveSpec("pairs", PairTask, ("pairs",), options=pair_forward_options),
+    ObjectiveSpec("groups", PromptGroupTask, ("ranked", "pairs"), options=pair_forward_options),  # a pair store grouped by prompt, or ranked
     ObjectiveSpec("kto", KTOTask, ("unpaired", "pairs"), unpaired=True),  # a pair store read as KTO examples
     # a reward model (train.objective=reward): the pairs' and prompt groups' layouts, rewards instead of log-probs
     ObjectiveSpec("reward", RewardPairTask, ("pairs",), output="rewards"),
     ObjectiveSpec("reward_groups", RewardGroupTask, ("ranked", "pairs"), output="rewards"),
     # group policy gradients (train.objective=policy_gradient): a ranked store's prompts with all their samples
-    ObjectiveSpec("pg_groups", GroupPolicyTask, ("ranked",)),
+    ObjectiveSpec("pg_groups", GroupPolicyTask, ("ranked",), options=pg_forward_options),
 )}
 """Every objective by name (``Objective.kind`` of its class is the store kind it lays out)."""
 

@@ -60,9 +60,10 @@ class RolloutFeed:
     # ------------------------------------------------------------------------------------------ what the loop reads
 
     def forward_options(self) -> dict:
-        """The pair objectives' options from the settings alone: the forward is wrapped before round 1's store exists."""
+        """The round objective's options from the settings alone: the forward is wrapped before round 1's store
+        exists."""
         from prefpack.objectives import settings_from_config
-        from prefpack.objectives.pairs import pair_forward_options
+        from prefpack.objectives.registry import objective_for
         from prefpack.training.feed import moe_coefficient
 
         b = self.engine.budgets
@@ -70,7 +71,10 @@ class RolloutFeed:
         settings = settings_from_config(self.cfg, pad_id=self.pad_id, micro_batch_tokens=b.micro_batch_tokens,
                                         row_tokens=b.row_tokens, chunk_size=b.chunk_size, shares_prompts=False,
                                         router_aux_loss_coef=coef)
-        return pair_forward_options(settings)
+        round_cfg = plan.train_config(self.cfg, self.run_dir, 0)
+        spec = objective_for(plan.round_store_kind(self.cfg), unpaired=False, group_by_prompt=round_cfg.data.group_by_prompt,
+                             objective=self.cfg.train.objective)
+        return spec.options(settings)
 
     @property
     def eval_tasks(self) -> dict:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from prefpack.generation.run import GenerateOptions
 from prefpack.generation.subsets import PromptSubset
+from prefpack.objectives.names import train_objective
 from prefpack.rewards.run import ScoreOptions
 
 
@@ -97,11 +98,20 @@ def check_prompt_subset(cfg) -> None:
         prompt_source(generate_options(cfg, Path(cfg.run.output_dir), 0, prompts=cfg.rounds.prompts, output=Path()))
 
 
+def round_store_kind(cfg) -> str:
+    """What a round's store holds: ``ranked`` (every sample of a prompt with its score: group policy gradients) or
+    ``pairs`` (the pairs ``rounds.pairs`` draws), as the objective's row says (``round_output``)."""
+    return train_objective(cfg).round_output
+
+
 def score_options(cfg, samples: Path, output: Path, *, pairs: bool) -> ScoreOptions:
+    """How a round scores: ``pairs`` a store (the pairs ``rounds.pairs`` draws, or every sample ranked where the
+    objective trains on all of them: ``round_output`` of its row in ``objectives/names.py``), else a JSONL file."""
     rc = cfg.rounds
+    ranked = round_store_kind(cfg) == "ranked"
     return ScoreOptions(input=str(samples), output=str(output), reward_model=rc.reward_model, reward_fn=rc.reward_fn,
                         reward_timeout=rc.reward_timeout,
-                        format="store" if pairs else "jsonl", pairs=rc.pairs if pairs else None,
+                        format="store" if pairs else "jsonl", pairs=rc.pairs if pairs and not ranked else None,
                         min_gap=rc.min_gap, device=cfg.train.device, trust_remote_code=cfg.model.trust_remote_code,
                         progress=False)
 
@@ -118,7 +128,8 @@ def train_config(cfg, run_dir: Path, r: int):
     else:
         out.model.name_or_path = policy_of(cfg, run_dir, r)
     out.data.train = str(round_dir(run_dir, r) / "store")
-    out.data.group_by_prompt = rc.pairs != "best_vs_worst"  # several pairs of one prompt: the prompt laid out once
+    # several pairs of one prompt: the prompt laid out once (a ranked round store is read by prompt anyway)
+    out.data.group_by_prompt = rc.pairs != "best_vs_worst" and round_store_kind(cfg) == "pairs"
     out.train.max_steps = rc.steps_per_round
     out.train.seed = cfg.train.seed + r
     out.run.output_dir = str(round_dir(run_dir, r) / "train")

@@ -69,6 +69,7 @@ from prefpack.training.checkpoint.files import (
 
 
 REFERENCE_FILE = "reference.safetensors"
+OBJECTIVE_TENSORS = "objective"  # training_state.pt: an objective's tensors (its state_dict's tensor values)
 
 
 @dataclass
@@ -89,11 +90,15 @@ def save_checkpoint(run_dir: Path, step: int, parts: Checkpointed, state: dict, 
                     with_reference: bool = False) -> Path:
     """`checkpoints/step-N` of a run folder in the format of this run (sharded under torchrun), atomically, with
     checksums; then only the newest `keep` checkpoints are kept. `with_reference` saves the reference too."""
+    # an objective's tensors (group policy gradients' old log-probs) go with the optimizer's, the rest as JSON
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    state = {k: v for k, v in state.items() if k not in tensors}
     if ctx.enabled:
         return save_checkpoint_distributed(run_dir, step, parts.module, parts.optimizer, parts.scheduler, state,
-                                           keep, ctx, reference=parts.reference_module if with_reference else None)
+                                           keep, ctx, reference=parts.reference_module if with_reference else None,
+                                           tensors=tensors)
     return save_checkpoint_single(run_dir, step, parts.policy, parts.optimizer, parts.scheduler, state, keep,
-                                  reference=parts.reference if with_reference else None)
+                                  reference=parts.reference if with_reference else None, tensors=tensors)
 
 
 def load_checkpoint(path: Path, parts: Checkpointed, ctx: Dist = SINGLE) -> dict:
@@ -139,7 +144,7 @@ def _read_trainer_state(path: Path) -> dict:
 
 
 def save_checkpoint_single(run_dir: Path, step: int, model: nn.Module, optimizer, scheduler, state: dict, keep: int,
-                           *, reference: nn.Module | None = None) -> Path:
+                           *, reference: nn.Module | None = None, tensors: dict | None = None) -> Path:
     """Weights (safetensors), optimizer/scheduler/RNG (tensors only), trainer state and checksums, atomically.
 
     ``reference``: a reference model that changes during training (``reference.sync``, TR-DPO), saved as
@@ -153,7 +158,8 @@ def save_checkpoint_single(run_dir: Path, step: int, model: nn.Module, optimizer
         shutil.rmtree(tmp)
     blob = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
             "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            OBJECTIVE_TENSORS: dict(tensors or {})}
     needed = _tensor_bytes(model.state_dict()) + _tensor_bytes(blob) + _MARGIN
     if reference is not None:
         needed += _tensor_bytes(reference.state_dict())
@@ -220,7 +226,7 @@ def load_checkpoint_single(path: Path, model: nn.Module, optimizer, scheduler, *
     torch.set_rng_state(blob["torch_rng"])
     if blob["cuda_rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(blob["cuda_rng"])
-    return state
+    return {**state, **blob.get(OBJECTIVE_TENSORS, {})}
 
 
 # ------------------------------------------------------------------------------------------------ torchrun
@@ -245,7 +251,8 @@ def _all_ok(ok: bool, ctx: Dist) -> bool:
 
 
 def save_checkpoint_distributed(run_dir: Path, step: int, module: nn.Module, optimizer, scheduler, state: dict,
-                                keep: int, ctx: Dist, *, reference: nn.Module | None = None) -> Path:
+                                keep: int, ctx: Dist, *, reference: nn.Module | None = None,
+                                tensors: dict | None = None) -> Path:
     """Sharded checkpoint with torch.distributed.checkpoint (every rank writes its part), then renamed.
 
     ``reference``: the (wrapped) reference module of a run whose reference changes (``reference.sync``), saved
@@ -280,8 +287,8 @@ def save_checkpoint_distributed(run_dir: Path, step: int, module: nn.Module, opt
         error = exc
     if ctx.is_main and error is None:
         try:
-            torch.save({"scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()},
-                       tmp / "training_state.pt")
+            torch.save({"scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+                        OBJECTIVE_TENSORS: dict(tensors or {})}, tmp / "training_state.pt")
             _publish(tmp, final, {**state, "step": step, "world": ctx.world}, pid)
         except _dcp_errors() as exc:
             error = exc
@@ -338,6 +345,7 @@ def load_checkpoint_distributed(path: Path, module: nn.Module, optimizer, schedu
     scheduler.load_state_dict(extra["scheduler"])
     torch.set_rng_state(extra["torch_rng"])
     state.pop("world", None)
+    state.update(extra.get(OBJECTIVE_TENSORS, {}))
     return state
 
 
