@@ -118,6 +118,17 @@ def render_losses() -> str:
         row = [f"`{u.name}`", u.summary, ", ".join(f"`{p}`" for p in u.params), "yes" if u.reads_kl else "no",
                _paper(u.paper, u.arxiv)]
         out.append("| " + " | ".join(_cell(c) for c in row) + " |")
+    from prefpack.losses.pg import PG_LOSSES
+
+    out += ["", "## Group policy gradients", "",
+            "For `train.objective=policy_gradient` over a ranked store (k scored samples per prompt: a round's, or "
+            "`prefpack score`'s), one term. Each reads `epsilon`, `epsilon_high`, `kl_coef`; the grpo family also "
+            "`delta`, and `dr_grpo` `max_completion_length`. Definitions and where they differ from TRL 1.16: "
+            "[the losses guide](losses-guide.md#group-policy-gradients-grpo-dr-grpo-dapo-bnpo-rloo).", "",
+            "| name | what | advantages | the step's loss | source |", "|---|---|---|---|---|"]
+    for g in PG_LOSSES.values():
+        row = [f"`{g.name}`", g.summary, g.advantages, g.step_loss, _paper(g.paper, g.arxiv)]
+        out.append("| " + " | ".join(_cell(c) for c in row) + " |")
     readers: dict[str, list[str]] = {name: [] for name in LOSS_PARAMS}
     for spec in PAIR_LOSSES.values():
         for p in spec.params:
@@ -125,6 +136,8 @@ def render_losses() -> str:
     for u in UNPAIRED_LOSSES.values():
         for p in u.params:
             readers[p].append(u.name)
+    for name in ("epsilon", "epsilon_high", "kl_coef", "delta", "max_completion_length"):
+        readers[name] = ["dr_grpo"] if name == "max_completion_length" else list(PG_LOSSES)
     out += ["", "## Parameters", "",
             "The `loss.*` numbers (`prefpack/loss_params.py`); `prefpack eval` takes each as a flag.", "",
             "| key | default | eval flag | read by | help |", "|---|---|---|---|---|"]

@@ -11,11 +11,13 @@ micro-batch, so theirs change with the split).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ADVANTAGE_EPS", "PG_AGGREGATIONS", "clipped_token_terms", "completion_values", "group_advantages",
+__all__ = ["ADVANTAGE_EPS", "PG_AGGREGATIONS", "PG_LOSSES", "PgLossSpec", "clipped_token_terms", "completion_values", "group_advantages",
            "rloo_advantages", "sequence_clipped_loss"]
 
 ADVANTAGE_EPS = 1e-4
@@ -23,6 +25,40 @@ ADVANTAGE_EPS = 1e-4
 
 PG_AGGREGATIONS = ("grpo", "dr_grpo", "dapo", "bnpo")
 """The token-level losses by TRL's ``loss_type`` names (``rloo`` is sequence-level)."""
+
+
+@dataclass(frozen=True)
+class PgLossSpec:
+    """One ``train.objective=policy_gradient`` loss, for docs/losses.md (names: ``objectives.names.PG_LOSS_NAMES``)."""
+
+    name: str
+    summary: str
+    advantages: str
+    step_loss: str
+    paper: str
+    arxiv: str
+
+
+PG_LOSSES: dict[str, PgLossSpec] = {s.name: s for s in (
+    PgLossSpec("grpo", "clipped per-token ratio to the old policy, + k3 KL", "GRPO (loss.scale_rewards)",
+               "mean over completions of each one's token mean",
+               "Shao et al. 2024, \"DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models\"",
+               "2402.03300"),
+    PgLossSpec("dr_grpo", "grpo's per-token term", "GRPO (loss.scale_rewards; none is Dr. GRPO's)",
+               "token sum / (completions x loss.max_completion_length)",
+               "Liu et al. 2025, \"Understanding R1-Zero-Like Training: A Critical Perspective\"", "2503.20783"),
+    PgLossSpec("dapo", "grpo's per-token term (clip-higher: loss.epsilon_high)", "GRPO (loss.scale_rewards)",
+               "token sum / the step's scored tokens",
+               "Yu et al. 2025, \"DAPO: An Open-Source LLM Reinforcement Learning System at Scale\"", "2503.14476"),
+    PgLossSpec("bnpo", "grpo's per-token term", "GRPO (loss.scale_rewards)",
+               "token sum / the step's scored tokens (TRL: the micro-batch's)",
+               "Xiao et al. 2025, \"BNPO: Beta Normalization Policy Optimization\"", "2506.02864"),
+    PgLossSpec("rloo", "clipped ratio of the whole completion (sequence level); KL in the reward",
+               "leave-one-out baseline (loss.normalize_advantages)", "mean over completions",
+               "Ahmadian et al. 2024, \"Back to Basics: Revisiting REINFORCE Style Optimization for Learning from "
+               "Human Feedback in LLMs\"", "2402.14740"),
+)}
+"""Every group policy-gradient loss by name, in ``PG_LOSS_NAMES`` order."""
 
 
 def _std(x: np.ndarray) -> float:
