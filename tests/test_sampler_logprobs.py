@@ -173,6 +173,9 @@ def test_generate_score_keeps_the_samples_logprobs_in_the_ranked_store(tmp_path,
     (store.path / LOGPROBS_FILE).write_bytes(data[:-4])
     with pytest.raises(StoreError, match=rf"{LOGPROBS_FILE} has {len(data) - 4} bytes"):
         Store(store.path)
+    (store.path / LOGPROBS_FILE).unlink()  # meta.json counts them: a store without the file is damaged too
+    with pytest.raises(StoreError, match=rf"{LOGPROBS_FILE} is missing"):
+        Store(store.path)
 
 
 def _samples_file(tmp_path, tok_dir, logprobs: list) -> str:

@@ -1,8 +1,9 @@
 """A stand-in for a vLLM server's OpenAI-compatible API, standard library only: ``/v1/models`` and
 ``/v1/completions`` with token-id prompts, answering with token ids drawn from the request's seed (so a test can
-recompute them: ``stub_choice``) and, asked with ``logprobs``, a log-prob per token in vLLM's format (``stub_logprobs``;
-``logprobs=False``: a server that gives none). Used in a thread by tests/test_generate_vllm.py, and run as a script for the
-server prefpack starts from a command (``--die-after N`` exits abruptly on request N+1, as a crashed server).
+recompute them: ``stub_choice``) and, asked with ``logprobs``, a log-prob per token in vLLM's format
+(``stub_logprobs``; ``logprobs=False``: a server that gives none). Used in a thread by tests/test_generate_vllm.py,
+and run as a script for the server prefpack starts from a command (``--die-after N`` exits abruptly on request N+1,
+as a crashed server).
 
 A live server's admin endpoints, shaped as vLLM's (tests/test_vllm_live.py): ``POST /collective_rpc`` (dev mode,
 ``{"method", "args", "kwargs", "timeout"}`` in, ``{"results": [one per worker]}`` out) answering the prefpack worker
@@ -204,6 +205,8 @@ class Handler(BaseHTTPRequestHandler):
                 c["logprobs"]["token_logprobs"][0] = 0.5
             elif how == "logprob_tokens":
                 c["logprobs"]["tokens"][0] = f"token_id:{ids[0] + 1}"
+            if c["token_ids"] is not ids:  # wrong ids come without log-probs (an older server's): only the ids are
+                c["logprobs"] = None  # wrong, and the answer no larger than it was
         if how == "not_objects":
             choices = ["x"] * len(choices)
         self._send({"id": "cmpl-stub", "object": "text_completion", "model": MODEL_ID, "choices": choices})

@@ -141,8 +141,9 @@ class Store:
 
     def _open_logprobs(self) -> np.ndarray | None:
         """Ranked stores written from samples with the sampler's log-probs: float32, one per token of tokens.bin
-        (NaN where there is none); None without logprobs.bin (``store_format``)."""
-        if not (self.path / LOGPROBS_FILE).exists():
+        (NaN where there is none); None without logprobs.bin (``store_format``); a store whose meta.json counts them
+        without the file, or with one of another size, is corrupt."""
+        if not (self.path / LOGPROBS_FILE).exists() and not int(self.meta.get("num_logprobs", 0) or 0):
             return None
         if self.kind != "ranked":
             raise StoreError(f"{self.path}: {LOGPROBS_FILE} is a ranked store's, but this store holds {self.kind} "

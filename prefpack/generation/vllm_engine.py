@@ -1,7 +1,8 @@
 """The vLLM engine: a client of a vLLM server's OpenAI-compatible completions API, prompts sent as token ids and
 completions read back as token ids (``return_token_ids``; from ``logprobs`` tokens written ``token_id:N`` on
-servers before it), never as text, with each sampled token's log-prob (``logprobs: 0``: ``output_logprobs``). One request per prompt (``n`` samples, the prompt's own seed, so samples do not
-depend on how requests are grouped), a few in flight at once, which vLLM batches itself.
+servers before it), never as text, with each sampled token's log-prob (``logprobs: 0``: ``output_logprobs``). One
+request per prompt (``n`` samples, the prompt's own seed, so samples do not depend on how requests are grouped), a
+few in flight at once, which vLLM batches itself.
 
 vLLM pins its own torch and transformers, so it runs in its own environment: either a server the user started
 (``url``), or one prefpack starts from a command (``server.VllmServer``) and stops after. Only the standard
@@ -388,16 +389,18 @@ def parse_choices(answer: dict, job: PromptJob, s: SamplingSettings, url: str) -
         reason, stop = choice.get("finish_reason"), choice.get("stop_reason")
         if reason not in ("stop", "length"):
             raise GenerationError(f"the vLLM server at {url} stopped a sample of row {job.row} for {reason!r}")
-        logprobs = output_logprobs(choice, ids, where)
+        sent = list(ids)  # the output ids as answered, which its log-probs are of
         if reason == "stop" and isinstance(stop, int) and not isinstance(stop, bool) and (not ids or ids[-1] != stop):
             ids.append(stop)  # a server that leaves the stop token out of the output ids
-            logprobs = None  # and so gives no log-prob of it: the sample has none, never a guessed one
         if reason == "stop" and (not ids or ids[-1] not in s.stop_token_ids):
             raise GenerationError(f"{where} a sample said to stop at a stop token that ends "
                                   f"{'with token ' + str(ids[-1]) if ids else 'empty'}, not one of the stop ids "
                                   f"{list(s.stop_token_ids)}")
         if reason == "length" and not ids:
             raise GenerationError(f"{where} an empty sample said to be cut by the length limit")
+        logprobs = output_logprobs(choice, sent, where)
+        if len(ids) != len(sent):  # a stop token put back has no log-prob: the sample has none, never a guessed one
+            logprobs = None
         out.append(Sample(tuple(ids), reason == "length", logprobs))
     return out
 
