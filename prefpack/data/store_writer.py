@@ -25,6 +25,8 @@ from prefpack.data.store_format import (
     IMAGE_FORMAT_VERSION,
     IMAGE_INDEX_FILE,
     IMAGES_FILE,
+    LOGPROB_SLACK,
+    LOGPROBS_FILE,
     MARGIN_FORMAT_VERSION,
     MARGINS_FILE,
     STORE_KINDS,
@@ -83,17 +85,28 @@ class StoreWriter:
         self._margins = None  # margins.bin, opened with the first row that gives a margin
         self._margin_hash = hashlib.sha256()
         self.n_margins = 0  # rows that gave a margin
+        self._logprobs = None  # logprobs.bin, opened with the first block that gives a sampler log-prob
+        self._logprob_hash = hashlib.sha256()
+        self.n_logprobs = 0  # completions (ranked rows) that have them
         self._img_hash = hashlib.sha256()
         self._img_idx_hash = hashlib.sha256()
         self._closed = False
 
     def append(self, tokens: np.ndarray, index_rows: np.ndarray, spans: np.ndarray | None = None,
-               images: list | None = None, margins: np.ndarray | None = None) -> None:
+               images: list | None = None, margins: np.ndarray | None = None,
+               logprobs: np.ndarray | None = None) -> None:
         """Append a block: `tokens` for several examples and their index rows with offsets relative to it, and the
         block's unscored completion tokens as ``[start, end)`` rows relative to it too (sorted, apart; the store
         keeps them as absolute positions in tokens.bin, see ``prefpack.data.spans``); and its images, each
         ``(row in the block, encoded bytes, width, height, token position in the block, tokens)``; and a pair store's
-        margins, one float64 per row, NaN where the row gives none (written as 0.0)."""
+        margins, one float64 per row, NaN where the row gives none (written as 0.0); and a ranked store's sampler
+        log-probs, one float32 per token of the block, NaN where there is none (prompt tokens; a completion without
+        them), None for a block with none at all (``store_format``: logprobs.bin)."""
+        rows_in = np.asarray(index_rows, dtype=np.int64).reshape(-1, len(self.columns))
+        if logprobs is not None:
+            self._append_logprobs(np.asarray(logprobs, dtype=np.float32), rows_in, int(tokens.size))
+        elif self._logprobs is not None:
+            self._write_nan_logprobs(int(tokens.size))
         if margins is not None and len(margins):
             self._append_margins(np.asarray(margins, dtype=np.float64), self.n_rows)
         elif self._margins is not None:
@@ -151,6 +164,45 @@ class StoreWriter:
         self._margins.write(b)
         self._margin_hash.update(b)
 
+    def _append_logprobs(self, values: np.ndarray, rows: np.ndarray, block: int) -> None:
+        """A block's log-probs, checked: one per token; NaN outside completions; per completion all NaN or all
+        finite and <= ``LOGPROB_SLACK``."""
+        if self.kind != "ranked":
+            raise StoreError(f"sampler log-probs are a ranked store's; this store holds {self.kind} examples")
+        if values.shape != (block,):
+            raise StoreError(f"{values.size} sampler log-probs for a block of {block} tokens while writing the store")
+        given = ~np.isnan(values)
+        inside = np.zeros(block, bool)
+        have = 0
+        for off, length in rows[:, :3:2].tolist():  # ranked columns: offset, prompt_len, completion_len
+            part = given[off:off + length]
+            inside[off:off + length] = True
+            if part.any() and not part.all():
+                raise StoreError("a completion with sampler log-probs for some of its tokens only while writing the "
+                                 "store")
+            have += bool(length) and bool(part.all())
+        if (given & ~inside).any():
+            raise StoreError("sampler log-probs on prompt tokens while writing the store (only completion tokens "
+                             "have them)")
+        if not np.isfinite(values[given]).all() or (values[given] > LOGPROB_SLACK).any():
+            raise StoreError("sampler log-probs that are not finite numbers <= 0 while writing the store")
+        if self._logprobs is None:
+            if not have:
+                return
+            self._logprobs = open(self.tmp / LOGPROBS_FILE, "wb")
+            self._write_nan_logprobs(self.n_tokens)  # the groups before the first with log-probs: none
+        self.n_logprobs += have
+        self._write_logprobs(values)
+
+    def _write_nan_logprobs(self, count: int, chunk: int = 1 << 20) -> None:
+        for start in range(0, count, chunk):
+            self._write_logprobs(np.full(min(chunk, count - start), np.nan, np.float32))
+
+    def _write_logprobs(self, values: np.ndarray) -> None:
+        b = np.ascontiguousarray(values, dtype=np.float32).tobytes()
+        self._logprobs.write(b)
+        self._logprob_hash.update(b)
+
     def _append_spans(self, spans: np.ndarray, block: int) -> None:
         s = spans + self.n_tokens
         if (spans[:, 0] >= spans[:, 1]).any() or spans.min() < 0 or spans.max() > block or \
@@ -183,6 +235,8 @@ class StoreWriter:
                    if self.n_spans else {}),
                 **({MARGINS_FILE: {"bytes": self.n_rows * 8, "sha256": self._margin_hash.hexdigest()}}
                    if self.n_margins else {}),
+                **({LOGPROBS_FILE: {"bytes": self.n_tokens * 4, "sha256": self._logprob_hash.hexdigest()}}
+                   if self.n_logprobs else {}),
                 **({IMAGES_FILE: {"bytes": self.n_image_bytes, "sha256": self._img_hash.hexdigest()},
                     IMAGE_INDEX_FILE: {"bytes": self.n_images * len(IMAGE_COLUMNS) * 8,
                                        "sha256": self._img_idx_hash.hexdigest()}} if self.n_images else {}),
@@ -190,6 +244,7 @@ class StoreWriter:
             "num_spans": self.n_spans,
             **({"num_images": self.n_images, "image_columns": list(IMAGE_COLUMNS)} if self.n_images else {}),
             **({"num_margins": self.n_margins} if self.n_margins else {}),
+            **({"num_logprobs": self.n_logprobs} if self.n_logprobs else {}),
         })
         if not self.n_spans:  # every completion token scored: no spans.bin, as in a version-1 store
             (self.tmp / SPANS_FILE).unlink()
@@ -233,6 +288,8 @@ class StoreWriter:
             self._spans.close()
             if self._margins is not None:
                 self._margins.close()
+            if self._logprobs is not None:
+                self._logprobs.close()
             if self._images is not None:
                 self._images.close()
                 self._image_index.close()

@@ -5,6 +5,13 @@ An engine turns prompts (token ids, never text) into ``n`` completions each, as 
 first stop token (the template's end-of-turn and EOS), which it keeps, as prepare keeps EOS at a completion's end;
 one that reaches ``max_new_tokens`` without a stop token is marked ``truncated``. Each prompt's sampling is seeded
 from ``(seed, row)`` so that an engine that can seed each prompt (vLLM) gives samples independent of batching.
+
+A sample also carries the sampling policy's log-prob of each of its tokens (``Sample.logprobs``), for the importance
+ratios of on-policy objectives (GRPO): the log-prob under the model's *raw* distribution, ``log_softmax`` of its
+logits before temperature, top-p or any other processing (vLLM's default ``logprobs_mode``, ``raw_logprobs``). Raw,
+because the trainer compares them with its own forward of the same tokens, which is un-tempered: a tempered value
+would differ from the trainer's by the temperature alone, even for identical weights. An engine that cannot give
+them (an older vLLM server that answers without ``token_logprobs``) leaves them None; they are never guessed.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+from prefpack.data.store_format import LOGPROB_SLACK
 from prefpack.errors import PrefpackError
 
 
@@ -65,11 +73,13 @@ class PromptJob:
 
 @dataclass(frozen=True)
 class Sample:
-    """One completion: its token ids (ending with the stop token when one was sampled) and whether the length
-    limit cut it (no stop token)."""
+    """One completion: its token ids (ending with the stop token when one was sampled), whether the length limit cut
+    it (no stop token), and the sampling model's raw log-prob of each of its tokens (one per id; None when the engine
+    gave none)."""
 
     ids: tuple[int, ...]
     truncated: bool
+    logprobs: tuple[float, ...] | None = None
 
 
 class GenerationEngine(Protocol):
@@ -96,11 +106,27 @@ def prompt_seed(seed: int, row: int) -> int:
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
-def finish(ids: Sequence[int], stop_ids: Sequence[int]) -> Sample:
+def finish(ids: Sequence[int], stop_ids: Sequence[int], logprobs: Sequence[float] | None = None) -> Sample:
     """A raw continuation cut after its first stop token (what follows is padding or never sampled); truncated when
-    it holds none."""
+    it holds none. ``logprobs`` (one per raw id) are cut with the ids."""
     stops = set(stop_ids)
+    end, cut = len(ids), True
     for k, tid in enumerate(ids):
         if tid in stops:
-            return Sample(tuple(int(t) for t in ids[: k + 1]), False)
-    return Sample(tuple(int(t) for t in ids), True)
+            end, cut = k + 1, False
+            break
+    kept = None if logprobs is None else tuple(float(x) for x in logprobs[:end])
+    return Sample(tuple(int(t) for t in ids[:end]), cut, kept)
+
+
+def logprobs_problem(ids: Sequence[int], logprobs) -> str | None:
+    """What is wrong with a sample's log-probs (None: nothing): one finite float <= 0 (``LOGPROB_SLACK`` above 0
+    allowed, rounding) per token id."""
+    if not isinstance(logprobs, list | tuple):
+        return f"log-probs that are not a list ({type(logprobs).__name__})"
+    if len(logprobs) != len(ids):
+        return f"{len(logprobs)} log-probs for its {len(ids)} tokens"
+    for k, x in enumerate(logprobs):
+        if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x) or x > LOGPROB_SLACK:
+            return f"log-prob {x!r} at token {k}, not a finite number <= 0"
+    return None

@@ -6,6 +6,11 @@ with) and put back as it was after each call.
 Sampling draws from torch's global generator, seeded per batch from ``(seed, first row of the batch)`` inside
 ``fork_rng`` (the caller's random state is left as it was): the same seed and batch size give the same samples;
 another batch size gives other (equally valid) samples, since a batch's prompts share one stream of draws.
+
+Each sample's log-probs (``Sample.logprobs``, raw: before temperature and top-p) are read from the logits ``generate``
+returns with ``output_logits=True``, not from its processed scores. Those logits are held until the call returns:
+steps x (prompts x n) x vocabulary float32 values per batch, which a large vocabulary and long samples make sizeable
+on the device (a smaller batch size bounds it).
 """
 
 from __future__ import annotations
@@ -116,12 +121,27 @@ class TransformersEngine:
         try:
             with torch.random.fork_rng(devices=devices), torch.no_grad():
                 torch.manual_seed(prompt_seed(s.seed, jobs[0].row))
-                seqs = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                           generation_config=config)
+                out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                          generation_config=config, output_logits=True, return_dict_in_generate=True)
+                new_ids = out.sequences[:, width:]
+                logprobs = sampled_logprobs(out.logits, new_ids)
+                del out
         finally:
             holder.generation_config = own
-        new = seqs[:, width:].tolist()
-        return [[finish(new[i * s.n + k], s.stop_token_ids) for k in range(s.n)] for i in range(len(jobs))]
+        new, lps = new_ids.tolist(), logprobs.tolist()
+        return [[finish(new[i * s.n + k], s.stop_token_ids, lps[i * s.n + k]) for k in range(s.n)]
+                for i in range(len(jobs))]
+
+
+def sampled_logprobs(step_logits: Sequence[torch.Tensor], new_ids: torch.Tensor) -> torch.Tensor:
+    """[rows, steps] float64: each sampled token's log-prob under the raw distribution of its step (log_softmax of
+    the model's logits as transformers returns them with ``output_logits``: float32, before temperature and top-p;
+    ``engine.Sample``). A row's steps after its stop token hold its padding's values, cut by ``finish``."""
+    if not len(step_logits):
+        return torch.zeros(new_ids.shape, dtype=torch.float64)
+    cols = [torch.log_softmax(logits.float(), dim=-1).gather(1, new_ids[:, t:t + 1].to(logits.device))
+            for t, logits in enumerate(step_logits)]
+    return torch.cat(cols, dim=1).double().cpu()
 
 
 @contextmanager

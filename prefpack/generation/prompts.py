@@ -29,7 +29,8 @@ from prefpack.tokenizer import HASH_VERSION, load_tokenizer, special_tokens, tok
 
 PROMPT_FIELDS = ("prompt", "messages")  # where a row's prompt is looked for when no field is named
 # the samples' own keys (samples.SAMPLE_KEYS), which a source row's field of the same name cannot pass through as
-RESERVED = ("prompt_ids", "completion_ids", "prompt", "completions", "truncated", "row", "messages")
+RESERVED = ("prompt_ids", "completion_ids", "prompt", "completions", "truncated", "row", "messages",
+            "logprobs")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,13 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prefpack.generation.engine import GenerationEngine, GenerationError, PromptJob, SamplingSettings
+from prefpack.generation.engine import (
+    GenerationEngine,
+    GenerationError,
+    PromptJob,
+    SamplingSettings,
+    logprobs_problem,
+)
 from prefpack.generation.prompts import Prompt, PromptSource, RowPrompts, StorePrompts
 from prefpack.generation.samples import SamplesWriter, check_not_inputs, meta_path, samples_record
 from prefpack.generation.stops import stop_token_ids
@@ -307,6 +313,8 @@ def _chunk(chunk: list[Prompt], engine, settings, writer: SamplesWriter, tok, co
                "prompt": tok.decode(list(prompt.ids), skip_special_tokens=False),
                "completions": [tok.decode(list(s.ids), skip_special_tokens=True) for s in samples],
                "truncated": [s.truncated for s in samples], "row": prompt.row}
+        if any(s.logprobs is not None for s in samples):  # the sampler's log-prob of each token (engine.Sample)
+            row["logprobs"] = [None if s.logprobs is None else list(s.logprobs) for s in samples]
         if prompt.messages is not None:
             row["messages"] = prompt.messages
         row.update(prompt.fields)
@@ -326,7 +334,8 @@ def _engine_name(engine) -> str:
 
 def check_answers(prompts: list[Prompt], results: list, settings: SamplingSettings, vocab: int, engine: str) -> None:
     """An engine's answer before any of it is written: a list of ``n`` samples for each prompt asked, each of at most
-    ``max_new_tokens`` ids inside the tokenizer's ``vocab`` (one line naming the engine, the row and what is wrong)."""
+    ``max_new_tokens`` ids inside the tokenizer's ``vocab``, with one finite log-prob <= 0 per id when it gives them
+    (one line naming the engine, the row and what is wrong)."""
     if len(results) != len(prompts):
         raise GenerationError(f"the {engine} answered {len(results)} prompts of the {len(prompts)} asked")
     for prompt, samples in zip(prompts, results):
@@ -341,3 +350,7 @@ def check_answers(prompts: list[Prompt], results: list, settings: SamplingSettin
             if bad is not None:
                 raise GenerationError(f"the {engine} answered row {prompt.row} with token id {bad}, outside the "
                                       f"tokenizer's {vocab} ids (another model or tokenizer than the prompts')")
+            problem = None if sample.logprobs is None else logprobs_problem(sample.ids, sample.logprobs)
+            if problem is not None:
+                raise GenerationError(f"the {engine} answered row {prompt.row} with a sample of {len(sample.ids)} "
+                                      f"tokens with {problem}")

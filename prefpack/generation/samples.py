@@ -4,7 +4,9 @@ A row: ``prompt_ids`` (the ids the completions continue, as training reads them)
 sampled token, ending with the stop token unless cut), ``prompt`` and ``completions`` (decoded, for reading and for
 reward functions: completions without special tokens), ``truncated`` (per completion: cut by max_new_tokens, no stop
 token), ``row`` (the prompt's row in its source), ``messages`` (a chat prompt's messages, for a scorer with another
-template), then the source row's other fields. The meta: the tokenizer record a store's meta.json holds, the chat
+template), ``logprobs`` (only when the engine gave them: per completion, the sampling model's raw log-prob of each of
+its tokens, one per id, or null for a completion without them; ``engine.Sample``), then the source row's other
+fields. The meta: the tokenizer record a store's meta.json holds, the chat
 template's hash, the prompt source with its content hash (``prompts.sha256``), the generation settings (engine, n,
 seed, ...), the samples file's own record (``samples``: its name and the rows it is to hold; once finished its rows
 and sha256, so a meta beside another file is told apart) and, once finished, counts.

@@ -1,7 +1,8 @@
 """The vLLM engine: a client of a vLLM server's OpenAI-compatible completions API, prompts sent as token ids and
 completions read back as token ids (``return_token_ids``; from ``logprobs`` tokens written ``token_id:N`` on
-servers before it), never as text. One request per prompt (``n`` samples, the prompt's own seed, so samples do not
-depend on how requests are grouped), a few in flight at once, which vLLM batches itself.
+servers before it), never as text, with each sampled token's log-prob (``logprobs: 0``: ``output_logprobs``). One
+request per prompt (``n`` samples, the prompt's own seed, so samples do not depend on how requests are grouped), a
+few in flight at once, which vLLM batches itself.
 
 vLLM pins its own torch and transformers, so it runs in its own environment: either a server the user started
 (``url``), or one prefpack starts from a command (``server.VllmServer``) and stops after. Only the standard
@@ -24,7 +25,14 @@ import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from prefpack.generation.engine import GenerationError, PromptJob, Sample, SamplingSettings, prompt_seed
+from prefpack.generation.engine import (
+    GenerationError,
+    PromptJob,
+    Sample,
+    SamplingSettings,
+    logprobs_problem,
+    prompt_seed,
+)
 from prefpack.generation.vllm_worker import EXTENSION, RELOAD_METHOD, VERSION_METHOD, weight_files
 
 DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds one completions request may take (n long samples of a big model)
@@ -381,6 +389,7 @@ def parse_choices(answer: dict, job: PromptJob, s: SamplingSettings, url: str) -
         reason, stop = choice.get("finish_reason"), choice.get("stop_reason")
         if reason not in ("stop", "length"):
             raise GenerationError(f"the vLLM server at {url} stopped a sample of row {job.row} for {reason!r}")
+        sent = list(ids)  # the output ids as answered, which its log-probs are of
         if reason == "stop" and isinstance(stop, int) and not isinstance(stop, bool) and (not ids or ids[-1] != stop):
             ids.append(stop)  # a server that leaves the stop token out of the output ids
         if reason == "stop" and (not ids or ids[-1] not in s.stop_token_ids):
@@ -389,8 +398,38 @@ def parse_choices(answer: dict, job: PromptJob, s: SamplingSettings, url: str) -
                                   f"{list(s.stop_token_ids)}")
         if reason == "length" and not ids:
             raise GenerationError(f"{where} an empty sample said to be cut by the length limit")
-        out.append(Sample(tuple(ids), reason == "length"))
+        logprobs = output_logprobs(choice, sent, where)
+        if len(ids) != len(sent):  # a stop token put back has no log-prob: the sample has none, never a guessed one
+            logprobs = None
+        out.append(Sample(tuple(ids), reason == "length", logprobs))
     return out
+
+
+def output_logprobs(choice: dict, ids: list[int], where: str) -> tuple[float, ...] | None:
+    """A choice's sampled-token log-probs, asked with ``logprobs: 0``: vLLM's completions answer gives
+    ``choices[i].logprobs = {"tokens": ["token_id:N", ...], "token_logprobs": [float, ...], "top_logprobs",
+    "text_offset"}``, one entry per output token, the stop token included (vLLM >= 0.10.2 computes them from the raw
+    logits by default, ``--logprobs-mode raw_logprobs``: ``engine.Sample``; a value of -inf is sent as -9999.0).
+    None when the choice holds no ``logprobs`` object or no ``token_logprobs`` (a server that gives none: never
+    guessed); else one finite number <= 0 per output id, the ``token_id:N`` tokens (when given) the ids themselves,
+    or a one-line error."""
+    block = choice.get("logprobs")
+    if block is None:
+        return None
+    if not isinstance(block, dict):
+        raise GenerationError(f"{where} logprobs that are not an object ({type(block).__name__})")
+    values = block.get("token_logprobs")
+    if values is None:
+        return None
+    problem = logprobs_problem(ids, values)
+    if problem is not None:
+        raise GenerationError(f"{where} a sample of {len(ids)} tokens with {problem}")
+    tokens = block.get("tokens")
+    if isinstance(tokens, list) and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens) and \
+            [t.removeprefix("token_id:") for t in tokens] != [str(t) for t in ids]:
+        raise GenerationError(f"{where} log-probs of other tokens than its token_ids (logprobs.tokens "
+                              f"{tokens[:4]}..., token_ids {ids[:4]}...)")
+    return tuple(float(x) for x in values)
 
 
 def output_ids(choice: dict, where: str = "the vLLM server answered") -> list[int] | None:

@@ -1,6 +1,8 @@
 """What ``prefpack score`` writes: a ranked store (each row's completions with their scores, the prompt once), a pair
 store of the pairs ``--pairs`` draws, or JSONL rows with a ``scores`` list. Stores go through the store writer (a
-temporary folder renamed into place); token ids are written as read, with each completion's unscored spans kept.
+temporary folder renamed into place); token ids are written as read, with each completion's unscored spans kept, and
+a ranked store keeps the sampler's per-token log-probs of completions that have them (logprobs.bin,
+``data.store_format``; a pair store does not).
 Nothing time-dependent is recorded, so a resumed run writes exactly the store an uninterrupted one writes.
 """
 
@@ -75,12 +77,16 @@ def _flags(row: ScoreRow, k: int) -> int:
 
 def _append_group(writer: StoreWriter, row: ScoreRow, scores: list[float]) -> None:
     flat, index, spans = list(row.prompt_ids), [], []
+    logprobs = [np.full(len(row.prompt_ids), np.nan, np.float32)]  # the sampler's, per token; NaN: none (prompt)
     for k, (ids, score) in enumerate(zip(row.completion_ids, scores)):
         index.append([len(flat), len(row.prompt_ids), len(ids), score_bits(score), 0, _flags(row, k), 0, row.row])
         if row.scored[k] is not None:
             spans.append(mask_to_spans(row.scored[k], len(flat)))
+        lp = row.logprobs_of(k)
+        logprobs.append(np.full(len(ids), np.nan, np.float32) if lp is None else np.asarray(lp, np.float32))
         flat.extend(ids)
-    _append(writer, flat, index, spans)
+    given = any(row.logprobs_of(k) is not None for k in range(len(row.completion_ids)))
+    _append(writer, flat, index, spans, np.concatenate(logprobs) if given else None)
 
 
 def _append_pairs(writer: StoreWriter, row: ScoreRow, pairs: list[tuple[int, int]], skipped: Counter) -> None:
@@ -98,12 +104,11 @@ def _append_pairs(writer: StoreWriter, row: ScoreRow, pairs: list[tuple[int, int
     _append(writer, flat, index, spans)
 
 
-def _append(writer: StoreWriter, flat: list[int], index: list[list[int]], spans: list[np.ndarray]) -> None:
+def _append(writer: StoreWriter, flat: list[int], index: list[list[int]], spans: list[np.ndarray],
+            logprobs: np.ndarray | None = None) -> None:
     tokens = np.asarray(flat, dtype=np.int64)
-    if spans:
-        writer.append(tokens, np.asarray(index, dtype=np.int64), np.concatenate(spans))
-    else:
-        writer.append(tokens, np.asarray(index, dtype=np.int64))
+    writer.append(tokens, np.asarray(index, dtype=np.int64), np.concatenate(spans) if spans else None,
+                  logprobs=logprobs)
 
 
 def write_jsonl(rows: Iterable[tuple[ScoreRow, list[float]]], output: str, *, overwrite: bool) -> int:

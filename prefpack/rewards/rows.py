@@ -2,8 +2,9 @@
 never re-tokenised when the input holds ids.
 
 Three inputs:
-- a samples file (``prefpack generate``'s JSONL: ``prompt_ids``, ``completion_ids``, ``truncated``, ``row`` and any
-  passthrough field, with ``samples.meta.json`` beside it naming the tokenizer by name and hash);
+- a samples file (``prefpack generate``'s JSONL: ``prompt_ids``, ``completion_ids``, ``truncated``, ``row``, the
+  sampler's per-token ``logprobs`` when the engine gave them, and any passthrough field, with ``samples.meta.json``
+  beside it naming the tokenizer by name and hash);
 - JSONL rows of text, ``{prompt, completions}`` (no scores needed) or pairs, checked and tokenised by prepare's own
   code (``data.formats.extract``, ``data.tokenize.ExampleTokenizer``), so the ids are those ``prepare`` writes;
 - a store (pairs: each pair is a row of two completions; ranked: each prompt group is a row).
@@ -38,7 +39,8 @@ class ScoreInputError(PrefpackError, ValueError):
 class ScoreRow:
     """One prompt and its completions, as scorers see it. ``row`` numbers the input's rows from 0 (a store's pair or
     prompt group); ``fields`` is the input row as read (passthrough fields such as ``label`` reach a reward function
-    and the JSONL output); ``scored`` is a completion's score mask (None: every token is scored)."""
+    and the JSONL output); ``scored`` is a completion's score mask (None: every token is scored); ``logprobs`` a
+    completion's sampler log-probs, one per token (None: the sampler gave none; an empty list: none for any)."""
 
     row: int
     prompt_ids: list[int]
@@ -48,6 +50,11 @@ class ScoreRow:
     truncated: list[bool]
     scored: list[np.ndarray | None] = field(default_factory=list)
     fields: dict = field(default_factory=dict)
+    logprobs: list[np.ndarray | None] = field(default_factory=list)
+
+    def logprobs_of(self, k: int) -> np.ndarray | None:
+        """Completion ``k``'s sampler log-probs (float64, one per token), None when it has none."""
+        return self.logprobs[k] if k < len(self.logprobs) else None
 
 
 class ScoreInput:
@@ -159,7 +166,10 @@ class ScoreInput:
         for g in range(len(starts) - 1):
             prompt, comps = s.ranked_group(g)
             cut = [bool(f & FLAG_COMPLETION_TRUNCATED) for f in flags[starts[g]:starts[g + 1]]]
-            yield self._row_of(g, prompt, comps, cut)
+            row = self._row_of(g, prompt, comps, cut)
+            if s.sampler_logprobs is not None:  # a ranked store's sampler log-probs carry on to the new one
+                row.logprobs = [s.completion_logprobs(i) for i in range(int(starts[g]), int(starts[g + 1]))]
+            yield row
 
     def _row_of(self, i: int, prompt, comps, cut: list[bool], fields: dict | None = None) -> ScoreRow:
         p = [int(t) for t in prompt]
@@ -182,7 +192,8 @@ class ScoreInput:
             if not (isinstance(texts, list) and len(texts) == len(comps) and all(isinstance(t, str) for t in texts)):
                 texts = [self._decode(c) for c in comps]
             prompt_text = row["prompt"] if isinstance(row.get("prompt"), str) else self._decode(prompt)
-            yield ScoreRow(i, prompt, comps, prompt_text, texts, cut, [None] * len(comps), row)
+            yield ScoreRow(i, prompt, comps, prompt_text, texts, cut, [None] * len(comps), row,
+                           _logprobs(row, comps, where))
 
     def _text_rows(self) -> Iterator[ScoreRow]:
         from prefpack.data.tokenize import Dropped, ExampleTokenizer, TokenizeConfig
@@ -264,6 +275,26 @@ def _json_rows(path: Path) -> Iterator[tuple[int, dict]]:
 def _open(path: Path):
     """A JSONL file, gzipped when its name ends in .gz."""
     return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+def _logprobs(row: dict, comps: list[list[int]], where: str) -> list[np.ndarray | None]:
+    """A samples row's ``logprobs`` (generate writes them when its engine gave them): absent or null, none; else one
+    entry per completion, null or one finite log-prob <= 0 per completion token; else a one-line error naming the
+    file, the line and the completion."""
+    from prefpack.generation.engine import logprobs_problem
+
+    given = row.get("logprobs")
+    if given is None:
+        return [None] * len(comps)
+    if not isinstance(given, list) or len(given) != len(comps):
+        raise ScoreInputError(f"{where}, field 'logprobs': one list (or null) per completion, {len(comps)} in all")
+    out: list[np.ndarray | None] = []
+    for k, (values, ids) in enumerate(zip(given, comps)):
+        problem = None if values is None else logprobs_problem(ids, values)
+        if problem is not None:
+            raise ScoreInputError(f"{where}, field 'logprobs', completion {k}: {problem}")
+        out.append(None if values is None else np.asarray(values, dtype=np.float64))
+    return out
 
 
 def _ids(row: dict, name: str, where: str, vocab: int) -> list[int]:
