@@ -7,10 +7,10 @@ Sampling draws from torch's global generator, seeded per batch from ``(seed, fir
 ``fork_rng`` (the caller's random state is left as it was): the same seed and batch size give the same samples;
 another batch size gives other (equally valid) samples, since a batch's prompts share one stream of draws.
 
-Each sample's log-probs (``Sample.logprobs``, raw: before temperature and top-p) are read from the logits ``generate``
-returns with ``output_logits=True``, not from its processed scores. Those logits are held until the call returns:
-steps x (prompts x n) x vocabulary float32 values per batch, which a large vocabulary and long samples make sizeable
-on the device (a smaller batch size bounds it).
+Each sample's log-probs (``Sample.logprobs``, raw: before temperature and top-p) are read from the model's own
+logits at each step, by hooks on its forward (:class:`_RawLogprobs`): the step's log-softmax is kept until the next
+forward shows which token was sampled, so one [rows, vocabulary] tensor is held, not every step's logits
+(``output_logits=True`` would hold steps x rows x vocabulary floats: gigabytes for a 150k vocabulary).
 """
 
 from __future__ import annotations
@@ -121,10 +121,11 @@ class TransformersEngine:
         try:
             with torch.random.fork_rng(devices=devices), torch.no_grad():
                 torch.manual_seed(prompt_seed(s.seed, jobs[0].row))
-                out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                          generation_config=config, output_logits=True, return_dict_in_generate=True)
-                new_ids = out.sequences[:, width:]
-                logprobs = sampled_logprobs(out.logits, new_ids)
+                with _RawLogprobs(holder) as raw:
+                    out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                              generation_config=config)
+                new_ids = out[:, width:]
+                logprobs = raw.collect(new_ids)
                 del out
         finally:
             holder.generation_config = own
@@ -133,15 +134,45 @@ class TransformersEngine:
                 for i in range(len(jobs))]
 
 
-def sampled_logprobs(step_logits: Sequence[torch.Tensor], new_ids: torch.Tensor) -> torch.Tensor:
-    """[rows, steps] float64: each sampled token's log-prob under the raw distribution of its step (log_softmax of
-    the model's logits as transformers returns them with ``output_logits``: float32, before temperature and top-p;
-    ``engine.Sample``). A row's steps after its stop token hold its padding's values, cut by ``finish``."""
-    if not len(step_logits):
-        return torch.zeros(new_ids.shape, dtype=torch.float64)
-    cols = [torch.log_softmax(logits.float(), dim=-1).gather(1, new_ids[:, t:t + 1].to(logits.device))
-            for t, logits in enumerate(step_logits)]
-    return torch.cat(cols, dim=1).double().cpu()
+class _RawLogprobs:
+    """Each sampled token's raw log-prob, read by hooks on the model's forward while ``generate`` runs: after a
+    forward its last position's log-softmax is kept; the next forward's last input id is the token sampled from it
+    (read then), and the last token's after ``generate`` returns (:meth:`collect`)."""
+
+    def __init__(self, model):
+        self.model, self.prev, self.cols, self.handles = model, None, [], []
+
+    def __enter__(self) -> _RawLogprobs:
+        self.handles = [self.model.register_forward_pre_hook(self._before, with_kwargs=True),
+                        self.model.register_forward_hook(self._after, with_kwargs=True)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _before(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if self.prev is not None and ids is not None:
+            self.cols.append(self.prev.gather(1, ids[:, -1:].to(self.prev.device)).double().cpu())
+
+    def _after(self, module, args, kwargs, output):
+        logits = output.logits if hasattr(output, "logits") else output[0]
+        self.prev = torch.log_softmax(logits[:, -1].float(), dim=-1)
+
+    def collect(self, new_ids: torch.Tensor) -> torch.Tensor:
+        """[rows, steps] float64, one per sampled token (a row's steps after its stop token hold its padding's
+        values, cut by ``finish``)."""
+        if self.prev is not None and new_ids.shape[1]:
+            self.cols.append(self.prev.gather(1, new_ids[:, -1:].to(self.prev.device)).double().cpu())
+        self.prev = None
+        out = torch.cat(self.cols, dim=1) if self.cols else torch.zeros(new_ids.shape, dtype=torch.float64)
+        self.cols = []
+        if tuple(out.shape) != tuple(new_ids.shape):
+            raise GenerationError(f"the sampler's log-probs: {tuple(out.shape)} for {tuple(new_ids.shape)} sampled "
+                                  "tokens (the model's generate did not run one forward per token)")
+        return out
 
 
 @contextmanager
