@@ -60,7 +60,7 @@ def warm_pairs(rows: list[dict], seed: int = 0) -> list[dict]:
     return out
 
 
-def rounds_config(root: Path, objective: str, *, count: int = 3, steps: int = 8, seed: int = 0) -> str:
+def rounds_config(root: Path, objective: str, *, count: int = 3, steps: int = 24, seed: int = 0) -> str:
     """The YAML of a rounds run from the warm start: ``preference`` (DPO on best-vs-worst pairs, runs today) or
     ``policy_gradient`` (GRPO on each round's groups of k samples)."""
     head = {"preference": "# On-policy rounds with DPO (best vs worst sample of each prompt) on the arithmetic task.",
@@ -71,7 +71,7 @@ def rounds_config(root: Path, objective: str, *, count: int = 3, steps: int = 8,
              % seed)
     loss = ("loss: {beta: 0.1, terms: [{name: sigmoid}, {name: nll, weight: 0.2}]}" if objective == "preference"
             else "loss: {terms: [{name: grpo}]}")
-    reference = "reference: {mode: copy}" if objective == "preference" else "reference: {mode: none}"
+    reference = "reference: {mode: copy}\n" if objective == "preference" else ""
     name = "dpo" if objective == "preference" else "grpo"
     return f"""{head}
 # Written by `prefpack quickstart --task arithmetic`; run it with `prefpack train {root / f'rounds-{name}.yaml'}`.
@@ -81,8 +81,7 @@ def rounds_config(root: Path, objective: str, *, count: int = 3, steps: int = 8,
 model: {{name_or_path: {root / 'warm' / 'final'}}}
 {train}
 {loss}
-{reference}
-optim: {{lr: 3.0e-3, schedule: constant, warmup_steps: 0}}
+{reference}optim: {{lr: 1.0e-3, schedule: constant, warmup_steps: 0}}
 rounds:
   count: {count}
   steps_per_round: {steps}
