@@ -66,9 +66,8 @@ def rounds_config(root: Path, objective: str, *, count: int = 3, steps: int = 24
     head = {"preference": "# On-policy rounds with DPO (best vs worst sample of each prompt) on the arithmetic task.",
             "policy_gradient": "# On-policy rounds with GRPO (group policy gradient on each round's k scored samples "
                                "per prompt)\n# on the arithmetic task."}[objective]
-    train = ("train: {global_batch_pairs: 16, micro_batch_tokens: 1024, seed: %d}" % seed if objective == "preference"
-             else "train: {objective: policy_gradient, global_batch_pairs: 16, micro_batch_tokens: 1024, seed: %d}"
-             % seed)
+    pg = "objective: policy_gradient, " if objective == "policy_gradient" else ""
+    train = f"train: {{{pg}global_batch_pairs: 16, micro_batch_tokens: 1024, seed: {seed}}}"
     loss = ("loss: {beta: 0.1, terms: [{name: sigmoid}, {name: nll, weight: 0.2}]}" if objective == "preference"
             else "loss: {terms: [{name: grpo}]}")
     reference = "reference: {mode: copy}\n" if objective == "preference" else ""
