@@ -102,3 +102,12 @@ def test_prefpack_score_with_the_reward_function(built, tmp_path):
     run_here(["score", tmp_path / "rows.jsonl", "--tokenizer", root / "tokenizer", "--reward-fn",
               f"{root / 'reward.py'}:exact_answer", "--format", "jsonl", "--output", tmp_path / "rows-scored.jsonl"])
     assert [r["scores"] for r in read_jsonl(tmp_path / "rows-scored.jsonl")] == [[1.0, 0.0, 0.0, 0.0], [1.0, 1.0]]
+
+
+def test_the_docs_show_the_reward_function_as_it_is():
+    page = (Path(__file__).parents[1] / "docs" / "on-policy.md").read_text()
+    section = page[page.index("## Verifiable rewards: the arithmetic example"):]
+    shown = section[section.index("```python\n") + len("```python\n"):]
+    shown = shown[:shown.index("```")]
+    code = (Path(__file__).parents[1] / "prefpack" / "arithmetic_reward.py").read_text()
+    assert "def exact_answer(" in shown and code.endswith(shown)
