@@ -321,10 +321,15 @@ def add_quickstart(sub) -> None:
     p.add_argument("--images", action="store_true",
                    help="write README's 'Images' example and stop: generated image pairs, a processor folder and a "
                    "tiny Qwen2-VL (default folder runs/quickstart-images)")
-    p.add_argument("--output-dir", default=None, help="default: runs/quickstart (toy), runs/quickstart-small (small)")
+    p.add_argument("--task", choices=("reviews", "arithmetic"), default="reviews",
+                   help="reviews: the DPO demo (default); arithmetic: write the verifiable-reward example for "
+                   "on-policy rounds and stop (additions A+B=, an exact-answer reward.py, a warm-started tiny model, "
+                   "DPO and GRPO rounds configs; default folder runs/arithmetic; docs/on-policy.md)")
+    p.add_argument("--output-dir", default=None, help="default: runs/quickstart (toy), runs/quickstart-small (small), "
+                   "runs/arithmetic (--task arithmetic)")
     p.add_argument("--steps", type=int, default=None,
                    help="toy: stop DPO after this many steps (default: one epoch); small: language-model "
-                   "training steps (default 30)")
+                   "training steps (default 30); arithmetic: the warm start's SFT steps (default 120)")
     p.add_argument("--data", default=None, help="small: conversations to build the tokenizer and train on (pairs "
                    ".jsonl[.gz] or a text column; default: the bundled hh sample)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data, the model's initial weights and the training order (default 0)")
@@ -334,6 +339,16 @@ def run_quickstart(args, argv) -> int:
     from prefpack.quickstart import IMAGES_DIR, SMALL_MODEL_DIR, build_image_example, build_small_model
     from prefpack.quickstart import run_quickstart as go
 
+    if args.task == "arithmetic":
+        from prefpack.arithmetic import ARITHMETIC_DIR, WARM_STEPS, build_arithmetic
+        from prefpack.errors import PrefpackError
+
+        if args.images or args.model_size != "toy" or args.data is not None:
+            raise PrefpackError("--task arithmetic goes alone (with --output-dir, --steps, --seed); it builds its own "
+                                "model and data")
+        build_arithmetic(args.output_dir or ARITHMETIC_DIR, seed=args.seed,
+                         warm_steps=WARM_STEPS if args.steps is None else args.steps, log=print)
+        return 0
     if args.images:
         build_image_example(args.output_dir or IMAGES_DIR, seed=args.seed, log=print)
         return 0
