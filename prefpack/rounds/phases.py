@@ -45,12 +45,14 @@ class RoundsResult:
     final_dir: Path | None = None
 
     def summary(self) -> str:
+        """The rounds as a table (a ranked round store, group policy gradients', has no pairs: '-')."""
         held_out = any("eval_reward/mean" in m for m in self.rounds)
         lines = [f"{'round':>5} {'reward mean':>12} {'min':>8} {'max':>8} {'pairs':>6} {'tied':>5} {'cut':>5}"
                  + (f" {'held-out reward':>16}" if held_out else "")]
         for m in self.rounds:
             lines.append(f"{m['round'] + 1:>5} {m['reward/mean']:>12.4f} {m['reward/min']:>8.3f} "
-                         f"{m['reward/max']:>8.3f} {m['pairs']:>6} {m['tied_prompts']:>5} {m['cut_samples']:>5}"
+                         f"{m['reward/max']:>8.3f} {m.get('pairs', '-'):>6} {m.get('tied_prompts', '-'):>5} "
+                         f"{m.get('cut_samples', '-'):>5}"
                          + (f" {m.get('eval_reward/mean', float('nan')):>16.4f}" if held_out else ""))
         lines.append(f"final model: {self.final_dir}   metrics: {self.run_dir / 'metrics.jsonl'}")
         return "\n".join(lines)
