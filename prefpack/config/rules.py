@@ -22,7 +22,14 @@ if TYPE_CHECKING:
 def warnings(cfg: Config) -> list[str]:
     """``Config.warnings``: allowed but probably unintended settings, for the CLI to print."""
     out = []
-    if cfg.reference.mode != "none" and cfg.loss.terms and not cfg.needs_reference():
+    objective = TRAIN_OBJECTIVES.get(cfg.train.objective)
+    if objective is not None and objective.round_output == "ranked" and cfg.rounds.count > 0 and (
+            cfg.rounds.pairs != "best_vs_worst" or cfg.rounds.min_gap):
+        out.append(f"rounds.pairs / rounds.min_gap draw pairs; train.objective={cfg.train.objective} trains every "
+                   "sample of each round with its score, so they are ignored")
+    if objective is not None and objective.loss_names is not None:
+        pass  # a policy gradient's reference is read only by its KL term: the reference stage leaves it out at 0
+    elif cfg.reference.mode != "none" and cfg.loss.terms and not cfg.needs_reference():
         out.append(
             f"reference.mode is {cfg.reference.mode!r} but no loss term reads the reference "
             f"({', '.join(t.name for t in cfg.loss.terms)}); reference.mode=none saves memory and time"

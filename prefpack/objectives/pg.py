@@ -53,8 +53,9 @@ __all__ = ["GroupPolicyTask", "pg_forward_options"]
 
 def pg_forward_options(settings: RunSettings | None = None) -> dict:
     """What the policy forward returns for group policy gradients: each token's log-prob (the old policy's, recomputed
-    by the policy) and the entropy reported."""
-    return {"entropy": True, "token_logps": True}
+    by the policy), the entropy reported, and a MoE model's router loss (``loss.router_aux_loss_coef``)."""
+    aux = bool(settings is not None and settings.router_aux_loss_coef)
+    return {"entropy": True, "token_logps": True, "router_aux": aux}
 
 
 _STORE, _OLD, _ADVANTAGES = "pg_store", "pg_old_logprobs", "pg_advantages"  # state_dict keys
@@ -323,7 +324,13 @@ class GroupPolicyTask(PromptGroupTask):
             metrics["sampler_gap"] = (sums["sampler_gap"] / n).detach()
         if out.entropy_mean is not None:
             metrics["entropy"] = out.entropy_mean.detach()
-        return LossOutput(self.weight * value, metrics)
+        value = self.weight * value
+        coef = self.settings.router_aux_loss_coef
+        if out.aux_loss is not None and coef:  # as the pair objectives: coef * aux on every unit of the micro-batch
+            aux = out.aux_loss.to(value.device, value.dtype)
+            value = value + coef * aux
+            metrics["aux_loss"] = aux.detach().expand(value.shape[0])
+        return LossOutput(value, metrics)
 
 
 def _gap_only(logp, *, sampler=None):
