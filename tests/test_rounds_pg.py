@@ -23,7 +23,7 @@ from tests.conftest import quiet, read_jsonl
 from tests.test_rounds import overrides, task  # noqa: F401 - task: the quickstart fixture, built for this module too
 
 # test_rounds' difflib closeness to the label, made coarse (1 when at least 0.3, else 0) so that some prompts' four
-# samples all tie (9 of 16 in round 1): the ranked store must keep them
+# samples all tie (8 of 16 in round 1, 5 in round 2): the ranked store must keep them
 REWARD = '''import difflib
 
 
