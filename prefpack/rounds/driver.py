@@ -109,13 +109,15 @@ def _run_rounds(cfg, *, resume: bool = False, log=print, progress: bool = True,
             stop = stop_at[1:] if stop_at is not None and stop_at[0] == r else None
             line = _round(cfg, run_dir, r, total, metrics, stop, log, progress, ranks)
             result.rounds.append(line)
-            if line["pairs"] == 0:
+            # a round that trained nothing left no_pairs.json; a ranked round (policy_gradient) has no pairs' counts
+            if (folder / plan.NO_PAIRS_FILE).is_file():
                 log(f"round {r + 1}: every prompt's samples tie (reward mean {line['reward/mean']:.3f}): nothing to "
                     "train on; the policy carries over")
             else:
+                drawn = (f"{line['pairs']} pairs, {line['tied_prompts']} tied prompts skipped" if "pairs" in line
+                         else f"{line['samples']} samples of {line['prompts']} prompts ranked")
                 log(f"round {r + 1}: sample reward mean {line['reward/mean']:.4f} (min {line['reward/min']:.3f}, "
-                    f"max {line['reward/max']:.3f}), {line['pairs']} pairs, {line['tied_prompts']} tied prompts "
-                    "skipped")
+                    f"max {line['reward/max']:.3f}), {drawn}")
     finally:
         metrics.close()
     result.final_dir = Path(plan.policy_of(cfg, run_dir, rc.count))
