@@ -239,3 +239,20 @@ def tmp_path_factory_task(tmp_path):
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": r["prompt"]} for r in make_pairs(8, 2)])
     (tmp_path / "reward.py").write_text("def reward(prompt, completion):\n    return 0.0\n")
     return tmp_path
+
+
+def test_the_exported_reward_model_scored_from_transformers_needs_the_eos(tmp_path, toy_tokenizers, one_thread):
+    """docs/reward-models.md's two lines (prompt + completion + EOS, read by transformers' own pooling) equal prefpack
+    score on the same rows; without the EOS the reward is read at another token."""
+    _, tok = reward_model(tmp_path / "rm", toy_tokenizers["llama"])
+    model = tf.AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").double().eval()
+    model.config.pad_token_id = tok.pad_token_id  # the tokenizer's own pad token (docs: transformers reads the EOS)
+    rows = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": p, "completions": c} for p, c, _ in PLAIN])
+    got, _ = run(tmp_path, rows, tmp_path / "rm")
+    for (prompt, texts, _), out in zip(PLAIN, got):
+        for completion, value in zip(texts, out["scores"]):
+            ids = tok(prompt)["input_ids"] + tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            with torch.no_grad():
+                reward = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
+                without = model(input_ids=torch.tensor([ids[:-1]])).logits[0, 0].item()
+            assert value == pytest.approx(reward, rel=1e-10, abs=1e-12) and value != pytest.approx(without, rel=1e-6)
