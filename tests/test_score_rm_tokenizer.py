@@ -256,3 +256,24 @@ def test_the_exported_reward_model_scored_from_transformers_needs_the_eos(tmp_pa
                 reward = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
                 without = model(input_ids=torch.tensor([ids[:-1]])).logits[0, 0].item()
             assert value == pytest.approx(reward, rel=1e-10, abs=1e-12) and value != pytest.approx(without, rel=1e-6)
+
+
+def test_samples_whose_meta_names_a_hub_tokenizer_are_read_with_it_not_the_reward_models(tmp_path, toy_tokenizers,
+                                                                                         monkeypatch, capsys):
+    """A samples meta naming its tokenizer by hub id (not a folder here): the reward model's own tokenizer reads the
+    ids only when it is theirs; else the hub id is tried (here offline: a one-line error naming it), never the reward
+    model's tokenizer in its place."""
+    import prefpack.tokenizer as tokenizer_module
+
+    monkeypatch.setattr(tokenizer_module, "hub_reachable", lambda: False)
+    samples, rows = write_samples(tmp_path, toy_tokenizers["llama"])
+    meta = json.loads((tmp_path / "samples.meta.json").read_text())
+    meta["tokenizer"]["name"] = "some-org/the-policy"
+    (tmp_path / "samples.meta.json").write_text(json.dumps(meta))
+    reward_model(tmp_path / "rm", toy_tokenizers["neox"])
+    err = cli_error(capsys, samples, "-o", tmp_path / "out", "--reward-model", tmp_path / "rm")
+    assert "'some-org/the-policy'" in err and "cannot be reached" in err
+    model, _ = reward_model(tmp_path / "own", toy_tokenizers["llama"])  # the samples' own tokenizer: it reads them
+    got, notes = run(tmp_path, samples, tmp_path / "own")
+    assert notes == [] and got[0]["scores"] == pytest.approx(
+        [by_hand(model, rows[0]["prompt_ids"] + c) for c in rows[0]["completion_ids"]], rel=1e-10, abs=1e-12)

@@ -46,7 +46,7 @@ class RewardModelScorer(Scorer):
         from prefpack.model.weights import WeightSpec, load_weights
 
         self.folder, self.trust_remote_code = folder, trust_remote_code
-        self._own, self.same, self.retokeniser = None, {}, None  # its own tokenizer; input checks; see check_input
+        self._own, self._own_hash, self.same, self.retokeniser = None, None, {}, None  # see check_input
         check_model_code(folder, allowed=trust_remote_code, what="--reward-model")
         try:
             config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -98,8 +98,10 @@ class RewardModelScorer(Scorer):
         key = (str(source.path), tokenizer_hash(source.tok))
         if key not in self.same:
             recorded = source.meta.get("tokenizer")
+            if self._own_hash is None:
+                self._own_hash = tokenizer_hash(own)
             self.same[key] = (isinstance(recorded, dict) and bool(recorded.get("hash"))
-                              and tokenizer_matches(own, recorded)) or tokenizer_hash(own) == key[1]
+                              and tokenizer_matches(own, recorded)) or self._own_hash == key[1]
         if self.same[key]:
             return None
         if allow_mismatch:
