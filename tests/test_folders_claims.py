@@ -122,8 +122,10 @@ def test_eval_of_a_reward_model_says_which_settings_do_not_apply(folders, tmp_pa
     assert "--ref" in notes[0] and "--beta" in notes[0] and "run.yaml's loss terms" in notes[0]
 
 
-def test_a_reward_model_of_another_tokenizer_is_refused_in_one_line(tmp_path, toy_tokenizers, capsys):
-    """Issue 50: a reward model saved with its own tokenizer scored another tokenizer's ids as if they were its own."""
+def test_a_reward_model_of_another_tokenizer_reads_the_text_with_its_own(tmp_path, toy_tokenizers, capsys):
+    """Issue 50: a reward model saved with its own tokenizer scored another tokenizer's ids as if they were its own;
+    issue 51: it re-tokenises the rows' text with its own tokenizer instead, said in one line (the scores: tests/
+    test_score_rm_tokenizer.py)."""
     import transformers as tf
 
     from prefpack.cli import main
@@ -138,7 +140,8 @@ def test_a_reward_model_of_another_tokenizer_is_refused_in_one_line(tmp_path, to
     args = ["score", str(rows), "-o", str(tmp_path / "scored.jsonl"), "--reward-model", str(tmp_path / "rm"),
             "--format", "jsonl", "--tokenizer"]
     capsys.readouterr()
-    assert main([*args, str(toy_tokenizers["neox"])]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "was trained with another tokenizer than the input's" in err
-    assert main([*args, str(toy_tokenizers["llama"])]) == 0  # its own tokenizer's ids score
+    assert main([*args, str(toy_tokenizers["neox"])]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert len(err) == 1 and "the reward model's tokenizer differs from the input rows'" in err[0]
+    assert main([*args, str(toy_tokenizers["llama"]), "--overwrite"]) == 0  # its own tokenizer's ids score
+    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]

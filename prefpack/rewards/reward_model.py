@@ -10,6 +10,10 @@ and each score equals the model's score of that sequence run alone (the head rea
 A completion whose last tokens are unscored (a store's masked span) is read at its last scored token, as training
 reads it. Planning keeps the rows' order and needs no seed, so a resumed run scores each checkpoint's rows in the
 same micro-batches as an uninterrupted one: the same bytes.
+
+A model folder that holds its own tokenizer is compared with the input's first (``check_input``): another tokenizer's
+ids are never scored as if they were its own; the prompts and completions are re-tokenised from their text
+(``retokenise``), said in one line.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from prefpack.rewards.rows import ScoreRow
 from prefpack.rewards.scorers import Scorer, ScorerError
 
 DEFAULT_BATCH_TOKENS = 8192  # positions per forward (packed: real tokens, each shared prompt counted once)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")  # a folder that holds its tokenizer
 ROW_TOKENS = 4096  # at most this many positions per packed row (a micro-batch of --batch-tokens holds several)
 
 
@@ -40,7 +45,8 @@ class RewardModelScorer(Scorer):
         from prefpack.model.load import pick_device
         from prefpack.model.weights import WeightSpec, load_weights
 
-        self.folder, self.trust_remote_code, self.checked = folder, trust_remote_code, set()
+        self.folder, self.trust_remote_code = folder, trust_remote_code
+        self._own, self._own_hash, self.same, self.retokeniser = None, None, {}, None  # see check_input
         check_model_code(folder, allowed=trust_remote_code, what="--reward-model")
         try:
             config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -67,24 +73,45 @@ class RewardModelScorer(Scorer):
         self.share_prompts = kernel.runs_prompt_groups(kernel.flattens_rows)
         self.batch_tokens = batch_tokens
 
-    def check_tokenizer(self, tok) -> None:
-        """The input's token ids must mean to this model what they meant to the tokenizer that wrote them: a folder
-        that holds its own tokenizer (as an exported reward model does) with another vocabulary is refused in one line
-        (its scores of those ids would be of other text). Checked once per input tokenizer."""
+    def own_tokenizer(self):
+        """The tokenizer the model folder holds (as an exported reward model does), loaded once; None without one."""
         from prefpack.tokenizer import load_tokenizer
 
-        vocab = tok.get_vocab()
-        key = hashlib.sha256(repr(sorted(vocab.items())).encode()).hexdigest()
-        if key in self.checked:
-            return
-        if any((Path(self.folder) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-            own = load_tokenizer(self.folder, trust_remote_code=self.trust_remote_code)
-            if own.get_vocab() != vocab:
-                raise ScorerError(f"--reward-model {self.folder!r} was trained with another tokenizer than the input's "
-                                  f"({len(own.get_vocab())} tokens against {len(vocab)}, or the same ids for other "
-                                  "text): it would score other text than the samples hold; score with the reward model "
-                                  "of this tokenizer")
-        self.checked.add(key)
+        if self._own is None and any((Path(self.folder) / f).is_file() for f in TOKENIZER_FILES):
+            self._own = load_tokenizer(self.folder, trust_remote_code=self.trust_remote_code)
+        return self._own
+
+    def check_input(self, source, allow_mismatch: bool = False) -> str | None:
+        """Compare the model's own tokenizer with the input's (``source``: a ``rows.ScoreInput``), as train and eval
+        compare a model's tokenizer with a store's (``tokenizer_matches``): the same (or no tokenizer in the model's
+        folder): the input's ids are scored as they are. Another: each prompt + completion is re-tokenised from its
+        text with the model's own tokenizer and chat template (``retokenise``); a store or a samples file without its
+        texts is a one-line error. ``allow_mismatch`` (``rounds``: ``model.allow_tokenizer_mismatch``): the ids are
+        scored as they are all the same. Returns the one line that says so, or None."""
+        from prefpack.rewards.retokenise import Retokeniser, tokenizer_label
+        from prefpack.tokenizer import tokenizer_hash, tokenizer_matches
+
+        self.retokeniser = None
+        own = self.own_tokenizer()
+        if own is None:
+            return None
+        key = (str(source.path), tokenizer_hash(source.tok))
+        if key not in self.same:
+            recorded = source.meta.get("tokenizer")
+            if self._own_hash is None:
+                self._own_hash = tokenizer_hash(own)
+            self.same[key] = (isinstance(recorded, dict) and bool(recorded.get("hash"))
+                              and tokenizer_matches(own, recorded)) or self._own_hash == key[1]
+        if self.same[key]:
+            return None
+        if allow_mismatch:
+            return (f"the reward model's tokenizer ({tokenizer_label(own, self.folder)}) differs from the input's "
+                    f"({tokenizer_label(source.tok, source.tokenizer_dir)}): its token ids are scored as they are "
+                    "(allow_tokenizer_mismatch)")
+        retokeniser = Retokeniser(own, self.folder, source)
+        note = retokeniser.scan()
+        self.retokeniser = retokeniser
+        return note
 
     def identity(self) -> dict:
         h = hashlib.sha256()
@@ -92,10 +119,15 @@ class RewardModelScorer(Scorer):
             if f.is_file() and (f.suffix in (".safetensors", ".bin") or f.name == "config.json"):
                 h.update(f.name.encode())
                 h.update(hashlib.sha256(f.read_bytes()).digest())
-        return {"scorer": self.name, "model": str(self.folder), "sha256": h.hexdigest(),
-                "dtype": str(self.dtype).removeprefix("torch.")}
+        out = {"scorer": self.name, "model": str(self.folder), "sha256": h.hexdigest(),
+               "dtype": str(self.dtype).removeprefix("torch.")}
+        if self.retokeniser is not None:  # the input re-tokenised from its text (a resumed run must do so too)
+            out["tokens"] = "retokenised"
+        return out
 
     def score(self, rows: list[ScoreRow]) -> list[list[float]]:
+        if self.retokeniser is not None:  # the model's own tokenizer is not the input's: its ids from the text
+            rows = self.retokeniser.rows(rows)
         vocab = self.model.get_input_embeddings().num_embeddings
         for r in rows:
             top = max(max(r.prompt_ids, default=0), *(max(c, default=0) for c in r.completion_ids))

@@ -1,5 +1,6 @@
 """What ``prefpack score`` reads, as one stream of :class:`ScoreRow`: a prompt's token ids and its completions' ids,
-never re-tokenised when the input holds ids.
+never re-tokenised when the input holds ids (a reward model of another tokenizer re-tokenises the rows' text for
+itself: ``retokenise``; the output keeps these ids).
 
 Three inputs:
 - a samples file (``prefpack generate``'s JSONL: ``prompt_ids``, ``completion_ids``, ``truncated``, ``row``, the
@@ -83,8 +84,12 @@ class ScoreInput:
         elif self.kind == "samples":
             self.meta = self._samples_meta(allow_unfinished)
             recorded = self.meta.get("tokenizer") or {}
-            if tokenizer is None and recorded.get("name") and Path(recorded["name"]).is_dir():
-                tokenizer = recorded["name"]
+            if tokenizer is None and recorded.get("name"):
+                if Path(recorded["name"]).is_dir() or fallback_tokenizer is None:
+                    tokenizer = recorded["name"]
+                elif recorded.get("hash") and not _matches(fallback_tokenizer, recorded, trust_remote_code):
+                    tokenizer = recorded["name"]  # a hub id: the reward model's own tokenizer is not the samples'
+        self.fallback = tokenizer is None and fallback_tokenizer is not None
         tokenizer = tokenizer or fallback_tokenizer
         if tokenizer is None:
             raise ScoreInputError(f"{self.path}: give --tokenizer (the tokenizer that reads its rows or wrote its ids)")
@@ -98,8 +103,9 @@ class ScoreInput:
 
         recorded = self.meta.get("tokenizer")
         if isinstance(recorded, dict) and recorded.get("hash") and not tokenizer_matches(self.tok, recorded):
+            given = f"the reward model's {self.tokenizer_dir!r}" if self.fallback else f"--tokenizer {self.tokenizer_dir!r}"
             raise ScoreInputError(f"{self.path}: its token ids are of the tokenizer {recorded.get('name')!r} (hash "
-                                  f"{str(recorded.get('hash'))[:12]}), not --tokenizer {self.tokenizer_dir!r}")
+                                  f"{str(recorded.get('hash'))[:12]}), not {given}")
 
     def identity(self) -> dict:
         """What a resumed run must find again: the input's kind and the hash of its bytes."""
@@ -234,6 +240,12 @@ class ScoreInput:
             masks = [None if m is None else np.asarray(m, dtype=bool) for m in res.scored or [None] * len(texts)]
             yield ScoreRow(i, list(res.prompt), [list(c) for c in res.completions], prompt, texts,
                            [False] * len(texts), masks, row)
+
+
+def _matches(folder: str, recorded: dict, trust_remote_code: bool) -> bool:
+    from prefpack.tokenizer import load_tokenizer, tokenizer_matches
+
+    return tokenizer_matches(load_tokenizer(folder, trust_remote_code=trust_remote_code), recorded)
 
 
 def _where(path: Path, line: int, err: InvalidRow) -> str:

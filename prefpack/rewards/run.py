@@ -45,6 +45,8 @@ class ScoreOptions:
     dtype: str = "float32"
     batch_tokens: int = 8192
     trust_remote_code: bool = False
+    # a reward model whose own tokenizer is not the input's scores the input's ids as they are (not re-tokenised)
+    allow_tokenizer_mismatch: bool = False
     progress: bool = True
     stop_after_rows: int | None = None  # tests: stop (as if killed) once this many rows are checkpointed
     argv: list[str] = field(default_factory=list)
@@ -71,8 +73,10 @@ def _score(opts: ScoreOptions, log: Callable[[str], None], stop: StopSignal, sco
     for note in source.notes:
         log(f"note: {note}")
     scorer = scorer if scorer is not None else make_scorer(opts)
-    if hasattr(scorer, "check_tokenizer"):  # a reward model: the input's ids must be its tokenizer's
-        scorer.check_tokenizer(source.tok)
+    check = getattr(scorer, "check_input", None)  # a reward model: its own tokenizer against the input's
+    note = check(source, allow_mismatch=opts.allow_tokenizer_mismatch) if check is not None else None
+    if note:
+        log(f"note: {note}")
     identity = scorer.identity()
     partial = PartialScores(opts.output, {"input": source.identity(), "scorer": identity}, log=log)
     total = source.count_rows()

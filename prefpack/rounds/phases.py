@@ -227,10 +227,9 @@ class SharedScores:
     def identity(self) -> dict:
         return self.scorer.identity()
 
-    def check_tokenizer(self, tok) -> None:
-        check = getattr(self.scorer, "check_tokenizer", None)
-        if check is not None:
-            check(tok)
+    def check_input(self, source, allow_mismatch: bool = False) -> str | None:
+        check = getattr(self.scorer, "check_input", None)
+        return check(source, allow_mismatch=allow_mismatch) if check is not None else None
 
     def score(self, rows) -> list[list[float]]:
         return [list(self.table[row.row]) for row in rows]
@@ -242,7 +241,10 @@ def scores_over_ranks(cfg, samples: Path, scorer, ranks: Ranks) -> dict[int, lis
     are summed, so every rank holds the whole table (adding zeros is exact)."""
     from prefpack.rewards.run import open_input
 
-    source = open_input(plan.score_options(cfg, samples, Path(), pairs=True))
+    opts = plan.score_options(cfg, samples, Path(), pairs=True)
+    source = open_input(opts)
+    if hasattr(scorer, "check_input"):  # a reward model of another tokenizer re-tokenises the texts (said by rank 0)
+        scorer.check_input(source, allow_mismatch=opts.allow_tokenizer_mismatch)
     k, n = cfg.rounds.samples_per_prompt, source.count_rows()
     rank, world = ranks.ctx.rank, ranks.world
 

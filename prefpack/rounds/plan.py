@@ -113,7 +113,7 @@ def score_options(cfg, samples: Path, output: Path, *, pairs: bool) -> ScoreOpti
                         reward_timeout=rc.reward_timeout,
                         format="store" if pairs else "jsonl", pairs=rc.pairs if pairs and not ranked else None,
                         min_gap=rc.min_gap, device=cfg.train.device, trust_remote_code=cfg.model.trust_remote_code,
-                        progress=False)
+                        allow_tokenizer_mismatch=cfg.model.allow_tokenizer_mismatch, progress=False)
 
 
 def train_config(cfg, run_dir: Path, r: int):
