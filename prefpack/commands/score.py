@@ -16,7 +16,8 @@ def add_score(sub) -> None:
         "score", help="score completions with a reward model or a reward function into a ranked store or JSONL",
         description="Score every completion of INPUT: a samples file (prefpack generate's JSONL of token ids), JSONL "
         "rows {prompt, completions} or pairs (tokenised as prepare tokenises them), or a pair or ranked store. "
-        "Token ids are never re-tokenised. Writes a ranked store with the scores (prefpack inspect shows them), a "
+        "Token ids are scored as they are, except by a reward model of another tokenizer, which reads the texts with "
+        "its own tokenizer and chat template (said in one line). Writes a ranked store with the scores (prefpack inspect shows them), a "
         "pair store with --pairs, or JSONL with --format jsonl. A killed run continues where it stopped when run "
         "again: its scores are checkpointed in OUTPUT.partial.")
     p.add_argument("input", metavar="INPUT", help="samples .jsonl, text .jsonl, or a store folder")
