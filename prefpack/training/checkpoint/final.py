@@ -1,6 +1,7 @@
 """The final model of a run: ``save_pretrained`` output (LoRA merged into it) beside its tokenizer, in ``final/``.
 LoRA over a 4-bit base (``model.quantization``) is merged into the de-quantised base: a plain checkpoint, never
-rounded back to 4 bits.
+rounded back to 4 bits. Beside them ``README.md``, the model card (``card``), unless the user put their own there; a
+reward model's tokenizer is saved with the chat template its rows were rendered with when it has none of its own.
 
 Apart from the checkpoint formats because it is another artefact: read by transformers rather than by a resume,
 written once at the end. It shares their atomic write (a temporary folder renamed when complete) and the report
@@ -20,6 +21,7 @@ from torch import nn
 from prefpack.distributed import SINGLE, Dist
 from prefpack.model import ModelError, TokenizerHandle, is_reward_model
 from prefpack.tokenizer import TokenizerError
+from prefpack.training.checkpoint.card import is_prefpack_card, reward_chat_template
 from prefpack.training.checkpoint.files import _MARGIN, _discard, _disown, _own, _tensor_bytes, _writing
 
 
@@ -80,8 +82,12 @@ def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module
                     model = copy.deepcopy(model)  # Module.to casts in place: the training policy stays as it is
                 model = model.to(dtype)
             model.save_pretrained(tmp)
+            tok = None
             try:
-                (tokenizer.load() if isinstance(tokenizer, TokenizerHandle) else tokenizer).save_pretrained(tmp)
+                tok = tokenizer.load() if isinstance(tokenizer, TokenizerHandle) else tokenizer
+                if is_reward_model(model):  # pipelines and RewardBench format conversations with its template
+                    _say(reward_chat_template(tok, run_dir))
+                tok.save_pretrained(tmp)
             except (ModelError, TokenizerError) as exc:  # the trained weights matter more than the tokenizer copy
                 print(f"warning: {exc}", file=sys.stderr)
             if image_processor_dir is not None:
@@ -89,6 +95,7 @@ def save_final(run_dir: Path, policy: nn.Module, tokenizer, *, module: nn.Module
                     if f.is_file() and not (tmp / f.name).exists():
                         shutil.copy2(f, tmp / f.name)
             _keep_user_files(final, tmp)
+            _write_card(run_dir, tmp, model, tok)
             _disown(tmp)
             _discard(final)
             os.replace(tmp, final)
@@ -164,15 +171,32 @@ def _delta(module, path: str, name: str, state: dict) -> torch.Tensor:
     return delta.T if getattr(module, "fan_in_fan_out", False) else delta
 
 
-USER_FILES = ("*.md", "*.txt")  # a model card and notes: save_pretrained never writes them
+def _say(line: str | None) -> None:
+    if line:
+        print(f"note: {line}", file=sys.stderr)
+
+
+def _write_card(run_dir: Path, tmp: Path, model: nn.Module, tok) -> None:
+    """``final/README.md``, the model card (``card``), unless the user's own was kept; a failure is one warning, the
+    save goes on."""
+    from prefpack.training.checkpoint.card import card_facts, write_cards
+
+    try:
+        write_cards(tmp, card_facts(run_dir, model, tok), shown_path=str(run_dir / "final"))
+    except Exception as exc:  # the card describes the weights; never lose them over it
+        print(f"warning: the model card was not written ({type(exc).__name__}: {exc})", file=sys.stderr)
+
+
+USER_FILES = ("*.md", "*.txt")  # a model card and notes: save_pretrained never writes them (prefpack's card: below)
 
 
 def _keep_user_files(final: Path, tmp: Path) -> None:
-    """The user's own files in a previous ``final/`` (``README.md``, a model card) carried into the new one."""
+    """The user's own files in a previous ``final/`` (``README.md``, a model card) carried into the new one; the card
+    prefpack wrote (its marker line) is written again instead."""
     if not final.is_dir():
         return
     for pattern in USER_FILES:
         for path in final.glob(pattern):
-            if path.is_file() and not (tmp / path.name).exists():
+            if path.is_file() and not (tmp / path.name).exists() and not is_prefpack_card(path):
                 shutil.copy2(path, tmp / path.name)
                 print(f"kept {path} (not written by prefpack) in the new final model", file=sys.stderr)
