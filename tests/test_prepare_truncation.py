@@ -40,12 +40,14 @@ def test_cuts_are_counted_with_the_tokens_they_removed(tmp_path, toy_tokenizers)
                         "least_kept_share": round(21 / 31, 4)},
             "completions": {"cut": 1, "tokens_removed": 19, "mean_cut": 19.0, "largest_cut": 19,
                             "least_kept_share": round(22 / 41, 4)}}
+    want = {"policy": "prompt-left", "rows_cut": 3, "tokens_removed": 33, "chat_prompts_cut": 0, **want}
     assert r.examples == 4 and r.cuts == want and r.truncated == {"prompt": 2, "completion": 1}
     store = Store(tmp_path / "s")
     assert store.meta["counts"]["truncation"] == want and store.meta["args"]["min_prompt_keep"] == 0.5
     assert [len(store.pair(i).prompt) for i in range(4)] == [21, 2, 13, 4]
-    line = ("cut to --max-length 24: prompts cut from the left: 2 (14 tokens removed: mean 7.0, largest 10; the most "
-            "cut kept 68%); completions cut at the end: 1 (19 tokens removed: mean 19.0, largest 19)")
+    line = ("cut to --max-length 24: 3 rows, 33 tokens removed; prompts cut from the left: 2 (14 tokens removed: mean "
+            "7.0, largest 10; the most cut kept 68%); completions cut at the end: 1 (19 tokens removed: mean 19.0, "
+            "largest 19)")
     assert line in r.summary().splitlines()
     assert line in format_text(store, length_stats(store), None)  # `prefpack inspect` shows it too
     uncut = run(PAIRS[3:], toy_tokenizers["llama"], tmp_path / "u", max_length=24)
@@ -141,7 +143,8 @@ def test_hh_prompts_cut_to_almost_nothing_are_no_longer_silent(tmp_path, toy_tok
     store = Store(tmp_path / "z")
     assert {tuple(store.pair(i).prompt.tolist()) for i in range(3)} == {tuple(store.pair(0).prompt.tolist())}
     assert len(store.pair(0).prompt) == 2 and store.meta["args"]["min_prompt_keep"] == 0
-    assert "cut to --max-length 48: prompts cut from the left: 3" in out and "group_by_prompt" not in out
+    assert "cut to --max-length 48: 3 rows, " in out and "prompts cut from the left: 3" in out
+    assert "group_by_prompt" not in out
 
 
 def test_a_prompt_cut_before_tokenising_counts_its_estimated_length(tmp_path, toy_tokenizers):

@@ -10,7 +10,7 @@ from prefpack.remote_code import REMOTE_CODE_HELP
 def add_prepare(sub) -> None:
     from prefpack.data.formats import FIELD_HELP, LAYOUTS
     from prefpack.data.image_files import DEFAULT_MAX_IMAGE_BYTES
-    from prefpack.data.truncation import DEFAULT_MIN_PROMPT_KEEP
+    from prefpack.data.truncation import DEFAULT_MIN_PROMPT_KEEP, TRUNCATION_POLICIES
 
     p = sub.add_parser("prepare", help="tokenise preference data into a binary store",
                        description="Read JSONL/JSON/Parquet/CSV files (or globs) or datasets folders, tokenise "
@@ -35,9 +35,13 @@ def add_prepare(sub) -> None:
     p.add_argument("--split", default=None, help="split to read from a DatasetDict folder")
     p.add_argument("--max-length", type=int, default=None,
                    help="longest prompt+completion sequence in tokens (default: no limit)")
-    p.add_argument("--truncation", choices=("prompt-left", "drop"), default="prompt-left",
-                   help="over-long examples: cut the prompt from the left, then completions from the right "
-                   "(prompt-left, default), or drop them; every cut or drop is counted")
+    p.add_argument("--truncation", choices=TRUNCATION_POLICIES, default="prompt-left",
+                   help="over-long examples (with --max-length): cut the prompt from the left, then completions from "
+                   "the right (prompt-left, default); drop them (drop); as TRL's DPO/KTO keep_start does: never cut "
+                   "the prompt, cut completions' ends, drop rows whose prompt alone fills --max-length "
+                   "(trl-keep-start); or as LLaMA-Factory's cutoff_len does: share the length between prompt and "
+                   "completions (infer_seqlen), keeping the start of each (llamafactory). Every cut or drop is "
+                   "counted; docs/data.md has the exact rules")
     p.add_argument("--min-prompt-keep", type=float, default=DEFAULT_MIN_PROMPT_KEEP, metavar="SHARE",
                    help="with --truncation prompt-left, the least share of its prompt's tokens a row must keep "
                    f"(default {DEFAULT_MIN_PROMPT_KEEP:g}: the last half of a conversation still holds what the "

@@ -126,6 +126,8 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
         if res.cut:  # texts far over --max-length, cut before tokenising (counted apart; not an index flag)
             truncated["cut_before_tokenising"] += res.cut
         if res.truncated:
+            cuts.rows += 1
+            cuts.chat_prompts += ex.chat and "prompt" in res.truncated
             cuts.prompts.add(res.before[0], len(res.prompt))
             for before, c in zip(res.before[1:], res.completions):
                 cuts.completions.add(before, len(c))

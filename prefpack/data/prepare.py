@@ -38,7 +38,7 @@ from prefpack.data.store_format import PROCESSOR_DIR
 from prefpack.data.template_vars import template_reads
 from prefpack.data.tokenize import TokenizeConfig
 from prefpack.data.training_templates import ChatTemplateError, select_template, template_meta
-from prefpack.data.truncation import DEFAULT_MIN_PROMPT_KEEP, TruncationStats
+from prefpack.data.truncation import DEFAULT_MIN_PROMPT_KEEP, TRUNCATION_POLICIES, TruncationStats
 from prefpack.data.turns import TRAIN_ON
 from prefpack.errors import PrefpackError
 from prefpack.progress import Every
@@ -65,7 +65,7 @@ class PrepareOptions:
     fields: dict[str, str | None] = field(default_factory=dict)
     split: str | None = None
     max_length: int | None = None
-    truncation: str = "prompt-left"
+    truncation: str = "prompt-left"  # or "drop", "trl-keep-start", "llamafactory" (truncation.py's rules)
     # prompt-left: a row whose prompt would keep less than this share of its tokens is refused (truncation.py)
     min_prompt_keep: float = DEFAULT_MIN_PROMPT_KEEP
     workers: int = 0  # 0: all cores
@@ -125,6 +125,14 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     if not 0 <= opts.min_prompt_keep <= 1:
         raise PrepareError(f"--min-prompt-keep is a share of the prompt's tokens, from 0 (any cut) to 1 (no prompt "
                            f"cut), not {opts.min_prompt_keep:g}")
+    if opts.truncation not in TRUNCATION_POLICIES:
+        raise PrepareError(f"--truncation must be one of {', '.join(TRUNCATION_POLICIES)}, not {opts.truncation!r} "
+                           "(TRL's keep_end is not offered: it cuts chosen and rejected's prompts apart, docs/data.md)")
+    if opts.truncation != "prompt-left" and opts.max_length is not None \
+            and opts.min_prompt_keep != DEFAULT_MIN_PROMPT_KEEP:
+        log(f"note: --min-prompt-keep has no effect with --truncation {opts.truncation} (it bounds prompt-left's cut)")
+    if opts.truncation != "prompt-left" and opts.max_length is None:
+        log(f"note: --truncation {opts.truncation} has no effect without --max-length (nothing is cut)")
     sources = resolve_inputs(opts.inputs, allow_duplicates=opts.allow_duplicate_inputs)
     _check_inputs_outside(sources, opts.output)
     recover_interrupted(Path(opts.output), log=log)  # before the slow part: refuse a bad --output at once
@@ -172,7 +180,7 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
     empty: Counter = Counter()
     dropped: Counter = Counter()
     truncated: Counter = Counter()
-    cuts = TruncationStats()
+    cuts = TruncationStats(policy=opts.truncation)
     chat: Counter = Counter()
     rows_per_file: Counter = Counter()
     nulls: Counter = Counter()  # null keys Arrow filled into messages, tool calls and tools, dropped

@@ -19,11 +19,15 @@ from prefpack.data.formats import Example, InvalidRow
 from prefpack.data.image_files import ImageSource, image_bytes, image_size, image_tokens
 from prefpack.data.template_vars import TOOL_VARIABLES, template_reads
 from prefpack.data.training_templates import ChatTemplate
-from prefpack.data.truncation import check_prompt_keep
+from prefpack.data.truncation import (
+    PROMPT_CUT_BEFORE_TOKENISING,
+    TRUNCATION_POLICIES,
+    check_prompt_keep,
+    infer_seqlen,
+)
 from prefpack.data.turns import Ranges, token_mask
 from prefpack.tokenizer import SpecialTokens
 
-TRUNCATION_POLICIES = ("prompt-left", "drop")
 # With --max-length L, a text longer than this many characters per token of L (plus 1,024) is cut before it is
 # tokenised (see ExampleTokenizer._encode_bounded): a token rarely spans 16 characters, and the cut is checked.
 CUT_CHARS_PER_TOKEN = 16
@@ -32,7 +36,9 @@ CUT_CHARS_PER_TOKEN = 16
 @dataclass(frozen=True)
 class TokenizeConfig:
     max_length: int | None = None  # longest prompt + completion sequence, in tokens
-    truncation: str = "prompt-left"  # "prompt-left": cut the prompt's start, then completions' ends; "drop"
+    # "prompt-left": cut the prompt's start, then completions' ends; "drop"; the peers' rules "trl-keep-start" and
+    # "llamafactory" (truncation.py says exactly what each does)
+    truncation: str = "prompt-left"
     min_prompt_tokens: int = 1  # never cut a prompt below this (the first completion token needs context)
     min_prompt_keep: float = 0.0  # prompt-left: refuse a cut keeping less of the prompt (prepare's default: 0.5)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # template variables for every chat row
@@ -217,13 +223,16 @@ class ExampleTokenizer:
         tokenised), and enough tokens must remain that truncation still applies. Also returns, per text cut, the
         tokens it left out (estimated from the characters per token of the part kept), for the cut counts."""
         backend, limit = self.tok.backend_tokenizer, self.cfg.max_length
-        chars = None if limit is None else CUT_CHARS_PER_TOKEN * limit + 1024
+        # what the policy keeps of a prompt: its end, its start, or nothing cut early (llamafactory's cut depends on
+        # the whole prompt's length, so its texts are always tokenised whole)
+        keep_end = PROMPT_CUT_BEFORE_TOKENISING[self.cfg.truncation]
+        chars = None if limit is None or keep_end is None else CUT_CHARS_PER_TOKEN * limit + 1024
         long = [k for k, t in enumerate(texts) if chars is not None and len(t) > chars and k not in masked]
         if not long:
             return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)], {}
 
         def cut(k: int, n: int) -> str:
-            return texts[k][-n:] if k in prompts else texts[k][:n]
+            return texts[k][-n:] if k in prompts and keep_end else texts[k][:n]
 
         bounded = list(texts)
         for k in long:
@@ -232,7 +241,7 @@ class ExampleTokenizer:
         halves = backend.encode_batch_fast([cut(k, chars // 2) for k in long], add_special_tokens=False)
         done = set(long)
         for k, half in zip(long, halves):
-            kept = (lambda x: x[-limit:]) if k in prompts else (lambda x: x[:limit])
+            kept = (lambda x: x[-limit:]) if k in prompts and keep_end else (lambda x: x[:limit])
             if min(len(ids[k]), len(half.ids)) <= limit or kept(ids[k]) != kept(half.ids):
                 ids[k] = backend.encode(texts[k], add_special_tokens=False).ids  # the cut is not safe here
                 done.discard(k)
@@ -293,6 +302,10 @@ class ExampleTokenizer:
             return prompt, comps, ()
         if self.cfg.truncation == "drop":
             raise Dropped("too_long")
+        if self.cfg.truncation == "trl-keep-start":
+            return self._keep_start(prompt, comps, limit)
+        if self.cfg.truncation == "llamafactory":
+            return self._llamafactory(prompt, comps, limit, longest)
         truncated = []
         keep_head = list(self.specials.prefix_ids) if prompt[: len(self.specials.prefix_ids)] == list(
             self.specials.prefix_ids) else []
@@ -310,5 +323,31 @@ class ExampleTokenizer:
             raise Dropped("too_long")
         if longest > room:
             comps = [c[:room] for c in comps]
+            truncated.append("completion")
+        return prompt, comps, tuple(truncated)
+
+    @staticmethod
+    def _keep_start(prompt: list[int], comps: list[list[int]], limit: int):
+        """TRL's ``truncation_mode="keep_start"``: each prompt + completion keeps its first `limit` tokens, so the
+        prompt is never cut and every completion loses its end; a prompt of `limit` tokens or more would leave no
+        completion token, and TRL drops such a row (counted here as ``prompt_too_long``)."""
+        if len(prompt) >= limit:
+            raise Dropped("prompt_too_long")
+        room = limit - len(prompt)
+        return prompt, [c[:room] for c in comps], ("completion",)
+
+    @staticmethod
+    def _llamafactory(prompt: list[int], comps: list[list[int]], limit: int, longest: int):
+        """LLaMA-Factory's pairwise (and feedback) rule: ``infer_seqlen`` shares `limit` between the prompt and the
+        longest completion, then the prompt keeps its first tokens and every completion its first tokens."""
+        keep_prompt, keep_comp = infer_seqlen(len(prompt), longest, limit)
+        if keep_comp == 0:  # a prompt so long that no completion token is left: nothing to train on
+            raise Dropped("too_long")
+        truncated = []
+        if keep_prompt < len(prompt):
+            prompt = prompt[:keep_prompt]
+            truncated.append("prompt")
+        if keep_comp < longest:
+            comps = [c[:keep_comp] for c in comps]
             truncated.append("completion")
         return prompt, comps, tuple(truncated)
