@@ -211,7 +211,9 @@ def test_a_trl_key_in_a_config_suggests_the_row_s_key(rows):
             continue  # the same name (a valid key) or no config key in the row
         with pytest.raises(ConfigError) as err:
             load_config(None, [f"{trl_key}=1"])
-        hint = re.search(r"did you mean '([^']+)'", str(err.value))
+        # `NAME (TRL) -> section.key: value` (prefpack.config.foreign), else a spelling's `did you mean 'key'`
+        hint = re.search(r"\(TRL[^)]*\) -> ([a-z_]+\.[a-z_.]+)", str(err.value)) or \
+            re.search(r"did you mean '([^']+)'", str(err.value))
         if not (hint and hint.group(1) in keys):
             wrong.append(f"{trl_key}: {hint.group(1) if hint else 'no suggestion'} (the table says {keys})")
         checked += 1

@@ -18,6 +18,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from prefpack.config.keys import UnknownKey, unknown_keys_error
 from prefpack.config.keys import join_key as _join
 from prefpack.config.keys import unknown_key as _unknown_key
 from prefpack.config.schema import Config, ConfigError
@@ -191,8 +192,55 @@ def _build(cls: type, data: Any, path: str) -> Any:
     return cls(**kwargs)
 
 
+def _unknowns(cls: type, data: Any, path: str, where: str) -> list[UnknownKey]:
+    """Every key of ``data`` (and of its known sections, list entries included) that ``cls`` does not have, in
+    order, so that one error can name them all; values are not checked here."""
+    if not isinstance(data, dict):
+        return []
+    names = [f.name for f in fields(cls)]
+    found = []
+    for key, value in data.items():
+        if key not in names:
+            found.append(UnknownKey(key, path, names, value, where))
+        else:
+            found += _unknowns_in(_hints(cls)[key], value, _join(path, key), where)
+    return found
+
+
+def _unknowns_in(tp: Any, value: Any, path: str, where: str) -> list[UnknownKey]:
+    """The unknown keys inside a value of annotation ``tp``: a section, or a list of sections (``loss.terms``,
+    ``data.train``'s entries)."""
+    if is_dataclass(tp):
+        return _unknowns(tp, value, path, where)
+    if isinstance(value, list):
+        for arg in (tp, *get_args(tp)) if _is_union(tp) else (tp,):
+            if get_origin(arg) is list and is_dataclass(get_args(arg)[0]):
+                return [u for i, item in enumerate(value)
+                        for u in _unknowns(get_args(arg)[0], item, f"{path}[{i}]", where)]
+    return []
+
+
+def _override_unknowns(key: str, value: Any, where: str) -> list[UnknownKey]:
+    """The unknown keys an override names: its dotted key's first unknown part, or keys inside a mapping value."""
+    tp: Any = Config
+    walked = ""
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if not is_dataclass(tp):
+            return []  # `a value, not a section`: _type_at's own error
+        names = [f.name for f in fields(tp)]
+        if part not in names:
+            return [UnknownKey(part, walked, names, value if i == len(parts) - 1 else None, where)]
+        tp = _hints(tp)[part]
+        walked = _join(walked, part)
+    return _unknowns_in(tp, value, key, where)
+
+
 def config_from_dict(data: dict | None) -> Config:
     """Build a Config from plain data (missing keys take defaults); checks keys and types, not values."""
+    found = _unknowns(Config, data, "", "in the config")
+    if found:
+        raise unknown_keys_error(found)
     return _build(Config, data, "")
 
 
@@ -277,14 +325,21 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     the file or from which override.
     """
     data: dict = {}
+    found: list[UnknownKey] = []  # every unknown key of the file and the overrides, reported together
     if path is not None:
         data = _read_yaml(path)
+        found += _unknowns(Config, data, "", f"in {path}")
+    parsed = [(text, *parse_override(text)) for text in overrides or []]
+    for text, key, value in parsed:
+        found += _override_unknowns(key, value, f"in override {text!r}")
+    if found:
+        raise unknown_keys_error(found)
+    if path is not None:
         try:
             _build(Config, data, "")
         except ConfigError as exc:
             raise ConfigError(f"{exc} (in {path})") from None
-    for text in overrides or []:
-        key, value = parse_override(text)
+    for text, key, value in parsed:
         try:
             tp = _type_at(key)
             raw = text.partition("=")[2].strip()

@@ -1,17 +1,19 @@
-"""Dotted config keys (``loss.beta``) and the suggestion for an unknown one: an alias carried over from another
-trainer (TRL's names), the same name in another section, a close spelling or initials. Used only to word the error
-for a key the tree does not have.
+"""Dotted config keys (``loss.beta``) and the suggestion for an unknown one: another trainer's name at the top level
+(TRL's or LLaMA-Factory's, mapped with its value: ``foreign``), an alias, the same name in another section, a close
+spelling or initials. Used only to word the error for keys the tree does not have: every unknown key of a config
+(file and overrides) in one error, one line each.
 """
 
 from __future__ import annotations
 
 import difflib
-from dataclasses import fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, get_type_hints
 
+from prefpack.config.foreign import foreign_line
 from prefpack.config.schema import Config, ConfigError
 
-__all__ = ["ALIASES", "join_key", "suggest_key", "unknown_key"]
+__all__ = ["ALIASES", "UnknownKey", "join_key", "suggest_key", "unknown_key", "unknown_keys_error"]
 
 # Names people carry over from other trainers; used only to suggest the right key.
 ALIASES = {
@@ -118,11 +120,51 @@ def suggest_key(key: str, section: str, names: list[str]) -> str | None:
     return None
 
 
-def unknown_key(key: Any, section: str, names: list[str]) -> ConfigError:
-    """The error for ``key`` given in ``section`` whose keys are ``names``: with a suggestion, else the valid keys."""
+def _detail(key: Any, section: str, names: list[str], given: dict, quote: bool) -> str:
+    """``'KEY' (did you mean 'X'?)``, ``KEY (LLaMA-Factory) -> loss.beta: 0.1`` or ``'KEY'; valid keys ...``."""
     full = join_key(section, str(key))
+    shown = repr(full) if quote else full
+    if not section and isinstance(key, str):
+        mapped = foreign_line(key, given)
+        if mapped:
+            return f"{shown} {mapped}"
     guess = suggest_key(str(key), section, names)
     if guess:
-        return ConfigError(f"unknown key {full!r} (did you mean {guess!r}?)")
+        return f"{shown} (did you mean {guess!r}?)"
     where = f"in {section!r}" if section else "at the top level"
-    return ConfigError(f"unknown key {full!r}; valid keys {where}: {', '.join(names)}")
+    return f"{shown}; valid keys {where}: {', '.join(names)}"
+
+
+def unknown_key(key: Any, section: str, names: list[str], given: dict | None = None) -> ConfigError:
+    """The error for ``key`` given in ``section`` whose keys are ``names``: with a suggestion, else the valid keys."""
+    return ConfigError("unknown key " + _detail(key, section, names, given or {key: None}, quote=True))
+
+
+@dataclass
+class UnknownKey:
+    key: Any  # as given
+    section: str  # dotted path of the section it was given in ("" = the top level)
+    names: list[str]  # that section's keys
+    value: Any
+    where: str  # "in FILE" or "in override 'TEXT'"
+
+
+def unknown_keys_error(found: list[UnknownKey]) -> ConfigError:
+    """One error for every unknown key of a config, one line each (a single one: the one-line form)."""
+    given: dict[str, dict] = {}  # section -> every unknown name given there with its value (combined mappings)
+    for u in found:
+        given.setdefault(u.section, {})[u.key] = u.value
+    if len(found) == 1:
+        u = found[0]
+        return ConfigError("unknown key " + _detail(u.key, u.section, u.names, given[u.section], quote=True)
+                           + f" ({u.where})")
+    wheres = list(dict.fromkeys(u.where for u in found))
+    base = wheres[0] if not wheres[0].startswith("in override") else None  # the file's keys come first, unmarked
+    lines = [f"  - {_detail(u.key, u.section, u.names, given[u.section], quote=False)}"
+             + ("" if u.where == base else f" ({u.where})") for u in found]
+    head = f"{len(found)} unknown keys"
+    if base:
+        head += f" ({base}" + (", the overrides' marked)" if len(wheres) > 1 else ")")
+    if any(" -> " in line for line in lines):
+        head += "; TRL's and LLaMA-Factory's names are mapped (docs/coming-from-trl.md has both tables)"
+    return ConfigError(head + ":\n" + "\n".join(lines))
