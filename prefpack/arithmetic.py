@@ -26,7 +26,7 @@ import shutil
 import time
 from pathlib import Path
 
-from prefpack.quickstart import MARKER, _build_model, _fresh_folder, _write_jsonl
+from prefpack.quickstart import MARKER, _build_model, _fresh_folder, _one_thread, _write_jsonl
 
 ARITHMETIC_DIR = "runs/arithmetic"
 OPERANDS = range(10)  # A and B of "A+B="
@@ -124,15 +124,25 @@ def _mean_of(scored: Path) -> float:
 
 
 def build_arithmetic(output_dir: str = ARITHMETIC_DIR, *, seed: int = 0, warm_steps: int = WARM_STEPS,
-                     log=print) -> dict:
-    """Everything above, in ``output_dir``; returns its paths and the warm start's held-out sample accuracy."""
+                     overwrite: bool = False, log=print) -> dict:
+    """Everything above, in ``output_dir`` (refused when it exists, unless ``overwrite`` and an earlier quickstart
+    made it), on one torch thread on CPU unless OMP_NUM_THREADS says otherwise; returns its paths and the warm
+    start's held-out sample accuracy."""
+    t_start = time.perf_counter()
+    root = _fresh_folder(output_dir, overwrite)
+    restore_threads = _one_thread(log)
+    try:
+        return _build_arithmetic(root, seed, warm_steps, t_start, log)
+    finally:
+        restore_threads()
+
+
+def _build_arithmetic(root: Path, seed: int, warm_steps: int, t_start: float, log) -> dict:
     from prefpack.config import load_config
     from prefpack.data.prepare import PrepareOptions, prepare
     from prefpack.toy_tokenizer import build_toy_tokenizer
     from prefpack.training import train
 
-    t_start = time.perf_counter()
-    root = _fresh_folder(output_dir)
     (root / "data").mkdir(parents=True)
     (root / MARKER).write_text("made by prefpack quickstart --task arithmetic; safe to delete\n")
     root = root.resolve()

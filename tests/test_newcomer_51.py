@@ -1,0 +1,160 @@
+"""Issue 51, what a newcomer meets: a quickstart that refuses to replace an earlier one (and picks one torch thread
+by itself), an eval of a run's final model that scores with the run's loss, rounds that say they ignore
+data.train, and the small messages and help texts that misled."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import write_jsonl
+
+from prefpack.cli import main as cli_main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+# ---------------------------------------------------------------- quickstart: an existing folder, threads
+
+
+@pytest.mark.parametrize("task", ["reviews", "arithmetic"])
+def test_quickstart_refuses_an_earlier_quickstart_folder_unless_overwrite(tmp_path, capsys, task):
+    from prefpack.quickstart import MARKER, _fresh_folder
+
+    root = tmp_path / "qs"
+    (root / "run" / "final").mkdir(parents=True)
+    (root / MARKER).write_text("made by prefpack quickstart\n")
+    (root / "run" / "final" / "model.safetensors").write_text("weights")
+    assert cli_main(["quickstart", "--task", task, "--output-dir", str(root)]) == 2
+    err = _one_line_error(capsys)
+    assert f"{root} holds an earlier quickstart's output (a trained model in run/final;" in err, err
+    assert "--overwrite" in err
+    assert (root / "run" / "final" / "model.safetensors").exists()  # nothing removed
+    assert _fresh_folder(str(root), overwrite=True) == root and not root.exists()  # --overwrite: replaced
+
+
+def test_quickstart_trains_on_one_thread_on_cpu(tmp_path, monkeypatch):
+    from prefpack import quickstart, training
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_train(cfg, log=print, **kw):
+        seen["threads"] = torch.get_num_threads()
+        raise Stop
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(training, "train", fake_train)
+    monkeypatch.setattr(quickstart, "make_pairs", lambda n, seed, _make=quickstart.make_pairs: _make(min(n, 40), seed))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    lines = []
+    try:
+        with pytest.raises(Stop):
+            quickstart.run_quickstart(str(tmp_path / "qs"), log=lines.append)
+        assert seen["threads"] == 1
+        assert torch.get_num_threads() == 2  # restored for the caller
+        assert any(line.startswith("torch threads: 1 of 2") and "OMP_NUM_THREADS" in line for line in lines), lines
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice is kept, and said
+        lines.clear()
+        with pytest.raises(Stop):
+            quickstart.run_quickstart(str(tmp_path / "qs2"), log=lines.append)
+        assert seen["threads"] == 2 and any("OMP_NUM_THREADS=2" in line for line in lines), lines
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _quickstart_dir(words: list[str]) -> str:
+    from prefpack.cli import parse_command_line
+
+    args = parse_command_line(words)
+    if args.output_dir:
+        return args.output_dir
+    if args.task == "arithmetic":
+        return "runs/arithmetic"
+    if args.images:
+        return "runs/quickstart-images"
+    return "runs/quickstart-small" if args.model_size == "small" else "runs/quickstart"
+
+
+def test_readme_quickstarts_run_after_make_demo():
+    """After `make demo` (runs/quickstart), every quickstart README and docs/ show in a block runs as written: none
+    writes a folder `make demo` or an earlier command of the page wrote, unless it says --overwrite."""
+    from test_docs_commands import fenced_commands, prefpack_words
+
+    makefile = (REPO / "Makefile").read_text()
+    demo = re.search(r"^demo:.*\n\t(.*)$", makefile, re.M).group(1).split()
+    assert demo[1:] == ["quickstart"], demo
+    found = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        written = {_quickstart_dir(demo[1:])}
+        for number, line, env in fenced_commands(page.read_text()):
+            words = prefpack_words(line, env)
+            if words[:1] != ["quickstart"]:
+                continue
+            folder = _quickstart_dir(words)
+            if folder in written and "--overwrite" not in words:
+                found.append(f"{page.name}:{number}: {line}: {folder} exists")
+            written.add(folder)
+    assert not found, found
+
+
+# ---------------------------------------------------------------- eval --model RUN_DIR/final: the run's loss
+
+
+@pytest.fixture(scope="module")
+def eval_world(tmp_path_factory, toy_tokenizers):
+    """A run folder (RUN/config.yaml of an IPO run, RUN/final a tiny Llama) and a small pair store."""
+    from conftest import tiny_llama
+
+    root = tmp_path_factory.mktemp("eval51")
+    tok = toy_tokenizers["llama"]
+    tiny_llama(tok, root / "run" / "final", seed=0)
+    (root / "run" / "config.yaml").write_text("train:\n  objective: preference\nloss:\n  terms:\n"
+                                              "    - {name: ipo, weight: 1.0}\n  beta: 0.1\n")
+    rows = [{"prompt": f"Question {i}?", "chosen": f" yes {i}", "rejected": " no"} for i in range(6)]
+    src = write_jsonl(root / "pairs.jsonl", rows)
+    assert cli_main(["prepare", str(src), "--tokenizer", str(tok), "--output", str(root / "store"),
+                     "--workers", "1"]) == 0
+    return root
+
+
+def _eval(capsys, *argv) -> tuple[dict, list[str]]:
+    import json
+
+    capsys.readouterr()
+    assert cli_main(["eval", *argv, "--json", "--no-progress", "--device", "cpu"]) == 0
+    out = capsys.readouterr()
+    return json.loads(out.out.strip().splitlines()[-1]), out.err.strip().splitlines()
+
+
+def test_eval_of_a_run_final_scores_with_the_run_loss(eval_world, capsys, one_thread):
+    run, store = eval_world / "run", str(eval_world / "store")
+    model = str(run / "final")
+    result, err = _eval(capsys, "--model", model, "--ref", model, "--data", store)
+    assert result["loss"] == pytest.approx(25.0)  # IPO with the policy as its reference: (0 - 1/(2 beta))^2
+    assert f"scoring with the run's loss from {run / 'config.yaml'}: ipo, beta 0.1" in err, err
+    result, err = _eval(capsys, "--model", model, "--ref", model, "--data", store, "--beta", "0.5")
+    assert result["loss"] == pytest.approx(1.0) and any("ipo, beta 0.5 (--beta as given here)" in e for e in err)
+    result, _ = _eval(capsys, "--model", model, "--ref", model, "--data", store, "--loss", "sigmoid")
+    assert result["loss"] == pytest.approx(0.693147, abs=1e-5)  # an explicit flag still wins
+
+    bare = eval_world / "bare"  # a model folder outside a run: the defaults, said
+    if not bare.exists():
+        import shutil
+
+        shutil.copytree(run / "final", bare)
+    result, err = _eval(capsys, "--model", str(bare), "--ref", str(bare), "--data", store)
+    assert result["loss"] == pytest.approx(0.693147, abs=1e-5)
+    assert any(e.startswith("scoring with the default loss: sigmoid, beta 0.1") and "--config" in e for e in err), err
