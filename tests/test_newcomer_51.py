@@ -158,3 +158,16 @@ def test_eval_of_a_run_final_scores_with_the_run_loss(eval_world, capsys, one_th
     result, err = _eval(capsys, "--model", str(bare), "--ref", str(bare), "--data", store)
     assert result["loss"] == pytest.approx(0.693147, abs=1e-5)
     assert any(e.startswith("scoring with the default loss: sigmoid, beta 0.1") and "--config" in e for e in err), err
+
+
+# ---------------------------------------------------------------- rounds with data.train
+
+
+def test_rounds_with_data_train_warn_that_the_store_is_ignored(tmp_path):
+    from prefpack.config import load_config
+
+    base = ["model.name_or_path=m", "rounds.count=2", "rounds.prompts=p.jsonl", "rounds.reward_fn=r.py:f"]
+    cfg = load_config(None, [*base, "data.train=stores/train"])
+    said = [w for w in cfg.warnings() if "data.train" in w]
+    assert len(said) == 1 and "stores/train" in said[0] and "not read by rounds" in said[0], cfg.warnings()
+    assert not [w for w in load_config(None, base).warnings() if "data.train" in w]
