@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import write_jsonl
+from test_chat_masks import family_toks  # noqa: F401  (a fixture: the chat families' tokenizers)
 
 from prefpack.cli import main as cli_main
 
@@ -171,3 +172,72 @@ def test_rounds_with_data_train_warn_that_the_store_is_ignored(tmp_path):
     said = [w for w in cfg.warnings() if "data.train" in w]
     assert len(said) == 1 and "stores/train" in said[0] and "not read by rounds" in said[0], cfg.warnings()
     assert not [w for w in load_config(None, base).warnings() if "data.train" in w]
+
+
+# ---------------------------------------------------------------- item 6: small messages
+
+
+def test_a_budget_warning_does_not_say_leave_it_auto_when_it_is_auto(tmp_path, toy_tokenizers):
+    from prefpack.config import load_config
+    from prefpack.data.prepare import PrepareOptions, prepare
+    from prefpack.data.store import Store
+    from prefpack.objectives import PairTask, config_terms, settings_from_config
+    from prefpack.objectives.select import batch_warnings
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"Q {i}?", "chosen": " yes", "rejected": " no"}
+                                              for i in range(4)])
+    prepare(PrepareOptions(inputs=[str(src)], tokenizer=str(toy_tokenizers["llama"]), output=str(tmp_path / "s"),
+                           workers=1), log=lambda m: None)
+    store = Store(tmp_path / "s")
+    for given, auto in (("3", False), ("auto", True)):
+        cfg = load_config(None, ["loss.terms=[{name: sigmoid}]", "train.global_batch_pairs=2",
+                                 f"train.micro_batch_tokens={given}"])
+        settings = settings_from_config(cfg, pad_id=0, micro_batch_tokens=3, row_tokens=2048, chunk_size=1024,
+                                        shares_prompts=False)
+        [warning] = batch_warnings(PairTask(store, settings, config_terms(cfg)))
+        if auto:
+            assert "leave it auto" not in warning and "train.micro_batch_tokens(auto: 3)" in warning, warning
+            assert "auto sized it for this device" in warning
+        else:
+            assert "train.micro_batch_tokens=3 is smaller" in warning and "leave it auto" in warning, warning
+
+
+def test_enable_thinking_false_on_a_reasoning_row_names_the_row_and_the_kwarg(tmp_path, family_toks):  # noqa: F811
+    from test_chat_masks import PLAIN, PROMPT, no_reasoning, run
+
+    from prefpack.data.prepare import PrepareError
+
+    with pytest.raises(PrepareError) as err:
+        run(tmp_path, family_toks["qwen3"], [{"prompt": PROMPT, "chosen": PLAIN, "rejected": no_reasoning(PLAIN)}],
+            chat_template_kwargs={"enable_thinking": False})
+    msg = str(err.value)
+    assert "field 'chosen''s assistant reply holds reasoning ('No idea.')" in msg, msg
+    assert "enable_thinking is false" in msg and "not prefix-stable" not in msg, msg
+
+
+def test_a_reward_model_run_is_neither_titled_nor_warned_about_as_sigmoid(tmp_path):
+    import yaml
+
+    from prefpack.config import load_config
+    from prefpack.plot import run_title
+
+    cfg = load_config(None, ["model.name_or_path=m", "data.train=stores/hh", "train.objective=reward",
+                             "reference.mode=copy"])
+    assert not [w for w in cfg.warnings() if "sigmoid" in w], cfg.warnings()
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": {"name_or_path": "m"}, "data": {"train": "hh"},
+                                                          "train": {"objective": "reward"},
+                                                          "loss": {"terms": [{"name": "sigmoid", "weight": 1.0}]}}))
+    title = run_title(tmp_path)
+    assert "sigmoid" not in title and "reward model" in title, title
+
+
+def test_a_suggested_torchrun_command_runs_prefpack_as_a_module():
+    """`torchrun ... prefpack train` asks torchrun to run a file named prefpack in the working directory (there is
+    one only at the repository's root, a folder): every torchrun command in messages and docs has `-m prefpack`."""
+    bad = re.compile(r"torchrun[^`\n]*?\s(?:\S*/)?prefpack (?:train|eval|precompute-ref|generate|score)")
+    found = []
+    for path in [*sorted((REPO / "prefpack").rglob("*.py")), REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if bad.search(line) and not re.search(r"-m prefpack|\$\(which prefpack\)", line):
+                found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not found, found

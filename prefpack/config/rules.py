@@ -32,6 +32,8 @@ def warnings(cfg: Config) -> list[str]:
                    "samples of rounds.prompts; remove data.train (data.eval is still evaluated)")
     if objective is not None and objective.loss_names is not None:
         pass  # a policy gradient's reference is read only by its KL term: the reference stage leaves it out at 0
+    elif objective is not None and not objective.reads_reference:
+        pass  # a reward model reads no reference, whatever loss.terms say: set-up notes that reference.mode is ignored
     elif cfg.reference.mode != "none" and cfg.loss.terms and not cfg.needs_reference():
         out.append(
             f"reference.mode is {cfg.reference.mode!r} but no loss term reads the reference "

@@ -216,13 +216,13 @@ def score_store(opts: EvalOptions, *, parallel: Parallel = ONE_PROCESS, log=prin
 
     cfg = eval_config(opts)
     cfg.validate()
-    said = loss_line(opts, cfg)
-    if said and parallel.is_main:
-        log(said)
     for line in reward_model_notes(opts, cfg):
         log(line)
     setup = build(cfg, log=log, parallel=parallel, check_sidecar_reference=False,  # the sidecar IS the ref
                   training=False)
+    said = loss_line(opts, cfg)  # once the model and store are accepted: what is scored with which loss
+    if said:
+        log(said)
     result = evaluate(setup.policy, setup.reference, setup.train_task, parallel=parallel, progress=progress)
     parallel.barrier()  # no rank leaves while another is still in a collective
     task = setup.train_task
