@@ -241,3 +241,20 @@ def test_a_suggested_torchrun_command_runs_prefpack_as_a_module():
             if bad.search(line) and not re.search(r"-m prefpack|\$\(which prefpack\)", line):
                 found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert not found, found
+
+
+def test_report_to_tensorboard_without_tensorboard_is_refused_as_wandb_without_wandb(tmp_path, monkeypatch):
+    import sys
+
+    from prefpack.config import load_config
+    from prefpack.metrics import MetricsSetupError, check_report_to
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # not installed
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    for name in ("tensorboard", "wandb"):
+        with pytest.raises(MetricsSetupError) as info:
+            check_report_to(load_config(None, [f"run.output_dir={tmp_path}", f"run.report_to={name}"]).run)
+        msg = str(info.value)
+        assert msg.startswith(f"run.report_to has '{name}' but") and "\n" not in msg, msg
+        assert f"remove '{name}' from run.report_to" in msg
+    check_report_to(load_config(None, [f"run.output_dir={tmp_path}"]).run)  # the default, auto: no word
