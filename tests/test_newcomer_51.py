@@ -258,3 +258,39 @@ def test_report_to_tensorboard_without_tensorboard_is_refused_as_wandb_without_w
         assert msg.startswith(f"run.report_to has '{name}' but") and "\n" not in msg, msg
         assert f"remove '{name}' from run.report_to" in msg
     check_report_to(load_config(None, [f"run.output_dir={tmp_path}"]).run)  # the default, auto: no word
+
+
+def test_inspect_of_a_run_folder_says_what_it_is_and_what_inspect_reads(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "config.yaml").write_text("data:\n  train: stores/train\n")
+    (run / "metrics.jsonl").write_text("")
+    assert cli_main(["inspect", str(run)]) == 2
+    err = _one_line_error(capsys)
+    assert "is a training run's folder" in err and "prefpack prepare --output DIR" in err, err
+    assert "this run trained on stores/train" in err and "prepare again" not in err
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    assert cli_main(["inspect", str(tmp_path / "model")]) == 2
+    assert "is a model folder (config.json), not a prepared store" in _one_line_error(capsys)
+
+
+def _help(command: str) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        cli_main([command, "--help"])
+    return " ".join(out.getvalue().split())
+
+
+def test_help_texts_say_what_happens():
+    assert "one decoded example" not in _help("inspect") and "without it no example is decoded" in _help("inspect")
+    text = _help("eval")
+    assert "(default from the model)" not in text and "else null" in text
+    assert "RUN_DIR/config.yaml" in text
+    score = _help("score")
+    assert "required for text rows" not in score and "--reward-model folder's own tokenizer" in score
+    quickstart = _help("quickstart")
+    assert "--overwrite" in quickstart

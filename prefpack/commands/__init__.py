@@ -172,7 +172,7 @@ def add_eval(sub) -> None:
                    "(default: the --config run's terms, else those of RUN_DIR/config.yaml beside --model, else "
                    "sigmoid for a pair store, kto for an unpaired store or with --kto)")
     for param in LOSS_PARAMS.values():  # every loss.* parameter of the loss registry
-        p.add_argument(param.flag, type=float, default=None, help=f"{param.help} (default: the run's, as --loss, "
+        p.add_argument(param.flag, type=float, default=None, help=f"{param.help} (default: the run's, as for --loss, "
                        f"else {'null' if param.default is None else format(param.default, 'g')})")
     p.add_argument("--f-divergence-type", default=None, choices=get_args(FDivergence),
                    help="f-DPO regulariser (default: the --config run's, else reverse_kl = plain DPO)")
