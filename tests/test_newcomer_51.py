@@ -294,3 +294,27 @@ def test_help_texts_say_what_happens():
     assert "required for text rows" not in score and "--reward-model folder's own tokenizer" in score
     quickstart = _help("quickstart")
     assert "--overwrite" in quickstart
+
+
+def test_precompute_ref_keeps_an_identical_sidecar_unless_overwrite(eval_world, capsys, one_thread):
+    import json
+
+    model, store = str(eval_world / "run" / "final"), eval_world / "store"
+    argv = ["precompute-ref", "--model", model, "--data", str(store), "--device", "cpu"]
+    assert cli_main(argv) == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    sidecar = Path(first["sidecar"])
+    stamp = sidecar.stat().st_mtime_ns
+    assert cli_main(argv) == 0
+    out = capsys.readouterr()
+    again = json.loads(out.out.strip().splitlines()[-1])
+    notes = [line for line in out.err.splitlines() if "already holds these reference log-probs" in line]
+    assert len(notes) == 1 and "--overwrite" in notes[0], out.err
+    assert again["skipped"] is True and again["mean_logp"] == first["mean_logp"]
+    assert sidecar.stat().st_mtime_ns == stamp  # not written again
+    assert cli_main([*argv, "--dtype", "bfloat16"]) == 0  # other settings: scored again
+    assert "skipped" not in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert cli_main(argv) == 0  # float32 again after the bfloat16 one: scored again
+    assert "skipped" not in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert cli_main([*argv, "--overwrite"]) == 0
+    assert "skipped" not in json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -271,6 +271,9 @@ def add_precompute(sub) -> None:
                    help="compute dtype (default auto: bfloat16 on CUDA over float32 weights, float32 on CPU; use the dtype the runs that read the sidecar will train in)")
     p.add_argument("--allow-tokenizer-mismatch", action="store_true", help="score even when the model's tokenizer differs from the store's (its token ids may mean other things; off by default for that reason)")
     p.add_argument("--trust-remote-code", action="store_true", help=REMOTE_CODE_HELP)
+    p.add_argument("--overwrite", action="store_true", help="score again even when the store's sidecar was written "
+                   "with the same reference weights, store and settings (without it such a sidecar is kept, said "
+                   "in one line)")
     _add_sequence_parallel(p, "(default 1)")
 
 
@@ -283,7 +286,7 @@ def run_precompute(args, argv) -> int:
                              micro_batch_tokens=_budget("--micro-batch-tokens", args.micro_batch_tokens),
                              chunk_size=_budget("--chunk-size", args.chunk_size), device=args.device,
                              dtype=args.dtype, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch,
-                             trust_remote_code=args.trust_remote_code)
+                             trust_remote_code=args.trust_remote_code, overwrite=args.overwrite)
     # under torchrun every rank scores a share of the store; a sequence group's ranks the same share, each its token
     # shards (as training does)
     parallel = start_parallel(args.device, 1 if args.sequence_parallel is None else args.sequence_parallel)
