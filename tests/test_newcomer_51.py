@@ -318,3 +318,23 @@ def test_precompute_ref_keeps_an_identical_sidecar_unless_overwrite(eval_world, 
     assert "skipped" not in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert cli_main([*argv, "--overwrite"]) == 0
     assert "skipped" not in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_a_template_that_writes_the_date_is_named_at_prepare(tmp_path, family_toks):  # noqa: F811
+    import datetime
+
+    from test_chat_masks import PLAIN, PROMPT
+
+    from prefpack.data.prepare import PrepareOptions, prepare
+
+    data = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": PROMPT, "chosen": PLAIN,
+                                                  "rejected": [{"role": "assistant", "content": "No."}]}])
+    for family, dated in (("gpt-oss", True), ("qwen3", False)):
+        lines: list[str] = []
+        prepare(PrepareOptions(inputs=[str(data)], tokenizer=str(family_toks[family]), output=str(tmp_path / family),
+                               workers=1), log=lines.append)
+        said = [line for line in lines if "strftime_now" in line]
+        if dated:
+            assert len(said) == 1 and datetime.date.today().isoformat() in said[0], lines
+        else:
+            assert not said, said
