@@ -68,12 +68,15 @@ def rounds_config(root: Path, objective: str, *, count: int = 3, steps: int = 24
     head = {"preference": "# On-policy rounds with DPO (best vs worst sample of each prompt) on the arithmetic task.",
             "policy_gradient": "# On-policy rounds with GRPO (group policy gradient on each round's k scored samples "
                                "per prompt)\n# on the arithmetic task."}[objective]
-    pg = "objective: policy_gradient, " if objective == "policy_gradient" else ""
+    from prefpack.objectives.names import OBJECTIVE_NAMES, TRAIN_OBJECTIVES
+
+    group = TRAIN_OBJECTIVES[objective].loss_names is not None  # a group policy gradient (GRPO), not pairs (DPO)
+    pg = f"objective: {objective}, " if objective != OBJECTIVE_NAMES[0] else ""
     train = f"train: {{{pg}global_batch_pairs: 16, micro_batch_tokens: 1024, seed: {seed}}}"
-    loss = ("loss: {beta: 0.1, terms: [{name: sigmoid}, {name: nll, weight: 0.2}]}" if objective == "preference"
-            else "loss: {terms: [{name: grpo}], kl_coef: 0.05}")
+    loss = ("loss: {terms: [{name: grpo}], kl_coef: 0.05}" if group
+            else "loss: {beta: 0.1, terms: [{name: sigmoid}, {name: nll, weight: 0.2}]}")
     reference = "reference: {mode: copy}\n"
-    name = "dpo" if objective == "preference" else "grpo"
+    name = "grpo" if group else "dpo"
     return f"""{head}
 # Written by `prefpack quickstart --task arithmetic`; run it with `prefpack train {root / f'rounds-{name}.yaml'}`.
 # Each round samples {SAMPLES} completions of each training prompt, scores them with reward.py:exact_answer
