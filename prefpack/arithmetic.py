@@ -26,7 +26,7 @@ import shutil
 import time
 from pathlib import Path
 
-from prefpack.quickstart import MARKER, _build_model, _fresh_folder, _write_jsonl
+from prefpack.quickstart import MARKER, _build_model, _fresh_folder, _one_thread, _write_jsonl
 
 ARITHMETIC_DIR = "runs/arithmetic"
 OPERANDS = range(10)  # A and B of "A+B="
@@ -68,12 +68,15 @@ def rounds_config(root: Path, objective: str, *, count: int = 3, steps: int = 24
     head = {"preference": "# On-policy rounds with DPO (best vs worst sample of each prompt) on the arithmetic task.",
             "policy_gradient": "# On-policy rounds with GRPO (group policy gradient on each round's k scored samples "
                                "per prompt)\n# on the arithmetic task."}[objective]
-    pg = "objective: policy_gradient, " if objective == "policy_gradient" else ""
+    from prefpack.objectives.names import OBJECTIVE_NAMES, TRAIN_OBJECTIVES
+
+    group = TRAIN_OBJECTIVES[objective].loss_names is not None  # a group policy gradient (GRPO), not pairs (DPO)
+    pg = f"objective: {objective}, " if objective != OBJECTIVE_NAMES[0] else ""
     train = f"train: {{{pg}global_batch_pairs: 16, micro_batch_tokens: 1024, seed: {seed}}}"
-    loss = ("loss: {beta: 0.1, terms: [{name: sigmoid}, {name: nll, weight: 0.2}]}" if objective == "preference"
-            else "loss: {terms: [{name: grpo}], kl_coef: 0.05}")
+    loss = ("loss: {terms: [{name: grpo}], kl_coef: 0.05}" if group
+            else "loss: {beta: 0.1, terms: [{name: sigmoid}, {name: nll, weight: 0.2}]}")
     reference = "reference: {mode: copy}\n"
-    name = "dpo" if objective == "preference" else "grpo"
+    name = "grpo" if group else "dpo"
     return f"""{head}
 # Written by `prefpack quickstart --task arithmetic`; run it with `prefpack train {root / f'rounds-{name}.yaml'}`.
 # Each round samples {SAMPLES} completions of each training prompt, scores them with reward.py:exact_answer
@@ -124,15 +127,25 @@ def _mean_of(scored: Path) -> float:
 
 
 def build_arithmetic(output_dir: str = ARITHMETIC_DIR, *, seed: int = 0, warm_steps: int = WARM_STEPS,
-                     log=print) -> dict:
-    """Everything above, in ``output_dir``; returns its paths and the warm start's held-out sample accuracy."""
+                     overwrite: bool = False, log=print) -> dict:
+    """Everything above, in ``output_dir`` (refused when it exists, unless ``overwrite`` and an earlier quickstart
+    made it), on one torch thread on CPU unless OMP_NUM_THREADS says otherwise; returns its paths and the warm
+    start's held-out sample accuracy."""
+    t_start = time.perf_counter()
+    root = _fresh_folder(output_dir, overwrite)
+    restore_threads = _one_thread(log)
+    try:
+        return _build_arithmetic(root, seed, warm_steps, t_start, log)
+    finally:
+        restore_threads()
+
+
+def _build_arithmetic(root: Path, seed: int, warm_steps: int, t_start: float, log) -> dict:
     from prefpack.config import load_config
     from prefpack.data.prepare import PrepareOptions, prepare
     from prefpack.toy_tokenizer import build_toy_tokenizer
     from prefpack.training import train
 
-    t_start = time.perf_counter()
-    root = _fresh_folder(output_dir)
     (root / "data").mkdir(parents=True)
     (root / MARKER).write_text("made by prefpack quickstart --task arithmetic; safe to delete\n")
     root = root.resolve()

@@ -118,7 +118,13 @@ def run_title(run_dir: Path) -> str:
         import yaml
 
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {}
-        terms = " + ".join(str(t.get("name")) for t in cfg["loss"]["terms"])
+        from prefpack.objectives.names import TRAIN_OBJECTIVES
+
+        objective = TRAIN_OBJECTIVES.get(str((cfg.get("train") or {}).get("objective")))
+        if objective is not None and objective.sequence_classifier:  # its loss is its own, not loss.terms
+            terms = f"{objective.name} model (Bradley-Terry)"
+        else:
+            terms = " + ".join(str(t.get("name")) for t in cfg["loss"]["terms"])
         model = Path(str(cfg["model"]["name_or_path"])).name
         train, rounds = cfg["data"]["train"], (cfg.get("rounds") or {}).get("count") or 0
         if rounds:  # an on-policy run trains on its rounds' own stores, not data.train

@@ -44,15 +44,49 @@ def make_pairs(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def _fresh_folder(output_dir: str) -> Path:
-    """``output_dir``, emptied when an earlier quickstart made it (its marker file); anything else there is refused,
-    never deleted."""
+def _fresh_folder(output_dir: str, overwrite: bool = False) -> Path:
+    """``output_dir``, new; an earlier quickstart's folder (its marker file) is emptied with ``overwrite`` only (it may
+    hold a trained model), and refused without it; a folder quickstart did not make is refused, never deleted."""
     root = Path(output_dir)
     if root.exists():
         if not (root / MARKER).exists():
             raise FileExistsError(f"{root} exists and was not made by quickstart; choose another --output-dir")
+        if not overwrite:
+            raise FileExistsError(f"{root} holds an earlier quickstart's output ({_what_is_in(root)}); add "
+                                  "--overwrite to replace it, or choose another --output-dir")
         shutil.rmtree(root)
     return root
+
+
+def _what_is_in(root: Path) -> str:
+    """An earlier quickstart folder's contents in a few words: its trained model first."""
+    models = [str(p.relative_to(root)) for p in sorted(root.glob("**/final")) if p.is_dir()]
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir() if p.name != MARKER)
+    what = f"a trained model in {', '.join(models)}; " if models else ""
+    return what + (", ".join(names) if names else "empty")
+
+
+def _one_thread(log):
+    """One torch thread for the toy models on CPU, unless the user chose (OMP_NUM_THREADS): a 2-layer model gains
+    nothing from more, and on a busy machine every extra thread waits for a core (the demo took 2 m 28 s at load 4.6
+    on 2 cores with torch's default, 25 s with one). Returns a function that restores the previous count."""
+    import os
+
+    import torch
+
+    before = torch.get_num_threads()
+    if torch.cuda.is_available():
+        log("torch threads: left as they are (the model trains on the GPU)")
+        return lambda: None
+    if os.environ.get("OMP_NUM_THREADS"):
+        log(f"torch threads: {before} (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; one is fastest for this "
+            "tiny model, 3-6x on a busy machine)")
+        return lambda: None
+    torch.set_num_threads(1)
+    if before > 1:
+        log(f"torch threads: 1 of {before} (a tiny model on CPU gains nothing from more, and runs 3-6x slower with "
+            "them on a busy machine; set OMP_NUM_THREADS to choose)")
+    return lambda: torch.set_num_threads(before)
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -80,14 +114,24 @@ def _build_model(tokenizer, out: Path, seed: int) -> Path:
 
 
 def run_quickstart(output_dir: str = "runs/quickstart", *, steps: int | None = None, seed: int = 0,
-                   log=print) -> dict:
+                   overwrite: bool = False, log=print) -> dict:
+    """The demo in ``output_dir`` (refused when it exists, unless ``overwrite`` and an earlier quickstart made it),
+    on one torch thread on CPU unless OMP_NUM_THREADS says otherwise."""
+    t_start = time.perf_counter()
+    root = _fresh_folder(output_dir, overwrite)
+    restore_threads = _one_thread(log)
+    try:
+        return _run_quickstart(root, steps, seed, t_start, log)
+    finally:
+        restore_threads()
+
+
+def _run_quickstart(root: Path, steps: int | None, seed: int, t_start: float, log) -> dict:
     from prefpack.config import load_config
     from prefpack.data.prepare import PrepareOptions, prepare
     from prefpack.toy_tokenizer import build_toy_tokenizer
     from prefpack.training import train
 
-    t_start = time.perf_counter()
-    root = _fresh_folder(output_dir)
     (root / "data").mkdir(parents=True)
     (root / MARKER).write_text("made by prefpack quickstart; safe to delete\n")
 
@@ -176,7 +220,7 @@ def _read_texts(path: Path) -> list[str]:
 
 
 def build_small_model(output_dir: str = SMALL_MODEL_DIR, *, steps: int | None = None, seed: int = 0,
-                      data: str | None = None, log=print) -> dict:
+                      data: str | None = None, overwrite: bool = False, log=print) -> dict:
     """A small but real starting point for `prefpack train` on real data, with no downloads: a byte-level BPE
     tokenizer (4,096 tokens, Llama-style) trained on the data, and a 4-layer Llama (hidden 128, 2,048 positions)
     trained as a language model on its conversations for ``steps`` steps of 8 x 512 tokens. Written to
@@ -188,7 +232,7 @@ def build_small_model(output_dir: str = SMALL_MODEL_DIR, *, steps: int | None = 
 
     t_start = time.perf_counter()
     steps = SMALL_STEPS if steps is None else steps
-    root = _fresh_folder(output_dir)
+    root = _fresh_folder(output_dir, overwrite)
     source = Path(data) if data else HH_SAMPLE
     texts = _read_texts(source)
     root.mkdir(parents=True)
@@ -257,7 +301,7 @@ IMAGES_DIR = "runs/quickstart-images"
 
 
 def build_image_example(output_dir: str = IMAGES_DIR, *, train_pairs: int = 256, eval_pairs: int = 32, seed: int = 0,
-                        kind: str = "qwen2_vl", log=print) -> dict:
+                        kind: str = "qwen2_vl", overwrite: bool = False, log=print) -> dict:
     """Everything README's "Images" section trains on, generated offline: a task whose answer needs the image (each
     picture is mostly one colour; chosen names it, rejected another: ``toy_vision.colour_rows``) as pairs in TRL's
     vision layout (``data/train.jsonl``, ``data/eval.jsonl``, the PNGs beside them), a processor folder (a toy
@@ -266,7 +310,7 @@ def build_image_example(output_dir: str = IMAGES_DIR, *, train_pairs: int = 256,
     that."""
     from prefpack.toy_vision import colour_rows, save_processor_dir, tiny_vlm, vision_tokenizer, write_jsonl
 
-    root = _fresh_folder(output_dir)
+    root = _fresh_folder(output_dir, overwrite)
     (root / "data").mkdir(parents=True)
     (root / MARKER).write_text("made by prefpack quickstart; safe to delete\n")
     tok = vision_tokenizer()

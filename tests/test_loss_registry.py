@@ -4,6 +4,7 @@ metrics and `prefpack eval`'s flags; eval --config scores exactly as the run tra
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -78,9 +79,14 @@ def test_eval_with_the_run_config_scores_as_the_run_trained(world, tmp_path, cap
     got = json.loads(capsys.readouterr().out)
     assert got["loss"] == pytest.approx(trained["loss"], abs=1e-6)
     assert got["loss/nll"] == pytest.approx(trained["loss/nll"], abs=1e-6)
-    # without --config the defaults (sigmoid alone, beta 0.1) give another number; --beta overrides the config
+    # without --config, RUN_DIR/final is scored with RUN_DIR/config.yaml's loss all the same (issue 51); a copy of
+    # the model outside the run folder with the defaults (sigmoid alone, beta 0.1), another number
     assert cli_main(base[:-2]) == 0
+    assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(trained["loss"], abs=1e-6)
+    shutil.copytree(run / "final", tmp_path / "alone")
+    assert cli_main(["eval", "--model", str(tmp_path / "alone"), *base[3:-2]]) == 0
     assert json.loads(capsys.readouterr().out)["loss"] != pytest.approx(trained["loss"], abs=1e-4)
+    # --beta overrides the config
     assert cli_main([*base, "--beta", "0.1"]) == 0
     assert json.loads(capsys.readouterr().out)["loss"] != pytest.approx(trained["loss"], abs=1e-4)
 

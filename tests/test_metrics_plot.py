@@ -103,12 +103,12 @@ def test_disabled_is_a_no_op(tmp_path):
     assert not (tmp_path / "rank1").exists()
 
 
-def test_tensorboard_missing_gives_a_notice(tmp_path, monkeypatch):
+def test_tensorboard_missing_is_refused_when_asked_for(tmp_path, monkeypatch):
+    from prefpack.metrics import MetricsSetupError
+
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import fail
-    logger = MetricsLogger(tmp_path, tensorboard=True)
-    assert logger.notice and "tensorboard" in logger.notice.lower() and not logger.tensorboard_active
-    logger.log(1, {"loss": 1.0})
-    assert read_metrics(tmp_path)[0]["loss"] == 1.0
+    with pytest.raises(MetricsSetupError, match="pip install tensorboard"):  # as wandb is (issue 51)
+        MetricsLogger(tmp_path, tensorboard=True)
     assert MetricsLogger(tmp_path / "b", tensorboard=False).notice is None
     quiet = MetricsLogger(tmp_path / "c", tensorboard="auto")  # the default report_to: no notice, no writer
     assert quiet.notice is None and not quiet.tensorboard_active
@@ -121,9 +121,14 @@ def test_default_report_to_is_quiet_without_tensorboard(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     default = MetricsLogger.from_config(load_config(None, [f"run.output_dir={tmp_path / 'a'}"]))
     assert default.notice is None and not default.tensorboard_active
-    named = MetricsLogger.from_config(load_config(None, [f"run.output_dir={tmp_path / 'b'}",
-                                                         "run.report_to=tensorboard"]))
-    assert named.notice and "pip install tensorboard" in named.notice
+    from prefpack.metrics import MetricsSetupError, check_report_to
+
+    named = load_config(None, [f"run.output_dir={tmp_path / 'b'}", "run.report_to=tensorboard"])
+    for start in (lambda: MetricsLogger.from_config(named), lambda: check_report_to(named.run)):
+        with pytest.raises(MetricsSetupError) as info:  # refused in one line, as wandb without wandb
+            start()
+        assert "\n" not in str(info.value) and "pip install tensorboard" in str(info.value)
+        assert "remove 'tensorboard' from run.report_to" in str(info.value)
 
 
 def test_tensorboard_writer_calls(tmp_path, monkeypatch):

@@ -315,6 +315,8 @@ def test_wandb_init_failure_is_a_clear_error(tmp_path, monkeypatch):
 
 def test_wandb_not_installed_is_a_config_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail
+    # TensorBoard importable (a stand-in): missing, it is refused as well (test_metrics_plot)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=object))
     with pytest.raises(MetricsSetupError) as info:
         MetricsLogger.from_config(run_cfg(tmp_path / "r", "run.report_to=[tensorboard, wandb]"))
     assert isinstance(info.value, ConfigError)
@@ -322,7 +324,7 @@ def test_wandb_not_installed_is_a_config_error(tmp_path, monkeypatch):
     assert not (tmp_path / "r" / WANDB_ID_FILE).exists() and not (tmp_path / "r" / "metrics.jsonl").exists()
     with pytest.raises(MetricsSetupError, match=r"pip install 'prefpack\[wandb\]'"):  # the early check says the same
         check_report_to(run_cfg(tmp_path / "r", "run.report_to=wandb").run)
-    check_report_to(run_cfg(tmp_path / "r", "run.report_to=tensorboard").run)  # nothing to import
+    check_report_to(run_cfg(tmp_path / "r", "run.report_to=none").run)  # nothing to import
     # without wandb in report_to nothing imports it
     MetricsLogger.from_config(run_cfg(tmp_path / "s", "run.report_to=none")).log(1, {"loss": 1.0})
     assert read_metrics(tmp_path / "s")[0]["loss"] == 1.0
@@ -495,6 +497,7 @@ def hide_mlflow(monkeypatch, names=("mlflow", "mlflow.entities", "mlflow.trackin
 
 def test_mlflow_not_installed_is_a_config_error(tmp_path, monkeypatch):
     hide_mlflow(monkeypatch)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=object))
     with pytest.raises(MetricsSetupError) as info:
         MetricsLogger.from_config(run_cfg(tmp_path / "r", "run.report_to=[tensorboard, mlflow]"))
     assert isinstance(info.value, ConfigError)

@@ -165,13 +165,15 @@ def add_eval(sub) -> None:
                    "unpaired examples (KTO); give --data several times to score several stores, each in turn")
     p.add_argument("--config", default=None, metavar="RUN_DIR/config.yaml",
                    help="score as that run trained: its loss terms, weights and parameters, precision, packing and "
-                   "KTO settings (flags given here override them)")
+                   "KTO settings (flags given here override them). Without it, a --model inside a run folder "
+                   "(RUN_DIR/final) is scored with that run's objective and loss from RUN_DIR/config.yaml; the "
+                   "first line says which loss is used")
     p.add_argument("--loss", default=None, help="loss term(s), comma-separated, e.g. sigmoid or sigmoid,nll "
-                   "(default: the --config run's terms, else sigmoid for a pair store, kto for an unpaired store "
-                   "or with --kto)")
+                   "(default: the --config run's terms, else those of RUN_DIR/config.yaml beside --model, else "
+                   "sigmoid for a pair store, kto for an unpaired store or with --kto)")
     for param in LOSS_PARAMS.values():  # every loss.* parameter of the loss registry
-        p.add_argument(param.flag, type=float, default=None, help=f"{param.help} (default "
-                       f"{'from the model' if param.default is None else format(param.default, 'g')})")
+        p.add_argument(param.flag, type=float, default=None, help=f"{param.help} (default: the run's, as for --loss, "
+                       f"else {'null' if param.default is None else format(param.default, 'g')})")
     p.add_argument("--f-divergence-type", default=None, choices=get_args(FDivergence),
                    help="f-DPO regulariser (default: the --config run's, else reverse_kl = plain DPO)")
     p.add_argument("--use-weighting", action=argparse.BooleanOptionalAction, default=None,
@@ -269,6 +271,9 @@ def add_precompute(sub) -> None:
                    help="compute dtype (default auto: bfloat16 on CUDA over float32 weights, float32 on CPU; use the dtype the runs that read the sidecar will train in)")
     p.add_argument("--allow-tokenizer-mismatch", action="store_true", help="score even when the model's tokenizer differs from the store's (its token ids may mean other things; off by default for that reason)")
     p.add_argument("--trust-remote-code", action="store_true", help=REMOTE_CODE_HELP)
+    p.add_argument("--overwrite", action="store_true", help="score again even when the store's sidecar was written "
+                   "with the same reference weights, store and settings (without it such a sidecar is kept, said "
+                   "in one line)")
     _add_sequence_parallel(p, "(default 1)")
 
 
@@ -281,7 +286,7 @@ def run_precompute(args, argv) -> int:
                              micro_batch_tokens=_budget("--micro-batch-tokens", args.micro_batch_tokens),
                              chunk_size=_budget("--chunk-size", args.chunk_size), device=args.device,
                              dtype=args.dtype, allow_tokenizer_mismatch=args.allow_tokenizer_mismatch,
-                             trust_remote_code=args.trust_remote_code)
+                             trust_remote_code=args.trust_remote_code, overwrite=args.overwrite)
     # under torchrun every rank scores a share of the store; a sequence group's ranks the same share, each its token
     # shards (as training does)
     parallel = start_parallel(args.device, 1 if args.sequence_parallel is None else args.sequence_parallel)
@@ -310,7 +315,7 @@ def _budget(flag: str, value: str) -> int | str:
 
 def add_quickstart(sub) -> None:
     p = sub.add_parser("quickstart", help="the whole pipeline on a small bundled task, no downloads (about a minute "
-                       "on 2 CPU cores)",
+                       "on 2 CPU cores, on one torch thread)",
                        description="--model-size toy (default): the whole pipeline on generated reviews, in "
                        "runs/quickstart. --model-size small: only a starting model for your own data (README's "
                        "'Train your own'): a 4-layer Llama with 2,048 positions and its tokenizer, trained as a "
@@ -333,6 +338,8 @@ def add_quickstart(sub) -> None:
     p.add_argument("--data", default=None, help="small: conversations to build the tokenizer and train on (pairs "
                    ".jsonl[.gz] or a text column; default: the bundled hh sample)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data, the model's initial weights and the training order (default 0)")
+    p.add_argument("--overwrite", action="store_true", help="replace the output folder when an earlier quickstart "
+                   "wrote it (its trained model included); without it an existing folder is refused")
 
 
 def run_quickstart(args, argv) -> int:
@@ -347,20 +354,21 @@ def run_quickstart(args, argv) -> int:
             raise PrefpackError("--task arithmetic goes alone (with --output-dir, --steps, --seed); it builds its own "
                                 "model and data")
         build_arithmetic(args.output_dir or ARITHMETIC_DIR, seed=args.seed,
-                         warm_steps=WARM_STEPS if args.steps is None else args.steps, log=print)
+                         warm_steps=WARM_STEPS if args.steps is None else args.steps, overwrite=args.overwrite,
+                         log=print)
         return 0
     if args.images:
-        build_image_example(args.output_dir or IMAGES_DIR, seed=args.seed, log=print)
+        build_image_example(args.output_dir or IMAGES_DIR, seed=args.seed, overwrite=args.overwrite, log=print)
         return 0
     if args.model_size == "small":
         build_small_model(args.output_dir or SMALL_MODEL_DIR, steps=args.steps, seed=args.seed, data=args.data,
-                          log=print)
+                          overwrite=args.overwrite, log=print)
         return 0
     if args.data is not None:
         from prefpack.errors import PrefpackError
 
         raise PrefpackError("--data goes with --model-size small (the toy quickstart generates its own data)")
-    go(args.output_dir or "runs/quickstart", steps=args.steps, seed=args.seed, log=print)
+    go(args.output_dir or "runs/quickstart", steps=args.steps, seed=args.seed, overwrite=args.overwrite, log=print)
     return 0
 
 

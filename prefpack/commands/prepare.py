@@ -95,9 +95,12 @@ def run_prepare(args, argv: list[str]) -> int:
 
 
 def add_inspect(sub) -> None:
-    p = sub.add_parser("inspect", help="show a store's meta, length statistics and one decoded example")
-    p.add_argument("store", metavar="DIR", help="a store folder written by `prefpack prepare`")
-    p.add_argument("--row", type=int, default=None, help="decode this example (0-based)")
+    p = sub.add_parser("inspect", help="show a prepared store's meta and length statistics; --row I decodes one "
+                       "example")
+    p.add_argument("store", metavar="DIR", help="a store folder written by `prefpack prepare --output DIR` (not a run "
+                   "folder)")
+    p.add_argument("--row", type=int, default=None, help="decode this example (0-based; without it no example is "
+                   "decoded)")
     p.add_argument("--json", action="store_true", help="print one JSON object (keys meta, stats, row)")
     p.add_argument("--tokenizer", default=None, help="decode with this tokenizer (default: the store's copy)")
     p.add_argument("--verify", action="store_true", help="also check file hashes and token ranges (reads everything)")

@@ -34,8 +34,9 @@ def add_score(sub) -> None:
                    help="--reward-fn: the longest one call may take, then it is stopped and the run fails naming the "
                    "row (default 60; 0: no limit)")
     p.add_argument("--tokenizer", default=None,
-                   help="the input's tokenizer (default: a store's own copy, or the samples meta's when it is a folder; "
-                   "required for text rows)")
+                   help="the input's tokenizer (default: a store's own copy; a samples file's recorded tokenizer when "
+                   "it is a folder; else the --reward-model folder's own tokenizer when it holds one; needed only "
+                   "when none of these is there)")
     p.add_argument("--format", choices=("store", "jsonl"), default="store",
                    help="store (default): a ranked store of every row's completions and scores; jsonl: the input rows "
                    "with a scores list")

@@ -27,8 +27,13 @@ def warnings(cfg: Config) -> list[str]:
             cfg.rounds.pairs != "best_vs_worst" or cfg.rounds.min_gap):
         out.append(f"rounds.pairs / rounds.min_gap draw pairs; train.objective={cfg.train.objective} trains every "
                    "sample of each round with its score, so they are ignored")
+    if cfg.rounds.count > 0 and cfg.data.train:
+        out.append(f"data.train ({cfg.data.train}) is not read by rounds: each round trains on its own scored "
+                   "samples of rounds.prompts; remove data.train (data.eval is still evaluated)")
     if objective is not None and objective.loss_names is not None:
         pass  # a policy gradient's reference is read only by its KL term: the reference stage leaves it out at 0
+    elif objective is not None and not objective.reads_reference:
+        pass  # a reward model reads no reference, whatever loss.terms say: set-up notes that reference.mode is ignored
     elif cfg.reference.mode != "none" and cfg.loss.terms and not cfg.needs_reference():
         out.append(
             f"reference.mode is {cfg.reference.mode!r} but no loss term reads the reference "

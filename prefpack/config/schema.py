@@ -249,7 +249,7 @@ class RunConfig:
     keep_checkpoints: int = _f(2, "how many most recent checkpoints to keep")
     report_to: ReportTo | list[ReportTo] = _f(
         ["auto"], "where metrics go besides metrics.jsonl (always written): auto = tensorboard when installed, "
-        "silently; tensorboard (a notice when not installed); wandb (pip install 'prefpack[wandb]'); mlflow (pip install "
+        "silently; tensorboard (refused when not installed); wandb (pip install 'prefpack[wandb]'); mlflow (pip install "
         "'prefpack[mlflow]'; RUN_DIR/mlruns unless MLFLOW_TRACKING_URI is set); none")
     wandb_project: str = _f("prefpack", "W&B project when report_to has wandb (run name = the run folder's name)")
     tensorboard: bool | None = _f(None, "older switch: true adds tensorboard to report_to, false removes it, "

@@ -123,7 +123,8 @@ def render_chat(tok, ex: Example, kwargs: dict[str, Any] | None = None, tools: l
         full, spans = render(conversation, template_kwargs, False, name, spans=markers and train_on != "all")
         if not full.startswith(prompt_text):
             raise InvalidRow("template_not_prefix_stable", name, _prompt_cause(render, ex.prompt, template_kwargs,
-                             prompt_text, full, name, template, _history_reply(template, earlier_reasoning, reply)))
+                             prompt_text, full, name, template, _history_reply(template, earlier_reasoning, reply),
+                             reply))
         base = len(prompt_text)
         completion = full[base:]
         out.completions.append(completion)
@@ -241,13 +242,30 @@ def _history_reply(template: ChatTemplate | None, earlier_reasoning: str | None,
                 and any(m.get("role") == "user" for m in reply))
 
 
+def _reasoning_of(message: dict) -> str:
+    """An assistant message's reasoning (a reasoning field, or the <think> block of its content); "" if none."""
+    reasoning = next((message[k] for k in ("reasoning_content", "thinking", "reasoning")
+                      if isinstance(message.get(k), str) and message[k].strip()), "")
+    content = message.get("content") if isinstance(message.get("content"), str) else ""
+    if not reasoning and "</think>" in content:
+        reasoning = content.rsplit("</think>", 1)[0].split("<think>")[-1]
+    return reasoning.strip()
+
+
 def _prompt_cause(render: Renderer, prompt, kwargs, prompt_text: str, full: str, name: str,
-                  template: ChatTemplate | None, history_reply: bool = False) -> str:
+                  template: ChatTemplate | None, history_reply: bool = False, reply: list[dict] | None = None) -> str:
     """Why the prompt (with its generation prompt) is no prefix of the conversation with reply `name`."""
     plain, _ = render(prompt, kwargs, False, None)
     if prompt_text.startswith(plain) and full.startswith(plain):
         header = prompt_text[len(plain):]
         got = full[len(plain):len(plain) + len(header) + 12]
+        first = next((m for m in reply or [] if m.get("role") == "assistant"), None)
+        if kwargs.get("enable_thinking") is False and first is not None and _reasoning_of(first):
+            return (f"field {name!r}'s assistant reply holds reasoning ({_short(_reasoning_of(first))!r}) but "
+                    f"enable_thinking is false (--chat-template-kwargs or the row's chat_template_kwargs), so the "
+                    f"generation prompt {header!r} closes an empty think block the reply cannot continue (it renders "
+                    f"{got!r}...); the row's reasoning and the kwarg disagree, not the template: drop the reasoning "
+                    "from such rows, or set enable_thinking true for them")
         if history_reply:
             return (f"field {name!r} holds a user turn, so its first assistant turn is an earlier turn, which "
                     f"--earlier-reasoning dropped (the default) renders as history ({got!r}...), not as the "

@@ -294,6 +294,9 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
         if left_out_rows:
             log(f"warning: the chat template left text of {left_out_rows} rows' replies out of their rendering "
                 f"(not trained on); first: {left_out[0]}")
+        dated = _date_note(template, tok) if chat["examples"] else None
+        if dated:
+            log(dated)
         path = writer.commit(meta, overwrite=opts.overwrite)
     except BaseException:
         if skipped_fh is not None:
@@ -394,3 +397,17 @@ def _choose_layout(opts: PrepareOptions, sources: list[Source]) -> tuple[str, st
         if opts.layout:
             why += f"; fields {found[0]!r}, {found[1]!r}"
     return layout, why, fields
+
+
+def _date_note(template, tok) -> str | None:
+    """A template that writes the day it renders (gpt-oss's "Current date:", SmolLM3's "Today Date:") makes the store
+    depend on the day it was prepared: said in one line, naming the template's date function."""
+    import datetime
+
+    source = template.source if template is not None else tok.chat_template
+    text = source if isinstance(source, str) else " ".join(map(str, (source or {}).values()))
+    if "strftime_now" not in text:
+        return None
+    return (f"note: the chat template calls strftime_now, so the rendered rows hold the day they were prepared "
+            f"({datetime.date.today().isoformat()}): the same rows prepared on another day give other tokens; for a "
+            "fixed date, pass --chat-template FILE with the date written in")

@@ -53,6 +53,30 @@ class Unpaired(NamedTuple):
     label: int
 
 
+def _not_a_store(path: Path) -> str | None:
+    """What a folder without meta.json is when it is no store at all: a training run's folder or a model folder
+    (the names users give a store's place by mistake), said with what a store is; None for anything else (an
+    interrupted prepare)."""
+    store = ("a store is the folder `prefpack prepare --output DIR` writes (meta.json, tokens.bin, ...), which "
+             "inspect, train (data.train, data.eval) and eval (--data) read")
+    if (path / "config.yaml").is_file() and ((path / "metrics.jsonl").is_file() or (path / "final").is_dir()
+                                             or (path / "checkpoints").is_dir()):
+        train = None
+        try:
+            import yaml
+
+            train = ((yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")) or {}).get("data")
+                     or {}).get("train")
+        except Exception:  # an unreadable config: the folder is still a run's
+            pass
+        trained = f"; this run trained on {train}" if isinstance(train, str) else ""
+        return (f"{str(path)!r} is a training run's folder (config.yaml, metrics.jsonl, final/), not a prepared "
+                f"store: {store}{trained}")
+    if (path / "config.json").is_file():
+        return f"{str(path)!r} is a model folder (config.json), not a prepared store: {store}"
+    return None
+
+
 class Store:
     """A prepared store opened read-only; token arrays are views into a memory map (no copies)."""
 
@@ -62,6 +86,9 @@ class Store:
         if not self.path.is_dir():
             raise StoreError(f"{str(self.path)!r} is not a prefpack store (no such folder)")
         if not meta_path.is_file():
+            other = _not_a_store(self.path)
+            if other:
+                raise StoreError(other)
             raise StoreError(f"{str(self.path)!r} is not a complete prefpack store (meta.json missing; an "
                              "interrupted prepare leaves no meta.json). Run prefpack prepare again.")
         try:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["OffloadStage", "offload_policy"]
 
 ONE_PROCESS = ("distributed.cpu_offload holds FSDP2's shards in CPU memory, which needs several processes: start "
-               "`torchrun --nproc-per-node=N prefpack train ...` with distributed.strategy=fsdp2; on one GPU use "
+               "`torchrun --nproc-per-node=N -m prefpack train ...` with distributed.strategy=fsdp2; on one GPU use "
                "train.activation_offloading, LoRA (lora.enabled) on a 4-bit base, or reference.mode precomputed")
 
 

@@ -1,5 +1,6 @@
 """TensorBoard: ``RUN_DIR/tensorboard/`` event files, one scalar per ``split/name``; what the default
-``report_to: [auto]`` starts when TensorBoard is installed."""
+``report_to: [auto]`` starts when TensorBoard is installed. Asked for by name and not installed, the run is refused
+before it starts, as W&B and MLflow are."""
 
 from __future__ import annotations
 
@@ -7,7 +8,19 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from prefpack.metrics.base import Backend, Setup, scalars
+from prefpack.metrics.base import Backend, MetricsSetupError, Setup, scalars
+
+
+def import_writer():
+    """``SummaryWriter``, or ``MetricsSetupError`` saying how to install TensorBoard (or not ask for it)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except Exception as exc:  # ImportError, or a broken tensorboard/protobuf install
+        raise MetricsSetupError(
+            f"run.report_to has 'tensorboard' but TensorBoard cannot be imported ({type(exc).__name__}: {exc}); "
+            "install it with pip install tensorboard, or remove 'tensorboard' from run.report_to (the default, auto, "
+            "uses it only when it is installed)") from None
+    return SummaryWriter
 
 
 class TensorBoard(Backend):
@@ -24,16 +37,20 @@ class TensorBoard(Backend):
         self._purge_step: int | None = None
 
     @classmethod
+    def check(cls, run: Any) -> None:
+        import_writer()
+
+    @classmethod
     def start(cls, setup: Setup) -> TensorBoard | None:
-        """None when TensorBoard cannot be imported: a notice if it was asked for by name, else not a word."""
+        """None when TensorBoard cannot be imported and ``report_to`` is auto, without a word; asked for by name,
+        ``MetricsSetupError`` (as W&B and MLflow)."""
         try:
-            from torch.utils.tensorboard import SummaryWriter
-        except Exception as exc:  # ImportError, or a broken tensorboard/protobuf install
+            writer_cls = import_writer()
+        except MetricsSetupError:
             if setup.named:
-                setup.note(f"TensorBoard logging skipped ({type(exc).__name__}: {exc}); metrics go to "
-                           f"{setup.path} only (pip install tensorboard to enable it)")
+                raise
             return None
-        return cls(SummaryWriter, setup.run_dir / "tensorboard")
+        return cls(writer_cls, setup.run_dir / "tensorboard")
 
     def log(self, record: Mapping[str, Any]) -> None:
         if self._writer is None:

@@ -111,8 +111,11 @@ def batch_warnings(task: Objective, *, whole_store_steps: bool = True) -> list[s
     cost = np.asarray(task.example_tokens(np.arange(n)))
     over = int((cost > s.micro_batch_tokens).sum())
     if over:
-        out.append(f"train.micro_batch_tokens={s.micro_batch_tokens} is smaller than {over} of the {n} examples of "
+        budget = f"(auto: {s.micro_batch_tokens})" if s.micro_batch_auto else f"={s.micro_batch_tokens}"
+        out.append(f"train.micro_batch_tokens{budget} is smaller than {over} of the {n} examples of "
                    f"{path!r} (they take {int(cost.min())} to {int(cost.max())} tokens): each of those is a "
-                   f"micro-batch of its own, over the budget. Raise it to at least {int(cost.max())}, or leave it "
-                   "auto")
+                   f"micro-batch of its own, over the budget. "
+                   + (f"auto sized it for this device: set train.micro_batch_tokens={int(cost.max())} or more if "
+                      "memory allows, or prepare shorter rows (prepare --max-length)" if s.micro_batch_auto else
+                      f"Raise it to at least {int(cost.max())}, or leave it auto"))
     return out

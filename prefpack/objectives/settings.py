@@ -70,6 +70,7 @@ class RunSettings:
     # Vision-language runs (issue 27): the image token, 3-D rotary positions and the image preprocessing
     # (prefpack.batching.vision.VisionSettings); None for text runs, whose batches carry no vision fields.
     vision: VisionSettings | None = None
+    micro_batch_auto: bool = False  # train.micro_batch_tokens was auto (sized for the device), not a number given
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_tokens", "row_tokens", "chunk_size", "global_batch"):
@@ -121,7 +122,8 @@ def settings_from_config(cfg, *, pad_id: int, micro_batch_tokens: int | None = N
         shares_prompts=bool(sharing) and bool(d.packing), pad_id=int(pad_id),
         global_batch=int(tr.global_batch_pairs), seed=int(tr.seed),
         ranked_pairs=ranked_pairs(cfg), paired_as_kto=bool(d.paired_as_kto), loss=params,
-        router_aux_loss_coef=float(router_aux_loss_coef), vision=vision)
+        router_aux_loss_coef=float(router_aux_loss_coef), vision=vision,
+        micro_batch_auto=tr.micro_batch_tokens == "auto")
 
 
 def ranked_pairs(cfg) -> str:

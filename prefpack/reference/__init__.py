@@ -22,6 +22,7 @@ _EXPORTS = {
     "read_keyed_sidecar": "prefpack.reference.sidecar",
     "sidecar_path": "prefpack.reference.sidecar",
     "write_keyed_sidecar": "prefpack.reference.sidecar",
+    "existing_sidecar": "prefpack.reference.sidecar",
     "check_sidecar_writable": "prefpack.reference.sidecar",
     "SidecarWriteError": "prefpack.reference.sidecar",
     "NoReference": "prefpack.reference.modes",

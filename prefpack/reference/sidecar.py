@@ -27,7 +27,7 @@ from prefpack.errors import PrefpackError
 from prefpack.stale import apply_umask
 
 __all__ = ["KTO_SIDECAR_NAME", "RANKED_SIDECAR_NAME", "SIDECAR_FORMAT", "SIDECAR_NAME", "SIDECAR_NAMES", "KeySpace",
-           "KeyedLogps", "ReferenceMismatch", "partners_tag", "read_keyed_sidecar", "sidecar_path", "store_hash",
+           "KeyedLogps", "ReferenceMismatch", "existing_sidecar", "partners_tag", "read_keyed_sidecar", "sidecar_path", "store_hash",
            "write_keyed_sidecar"]
 
 SIDECAR_NAME = "ref_logps.safetensors"
@@ -90,14 +90,20 @@ def _fix(store: Store, space: KeySpace) -> str:
     return f"prefpack precompute-ref --model REF --data {store.path}{space.flags}"
 
 
+def _identity(store: Store, space: KeySpace, reference_hash: str, settings: str) -> dict[str, str]:
+    """What makes two sidecars of a store the same table: format, key space and its tags, the store's content, the
+    reference weights and the scoring settings (``settings``: precompute-ref's dtype and device)."""
+    return {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "kind": space.kind, "keys": str(space.size),
+            "store_hash": store_hash(store), "reference_hash": reference_hash, "settings": settings,
+            "tails": "yes" if space.tails else "no", **{f"tag.{k}": v for k, v in {**space.labels, **space.tags}.items()}}
+
+
 def write_keyed_sidecar(store: Store, space: KeySpace, table: KeyedLogps, *, reference_hash: str,
-                        reference_name: str) -> Path:
+                        reference_name: str, settings: str = "") -> Path:
     """Write a store's table atomically (a temporary name in the same folder, then a rename)."""
     from safetensors.numpy import save_file
 
-    meta = {"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "kind": space.kind, "keys": str(space.size),
-            "store_hash": store_hash(store), "reference_hash": reference_hash, "reference": reference_name,
-            **{f"tag.{k}": v for k, v in {**space.labels, **space.tags}.items()}}
+    meta = {**_identity(store, space, reference_hash, settings), "reference": reference_name}
     tensors = {"logps": table.logps} if table.tails is None else {"logps": table.logps, "tails": table.tails}
     path = sidecar_path(store, space)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -112,6 +118,25 @@ def write_keyed_sidecar(store: Store, space: KeySpace, table: KeyedLogps, *, ref
             pass
         raise SidecarWriteError(_unwritable(store, path, f"{type(exc).__name__}: {exc}")) from None
     return path
+
+
+def existing_sidecar(store: Store, space: KeySpace, *, reference_hash: str, settings: str) -> KeyedLogps | None:
+    """The table already written for exactly this store, key space, reference weights and settings (what
+    precompute-ref would write again), or None (none there, another one, or one that does not read)."""
+    from safetensors import safe_open
+
+    path = sidecar_path(store, space)
+    if not path.is_file():
+        return None
+    want = _identity(store, space, reference_hash, settings)
+    try:
+        with safe_open(str(path), framework="numpy") as fh:
+            meta = fh.metadata() or {}
+            if any(meta.get(k) != v for k, v in want.items()):
+                return None
+            return KeyedLogps(fh.get_tensor("logps"), fh.get_tensor("tails") if space.tails else None)
+    except Exception:  # a damaged file: written again
+        return None
 
 
 class SidecarWriteError(PrefpackError, OSError):

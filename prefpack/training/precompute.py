@@ -27,6 +27,8 @@ from prefpack.reference import (
     KeyedLogps,
     NoReference,
     check_sidecar_writable,
+    existing_sidecar,
+    sidecar_path,
     write_keyed_sidecar,
 )
 
@@ -47,6 +49,7 @@ class PrecomputeOptions:
     dtype: str = "auto"
     allow_tokenizer_mismatch: bool = False
     trust_remote_code: bool = False  # run code the model, tokenizer or processor folder names (prefpack.remote_code)
+    overwrite: bool = False  # score again even when the store holds this very sidecar already
 
 
 def scoring_objective(store, *, kto: bool, seed: int, micro_batch_tokens: int, row_tokens: int, chunk_size: int,
@@ -190,17 +193,29 @@ def _precompute(opts, store, model, device, kto, parallel, log, progress) -> dic
                              row_tokens=budgets.row_tokens, chunk_size=budgets.chunk_size,
                              shares_prompts=kernel_of(model).reads_prompt_groups,
                              vision=run_images(model, [("reference", store)], trust_remote_code=opts.trust_remote_code))
-    table = record_reference(task, model, parallel=parallel, progress=progress)
     space = task.key_space()
+    reference_hash = weights_hash(model)
+    settings = f"dtype {opts.dtype}, device {device.type}"  # what else decides the numbers (bfloat16 or not)
+    table = None if opts.overwrite else existing_sidecar(store, space, reference_hash=reference_hash,
+                                                         settings=settings)
+    if table is not None:  # every rank reads the same file and skips alike
+        if ctx.is_main:
+            log(f"note: {sidecar_path(store, space)} already holds these reference log-probs (same reference weights "
+                f"{reference_hash[:12]}, same store, {settings}): not scored again; --overwrite scores them anew")
+        path, skipped = sidecar_path(store, space), True
+    else:
+        table = record_reference(task, model, parallel=parallel, progress=progress)
+        skipped = False
     if not ctx.is_main:
         return {}
-    reference_hash = weights_hash(model)
-    path = write_keyed_sidecar(store, space, table, reference_hash=reference_hash, reference_name=opts.model)
+    if not skipped:
+        path = write_keyed_sidecar(store, space, table, reference_hash=reference_hash, reference_name=opts.model,
+                                   settings=settings)
     scored = np.isfinite(table.logps)
     return {"sidecar": str(path), "kind": space.kind, "rows": len(store), "sequences": int(scored.sum()),
             "reference_hash": reference_hash,
             "mean_logp": float(table.logps[scored].mean()) if scored.any() else None,
-            **({"kl_seed": opts.seed} if kto else {})}
+            **({"kl_seed": opts.seed} if kto else {}), **({"skipped": True} if skipped else {})}
 
 
 @contextmanager

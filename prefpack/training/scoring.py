@@ -7,7 +7,7 @@ from pathlib import Path
 
 from prefpack.parallel import ONE_PROCESS, Parallel
 
-__all__ = ["EvalOptions", "eval_config", "score_store"]
+__all__ = ["EvalOptions", "eval_config", "loss_line", "run_config_of", "score_store"]
 
 
 @dataclass
@@ -44,8 +44,36 @@ def sequence_parallel_of(opts: EvalOptions) -> int:
     return 1
 
 
+def run_config_of(opts: EvalOptions) -> Path | None:
+    """Without --config: the config.yaml of the run folder ``--model`` is in (RUN_DIR/final's RUN_DIR/config.yaml),
+    when there is one: its objective and loss are what that model trained with."""
+    if opts.config:
+        return None
+    model = Path(opts.model)
+    found = model.parent / "config.yaml"
+    return found if model.is_dir() and found.is_file() else None
+
+
+def _scores_pairs(run) -> bool:
+    """Whether ``run``'s objective scores a pair store (a policy-gradient run's losses need groups of scored samples:
+    its final model is scored with the default loss)."""
+    from prefpack.objectives import train_objective
+
+    return train_objective(run).rows["pairs"] is not None
+
+
+def _take_loss(cfg, run) -> None:
+    """``run``'s objective and loss (terms, weights, parameters) and how its loss read the store, onto ``cfg``."""
+    if not _scores_pairs(run):
+        return
+    cfg.loss = run.loss
+    cfg.train.objective, cfg.train.seed = run.train.objective, run.train.seed  # the seed: KTO's KL pairing
+    cfg.data.paired_as_kto, cfg.data.ranked_pairs = run.data.paired_as_kto, run.data.ranked_pairs
+
+
 def eval_config(opts: EvalOptions):
-    """The typed config `eval` scores with: the --config run's (or the defaults), then what the flags say."""
+    """The typed config `eval` scores with: the --config run's (or the defaults; without --config, the objective
+    and loss of the run folder ``--model`` is in, when it has a config.yaml), then what the flags say."""
     from prefpack.config import Config, ConfigError, LossTermConfig, load_config
     from prefpack.data.store import Store
     from prefpack.model.load import check_model_source
@@ -53,9 +81,15 @@ def eval_config(opts: EvalOptions):
     from prefpack.reference import SIDECAR_NAMES
 
     cfg = load_config(opts.config, []) if opts.config else Config()
+    beside = run_config_of(opts)
+    if beside is not None:
+        run = load_config(str(beside), [])
+        _take_loss(cfg, run)
+        beside = beside if _scores_pairs(run) else None
+    from_run = bool(opts.config or beside)
     if opts.loss:
         cfg.loss.terms = [LossTermConfig(n.strip(), 1.0) for n in opts.loss.split(",") if n.strip()]
-    elif not opts.config:
+    elif not from_run:
         unpaired = opts.kto or read_only_unpaired(Store(opts.data).kind)
         cfg.loss.terms = [LossTermConfig("kto" if unpaired else "sigmoid", 1.0)]
     for name, value in opts.loss_params.items():
@@ -105,10 +139,55 @@ def eval_config(opts: EvalOptions):
     cfg.distributed.sequence_parallel = sequence_parallel_of(opts)
     cfg.distributed.cpu_offload = False  # scoring never wraps for the ranks: a run's FSDP2 offload does not apply
     if unpaired:
-        cfg.train.seed = opts.seed if opts.seed is not None else (cfg.train.seed if opts.config else 0)
-        cfg.data.paired_as_kto = opts.kto or (cfg.data.paired_as_kto and bool(opts.config))
+        cfg.train.seed = opts.seed if opts.seed is not None else (cfg.train.seed if from_run else 0)
+        cfg.data.paired_as_kto = opts.kto or (cfg.data.paired_as_kto and from_run)
         cfg.loss.kl_pairing = "fixed" if mode == "precomputed" else "step"
     return cfg
+
+
+def describe_loss(cfg) -> str:
+    """The loss terms with their weights and the parameters they read: ``ipo, beta 0.1``, ``sigmoid + 0.2 nll, beta
+    0.1``."""
+    from prefpack.loss_params import LOSS_PARAMS
+    from prefpack.losses import PAIR_LOSSES
+
+    terms = " + ".join(t.name if t.weight == 1 else f"{t.weight:g} {t.name}" for t in cfg.loss.terms)
+    names = [t.name for t in cfg.loss.terms]
+    read = {p for n in names if n in PAIR_LOSSES for p in PAIR_LOSSES[n].params}
+    if any(n not in PAIR_LOSSES for n in names):  # the KTO family's
+        read |= {p.name for p in LOSS_PARAMS.values() if "unpaired" in p.read_by}
+    params = [f"{name} {getattr(cfg.loss, name):g}" for name in LOSS_PARAMS
+              if name in read and isinstance(getattr(cfg.loss, name, None), (int, float))]
+    if cfg.loss.f_divergence_type != "reverse_kl":
+        params.append(f"f-divergence {cfg.loss.f_divergence_type}")
+    if cfg.loss.use_weighting:
+        params.append("WPO weighting")
+    return ", ".join([terms, *params])
+
+
+def loss_line(opts: EvalOptions, cfg) -> str | None:
+    """Where the loss ``eval`` scores with comes from, in one line (none for a reward model: its own objective)."""
+    from prefpack.objectives import train_objective
+
+    if not train_objective(cfg).reads_reference:
+        return None
+    flags = [f"--{k.replace('_', '-')}" for k, v in opts.loss_params.items() if v is not None]
+    flags = (["--loss"] if opts.loss else []) + flags + (["--f-divergence-type"] if opts.f_divergence_type else []) \
+        + (["--use-weighting"] if opts.use_weighting is not None else [])
+    given = f" ({', '.join(flags)} as given here)" if flags else ""
+    beside = run_config_of(opts)
+    if opts.config:
+        return f"scoring with the run's loss from {opts.config}: {describe_loss(cfg)}{given}"
+    if beside is not None:
+        from prefpack.config import load_config
+
+        run = load_config(str(beside), [])
+        if _scores_pairs(run):
+            return f"scoring with the run's loss from {beside}: {describe_loss(cfg)}{given}"
+        return (f"scoring with the default loss: {describe_loss(cfg)}{given}; the run of {beside} trained "
+                f"{run.train.objective}, whose losses score groups of samples, not this store's pairs")
+    return (f"scoring with the default loss: {describe_loss(cfg)}{given}; no config.yaml beside {opts.model} (a run "
+            "folder's final/ has one): give --config RUN_DIR/config.yaml to score with the loss a run trained")
 
 
 def reward_model_notes(opts: EvalOptions, cfg) -> list[str]:
@@ -141,6 +220,9 @@ def score_store(opts: EvalOptions, *, parallel: Parallel = ONE_PROCESS, log=prin
         log(line)
     setup = build(cfg, log=log, parallel=parallel, check_sidecar_reference=False,  # the sidecar IS the ref
                   training=False)
+    said = loss_line(opts, cfg)  # once the model and store are accepted: what is scored with which loss
+    if said:
+        log(said)
     result = evaluate(setup.policy, setup.reference, setup.train_task, parallel=parallel, progress=progress)
     parallel.barrier()  # no rank leaves while another is still in a collective
     task = setup.train_task
