@@ -131,6 +131,10 @@ class Objective:
         """What the policy forward (``prefpack.model.forward.SequenceLogps``) must return besides the sums."""
         return {}
 
+    def as_evaluation(self) -> None:
+        """Called on an objective built to evaluate a store (``data.eval``), not to train on it (default: nothing;
+        group policy gradients take the policy as it stands as the old policy there)."""
+
     def begin_step(self, policy: nn.Module, reference: Reference, batches: list[Any],
                    weights: list[float] | None = None, dist: Dist = SINGLE) -> StepState:
         """``weights``: one per micro-batch, 0 for a padding batch; ``dist``: the ranks to all-reduce step sums over."""

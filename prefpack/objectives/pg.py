@@ -179,6 +179,11 @@ class GroupPolicyTask(PromptGroupTask):
             self._start(policy, reference)
         return StepState()
 
+    def as_evaluation(self) -> None:
+        """Evaluating a held-out store: the old policy is the policy as it stands at each evaluation (ratio 1), so
+        every evaluation scores the policy of its step, not the one of the first."""
+        self.old_mode, self.old = "current", None
+
     def end_step(self, totals) -> None:
         """No running state: the advantages are the store's."""
 
@@ -263,6 +268,8 @@ class GroupPolicyTask(PromptGroupTask):
         return torch.as_tensor(out)
 
     def loss(self, policy: nn.Module, reference: Reference, batch, step: StepState) -> LossOutput:
+        if self.old is None and self.old_mode != "current":  # never the policy's own in their place, silently
+            raise ValueError("GroupPolicyTask.loss before begin_step: the old policy's log-probs are not computed yet")
         rows = batch.sequence_keys.numpy()
         n_tokens = batch.completion_tokens
         advantage = torch.as_tensor(self.advantages[rows])

@@ -92,6 +92,8 @@ def make_objectives(settings: RunSettings, terms: Sequence, train_store: Store |
                     "adapter) with LD-DPO on a ranked store")
             reference.load(o.store, space, need_tails=ld)
     train = objectives[:len(named)]
+    for o in objectives[len(named):]:
+        o.as_evaluation()
     task = MixtureObjective([n for n, _ in named], train) if mixture else train[0]
     if isinstance(eval_store, list | tuple):
         return task, objectives[len(named):]

@@ -92,8 +92,10 @@ def _method(cfg, reward: bool) -> Method:
     from prefpack.losses import PAIR_LOSSES
     from prefpack.losses.pg import PG_LOSSES
     from prefpack.losses.unpaired import UNPAIRED_LOSSES
+    from prefpack.objectives.names import train_objective
 
-    if reward or (cfg is not None and cfg.train.objective == "reward"):
+    row = train_objective(cfg) if cfg is not None else None
+    if reward or (row is not None and row.sequence_classifier):
         return Method("Bradley-Terry reward model (pairwise logistic loss on scalar rewards, as TRL's RewardTrainer)",
                       ["reward-model", "reward-trainer"], [_BRADLEY_TERRY, _INSTRUCTGPT])
     if cfg is None:
@@ -102,7 +104,7 @@ def _method(cfg, reward: bool) -> Method:
     tags: list[str] = []
     papers: list[tuple[str, str]] = []
     for name in names:
-        spec = PG_LOSSES.get(name) if cfg.train.objective == "policy_gradient" else None
+        spec = PG_LOSSES.get(name) if row.loss_names is not None else None
         spec = spec or UNPAIRED_LOSSES.get(name) or PAIR_LOSSES.get(name)
         tag = _TAGS.get(name, name.replace("_", "-"))
         if tag not in tags:
@@ -110,7 +112,7 @@ def _method(cfg, reward: bool) -> Method:
         if spec is not None and spec.paper and (spec.paper, spec.arxiv) not in papers:
             papers.append((spec.paper, spec.arxiv))
     terms = " + ".join(f"{t.weight:g} x {t.name}" if t.weight != 1 else t.name for t in cfg.loss.terms)
-    title = "group policy gradient (GRPO family) over scored samples" if cfg.train.objective == "policy_gradient" \
+    title = "group policy gradient (GRPO family) over scored samples" if row.loss_names is not None \
         else "KTO family, on unpaired examples" if any(n in UNPAIRED_LOSSES for n in names) \
         else "DPO family, on preference pairs"
     return Method(f"{title}; loss {terms}", tags, papers)
