@@ -277,3 +277,20 @@ def test_grpo_rounds_raise_held_out_reward_on_the_arithmetic_task(tmp_path, one_
     warm = rounds[0]["eval_reward/mean"]
     assert final > warm + 0.05, (warm, final)
     assert rounds[1]["reward/mean"] > rounds[0]["reward/mean"]
+
+
+def test_an_eval_store_scores_the_policy_of_each_evaluation(ranked, toy_tokenizers, tmp_path, one_thread):
+    """data.eval with a ranked store: each evaluation takes the policy as it stands as the old policy (no ratio
+    clipped, whatever the steps before), its KL to the reference grows as the policy moves away."""
+    import json
+
+    from conftest import tiny_llama
+
+    model = tiny_llama(toy_tokenizers["llama"], tmp_path / "model", seed=0)
+    _train(tmp_path, model, ranked["plain"], "evals", f"data.eval={ranked['spans'].path}", "run.eval_every=1",
+           "loss.epsilon=0.01")
+    lines = [json.loads(x) for x in (tmp_path / "evals" / "metrics.jsonl").read_text().splitlines()]
+    evals = [x for x in lines if x.get("split") == "eval"]
+    assert len(evals) >= 2
+    assert all(x["clip_ratio/region"] == 0.0 for x in evals)
+    assert evals[-1]["kl"] > evals[0]["kl"] >= 0.0
