@@ -281,7 +281,7 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
                                f"dropped: {dict(dropped)}); nothing was written")
         if unused:  # never drop a column silently
             log(f"note: input columns not used: {', '.join(map(repr, sorted(unused)))} (layout {layout!r} reads "
-                "only its own fields, tools, chat_template_kwargs and the spans field)")
+                "only its own fields, tools, documents, chat_template_kwargs and the spans field)")
         if opts.train_on is not None and not chat["examples"]:
             log("note: --train-on had no effect: no row holds chat messages (text rows are masked by their "
                 f"{fields.spans!r} column)")
