@@ -122,7 +122,8 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
         if ex.chat:
             chat["examples"] += 1
             chat["with_tools"] += bool(ex.tools if ex.tools is not None else tokenize.cfg.tools)
-            chat["with_documents"] += bool(ex.documents)
+            if ex.documents:  # counted only where present (the report's chat counts name what happened)
+                chat["with_documents"] += 1
             chat.update(f"unread:{k}" for k in tokenize.reads.unread(ex.template_kwargs))
         if res.cut:  # texts far over --max-length, cut before tokenising (counted apart; not an index flag)
             truncated["cut_before_tokenising"] += res.cut
