@@ -8,10 +8,10 @@ Arrow gives every struct of a column the union of the keys of all its rows, the 
 tool calls and tool schemas that is wrong, not merely noisy: a template reads ``'tool_calls' in message`` (Llama 3.1)
 or prints a null ``content``, a function's ``parameters.properties`` would list other tools' parameters (as null) and
 a call's ``arguments`` other calls' arguments (``{"city": "Paris", "query": null}``, scored). So the null keys are
-dropped there, at any depth: in the ``tools`` column, in every message (a dict with a ``role``, or ShareGPT's
-``from``) with its tool calls, arguments and content parts, and they are counted (prepare's summary). A null
-top-level column stays: it means the row has no such value. A JSON row keeps its nulls: there they were written on
-purpose.
+dropped there, at any depth: in the ``tools`` and ``documents`` columns, in every message (a dict with a ``role``,
+or ShareGPT's ``from``) with its tool calls, arguments and content parts, and they are counted (prepare's summary).
+A null top-level column stays: it means the row has no such value. A JSON row keeps its nulls: there they were
+written on purpose.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 TOOLS_COLUMN = "tools"  # as row_checks.TOOLS_FIELD (TRL's name)
+DOCUMENTS_COLUMN = "documents"  # as row_checks.DOCUMENTS_FIELD (RAG rows' documents, objects as tools are)
 MESSAGE_KEYS = ("role", "from")  # a dict holding one of these is a message (ShareGPT's messages have `from`)
 
 
@@ -32,11 +33,11 @@ def plain_rows(batches: Iterable) -> Iterator[tuple[dict, int]]:
 
 
 def drop_unified_nulls(row: dict) -> tuple[dict, int]:
-    """`row` with null keys dropped inside its `tools` column and its messages, and how many were dropped."""
+    """`row` with null keys dropped inside its `tools` and `documents` columns and its messages, and how many were dropped."""
     dropped = [0]
     out = {}
     for key, value in row.items():
-        if key == TOOLS_COLUMN and isinstance(value, list):
+        if key in (TOOLS_COLUMN, DOCUMENTS_COLUMN) and isinstance(value, list):
             value = [_without_nulls(tool, dropped) for tool in value]
         else:
             value = _clean_messages(value, dropped)

@@ -106,7 +106,8 @@ def render_chat(tok, ex: Example, kwargs: dict[str, Any] | None = None, tools: l
                 train_on: str = "all", template: ChatTemplate | None = None,
                 earlier_reasoning: str | None = None) -> RenderedChat:
     """Render a chat example; `kwargs` and `tools` are prepare's defaults (the row's own tools replace `tools`, its
-    own template variables override `kwargs` key by key). Messages go to the template unchanged."""
+    own template variables override `kwargs` key by key; its documents are passed as `documents`). Messages go to the
+    template unchanged."""
     if template is None and not tok.chat_template:
         raise InvalidRow("no_chat_template", None, "the row holds chat messages but the tokenizer has no chat "
                          "template; use a tokenizer with one, pass --chat-template FILE, or give plain strings")
@@ -115,6 +116,8 @@ def render_chat(tok, ex: Example, kwargs: dict[str, Any] | None = None, tools: l
     row_tools = ex.tools if ex.tools is not None else tools
     if row_tools is not None:  # as `tools`, or `xml_tools` for a template that reads only that (SmolLM3)
         template_kwargs[template_reads(render.source(row_tools)).tools_variable or "tools"] = row_tools
+    if ex.documents is not None:  # RAG rows: apply_chat_template's `documents` (a template that never reads them
+        template_kwargs["documents"] = ex.documents  # is refused before rendering: tokenize._check_tool_support)
     markers = template.markers if template is not None else has_generation_markers(render.source(row_tools))
     prompt_text, _ = render(ex.prompt, template_kwargs, True, None)
     out = RenderedChat(prompt_text, [], [], [])

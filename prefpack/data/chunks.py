@@ -51,7 +51,7 @@ class ChunkResult:
     problems: list[dict]  # invalid rows and drops, in input order: {loc, reason, field, message, raw, kind}
     truncated: Counter
     empty: Counter  # completions kept although empty or whitespace-only, by field
-    chat: Counter  # examples rendered by the chat template ("examples") and those with tools ("with_tools")
+    chat: Counter  # examples rendered by the chat template ("examples"), with tools ("with_tools"), "with_documents"
     spans: np.ndarray  # int64 [m, 2]: unscored completion tokens [start, end), positions in `tokens`
     unused: set  # input columns no row of the chunk was read from
     cuts: TruncationStats  # prompts and completions --max-length cut, and by how many tokens
@@ -122,6 +122,8 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
         if ex.chat:
             chat["examples"] += 1
             chat["with_tools"] += bool(ex.tools if ex.tools is not None else tokenize.cfg.tools)
+            if ex.documents:  # counted only where present (the report's chat counts name what happened)
+                chat["with_documents"] += 1
             chat.update(f"unread:{k}" for k in tokenize.reads.unread(ex.template_kwargs))
         if res.cut:  # texts far over --max-length, cut before tokenising (counted apart; not an index flag)
             truncated["cut_before_tokenising"] += res.cut

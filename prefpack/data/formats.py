@@ -44,6 +44,7 @@ from prefpack.data.layouts import (
     whole_conversation,
 )
 from prefpack.data.row_checks import (
+    DOCUMENTS_FIELD,
     KWARGS_FIELD,
     TOOLS_FIELD,
     VISION_MESSAGE,
@@ -55,6 +56,7 @@ from prefpack.data.row_checks import (
     get_messages,
     get_str,
     json_type,
+    parse_documents,
     parse_template_kwargs,
     parse_tools,
     require,
@@ -107,6 +109,7 @@ class Example:
     completion_fields: tuple[str, ...] = field(default_factory=tuple)
     scores: tuple[float, ...] | None = None  # ranked rows: one per completion, higher is better
     tools: list[dict] | None = None  # the row's own `tools` (None: not given)
+    documents: list[dict] | None = None  # the row's own `documents` (RAG rows; None: not given)
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # the row's own `chat_template_kwargs`
     # text rows with `loss_masking_spans`: per completion, the character ranges that are not scored (None: none)
     unscored: tuple[list[tuple[int, int]] | None, ...] | None = None
@@ -168,17 +171,20 @@ def _extract_checked(row: dict, layout: str, f: Fields, *, vision: bool, chat_te
         ex.unscored = read_text_spans(spans, f.spans, ex.completions, paired=layout != "unpaired")
         ex.unscored_fields = tuple(f"{f.spans}.{k}" for k in PAIR_KEYS) if layout != "unpaired" else (f.spans,)
     tools = parse_tools(row.get(TOOLS_FIELD), TOOLS_FIELD)
+    documents = parse_documents(row.get(DOCUMENTS_FIELD), DOCUMENTS_FIELD)
     kwargs = parse_template_kwargs(row.get(KWARGS_FIELD), KWARGS_FIELD)
     # A key set to null counts as unset: Parquet and `datasets` fill the keys other rows have with null.
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     if not ex.chat:
-        for name, value in ((TOOLS_FIELD, tools), (KWARGS_FIELD, kwargs)):
+        for name, value in ((TOOLS_FIELD, tools), (DOCUMENTS_FIELD, documents), (KWARGS_FIELD, kwargs)):
             if value:
                 raise InvalidRow("tools_without_chat", name, f"field {name!r} is set but this row's prompt and "
-                                 "replies are plain strings, tokenised as they are; tools and chat_template_kwargs "
-                                 "only reach the model through the chat template: give them as message lists")
+                                 "replies are plain strings, tokenised as they are; tools, documents and "
+                                 "chat_template_kwargs only reach the model through the chat template: give them as "
+                                 "message lists")
         return ex
     ex.tools = tools
+    ex.documents = documents
     ex.template_kwargs = kwargs
     return ex
 
@@ -238,6 +244,7 @@ def _extract_vision(row: dict, layout: str, f: Fields) -> Example:
     _refuse_urls(images, IMAGES_FIELD)
     ex.images, ex.images_field = tuple(images), IMAGES_FIELD
     ex.tools = parse_tools(row.get(TOOLS_FIELD), TOOLS_FIELD)
+    ex.documents = parse_documents(row.get(DOCUMENTS_FIELD), DOCUMENTS_FIELD)
     kwargs = parse_template_kwargs(row.get(KWARGS_FIELD), KWARGS_FIELD)
     ex.template_kwargs = {k: v for k, v in kwargs.items() if v is not None}
     return ex

@@ -186,6 +186,8 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
         marks = ", {% generation %} masks" if t.get("generation_markers") else ""
         lines.insert(3, f"template   {t.get('name', '?')} (sha256 {t['sha256'][:12]}, {t.get('chars', '?')} "
                         f"characters{marks})")
+        if isinstance(m.get("renderer"), dict):  # stores prepared before it was recorded have none
+            lines.insert(4, "renderer   " + ", ".join(f"{k} {v}" for k, v in m["renderer"].items()))
     if m.get("train_on") or stats["unscored_tokens"]:
         lines.append(f"scoring    train_on={m.get('train_on') or '-'}; {m.get('num_spans', 0)} unscored spans: "
                      f"{stats['completion_tokens'] - stats['unscored_tokens']} of {stats['completion_tokens']} "
@@ -215,7 +217,8 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
                    (c.get("truncated") or {}).get("cut_before_tokenising", 0))
     if cut:  # stores from before the cut counts have none
         lines.append(f"{'':<10} {cut}")
-    kept = {k: c[k] for k in ("empty_completions", "chat_examples", "examples_with_tools", "null_keys_dropped",
+    kept = {k: c[k] for k in ("empty_completions", "chat_examples", "examples_with_tools",
+                               "examples_with_documents", "null_keys_dropped",
                                "unread_template_kwargs") if c.get(k)}
     if (c.get("repeated_prompts") or {}).get("prompts"):  # pairs sharing a prompt with other pairs
         kept["repeated_prompts"] = c["repeated_prompts"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefpack.data.row_checks import KWARGS_FIELD, TOOLS_FIELD, InvalidRow
+from prefpack.data.row_checks import DOCUMENTS_FIELD, KWARGS_FIELD, TOOLS_FIELD, InvalidRow
 
 LAYOUTS = ("pairs", "text-pairs", "messages", "implicit", "unpaired", "ranked", "rlaif-v", "sharegpt", "kto-messages",
            "alpaca")
@@ -74,7 +74,7 @@ VISION_FIELDS = ("images", "image", "videos", "video", "image_url", "image_path"
 
 def used_fields(layout: str, f: Fields) -> frozenset[str]:
     """The columns a row of `layout` is read from; prepare reports the others once, by name."""
-    chat = {TOOLS_FIELD, KWARGS_FIELD, f.spans, *({f.margin} if layout in PAIR_LAYOUTS else ())}
+    chat = {TOOLS_FIELD, KWARGS_FIELD, DOCUMENTS_FIELD, f.spans, *({f.margin} if layout in PAIR_LAYOUTS else ())}
     if layout == "rlaif-v":
         return frozenset({RLAIFV_IMAGE, RLAIFV_QUESTION, f.chosen, f.rejected, f.margin})
     if layout == "messages":

@@ -32,6 +32,7 @@ from prefpack.data.image_files import DEFAULT_MAX_IMAGE_BYTES, ImageSource
 from prefpack.data.images import ProcessorError, load_vision, processor_identity
 from prefpack.data.prepare_report import PrepareReport
 from prefpack.data.prompt_repeats import PromptRepeats
+from prefpack.data.renderer import renderer_versions
 from prefpack.data.sources import Source, file_sha256, peek_first_row, resolve_inputs
 from prefpack.data.store import StoreWriter, check_output, recover_interrupted
 from prefpack.data.store_format import PROCESSOR_DIR
@@ -248,7 +249,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
             "counts": {"rows_read": rows_read, "examples": writer.n_rows, "skipped": dict(skipped),
                        "dropped": dict(dropped), "truncated": dict(truncated), "truncation": cuts.to_json(),
                        "empty_completions": dict(empty), "chat_examples": chat["examples"],
-                       "examples_with_tools": chat["with_tools"], "null_keys_dropped": dict(nulls),
+                       "examples_with_tools": chat["with_tools"], "examples_with_documents": chat["with_documents"],
+                       "null_keys_dropped": dict(nulls),
                        "template_left_out": left_out_rows,
                        "prompts_at_first_difference": chat["prompt_at_difference"],
                        "unread_template_kwargs": {k[7:]: n for k, n in chat.items() if k.startswith("unread:")},
@@ -265,6 +267,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
                      "tools_sha256": tools_sha, "chat_template": opts.chat_template,
                      "earlier_reasoning": opts.earlier_reasoning},
             "chat_template": template_meta(template, opts.earlier_reasoning) if chat["examples"] else None,
+            # what rendered the chat rows through that template (another version may render the same rows otherwise)
+            "renderer": renderer_versions() if chat["examples"] else None,
             "argv": opts.argv,
             "unused_columns": sorted(unused),
         }
@@ -277,7 +281,7 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
                                f"dropped: {dict(dropped)}); nothing was written")
         if unused:  # never drop a column silently
             log(f"note: input columns not used: {', '.join(map(repr, sorted(unused)))} (layout {layout!r} reads "
-                "only its own fields, tools, chat_template_kwargs and the spans field)")
+                "only its own fields, tools, documents, chat_template_kwargs and the spans field)")
         if opts.train_on is not None and not chat["examples"]:
             log("note: --train-on had no effect: no row holds chat messages (text rows are masked by their "
                 f"{fields.spans!r} column)")

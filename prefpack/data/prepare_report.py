@@ -95,4 +95,7 @@ class PrepareReport:
         if self.chat.get("with_tools"):
             lines.append(f"rendered with tools: {self.chat['with_tools']} of {self.chat.get('examples', 0)} chat "
                          "examples")
+        if self.chat.get("with_documents"):
+            lines.append(f"rendered with documents: {self.chat['with_documents']} of {self.chat.get('examples', 0)} "
+                         "chat examples")
         return "\n".join(lines)

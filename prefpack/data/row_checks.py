@@ -1,6 +1,6 @@
 """One field of a raw row, read and checked: present and not null, of its JSON type, valid Unicode; message lists
 as a chat template takes them; a KTO label; and the chat columns a row may carry (``tools``,
-``chat_template_kwargs``). Every refusal is an ``InvalidRow`` that names the field.
+``chat_template_kwargs``, ``documents``). Every refusal is an ``InvalidRow`` that names the field.
 
 Apart from ``formats`` (which layout a row has, and which fields make its example) because these checks are the
 same whatever the layout; ``formats`` re-exports ``InvalidRow`` and the two chat-column parsers.
@@ -32,11 +32,12 @@ VISION_MESSAGE = ("vision-language data is not supported yet without `prepare --
 # Per-row columns read for chat rows (TRL's names).
 TOOLS_FIELD = "tools"
 KWARGS_FIELD = "chat_template_kwargs"
+DOCUMENTS_FIELD = "documents"  # RAG rows: passed as apply_chat_template's `documents` to a template that reads it
 # apply_chat_template's own arguments: a template variable of one of these names cannot be passed through.
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "tools", "add_generation_prompt", "continue_final_message", "tokenize", "padding",
     "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs", "sanitize_control_tokens", "messages",
+    "tokenizer_kwargs", "sanitize_control_tokens", "messages", "documents",
 })
 
 
@@ -62,6 +63,27 @@ def parse_tools(value: Any, name: str) -> list[dict] | None:
     return value
 
 
+def parse_documents(value: Any, name: str) -> list[dict] | None:
+    """A `documents` value (RAG rows): a list of JSON objects (such as ``{"title": ..., "text": ...}``, as
+    ``apply_chat_template(documents=...)`` takes them), or a string holding one as JSON. None when absent or null."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise InvalidRow("wrong_type", name, f"field {name!r} must be a list of documents (JSON objects); got a "
+                             f"string that is not JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(value, list):
+        raise InvalidRow("wrong_type", name, f"field {name!r} must be a list of documents (JSON objects such as "
+                         f"{{\"title\": ..., \"text\": ...}}), got {json_type(value)}")
+    for i, doc in enumerate(value):
+        if not isinstance(doc, dict):
+            raise InvalidRow("wrong_type", name, f"field {name!r}: document {i} must be a JSON object (such as "
+                             f"{{\"title\": ..., \"text\": ...}}), got {json_type(doc)}")
+    return value
+
+
 def parse_template_kwargs(value: Any, name: str) -> dict[str, Any]:
     """A `chat_template_kwargs` value: an object of template variables, or a string holding one as JSON."""
     if value is None:
@@ -80,7 +102,8 @@ def parse_template_kwargs(value: Any, name: str) -> dict[str, Any]:
         if not isinstance(key, str) or not key.isidentifier():
             raise InvalidRow("wrong_type", name, f"field {name!r}: key {key!r} is not a template variable name")
         if key in RESERVED_TEMPLATE_KWARGS:
-            hint = " (give tools in the 'tools' column or with --tools)" if key == "tools" else ""
+            hint = {"tools": " (give tools in the 'tools' column or with --tools)",
+                    "documents": " (give a row's documents in its 'documents' column)"}.get(key, "")
             raise InvalidRow("wrong_type", name, f"field {name!r}: key {key!r} is set by prepare itself, not a "
                              f"template variable{hint}")
     return dict(value)

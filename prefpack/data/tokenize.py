@@ -90,7 +90,7 @@ class ExampleTokenizer:
         self.cfg = cfg
         self._ws_cache: dict[int, bool] = {}
         source = cfg.template.source if cfg.template is not None else _template_source(tok)
-        # A template that never reads `tools` or `tool_calls` would silently drop them: refuse such rows.
+        # A template that never reads `tools`, `tool_calls` or `documents` would silently drop them: refuse such rows.
         self.reads = template_reads(source)  # the template rows are rendered with
         # a chat reply that ends with one of these (the template's own end of turn) gets no EOS after it
         self._turn_ends = {specials.eos_id, *tok.all_special_ids,
@@ -102,6 +102,10 @@ class ExampleTokenizer:
             raise InvalidRow("template_ignores_tools", "tools", "the row has tools but the tokenizer's chat "
                              f"template never reads `tools` (nor any of {', '.join(TOOL_VARIABLES[1:])}), so they would be "
                              "left out of the prompt; use a tokenizer whose template supports tool use")
+        if ex.documents and "documents" not in self.reads.variables:
+            raise InvalidRow("template_ignores_documents", "documents", "the row has documents but the chat "
+                             "template never reads `documents`, so they would be left out of the prompt; use a "
+                             "template that renders them (--chat-template FILE), or put them in the messages")
         for part, name in ((ex.prompt, None), *zip(ex.completions, ex.completion_fields)):
             if not self.reads.reads_tool_calls and any(m.get("tool_calls") for m in part):
                 raise InvalidRow("template_ignores_tools", name, "a message has 'tool_calls' but the tokenizer's "

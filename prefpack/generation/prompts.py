@@ -14,10 +14,12 @@ import numpy as np
 
 from prefpack.data.formats import VISION_FIELDS, Example, InvalidRow
 from prefpack.data.row_checks import (
+    DOCUMENTS_FIELD,
     KWARGS_FIELD,
     TOOLS_FIELD,
     get_messages,
     get_str,
+    parse_documents,
     parse_template_kwargs,
     parse_tools,
 )
@@ -166,7 +168,7 @@ class StorePrompts(PromptSource):
 class RowPrompts(PromptSource):
     """Rows holding a prompt (a string, tokenised as it is) or a message list (rendered through the chat template
     with the generation prompt), under ``field`` or the first of ``PROMPT_FIELDS`` a row has; numbered across the
-    inputs in order. A row's own ``tools`` / ``chat_template_kwargs`` apply as in prepare."""
+    inputs in order. A row's own ``tools`` / ``documents`` / ``chat_template_kwargs`` apply as in prepare."""
 
     def __init__(self, inputs: list[str], tokenizer: str, *, field: str | None = None,
                  chat_template_kwargs: dict | None = None, tools: list | None = None,
@@ -218,12 +220,14 @@ class RowPrompts(PromptSource):
         value = get_messages(row, name, allow_empty=True) if chat else get_str(row, name)
         ex = Example(value, (), chat=chat)
         tools = parse_tools(row.get(TOOLS_FIELD), TOOLS_FIELD)
+        documents = parse_documents(row.get(DOCUMENTS_FIELD), DOCUMENTS_FIELD)
         kwargs = {k: v for k, v in parse_template_kwargs(row.get(KWARGS_FIELD), KWARGS_FIELD).items() if v is not None}
         if chat:
-            ex.tools, ex.template_kwargs = tools, kwargs
-        elif tools or kwargs:  # as prepare: they only reach the model through the chat template
-            raise InvalidRow("tools_without_chat", TOOLS_FIELD if tools else KWARGS_FIELD, f"field {name!r} is a "
-                             "plain string, tokenised as it is: tools and chat_template_kwargs need a message list")
+            ex.tools, ex.template_kwargs, ex.documents = tools, kwargs, documents
+        elif tools or kwargs or documents:  # as prepare: they only reach the model through the chat template
+            what = TOOLS_FIELD if tools else DOCUMENTS_FIELD if documents else KWARGS_FIELD
+            raise InvalidRow("tools_without_chat", what, f"field {name!r} is a plain string, tokenised as it is: "
+                             "tools, documents and chat_template_kwargs need a message list")
         ids = self.encoder.encode_prompt(ex)
         fields = {k: v for k, v in row.items() if k != name and k not in RESERVED}
         return Prompt(n, tuple(ids), value if chat else None, fields)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefpack.data.renderer import renderer_warnings
 from prefpack.data.store import StoreError
 from prefpack.distributed import Dist
 from prefpack.engine import Engine, build_engine
@@ -181,6 +182,8 @@ def build(cfg, *, log=print, parallel: Parallel | None = None, check_sidecar_ref
     else:
         device = parallel.device
     tok = _tokenizer(cfg, stores)
+    for line in renderer_warnings(_store_metas(stores)):  # the tokens are what they are: trained, said once
+        log(line)
     engine = build_engine(cfg, parallel, device, unpaired=unpaired, log=log,
                           check_sidecar_reference=check_sidecar_reference, training=training)
     for spec, (_, store) in zip(stores.specs, stores.train):
@@ -211,6 +214,14 @@ def build(cfg, *, log=print, parallel: Parallel | None = None, check_sidecar_ref
         check_model(engine.reference.model, parallel.seq)
     processor_dir = next((st.path / "processor" for _, st in stores.every() if st.num_images), None)
     return Setup(engine, feed, parallel, tokenizer, pad_id, cfg, processor_dir)
+
+
+def _store_metas(stores: StoreSet) -> list[tuple[str, dict]]:
+    """Each store's meta.json, named as the config names it (for the renderer comparison)."""
+    several = len(stores.train) > 1
+    out = [(f"data.train{f'[{i}]' if several else ''} ({str(st.path)!r})", st.meta)
+           for i, (_, st) in enumerate(stores.train)]
+    return out + [(f"data.eval{'.' + n if n else ''} ({str(st.path)!r})", st.meta) for n, st in stores.evals.items()]
 
 
 def _tokenizer(cfg, stores: StoreSet):
