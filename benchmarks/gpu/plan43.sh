@@ -20,6 +20,11 @@
 #           (peft + BitsAndBytesConfig), 11 steps; the largest preset a 2-minute slot allows
 #   reward  reward_model.py on CUDA: prefpack's reward objective against TRL's RewardTrainer (hh pairs; ranked x8)
 #           and packed scoring against padded, 12 layers x 1024 (GPT-NeoX vocabulary)
+#   grpo    grpo_step.py (issue 53): one GRPO loss step at k = 8, Qwen2.5-0.5B's shape from a config (vocabulary
+#           151,936), bf16 autocast, 8 prompts of 256-512 tokens x 8 completions of 64-256, one prompt's 8 samples a
+#           micro-batch (TRL: per-device batch 8, gradient accumulation 8): prefpack prompts once / each sample alone /
+#           TRL 1.16 GRPOTrainer._compute_loss + backward on the same samples; tokens/s, peak allocated, the
+#           first-step losses (must agree). Alone: ONLY=grpo BUDGET=220 bash benchmarks/gpu/plan43.sh
 #   vision  bench_vision.py --device cuda, tiny Qwen2-VL against TRL (only with time left; the toy's speed says little)
 #   compare13  compare at 1.3b, 21 steps (only with time left)
 #   vLLM rounds: skipped here (vLLM needs its own environment on the machine: benchmarks/gpu/rounds_vllm.sh)
@@ -32,11 +37,13 @@ if [ -n "${DRY:-}" ]; then
   DEV=cpu DTYPE=float32 PRESET=cpu QPRESET=cpu CASE=neox PAIRS=4 STEPS=2 QSTEPS=2 BUDGET=${BUDGET:-900}
   REWARD_ARGS="--layers 2 --hidden 128 --pairs 16 --pair-batch 4 --prompts 2 --score-prompts 2 --steps 2"
   VISION_ARGS="--pairs 4 --batch-pairs 2 --steps 2" VISION_LIMIT=180 QLIMIT=420
+  GRPO_ARGS="--model-size tiny --k 8 --prompts 2 --prompt-len 32,64 --completion-len 16,48 --micro-batch prompt --warmup 1 --steps 2"
 else
   DEV=cuda DTYPE=bfloat16 PRESET=0.7b QPRESET=${QPRESET:-1.3b} CASE=qwen PAIRS=32 STEPS=${STEPS:-21}
   QSTEPS=${QSTEPS:-11} BUDGET=${BUDGET:-470}
   REWARD_ARGS="--layers 12 --hidden 1024 --pairs 256 --pair-batch 32 --prompts 16 --prompt-batch 2 --score-prompts 64 --steps 6 --threads 4"
   VISION_ARGS="--threads 4" VISION_LIMIT=90 QLIMIT=150
+  GRPO_ARGS="--model-size 0.5b --k 8 --prompts 8 --micro-batch prompt --warmup 2 --steps 5 --threads 4"
 fi
 SITE=${SITE:-/tmp/site}
 if [ -z "${NO_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1 && [ ! -f "$SITE/.plan43" ]; then
@@ -91,6 +98,8 @@ step compare 280 -- "${compare[@]}" --preset "$PRESET" --steps "$STEPS"
 step qlora "$QLIMIT" -- "${compare[@]}" --preset "$QPRESET" --steps "$QSTEPS" --qlora 16
 # shellcheck disable=SC2086
 step reward 120 -- "$py" benchmarks/reward_model.py --device "$DEV" $REWARD_ARGS
+# shellcheck disable=SC2086
+step grpo 200 60 -- "$py" benchmarks/grpo_step.py --device "$DEV" $GRPO_ARGS --json "$OUT/grpo.json"
 # shellcheck disable=SC2086
 step vision "$VISION_LIMIT" 60 -- "$py" benchmarks/bench_vision.py --device "$DEV" --same-start --model qwen2_vl $VISION_ARGS
 [ -n "${DRY:-}" ] || step compare13 240 200 -- "${compare[@]}" --preset 1.3b --steps "$STEPS"

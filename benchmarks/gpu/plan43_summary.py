@@ -51,6 +51,18 @@ def tests(log: Path) -> dict | None:
             "skipped": re.findall(r"^SKIPPED \[\d+\] (.*)$", text, re.M)[:10]}
 
 
+def grpo(log: Path) -> dict | None:
+    """grpo_step.py's headline: per k and side tokens/s, step seconds, peak memory, first loss; the ratios."""
+    rec = last_json(log, "bench")
+    if rec is None:
+        return None
+    keys = ("tokens_per_s", "median_s", "min_s", "max_s", "positions", "peak_mib", "peak_delta_mib", "first_loss")
+    return {**{k: rec.get(k) for k in ("device", "dtype", "gpu", "params", "micro_batch", "trl_version")},
+            "cases": {k: {"real_tokens": c["real_tokens"], "loss_agrees": c.get("loss_agrees"), "ratios": c["ratios"],
+                          "sides": {s: {x: r.get(x) for x in keys} for s, r in c["sides"].items()}}
+                      for k, c in rec["cases"].items()}}
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     steps = {}
@@ -63,7 +75,7 @@ def main() -> None:
                else [], "steps": steps, "tests": tests(out / "tests.log"),
                "compare_0.7b": compare(out / "compare.log"), "qlora": compare(out / "qlora.log"),
                "compare_1.3b": compare(out / "compare13.log"), "reward": last_json(out / "reward.log", "cases"),
-               "vision": last_json(out / "vision.log", "bench")}
+               "vision": last_json(out / "vision.log", "bench"), "grpo": grpo(out / "grpo.log")}
     print(json.dumps(summary, indent=1, default=str))
 
 

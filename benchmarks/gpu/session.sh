@@ -17,6 +17,9 @@
 #          packages are not installed (pip install flash-linear-attention causal-conv1d mamba-ssm); under a minute.
 # vision:  benchmarks/bench_vision.py on CUDA (tiny Qwen2-VL and LLaVA against TRL 1.16: losses by step, encodings
 #          per image; the toy's speed says little) after tests/test_gpu_paths.py's image cases; about 2 minutes.
+# grpo:    benchmarks/grpo_step.py on CUDA (issue 53): a GRPO loss step at k = 8 (0.5B Qwen2 shape, bf16 autocast,
+#          8 prompts x 8 samples, one prompt a micro-batch), prompts once / each sample alone / TRL 1.16's
+#          GRPOTrainer loss step on the same samples; GRPO_ARGS replaces the arguments; about 2-3 minutes.
 set -uo pipefail
 py=${PYTHON:-python3}
 what=${1:-all}
@@ -84,4 +87,10 @@ if [ "$what" = vision ]; then  # image pairs on CUDA: the CUDA image tests, then
     timeout "${COMPARE_TIMEOUT:-300}" "$py" benchmarks/bench_vision.py --device cuda --same-start --model "$model" \
       ${EXTRA:-} 2>&1 | tee "$OUT/vision_$model.log"
   done
+fi
+if [ "$what" = grpo ]; then
+  # shellcheck disable=SC2086
+  timeout "${GRPO_TIMEOUT:-300}" "$py" benchmarks/grpo_step.py --device cuda \
+    ${GRPO_ARGS:---model-size 0.5b --k 8 --prompts 8 --micro-batch prompt --warmup 2 --steps 5 --threads 4} \
+    --json "$OUT/grpo.json" 2>&1 | tee "$OUT/grpo.log"
 fi
