@@ -1,6 +1,6 @@
 """Gated DeltaNet (linear attention with a delta-rule state and a short causal convolution): Qwen3.5, Qwen3-Next,
-OLMo-hybrid, Lara-4-Mini (transformers 5.24). On CUDA its kernels are flash-linear-attention's chunked delta rule (``cu_seqlens``) and
-``causal_conv1d`` (``seq_idx``); transformers' CPU fallbacks read neither."""
+OLMo-hybrid, Lara-4-Mini (transformers 5.24). On CUDA its kernels are flash-linear-attention's chunked delta rule
+(``cu_seqlens``) and ``causal_conv1d`` (``seq_idx``); transformers' CPU fallbacks read neither."""
 
 from prefpack.model.recurrent.kind import LayerKind
 
