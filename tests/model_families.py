@@ -34,6 +34,13 @@ class Family:
     what: str = ""  # what the row exercises, for the docs
     prompts_once: bool = True  # the kernel it loads with reads prompt groups (eager fallbacks do not)
     float32_inside: bool = False  # transformers computes a part in float32 whatever the dtype: compared to 1e-6
+    since: str = ""  # the transformers release that added the family (its tests skip on an older one)
+
+    def available(self) -> bool:
+        """Whether the installed transformers knows this model type."""
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        return self.model_type in CONFIG_MAPPING_NAMES
 
 
 # Mamba and Falcon-Mamba: Mamba-1 blocks only, their own config names
@@ -104,6 +111,41 @@ FAMILIES: tuple[Family, ...] = (
                 v_head_dim=8, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                 layer_types=["linear_attention", "full_attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2),
            small=False, what="KDA linear-attention layers"),
+    # transformers 5.24's decoder families
+    Family("exaone", "EXAONE (3.x)", "packs", since="5.24", what="plain decoder (transformers runs it as Llama)"),
+    Family("apertus1p5_text", "Apertus 1.5 (text)", "packs", since="5.24", what="xIELU activation"),
+    Family("sarvam_mla", "Sarvam (MLA)", "packs",
+           dict(SMALL, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                qk_nope_head_dim=8, v_head_dim=8), small=False,
+           since="5.24",
+           what="multi-head latent attention, mixture of experts (transformers runs it as DeepSeek-V3)"),
+    Family("sarvam_moe", "Sarvam-MoE", "packs",
+           dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                first_k_dense_replace=1),
+           since="5.24", what="mixture of experts, query/key norms (transformers runs it as GLM-4-MoE)"),
+    Family("dory", "Dory", "packs",
+           dict(SMALL, num_hidden_layers=3, n_input_layers=1, n_output_layers=1, n_recurrent_loops=2, sliding_window=4,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"]), small=False,
+           float32_inside=True,  # its head computes the logits in float32
+           since="5.24",
+           what="a looped normalized transformer (nGPT): a middle layer run twice, a per-token logit scale"),
+    Family("lara_mini", "Lara-4-Mini", "packs",
+           dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                max_position_embeddings=256, tie_word_embeddings=False, sliding_window=4,
+                linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                layer_types=["linear_attention", "sliding_attention", "full_attention"], num_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16), small=False,
+           since="5.24", what="Gated DeltaNet, sliding-window and NoPE attention layers, mixture of experts"),
+    Family("inkling2_loop_text", "Inkling-2 Loop (text)", "padded-only",
+           dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8, sliding_window_size=4,
+                d_rel=4, rel_extent=8, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                n_layers_per_attn_res_block=1, loop_layer_index_start=1, loop_layer_index_end=3, loop_num_passes=2,
+                loop_gate_rank=4, layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+                unpadded_vocab_size=300, max_position_embeddings=256, tie_word_embeddings=False), small=False,
+           since="5.24", what="its short convolutions (static, and dynamic ones on keys and values) run across the "
+                                "packed row: no boundary-aware path for them yet"),
     Family("bloom", "BLOOM", "padded-only", dict(hidden_size=32, n_head=4, n_layer=2), small=False,
            what="ALiBi attention reads no position ids, so packed sequences would see each other"),
 )
@@ -115,7 +157,8 @@ def render() -> str:
     for f in FAMILIES:
         packs = f.status == "packs"
         lines.append(f"| {f.name} | `{f.model_type}` | {'yes' if packs else 'no: padded only'} | "
-                     f"{'yes' if packs and f.prompts_once else 'no'} | {f.what or 'plain decoder'} |")
+                     f"{'yes' if packs and f.prompts_once else 'no'} | {f.what or 'plain decoder'}"
+                     f"{f' (transformers >= {f.since})' if f.since else ''} |")
     return "\n".join([*lines, "", END])
 
 

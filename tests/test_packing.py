@@ -384,7 +384,7 @@ def test_packing_leak_is_zero_when_attention_stays_within_sequences(model):
 
 def test_models_whose_attention_crosses_packed_sequences_are_refused(tmp_path):
     """Bloom's ALiBi attention ignores position ids, so packed pairs would see each other: refused when packing,
-    loaded for the padded fallback. GPT-J has no sdpa: it falls back to eager (which keeps sequences apart)."""
+    loaded for the padded fallback. GPT-Neo has no sdpa: it falls back to eager (which keeps sequences apart)."""
     import transformers as tf
 
     bloom = _save_tiny(tmp_path, tf.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_head=4, n_layer=2))
@@ -393,8 +393,10 @@ def test_models_whose_attention_crosses_packed_sequences_are_refused(tmp_path):
         load_causal_lm(bloom, dtype=torch.float32, attn_implementation="eager", device=cpu)
     model = load_causal_lm(bloom, dtype=torch.float32, attn_implementation="eager", device=cpu, packed=False)
     assert packing_leak(model) > PACKING_LEAK_TOLERANCE
-    gptj = _save_tiny(tmp_path, tf.GPTJConfig(vocab_size=VOCAB, n_embd=32, n_head=4, n_layer=2, rotary_dim=4,
-                                              bos_token_id=0, eos_token_id=0))
+    # GPT-Neo: no sdpa in transformers 5.23 nor 5.24 (GPT-J, used here before, has sdpa from 5.24)
+    neo = _save_tiny(tmp_path, tf.GPTNeoConfig(vocab_size=VOCAB, hidden_size=32, num_heads=4, num_layers=2,
+                                               attention_types=[[["global", "local"], 1]], window_size=4,
+                                               max_position_embeddings=256, bos_token_id=0, eos_token_id=0))
     with pytest.warns(UserWarning, match="no sdpa attention; using eager"):
-        model = load_causal_lm(gptj, dtype=torch.float32, attn_implementation="packed_sdpa", device=cpu)
+        model = load_causal_lm(neo, dtype=torch.float32, attn_implementation="packed_sdpa", device=cpu)
     assert model.config._attn_implementation == "eager" and packing_leak(model) == 0.0

@@ -137,7 +137,7 @@ def head_spec(model: nn.Module) -> HeadSpec:
     """Head weight, bias and the logit transforms that transformers applies after ``lm_head``.
 
     Known transforms: Cohere ``logit_scale`` (multiply), Granite ``logits_scaling`` (divide), Gemma-2/3
-    ``final_logit_softcapping``. Use ``prefpack.model.checks.check_against_model`` once to catch any other.
+    ``final_logit_softcapping``, a head's own per-token ``logit_scale`` vector (Dory: folded into the weight). Use ``prefpack.model.checks.check_against_model`` once to catch any other.
     """
     _, head = body_and_head(model)
     scale = 1.0
@@ -154,4 +154,12 @@ def head_spec(model: nn.Module) -> HeadSpec:
         softcap = float(softcap)
         if not (softcap > 0 and math.isfinite(softcap)):
             raise NotImplementedError(f"unsupported final_logit_softcapping={softcap}")
-    return HeadSpec(weight=head.weight, bias=getattr(head, "bias", None), scale=scale, softcap=softcap)
+    weight, bias = head.weight, getattr(head, "bias", None)
+    per_token = getattr(head, "logit_scale", None)
+    if isinstance(per_token, torch.Tensor) and per_token.ndim == 1:
+        # Dory (transformers 5.24): logits * (logit_scale * logit_scale_factor), one learned scale per token; folded
+        # into the weight's rows (the product is differentiable, so both get their gradients)
+        rows = per_token * float(getattr(head, "logit_scale_factor", 1.0))
+        weight = weight * rows.to(weight.dtype)[:, None]
+        bias = None if bias is None else bias * rows.to(bias.dtype)
+    return HeadSpec(weight=weight, bias=bias, scale=scale, softcap=softcap)

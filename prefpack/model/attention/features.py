@@ -9,7 +9,7 @@ computes for each sequence alone:
   positions q <= p with q // C == p // C. transformers counts chunks from a sequence's own start (its first
   unpadded token), so packed sequences restart theirs; the kernels read chunks from position ids
   (:func:`chunk_of` gives C for a layer);
-* **position ids dropped before attention** (Llama-4's decoder layer keeps them from its attention):
+* **position ids dropped before attention** (Llama-4's decoder layer and Dory's model keep them from attention):
   :func:`restore_positions` hooks those layers to hand them down as :data:`POSITIONS`;
 * **a query temperature from row positions** (Llama-4's NoPE layers scale queries by
   ``1 + attn_scale * log1p(floor((i + 1) / floor_scale))`` with i the token's index in the *row*, not its position):
@@ -33,8 +33,9 @@ __all__ = ["POSITIONS", "chunk_of", "fix_query", "has_chunks", "has_sinks", "res
 
 POSITIONS = "prefpack_position_ids"  # the keyword carrying position ids past a layer that drops them
 
-# Decoder layers that take ``position_ids`` and do not pass them on to their attention.
-_DROPS_POSITIONS = ("Llama4TextDecoderLayer",)
+# Modules that take ``position_ids`` and do not pass them on to their attention: Llama-4's decoder layer, and Dory's
+# model (transformers 5.24), which hands its layers only the rotary embeddings made from them.
+_DROPS_POSITIONS = ("Llama4TextDecoderLayer", "DoryModel")
 
 
 def chunk_of(module: nn.Module) -> int | None:
@@ -94,7 +95,7 @@ def _keep_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
 
 
 def restore_positions(model: nn.Module) -> None:
-    """Hook the decoder layers that drop ``position_ids`` to pass them on as :data:`POSITIONS` (idempotent). A
+    """Hook the modules that drop ``position_ids`` to pass them on as :data:`POSITIONS` (idempotent). A
     forward pre-hook runs again when gradient checkpointing replays the layer, with the same keywords."""
     for module in model.modules():
         if type(module).__name__ in _DROPS_POSITIONS and not getattr(module, "_prefpack_positions", False):

@@ -141,6 +141,7 @@ def _boundary_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwa
     segments = kwargs.pop(SEGMENTS, None) or self.__dict__.get(HELD)
     kind: LayerKind = self.__dict__[_MARK]
     if (segments is None or args or kwargs.get(kind.cache_keyword) is not None
+            or kwargs.get("cache") is not None  # transformers >= 5.24 passes every kind's cache as ``cache``
             or kwargs.get("attention_mask") is not None):
         return type(self).forward(self, hidden_states, *args, **kwargs)
     if segments.rows * segments.length != hidden_states.shape[0] * hidden_states.shape[1]:

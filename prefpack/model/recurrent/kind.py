@@ -18,9 +18,9 @@ __all__ = ["LayerKind", "run_blocks", "run_gathered"]
 @dataclass(frozen=True)
 class LayerKind:
     """One kind of recurrent layer: its transformers classes (``classes``), the model types that hold it
-    (``families``, for the docs), the keyword its cache arrives under (a cached call is generation: left alone),
-    the packages whose kernels take sequence boundaries (``packages``, import names) and the keywords that hand
-    them the boundaries of a gathered row (``boundary_keywords``; None: no kernel takes them, so each block runs
+    (``families``, for the docs), the keyword its cache arrives under up to transformers 5.23 (``cache`` from 5.24
+    on, for every kind; a cached call is generation: left alone), the packages whose kernels take sequence
+    boundaries (``packages``, import names) and the keywords that hand them the boundaries of a gathered row (``boundary_keywords``; None: no kernel takes them, so each block runs
     alone on every device). ``relayed``: its decoder layers call it without passing their keywords on, so the
     blocks reach it through the layer's class (``relay``)."""
 
