@@ -209,3 +209,19 @@ def test_a_mixture_rendered_by_other_versions_warns_once(tmp_path, toks, one_thr
     said = []
     build(load_config(None, base + [f"data.train=[{{path: {a}}}, {{path: {a}}}]"]), log=said.append)
     assert not [line for line in said if "rendered with the same chat template" in line]
+
+
+def test_a_null_message_key_renders_as_apply_chat_template_does(tmp_path, toy_tokenizers, tmp_path_factory):
+    """A message key whose value is null (`content: null` beside tool calls, an API's `name: null`): transformers'
+    `apply_chat_template` drops it before rendering (5.23 and 5.24), and so does prefpack, which calls the renderer
+    itself: the stored prompt is what `apply_chat_template` renders (it read `(None)` before)."""
+    template = ("{%- for m in messages %}{{- '<|im_start|>' + m.role }}{%- if m.name is defined %}"
+                "{{- ' (' + (m.name | string) + ')' }}{%- endif %}{{- '\\n' + m.content + '<|im_end|>\\n' }}"
+                "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    tok_dir = _tok(toy_tokenizers, tmp_path_factory, template, "null_keys")
+    prompt = [{"role": "user", "content": "Where is Paris?", "name": None}]
+    store = run(tmp_path, tok_dir, [{"prompt": prompt, "chosen": [{"role": "assistant", "content": "In France."}],
+                                     "rejected": [{"role": "assistant", "content": "No idea."}]}])
+    tok = load_tokenizer(tok_dir)
+    want = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    assert tok.decode([int(t) for t in store.pair(0).prompt]) == want

@@ -52,6 +52,7 @@ class Renderer:
         kwargs = {**self.tok.special_tokens_map, **self.extra, **kwargs}
         tools = kwargs.pop("tools", None)
         what = "the prompt" if name is None else f"the conversation with field {name!r}"
+        messages = as_apply_chat_template_sees(messages)
         try:
             with time_limit(RENDER_SECONDS):
                 out, idx = render_jinja_template([messages], tools=tools, chat_template=self.source(tools),
@@ -67,6 +68,13 @@ class Renderer:
             raise InvalidRow("template_output_too_large", name, f"the chat template rendered {what} as "
                              f"{len(out[0]):,} characters, past {RENDER_CHARS:,}")
         return out[0], (idx[0] if spans else [])
+
+
+def as_apply_chat_template_sees(messages: list[dict]) -> list[dict]:
+    """The messages as transformers' ``apply_chat_template`` hands them to a template: without the keys whose value
+    is None (``content: null`` beside tool calls; 5.23 and 5.24 both drop them before rendering), so prefpack, which
+    calls the renderer itself for the masks, renders what the model is prompted with at inference."""
+    return [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
 
 
 RENDER_SECONDS = 10.0  # one rendering's time (a row's conversation renders in milliseconds)
