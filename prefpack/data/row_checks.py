@@ -41,47 +41,39 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 
 
-def parse_tools(value: Any, name: str) -> list[dict] | None:
-    """A `tools` value: a list of function definitions (JSON objects), or a string holding one as JSON (the
-    usual way to store tools whose schemas differ from row to row in Parquet). None when absent or null."""
+def _object_list(value: Any, name: str, things: str, listed: str, item: str) -> list[dict] | None:
+    """A list of JSON objects, or a string holding one as JSON (how Parquet stores values whose schemas differ from
+    row to row); None when absent or null. ``things``: what the list holds ("function definitions"); ``listed``: how
+    the type error names it; ``item``: what an element must be (its name and an example)."""
     if value is None:
         return None
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
-            raise InvalidRow("wrong_type", name, f"field {name!r} must be a list of function definitions (JSON "
-                             f"objects); got a string that is not JSON ({exc.msg} at column {exc.colno})") from None
+            raise InvalidRow("wrong_type", name, f"field {name!r} must be a list of {things} (JSON objects); got a "
+                             f"string that is not JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(value, list):
-        raise InvalidRow("wrong_type", name, f"field {name!r} must be a list of function definitions (JSON "
-                         f"objects), got {json_type(value)}")
-    for i, tool in enumerate(value):
-        if not isinstance(tool, dict):
-            raise InvalidRow("wrong_type", name, f"field {name!r}: tool {i} must be a JSON object (a function "
-                             f"definition such as {{\"type\": \"function\", \"function\": {{...}}}}), "
-                             f"got {json_type(tool)}")
+        raise InvalidRow("wrong_type", name, f"field {name!r} must be a list of {listed}, got {json_type(value)}")
+    for i, element in enumerate(value):
+        if not isinstance(element, dict):
+            raise InvalidRow("wrong_type", name, f"field {name!r}: {item.format(i=i)}, got {json_type(element)}")
     return value
+
+
+def parse_tools(value: Any, name: str) -> list[dict] | None:
+    """A `tools` value: a list of function definitions (JSON objects), or a string holding one as JSON. None when
+    absent or null."""
+    return _object_list(value, name, "function definitions", "function definitions (JSON objects)",
+                        "tool {i} must be a JSON object (a function definition such as "
+                        "{{\"type\": \"function\", \"function\": {{...}}}})")
 
 
 def parse_documents(value: Any, name: str) -> list[dict] | None:
     """A `documents` value (RAG rows): a list of JSON objects (such as ``{"title": ..., "text": ...}``, as
     ``apply_chat_template(documents=...)`` takes them), or a string holding one as JSON. None when absent or null."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise InvalidRow("wrong_type", name, f"field {name!r} must be a list of documents (JSON objects); got a "
-                             f"string that is not JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(value, list):
-        raise InvalidRow("wrong_type", name, f"field {name!r} must be a list of documents (JSON objects such as "
-                         f"{{\"title\": ..., \"text\": ...}}), got {json_type(value)}")
-    for i, doc in enumerate(value):
-        if not isinstance(doc, dict):
-            raise InvalidRow("wrong_type", name, f"field {name!r}: document {i} must be a JSON object (such as "
-                             f"{{\"title\": ..., \"text\": ...}}), got {json_type(doc)}")
-    return value
+    return _object_list(value, name, "documents", "documents (JSON objects such as {\"title\": ..., \"text\": ...})",
+                        "document {i} must be a JSON object (such as {{\"title\": ..., \"text\": ...}})")
 
 
 def parse_template_kwargs(value: Any, name: str) -> dict[str, Any]:
