@@ -225,3 +225,22 @@ def test_a_null_message_key_renders_as_apply_chat_template_does(tmp_path, toy_to
     tok = load_tokenizer(tok_dir)
     want = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     assert tok.decode([int(t) for t in store.pair(0).prompt]) == want
+
+
+def test_a_template_that_fails_to_render_is_one_line_naming_it_and_the_row(tmp_path, toy_tokenizers,
+                                                                            tmp_path_factory):
+    """A template with an error only some rows reach (here: `tools=None` read as a list, a common bug) is refused in
+    one line naming the file, the row and the template."""
+    from prefpack.data.prepare import PrepareError
+
+    template = ("{%- if messages[0].content == 'tools' %}{{- tools | length }}{%- endif %}"
+                "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+                "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    tok_dir = _tok(toy_tokenizers, tmp_path_factory, template, "breaks_on_tools")
+    good = {"prompt": PROMPT, "chosen": CHOSEN[:1], "rejected": REJECTED}
+    bad = {**good, "prompt": [{"role": "user", "content": "tools"}]}
+    with pytest.raises(PrepareError) as err:
+        run(tmp_path, tok_dir, [good, bad])
+    message = str(err.value)
+    assert "\n" not in message and "line 2" in message and "[template_error]" in message
+    assert f"the chat template (the tokenizer's own, {tok_dir}) failed on the prompt: TypeError" in message

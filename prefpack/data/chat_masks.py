@@ -20,7 +20,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from prefpack.data.formats import Example, InvalidRow
 from prefpack.data.template_vars import template_reads
-from prefpack.data.training_templates import ChatTemplate, has_generation_markers
+from prefpack.data.training_templates import OWN_TEMPLATE, ChatTemplate, has_generation_markers
 from prefpack.data.turns import Ranges, complement, turn_ranges
 
 FIX = ("render with a prefix-preserving template that marks assistant text with {% generation %}: "
@@ -42,6 +42,14 @@ class Renderer:
         self.tok, self.template = tok, template
         self.extra = {"earlier_reasoning": earlier_reasoning} if template and template.training else {}
 
+    def named(self) -> str:
+        """The template in words, for a message: where it came from (``--chat-template F``, prefpack's training
+        template for a family, or the tokenizer's own, with the tokenizer's name)."""
+        name = self.template.name if self.template is not None else OWN_TEMPLATE
+        if name == OWN_TEMPLATE:
+            name = f"{name}, {getattr(self.tok, 'name_or_path', '') or 'a tokenizer without a name'}"
+        return f"the chat template ({name})"
+
     def source(self, tools) -> str:
         if self.template is not None:
             return self.template.source
@@ -59,13 +67,13 @@ class Renderer:
                                                  return_assistant_tokens_mask=spans,
                                                  add_generation_prompt=generation_prompt, **kwargs)
         except RenderTimeout:
-            raise InvalidRow("template_timeout", name, f"the chat template ran past {RENDER_SECONDS:g} s on {what} "
+            raise InvalidRow("template_timeout", name, f"{self.named()} ran past {RENDER_SECONDS:g} s on {what} "
                              "(a loop without end?)") from None
         except Exception as exc:  # jinja2 errors, templates' raise_exception(), str + None in a template...
-            raise InvalidRow("template_error", name, f"the chat template failed on {what}: "
-                             f"{type(exc).__name__}: {exc}") from None
+            message = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, whatever the template raised
+            raise InvalidRow("template_error", name, f"{self.named()} failed on {what}: {message}") from None
         if len(out[0]) > RENDER_CHARS:
-            raise InvalidRow("template_output_too_large", name, f"the chat template rendered {what} as "
+            raise InvalidRow("template_output_too_large", name, f"{self.named()} rendered {what} as "
                              f"{len(out[0]):,} characters, past {RENDER_CHARS:,}")
         return out[0], (idx[0] if spans else [])
 

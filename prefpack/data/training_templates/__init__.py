@@ -49,6 +49,9 @@ FAMILIES: dict[str, Family] = {
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
+OWN_TEMPLATE = "the tokenizer's own"  # ChatTemplate.name of a tokenizer's own template
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     """The template chat rows are rendered with, and where it came from (recorded in meta.json)."""
@@ -93,7 +96,7 @@ def choose(own: str | None, given: str | None = None, given_name: str | None = N
         return make(training_template(family), f"prefpack's training template for {family.name} "
                     f"(data/training_templates/{family.file})", training=True)
     like = next((f.name for f in FAMILIES.values() if all(s in own for s in f.signature)), None)
-    return make(own, "the tokenizer's own", resembles=like)
+    return make(own, OWN_TEMPLATE, resembles=like)
 
 
 def select_template(tok, path: str | None, earlier_reasoning: str | None, layout: str,
@@ -105,7 +108,7 @@ def select_template(tok, path: str | None, earlier_reasoning: str | None, layout
                            f"{earlier_reasoning!r}")
     own = tok.chat_template if isinstance(tok.chat_template, str) else None
     if path == OWN:
-        template = make(own, "the tokenizer's own") if own else None
+        template = make(own, OWN_TEMPLATE) if own else None
     elif path:
         try:
             with open(path, encoding="utf-8") as fh:
