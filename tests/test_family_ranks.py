@@ -1,5 +1,5 @@
 """2 ranks equal 1 for the architectures of issue 38 (tests/model_families.py): each family's tiny random model
-(2 layers, hidden 32, from its transformers config) trains 3 steps packed with prompts laid out once, in one process
+(2 layers, hidden 32, from its transformers config; Lara-4-Mini 3) trains STEPS (2) steps packed with prompts laid out once, in one process
 (in this one) and on 2 gloo ranks under DDP (all in one torchrun launch), and two under FSDP2: Qwen3.5 (its
 recurrent layers' forwards replaced per instance, prefpack/model/recurrent/install.py, inside FSDP2's wrapped
 layers) and Jamba (its decoder layers' relaying class, prefpack/model/recurrent/relay.py, beneath FSDP2's own
