@@ -60,6 +60,7 @@ class ChunkResult:
     images: list[tuple[int, bytes, int, int, int, int]]
     left_out: list[str]  # per row whose chat template left text of a reply out: where, and what (counted, reported)
     margins: np.ndarray | None = None  # float64 per pair or unpaired index row, NaN where it gives no margin
+    segments: np.ndarray | None = None  # int64 [k]: where later segments of completions start, positions in `tokens`
 
 
 def process_chunk(chunk: list[RawRow]) -> ChunkResult:
@@ -97,10 +98,13 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
     spans: list[np.ndarray] = []
     images: list[tuple[int, bytes, int, int, int, int]] = []
     margins: list[float] = []
+    segments: list[np.ndarray] = []
 
-    def add_completion(c: list[int], scored: list[bool] | None) -> None:
+    def add_completion(c: list[int], scored: list[bool] | None, cuts: list[int] | None = None) -> None:
         if scored is not None:
             spans.append(mask_to_spans(scored, len(flat)))
+        if cuts:
+            segments.append(np.asarray(cuts, dtype=np.int64) + len(flat))
         flat.extend(c)
 
     cuts = TruncationStats()
@@ -141,10 +145,10 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
             # the prompt's images belong to the group's first row (the one its prompt precedes)
             images.extend((len(rows), data, w, h, len(flat) + start, n) for data, w, h, start, n in res.images)
             flat.extend(res.prompt)
-            for c, score, scored in zip(res.completions, ex.scores, res.scored):
+            for k, (c, score, scored) in enumerate(zip(res.completions, ex.scores, res.scored)):
                 rows.append([len(flat), len(res.prompt), len(c), _score_bits(score), groups, flags,
                              raw.loc_file_index, raw.loc.row])
-                add_completion(c, scored)
+                add_completion(c, scored, _segments_of(res, k))
             groups += 1
             offset = len(flat)
             continue
@@ -155,8 +159,8 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
         margins.append(np.nan if ex.margin is None else ex.margin)
         images.extend((len(rows) - 1, data, w, h, offset + start, n) for data, w, h, start, n in res.images)
         flat.extend(res.prompt)
-        for c, scored in zip(res.completions, res.scored):
-            add_completion(c, scored)
+        for k, (c, scored) in enumerate(zip(res.completions, res.scored)):
+            add_completion(c, scored, _segments_of(res, k))
         offset = len(flat)
     tokens = np.array(flat, dtype=np.int64)
     width = 8 if layout == "ranked" else 7
@@ -164,7 +168,14 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
     problems.sort(key=lambda p: (p["file_index"], p["row"]))
     span_rows = np.concatenate(spans) if spans else np.zeros((0, 2), np.int64)
     return ChunkResult(tokens, index, problems, truncated, empty, chat, span_rows, unused, cuts, images, left_out,
-                       np.asarray(margins, dtype=np.float64))
+                       np.asarray(margins, dtype=np.float64),
+                       np.concatenate(segments) if segments else np.zeros(0, np.int64))
+
+
+def _segments_of(res: TokenizedExample, k: int) -> list[int] | None:
+    """Completion ``k``'s segment starts (None: one sequence); ``segments`` may be empty (no completion cut)."""
+    segments = getattr(res, "segments", ())
+    return segments[k] if k < len(segments) else None
 
 
 def _score_bits(score: float) -> int:

@@ -221,7 +221,9 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
             left_out_rows += len(res.left_out)
             given = kind == "pairs" and res.margins is not None and bool((res.margins == res.margins).any())  # not NaN
             margins = res.margins if given else None  # a block without: the writer fills 0.0 once it has margins
-            if res.images or margins is not None:
+            if res.segments is not None and len(res.segments):  # completions cut into segments (version 5)
+                writer.append(res.tokens, res.index, res.spans, res.images, margins=margins, segments=res.segments)
+            elif res.images or margins is not None:
                 writer.append(res.tokens, res.index, res.spans, res.images, margins=margins)
             elif len(res.spans):
                 writer.append(res.tokens, res.index, res.spans)

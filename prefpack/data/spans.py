@@ -6,42 +6,115 @@ A store of format version 2 may hold ``spans.bin``: int64 rows ``[start, end)`` 
 without it (every store of version 1) scores every completion token. A completion read from a store with spans is
 a :class:`ScoredTokens`: the token ids as an ordinary array, plus ``scored`` (one bool per token); the collator
 reads ``scored`` (duck-typed: ``prefpack.batching`` sits below ``data``) and gives unscored positions no target.
+
+A store of format version 5 may hold ``segments.bin`` too: int64 absolute positions in tokens.bin where a later
+segment of a completion starts (sorted, each strictly inside one completion). A completion cut into segments is
+computed as several sequences ``prompt + segment``, each attending its prompt and itself only, whose sums add up to
+the completion's (a chat template that rewrites earlier assistant turns: each turn scored in the context the model
+saw at that turn). Such a completion is a :class:`ScoredTokens` whose ``segments`` holds the offsets, relative to
+it, where segments 1, 2, ... start; ``scored`` may then be None (every token scored).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["SPANS_FILE", "ScoredTokens", "check_spans", "mask_to_spans", "scored_of", "scored_mask"]
+__all__ = ["SEGMENTS_FILE", "SPANS_FILE", "ScoredTokens", "check_segments", "check_spans", "mask_to_spans",
+           "scored_of", "scored_mask", "segment_lengths", "segments_in", "segments_of"]
 
 SPANS_FILE = "spans.bin"
+SEGMENTS_FILE = "segments.bin"
 
 
 class ScoredTokens(np.ndarray):
-    """Token ids with ``scored`` (bool per token, False where the token gets no loss). Anything derived from it
-    (a slice, a copy, a concatenation) is a plain array again with ``scored = None``: only the completion as read
-    carries its mask, so a mask never goes out of step with the tokens it describes."""
+    """Token ids with ``scored`` (bool per token, False where the token gets no loss; None: all scored) and
+    ``segments`` (int64 offsets where segments 1, 2, ... start, each strictly inside; None: one sequence). Anything
+    derived from it (a slice, a copy, a concatenation) is a plain array again with both None: only the completion
+    as read carries them, so they never go out of step with the tokens they describe."""
 
     scored: np.ndarray | None
+    segments: np.ndarray | None
 
-    def __new__(cls, tokens: np.ndarray, scored: np.ndarray) -> ScoredTokens:
-        scored = np.asarray(scored, dtype=bool)
+    def __new__(cls, tokens: np.ndarray, scored: np.ndarray | None = None,
+                segments: np.ndarray | None = None) -> ScoredTokens:
         obj = np.asarray(tokens).view(cls)
-        if scored.shape != obj.shape:
-            raise ValueError(f"a score mask of shape {scored.shape} for {obj.shape} tokens")
+        if scored is not None:
+            scored = np.asarray(scored, dtype=bool)
+            if scored.shape != obj.shape:
+                raise ValueError(f"a score mask of shape {scored.shape} for {obj.shape} tokens")
+        if segments is not None:
+            segments = np.asarray(segments, dtype=np.int64).reshape(-1)
+            n = obj.shape[0] if obj.ndim == 1 else -1
+            if not len(segments) or segments[0] <= 0 or segments[-1] >= n or (np.diff(segments) <= 0).any():
+                raise ValueError(f"segment starts {segments.tolist()} must be sorted and strictly inside {n} tokens")
         obj.scored = scored
+        obj.segments = segments
         return obj
 
     def __array_finalize__(self, obj) -> None:
         self.scored = None
+        self.segments = None
 
-    def __reduce__(self):  # pickles (worker processes) as a plain array plus its mask
-        return ScoredTokens, (np.asarray(self), self.scored)
+    def __reduce__(self):  # pickles (worker processes) as a plain array plus its mask and segments
+        return ScoredTokens, (np.asarray(self), self.scored, self.segments)
 
 
 def scored_of(tokens) -> np.ndarray | None:
     """The score mask a completion carries (None: every token is scored)."""
     return getattr(tokens, "scored", None)
+
+
+def segments_of(tokens) -> np.ndarray | None:
+    """The offsets where a completion's later segments start (None: the completion is one sequence)."""
+    return getattr(tokens, "segments", None)
+
+
+def segments_in(segments: np.ndarray, offset: int, length: int) -> np.ndarray | None:
+    """The segment starts of ``tokens.bin[offset : offset + length]`` relative to it, from a store's sorted
+    ``segments``; None when it has none."""
+    if not len(segments):
+        return None
+    lo, hi = np.searchsorted(segments, [offset, offset + length])
+    return None if lo >= hi else np.asarray(segments[lo:hi], dtype=np.int64) - offset
+
+
+def segment_lengths(segments: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per completion ``[starts, ends)`` (sorted by start): how many segments it has beyond its first, and the
+    length of its longest segment (its length without segments). What planning reads: unshared, each extra segment
+    is laid out after a copy of the prompt."""
+    starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+    n = len(starts)
+    segments = np.asarray(segments, dtype=np.int64)
+    if not len(segments):
+        return np.zeros(n, np.int64), ends - starts
+    k = np.searchsorted(starts, segments, side="right") - 1  # the completion each segment start is in
+    comp = np.concatenate([np.arange(n), k])
+    at = np.concatenate([starts, segments])
+    order = np.lexsort((at, comp))
+    comp, at = comp[order], at[order]
+    nxt = np.append(at[1:], 0)
+    last = np.append(comp[1:] != comp[:-1], True)  # each completion's last segment ends where it ends
+    end = np.where(last, ends[comp], nxt)
+    longest = np.zeros(n, np.int64)
+    np.maximum.at(longest, comp, end - at)
+    return np.bincount(k, minlength=n).astype(np.int64), longest
+
+
+def check_segments(segments: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> str | None:
+    """What is wrong with a store's segment starts given its completions' ``[starts, ends)`` (sorted by start), or
+    None: strictly increasing, each strictly inside one completion (a segment is never empty)."""
+    if not len(segments):
+        return None
+    s = np.asarray(segments, dtype=np.int64)
+    if (np.diff(s) <= 0).any():
+        return f"segment start {int(np.argmax(np.diff(s) <= 0)) + 1} is not after the previous one (unsorted)"
+    starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+    k = np.searchsorted(starts, s, side="right") - 1
+    inside = (k >= 0) & (s > starts[np.maximum(k, 0)]) & (s < ends[np.maximum(k, 0)]) if len(starts) else k < -1
+    if not inside.all():
+        i = int(np.argmax(~inside))
+        return f"segment start {i} (position {int(s[i])}) is not strictly inside a completion"
+    return None
 
 
 def scored_mask(spans: np.ndarray, offset: int, length: int) -> np.ndarray | None:

@@ -12,7 +12,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from prefpack.data.spans import SPANS_FILE, ScoredTokens, check_spans, scored_mask
+from prefpack.data.spans import (
+    SEGMENTS_FILE,
+    SPANS_FILE,
+    ScoredTokens,
+    check_segments,
+    check_spans,
+    scored_mask,
+    segment_lengths,
+    segments_in,
+)
 from prefpack.data.store_format import (
     FLAG_COMPLETION_TRUNCATED,
     FLAG_PROMPT_TRUNCATED,
@@ -27,6 +36,7 @@ from prefpack.data.store_format import (
     STORE_KINDS,
     StoreError,
     columns_for,
+    completion_bounds,
     token_dtype,
 )
 from prefpack.data.store_output import check_output, foreign_entries, recover_interrupted
@@ -124,6 +134,12 @@ class Store:
         if spans:
             self._check_size(SPANS_FILE, spans * 16)
             self.spans = np.memmap(self.path / SPANS_FILE, dtype=np.int64, mode="r").reshape(spans, 2)
+        # where later segments of completions start (version 5; prefpack.data.spans); none before
+        self.num_segments = int(m.get("num_segments", 0) or 0)
+        self.segments = np.zeros(0, np.int64)
+        if self.num_segments:
+            self._check_size(SEGMENTS_FILE, self.num_segments * 8)
+            self.segments = np.memmap(self.path / SEGMENTS_FILE, dtype=np.int64, mode="r")
         self.num_images = int(m.get("num_images", 0) or 0)  # version 3 (prepare --processor); none before
         self.image_index = np.zeros((0, len(IMAGE_COLUMNS)), np.int64)
         if self.num_images:
@@ -132,6 +148,7 @@ class Store:
         self.sampler_logprobs = self._open_logprobs()
         self._check_index()
         self._check_spans()
+        self._check_segments()
         if verify:
             self.verify()
 
@@ -295,16 +312,37 @@ class Store:
         if wrong:
             raise StoreError(f"{self.path}: {SPANS_FILE}: {wrong}: the store is corrupt; prepare it again")
 
+    def _check_segments(self) -> None:
+        """At open: a segment start outside its completion (or unsorted) would cut the wrong tokens into
+        sequences; images with segments are refused (an image's tokens would be laid out once per segment)."""
+        if not self.num_segments:
+            return
+        if self.num_images:
+            raise StoreError(f"{self.path}: a store with images cannot cut completions into segments "
+                             f"({SEGMENTS_FILE}): the store is corrupt; prepare it again")
+        wrong = check_segments(np.asarray(self.segments), *self.completion_bounds())
+        if wrong:
+            raise StoreError(f"{self.path}: {SEGMENTS_FILE}: {wrong}: the store is corrupt; prepare it again")
+
     def completion_bounds(self) -> tuple[np.ndarray, np.ndarray]:
         """Every completion's ``[start, end)`` in tokens.bin, sorted by start."""
-        idx = np.asarray(self.index)
-        if self.kind == "ranked":
-            return idx[:, 0], idx[:, 0] + idx[:, 2]
-        first = idx[:, 0] + idx[:, 1]
-        if self.kind == "unpaired":
-            return first, first + idx[:, 2]
-        second = first + idx[:, 2]
-        return np.stack([first, second], 1).ravel(), np.stack([second, second + idx[:, 3]], 1).ravel()
+        return completion_bounds(self.kind, self.index)
+
+    def segment_lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per completion, in ``completion_bounds`` order (a pair store: chosen and rejected interleaved): the
+        segments it has beyond its first (0 without segments) and its longest segment's length (its own length
+        without). Planning reads them: unshared, each extra segment is laid out after a copy of the prompt."""
+        cached = getattr(self, "_segment_lengths", None)
+        if cached is None:
+            cached = self._segment_lengths = segment_lengths(np.asarray(self.segments), *self.completion_bounds())
+        return cached
+
+    def require_whole_completions(self, what: str) -> None:
+        """Refuse, in one line, a store with segmented completions for a reader that computes each completion as
+        one sequence (``what``: the reader, and why)."""
+        if self.num_segments:
+            raise StoreError(f"store {str(self.path)!r} cuts {self.num_segments} completion segment(s) into sequences "
+                             f"of their own ({SEGMENTS_FILE}), which {what}")
 
     def _vocab_size(self) -> int:
         try:
@@ -397,9 +435,11 @@ class Store:
         return t[first_off - p : first_off], comps
 
     def _completion(self, offset: int, length: int) -> np.ndarray:
-        """A completion's tokens; a :class:`ScoredTokens` where some of them are not scored."""
+        """A completion's tokens; a :class:`ScoredTokens` where some of them are not scored or it is cut into
+        segments."""
         tokens, mask = self.tokens[offset : offset + length], scored_mask(self.spans, offset, length)
-        return tokens if mask is None else ScoredTokens(tokens, mask)
+        segments = segments_in(self.segments, offset, length)
+        return tokens if mask is None and segments is None else ScoredTokens(tokens, mask, segments)
 
     def tokenizer_path(self) -> Path:
         return self.path / "tokenizer"

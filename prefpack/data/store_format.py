@@ -22,6 +22,13 @@ A store is one folder:
   (TRL's `margin` column); 0.0 for a row without one; `num_margins` in meta.json counts the rows that gave one.
   A store with margins is written as version 4 (with or without images), so an older prefpack refuses it rather
   than train without its margins; one without is written as before.
+- `segments.bin` (version 5, only when some completion is cut into segments): int64 absolute positions in
+  tokens.bin where a later segment of a completion starts, sorted, each strictly inside one completion; `num_segments`
+  in meta.json counts them. Each segment is computed as its own sequence ``prompt + segment`` (attending its prompt
+  and itself, not the completion's other segments) whose sums add up into the completion's: a chat template that
+  rewrites earlier assistant turns once later messages follow has each turn scored in the context it gave the model
+  at that turn (``prefpack.data.spans``). A store with segments is written as version 5 (margins may be there too;
+  images may not), so an older prefpack refuses it rather than train each completion as one sequence.
 - `logprobs.bin` (ranked stores only, only when some completion was sampled with log-probs recorded: ``prefpack score``
   of a samples file whose ``logprobs`` generate wrote): float32, exactly one value per token of tokens.bin at the same
   position, the sampling policy's raw log-prob of that token (``generation.engine.Sample``: before temperature and
@@ -47,7 +54,9 @@ FORMAT_NAME = "prefpack-store"
 FORMAT_VERSION = 2  # what prepare writes for text (version 1: no spans.bin; every completion token scored)
 IMAGE_FORMAT_VERSION = 3  # what prepare writes when the store holds images (images.bin, image_index.bin)
 MARGIN_FORMAT_VERSION = 4  # what prepare writes when a pair store holds margins.bin (images may be there too)
-READABLE_VERSIONS = (1, 2, 3, 4)  # 2: may hold spans.bin, the completion tokens that are not scored (prefpack.data.spans)
+SEGMENT_FORMAT_VERSION = 5  # what prepare writes when a completion is cut into segments (segments.bin; no images)
+# 2: may hold spans.bin, the completion tokens that are not scored (prefpack.data.spans)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 MARGINS_FILE = "margins.bin"
 LOGPROBS_FILE = "logprobs.bin"  # ranked stores: float32 per token, the sampler's log-prob (NaN: none); no version bump
 LOGPROB_SLACK = 1e-4  # a sampler log-prob a little above 0 (a probability of 1, rounded up) is accepted
@@ -71,8 +80,8 @@ class StoreError(PrefpackError, ValueError):
 
 
 # What prefpack itself writes in a store folder (besides the sidecars of precompute-ref).
-STORE_ENTRIES = {"meta.json", "tokens.bin", "index.bin", "spans.bin", "skipped.jsonl", "tokenizer", IMAGES_FILE,
-                 IMAGE_INDEX_FILE, PROCESSOR_DIR, MARGINS_FILE, LOGPROBS_FILE}
+STORE_ENTRIES = {"meta.json", "tokens.bin", "index.bin", "spans.bin", "segments.bin", "skipped.jsonl", "tokenizer",
+                 IMAGES_FILE, IMAGE_INDEX_FILE, PROCESSOR_DIR, MARGINS_FILE, LOGPROBS_FILE}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -83,6 +92,19 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def columns_for(kind: str) -> tuple[str, ...]:
     """The index.bin columns of a store kind."""
     return {"pairs": PAIR_COLUMNS, "ranked": RANKED_COLUMNS}.get(kind, UNPAIRED_COLUMNS)
+
+
+def completion_bounds(kind: str, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every completion's ``[start, end)`` in tokens.bin from index rows of a store kind (offsets as in the rows),
+    sorted by start: a pair's chosen then rejected, an unpaired or ranked row's completion."""
+    idx = np.asarray(index, dtype=np.int64)
+    if kind == "ranked":
+        return idx[:, 0], idx[:, 0] + idx[:, 2]
+    first = idx[:, 0] + idx[:, 1]
+    if kind == "unpaired":
+        return first, first + idx[:, 2]
+    second = first + idx[:, 2]
+    return np.stack([first, second], 1).ravel(), np.stack([second, second + idx[:, 3]], 1).ravel()
 
 
 # below this share of a store's pairs, repeated prompts are counted but data.group_by_prompt is not advised: it would

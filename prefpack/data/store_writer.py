@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from prefpack.data.spans import SPANS_FILE
+from prefpack.data.spans import SEGMENTS_FILE, SPANS_FILE, check_segments
 from prefpack.data.store_format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -29,9 +29,11 @@ from prefpack.data.store_format import (
     LOGPROBS_FILE,
     MARGIN_FORMAT_VERSION,
     MARGINS_FILE,
+    SEGMENT_FORMAT_VERSION,
     STORE_KINDS,
     StoreError,
     columns_for,
+    completion_bounds,
     token_dtype,
 )
 from prefpack.data.store_output import check_output, recover_interrupted, remove_backup
@@ -86,6 +88,9 @@ class StoreWriter:
         self._margin_hash = hashlib.sha256()
         self.n_margins = 0  # rows that gave a margin
         self._logprobs = None  # logprobs.bin, opened with the first block that gives a sampler log-prob
+        self._segments = None  # segments.bin, opened with the first block that cuts a completion into segments
+        self._segment_hash = hashlib.sha256()
+        self.n_segments = 0
         self._logprob_hash = hashlib.sha256()
         self.n_logprobs = 0  # completions (ranked rows) that have them
         self._img_hash = hashlib.sha256()
@@ -94,15 +99,25 @@ class StoreWriter:
 
     def append(self, tokens: np.ndarray, index_rows: np.ndarray, spans: np.ndarray | None = None,
                images: list | None = None, margins: np.ndarray | None = None,
-               logprobs: np.ndarray | None = None) -> None:
+               logprobs: np.ndarray | None = None, segments: np.ndarray | None = None) -> None:
         """Append a block: `tokens` for several examples and their index rows with offsets relative to it, and the
         block's unscored completion tokens as ``[start, end)`` rows relative to it too (sorted, apart; the store
         keeps them as absolute positions in tokens.bin, see ``prefpack.data.spans``); and its images, each
         ``(row in the block, encoded bytes, width, height, token position in the block, tokens)``; and a pair store's
         margins, one float64 per row, NaN where the row gives none (written as 0.0); and a ranked store's sampler
         log-probs, one float32 per token of the block, NaN where there is none (prompt tokens; a completion without
-        them), None for a block with none at all (``store_format``: logprobs.bin)."""
+        them), None for a block with none at all (``store_format``: logprobs.bin); and where later segments of its
+        completions start, positions relative to the block (sorted, each strictly inside one completion;
+        ``store_format``: segments.bin)."""
         rows_in = np.asarray(index_rows, dtype=np.int64).reshape(-1, len(self.columns))
+        if segments is not None and len(segments):
+            if images or self.n_images:  # an image's tokens would be laid out once per segment
+                raise StoreError(f"{self.path}: completions cut into segments (a chat template that rewrites earlier "
+                                 "turns) cannot be stored with images")
+            self._append_segments(np.asarray(segments, dtype=np.int64).reshape(-1), rows_in)
+        elif images and self.n_segments:
+            raise StoreError(f"{self.path}: images cannot be stored with completions cut into segments (a chat "
+                             "template that rewrites earlier turns)")
         if logprobs is not None:
             self._append_logprobs(np.asarray(logprobs, dtype=np.float32), rows_in, int(tokens.size))
         elif self._logprobs is not None:
@@ -203,6 +218,17 @@ class StoreWriter:
         self._logprobs.write(b)
         self._logprob_hash.update(b)
 
+    def _append_segments(self, segments: np.ndarray, rows: np.ndarray) -> None:
+        wrong = check_segments(segments, *completion_bounds(self.kind, rows))
+        if wrong:
+            raise StoreError(f"completion segments while writing the store: {wrong}")
+        if self._segments is None:
+            self._segments = open(self.tmp / SEGMENTS_FILE, "wb")
+        b = np.ascontiguousarray(segments + self.n_tokens).tobytes()
+        self._segments.write(b)
+        self._segment_hash.update(b)
+        self.n_segments += len(segments)
+
     def _append_spans(self, spans: np.ndarray, block: int) -> None:
         s = spans + self.n_tokens
         if (spans[:, 0] >= spans[:, 1]).any() or spans.min() < 0 or spans.max() > block or \
@@ -220,8 +246,8 @@ class StoreWriter:
         full = dict(meta)
         full.update({
             "format": FORMAT_NAME,
-            "format_version": MARGIN_FORMAT_VERSION if self.n_margins else IMAGE_FORMAT_VERSION if self.n_images
-            else FORMAT_VERSION,
+            "format_version": SEGMENT_FORMAT_VERSION if self.n_segments else MARGIN_FORMAT_VERSION if self.n_margins
+            else IMAGE_FORMAT_VERSION if self.n_images else FORMAT_VERSION,
             "kind": self.kind,
             "dtype": self.dtype.name,
             "index_columns": list(self.columns),
@@ -235,6 +261,8 @@ class StoreWriter:
                    if self.n_spans else {}),
                 **({MARGINS_FILE: {"bytes": self.n_rows * 8, "sha256": self._margin_hash.hexdigest()}}
                    if self.n_margins else {}),
+                **({SEGMENTS_FILE: {"bytes": self.n_segments * 8, "sha256": self._segment_hash.hexdigest()}}
+                   if self.n_segments else {}),
                 **({LOGPROBS_FILE: {"bytes": self.n_tokens * 4, "sha256": self._logprob_hash.hexdigest()}}
                    if self.n_logprobs else {}),
                 **({IMAGES_FILE: {"bytes": self.n_image_bytes, "sha256": self._img_hash.hexdigest()},
@@ -244,6 +272,7 @@ class StoreWriter:
             "num_spans": self.n_spans,
             **({"num_images": self.n_images, "image_columns": list(IMAGE_COLUMNS)} if self.n_images else {}),
             **({"num_margins": self.n_margins} if self.n_margins else {}),
+            **({"num_segments": self.n_segments} if self.n_segments else {}),
             **({"num_logprobs": self.n_logprobs} if self.n_logprobs else {}),
         })
         if not self.n_spans:  # every completion token scored: no spans.bin, as in a version-1 store
@@ -290,6 +319,8 @@ class StoreWriter:
                 self._margins.close()
             if self._logprobs is not None:
                 self._logprobs.close()
+            if self._segments is not None:
+                self._segments.close()
             if self._images is not None:
                 self._images.close()
                 self._image_index.close()

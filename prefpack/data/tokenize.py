@@ -57,6 +57,9 @@ class TokenizedExample:
     label: int | None
     truncated: tuple[str, ...] = ()  # "prompt" and/or "completion" when --max-length cut something
     scored: tuple[list[bool] | None, ...] = ()  # per completion: True per scored token, None when all are
+    # per completion: None (one sequence) or the sorted offsets k (0 < k < len) where a new segment starts, each laid
+    # out again after the prompt as a sequence of its own (store_format: segments.bin)
+    segments: tuple[list[int] | None, ...] = ()
     cut: int = 0  # texts of it cut before tokenising (far longer than --max-length; the kept tokens unchanged)
     before: tuple[int, ...] = ()  # prompt then completion lengths before --max-length cut (estimated if `cut`)
     # vision rows: per image (encoded bytes, width, height, where its image tokens start in the prompt, how many)
