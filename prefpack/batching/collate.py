@@ -21,6 +21,15 @@ conversion to a plain array drops it). The position predicting an unscored token
 it never reaches the head or the loss, and ``completion_tokens`` counts scored tokens only (what length-normalised
 losses, WPO means and LD-DPO's lengths and tails read). The token itself stays in the input: later tokens attend to
 it.
+
+Completions cut into segments (``prefpack.data.spans``: a chat template that rewrites earlier assistant turns): a
+completion may carry ``segments``, the offsets where its later segments start (duck-typed too). Each segment is laid
+out as a piece of its own, ``prompt + segment``, with the completion's sequence index, so the per-sequence sums and
+counts add the pieces up with nothing changed downstream; a completion's pieces are consecutive, in order, so its
+scored tokens stay contiguous and in token order (LD-DPO's tails, per-token matrices). Packed: each piece its own
+block with its own copy of the prompt; padded: one row per piece; prompt-shared: one more sibling after the shared
+prompt, positions continuing from the prompt's length. The score mask is split along the segments. A prompt laid out
+again for a segment counts in ``real_tokens`` (the sequence's tokens: each piece is prompt + segment).
 """
 
 from __future__ import annotations
@@ -179,6 +188,21 @@ def _scored(completion) -> np.ndarray | None:
     return None if mask.all() else mask
 
 
+def _pieces(completion) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """A completion as the pieces it is computed as: its segments (one piece without ``segments``), each with its
+    part of the score mask (None: all scored). Read before ``_ids`` drops the attributes."""
+    mask = _scored(completion)
+    cuts = getattr(completion, "segments", None)
+    ids = _ids(completion)
+    if cuts is None or not len(cuts):
+        return [(ids, mask)]
+    cuts = np.asarray(cuts, dtype=np.int64)
+    if cuts[0] <= 0 or cuts[-1] >= ids.shape[0] or (np.diff(cuts) <= 0).any():
+        raise ValueError(f"segment starts {cuts.tolist()} must be sorted and strictly inside {ids.shape[0]} tokens")
+    bounds = [0, *cuts.tolist(), ids.shape[0]]
+    return [(ids[a:b], None if mask is None else mask[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def sequence_arrays(prompt: np.ndarray, completion: np.ndarray, scored: np.ndarray | None = None):
     """Tokens, positions and targets of ``prompt + completion``; targets only where they are completion tokens that
     ``scored`` (one bool per completion token; None: all) marks."""
@@ -230,27 +254,29 @@ def collate_groups(
         if rows is None or completion_mask:
             raise ValueError("prompt sharing needs the packed layout and no completion_mask")
         return _collate_shared(groups, rows, ids=ids, pad_id=pad_id, multiple=m)
-    built = []  # per group: its sequences (tokens, positions, targets, prompt length)
+    built = []  # per group: its pieces (tokens, positions, targets, prompt length, mask, the completion's number)
+    sizes = []  # per group: its completions (sequences)
     for prompt, completions in groups:
         prompt = _ids(prompt)
-        built.append([(*sequence_arrays(prompt, _ids(c), m), prompt.shape[0], m)
-                      for c, m in ((c, _scored(c)) for c in completions)])
-    offsets = np.cumsum([0] + [len(b) for b in built])
+        built.append([(*sequence_arrays(prompt, piece, mask), prompt.shape[0], mask, j)
+                      for j, c in enumerate(completions) for piece, mask in _pieces(c)])
+        sizes.append(len(completions))
+    offsets = np.cumsum([0] + sizes)
     packed = rows is not None
     if packed:
         if not rows or any(len(row) == 0 for row in rows):
             raise ValueError("a packed micro-batch needs at least one row and no empty row")
-        layout = [[(g, j) for g in row for j in range(len(built[g]))] for row in rows]
+        layout = [[(g, k) for g in row for k in range(len(built[g]))] for row in rows]
     else:
-        layout = [[(g, j)] for g in range(len(built)) for j in range(len(built[g]))]
-    length = round_up(max(sum(built[g][j][0].shape[0] for g, j in row) for row in layout), m)
+        layout = [[(g, k)] for g in range(len(built)) for k in range(len(built[g]))]
+    length = round_up(max(sum(built[g][k][0].shape[0] for g, k in row) for row in layout), m)
     b = len(layout)
     input_ids, position_ids, target_ids, seq_index, token_mask = _row_arrays(b, length, pad_id)
     is_completion = np.zeros((b, length), dtype=np.int64)
     for r, row in enumerate(layout):
         at = 0
-        for g, j in row:
-            t, p, tgt, n_prompt, m = built[g][j]
+        for g, k in row:
+            t, p, tgt, n_prompt, m, j = built[g][k]
             s = slice(at, at + t.shape[0])
             input_ids[r, s], position_ids[r, s], target_ids[r, s] = t, p, tgt
             seq_index[r, s] = offsets[g] + j
@@ -295,13 +321,15 @@ def _collate_shared(groups, rows: MicroBatch, *, ids: Sequence[int], pad_id: int
     """:func:`collate_groups` with each group's prompt laid out once (see there)."""
     if not rows or any(len(row) == 0 for row in rows):
         raise ValueError("a packed micro-batch needs at least one row and no empty row")
-    masks = [[_scored(c) for c in completions] for _, completions in groups]  # before _ids drops them
-    parts = [(_ids(prompt), [_ids(c) for c in completions]) for prompt, completions in groups]
+    # per group: its prompt and its completions, each as its pieces (segments) with their masks, read before _ids
+    # drops the attributes
+    parts = [(_ids(prompt), [_pieces(c) for c in completions]) for prompt, completions in groups]
     offsets = np.cumsum([0] + [len(c) for _, c in parts])
     for g, (prompt, comps) in enumerate(parts):
-        if not comps or (prompt.shape[0] + min(c.shape[0] for c in comps)) < 1:
+        if not comps or (prompt.shape[0] + min(sum(x.shape[0] for x, _ in c) for c in comps)) < 1:
             raise ValueError(f"group {g}: a sequence (prompt + completion) needs at least one token")
-    row_len = [sum(p.shape[0] + sum(c.shape[0] for c in cs) for p, cs in (parts[g] for g in row)) for row in rows]
+    row_len = [sum(p.shape[0] + sum(x.shape[0] for c in cs for x, _ in c) for p, cs in (parts[g] for g in row))
+               for row in rows]
     length = round_up(max(row_len), multiple)
     b = len(rows)
     input_ids, position_ids, target_ids, seq_index, token_mask = _row_arrays(b, length, pad_id)
@@ -318,22 +346,25 @@ def _collate_shared(groups, rows: MicroBatch, *, ids: Sequence[int], pad_id: int
             token_mask[r, at:at + n_prompt] = True
             seq_index[r, at:at + n_prompt] = offsets[g]
             at += n_prompt
-            shared += n_prompt * (len(comps) - 1)
-            for j, (c, m) in enumerate(zip(comps, masks[g])):
+            shared += n_prompt * (sum(len(c) for c in comps) - 1)  # one prompt for every piece of every completion
+            first = True  # the piece laid out right after the prompt
+            for j, pieces in enumerate(comps):
                 seq = int(offsets[g]) + j
-                n = c.shape[0]
-                s = slice(at, at + n)
-                input_ids[r, s], position_ids[r, s] = c, np.arange(n_prompt, n_prompt + n)
-                token_mask[r, s], seq_index[r, s] = True, seq
-                keep = np.ones(n, dtype=bool) if m is None else m  # unscored tokens get no target
-                inner = np.arange(at, at + n - 1)[keep[1:]]  # inside the completion: its next token
-                target_ids[r, inner] = c[1:][keep[1:]]
-                if n_prompt and n and keep[0]:  # the first token, from the shared last prompt position
-                    scored[seq].append((np.array([last_prompt]), c[:1]))
-                    if j == 0:
-                        target_ids[r, at - 1] = c[0]
-                scored[seq].append((r * length + inner, c[1:][keep[1:]]))
-                at += n
+                for c, m in pieces:  # a segment: one more sibling after the prompt
+                    n = c.shape[0]
+                    s = slice(at, at + n)
+                    input_ids[r, s], position_ids[r, s] = c, np.arange(n_prompt, n_prompt + n)
+                    token_mask[r, s], seq_index[r, s] = True, seq
+                    keep = np.ones(n, dtype=bool) if m is None else m  # unscored tokens get no target
+                    inner = np.arange(at, at + n - 1)[keep[1:]]  # inside the piece: its next token
+                    target_ids[r, inner] = c[1:][keep[1:]]
+                    if n_prompt and n and keep[0]:  # the first token, from the shared last prompt position
+                        scored[seq].append((np.array([last_prompt]), c[:1]))
+                        if first:
+                            target_ids[r, at - 1] = c[0]
+                    scored[seq].append((r * length + inner, c[1:][keep[1:]]))
+                    first = False
+                    at += n
         position_ids[r, at:] = np.arange(length - at)  # row padding: a block of its own
     counts = [sum(x[0].shape[0] for x in parts_) for parts_ in scored]
     flat_pos = np.concatenate([x[0] for seq in scored for x in seq] or [np.zeros(0, np.int64)]).astype(np.int64)
