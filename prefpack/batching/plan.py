@@ -265,15 +265,22 @@ def plan_micro_batches(
     seed: int | Sequence[int] | np.random.Generator | None = 0,
     min_filling: float = 0.95,
     share_prompts: bool = False,
+    segments: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[MicroBatch]:
     """Pairs into micro-batches (``lengths``: [P, 3] prompt/chosen/rejected): :func:`plan_groups` with a pair's
     cost ``2 prompt + chosen + rejected`` packed (``prompt + chosen + rejected`` with ``share_prompts``: the
-    positions actually computed), and two padded rows of ``prompt + max(chosen, rejected)``."""
+    positions actually computed), and two padded rows of ``prompt + max(chosen, rejected)``.
+
+    ``segments`` (completions cut into segments, each computed as its own sequence ``prompt + segment``): per pair
+    the segments beyond each completion's first, summed ([P]), and its longest segment ([P]); each extra segment
+    costs one more prompt unshared and one more padded row, and a padded row is ``prompt + longest segment``."""
     arr = _as_lengths(lengths)
-    prompts = (1 if share_prompts and packing else 2) * arr[:, 0]
+    extra, longest = (0, np.maximum(arr[:, 1], arr[:, 2])) if segments is None else \
+        (np.asarray(segments[0], dtype=np.int64), np.asarray(segments[1], dtype=np.int64))
+    prompts = (1 if share_prompts and packing else 2 + extra) * arr[:, 0]
     return plan_groups(prompts + arr[:, 1] + arr[:, 2], token_budget=token_budget, packing=packing,
-                       row_budget=row_budget, longest_sequence=arr[:, 0] + np.maximum(arr[:, 1], arr[:, 2]),
-                       sequences_per_group=2, pad_to_multiple_of=pad_to_multiple_of, window=window, seed=seed,
+                       row_budget=row_budget, longest_sequence=arr[:, 0] + longest,
+                       sequences_per_group=2 + extra, pad_to_multiple_of=pad_to_multiple_of, window=window, seed=seed,
                        min_filling=min_filling)
 
 

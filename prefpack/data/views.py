@@ -8,7 +8,7 @@ import hashlib
 
 import numpy as np
 
-from prefpack.data.spans import scored_mask
+from prefpack.data.spans import scored_mask, segments_in
 from prefpack.data.store import Store, StoreError
 
 __all__ = ["GROUP_POSITIONS", "RANKED_PAIR_MODES", "PairGroups", "PromptGroups", "RankedGroups", "StorePairs",
@@ -34,6 +34,16 @@ class StorePairs:
     def lengths(self) -> np.ndarray:
         return self._lengths
 
+    @functools.cached_property
+    def _segments(self) -> tuple[np.ndarray, np.ndarray]:
+        extra, longest = self.store.segment_lengths()  # chosen and rejected interleaved
+        return extra.reshape(-1, 2)[self.ids].sum(axis=1), longest.reshape(-1, 2)[self.ids].max(axis=1, initial=0)
+
+    def segment_lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per pair: the segments its two completions have beyond their first ([P] summed: each one more sequence,
+        unshared with another copy of the prompt) and its longest segment ([P]: its longest completion without
+        segments); ``prefpack.data.spans``."""
+        return self._segments
 
 
 class UnpairedView:
@@ -54,6 +64,7 @@ class UnpairedView:
             self.completion_len = store.column("completion_len").astype(np.int64)
             self.labels = store.column("label").astype(bool)
             prompts = np.arange(len(store))
+            self.extra_segments = store.segment_lengths()[0]
         elif store.kind == "pairs":
             if not paired_as_kto:
                 raise StoreError(f"store {str(store.path)!r} holds pairs; set data.paired_as_kto=true to train KTO "
@@ -64,6 +75,7 @@ class UnpairedView:
                                            axis=1).reshape(-1).astype(np.int64)
             self.labels = np.tile(np.array([True, False]), len(store))
             prompts = np.repeat(np.arange(len(store)), 2)
+            self.extra_segments = store.segment_lengths()[0]  # chosen and rejected interleaved, as the examples
         else:
             raise StoreError(f"store {str(store.path)!r} has unknown kind {store.kind!r}")
         self.groups = _prompt_groups(store)[prompts]
@@ -91,14 +103,18 @@ class UnpairedView:
 
 
 def row_lengths(store: Store) -> tuple[np.ndarray, np.ndarray, str]:
-    """Per store row: its longest sequence (prompt + longer completion), the positions it takes read alone (a pair:
-    its prompt twice and both completions), and what a row is called (for messages)."""
+    """Per store row: its longest sequence (prompt + longer completion; a completion cut into segments: its longest
+    segment), the positions it takes read alone (a pair: its prompt twice and both completions; a prompt again per
+    extra segment), and what a row is called (for messages)."""
     prompt = store.column("prompt_len").astype(np.int64)
+    extra, longest = store.segment_lengths()
     if store.kind == "pairs":
         chosen, rejected = store.column("chosen_len").astype(np.int64), store.column("rejected_len").astype(np.int64)
-        return prompt + np.maximum(chosen, rejected), 2 * prompt + chosen + rejected, "pairs"
-    longest = prompt + store.column("completion_len").astype(np.int64)
-    return longest, longest, "completions" if store.kind == "ranked" else "examples"
+        extra = extra.reshape(-1, 2).sum(axis=1)
+        return (prompt + longest.reshape(-1, 2).max(axis=1, initial=0), (2 + extra) * prompt + chosen + rejected,
+                "pairs")
+    alone = (1 + extra) * prompt + store.column("completion_len").astype(np.int64)
+    return prompt + longest, alone, "completions" if store.kind == "ranked" else "examples"
 
 
 def _prompt_groups(store: Store) -> np.ndarray:
@@ -129,6 +145,7 @@ class PromptGroups:
     sizes: np.ndarray
     prompt_len: np.ndarray
     completion_len: list[np.ndarray]
+    extra_segments: list[np.ndarray]  # per example, per completion: its segments beyond the first (0: one sequence)
     groups_without_pairs = 0
 
     def __len__(self) -> int:
@@ -139,12 +156,18 @@ class PromptGroups:
         return np.asarray([len(p) for p in self.pairs], dtype=np.int64)
 
     def costs(self, ids: np.ndarray, *, shared: bool) -> tuple[np.ndarray, np.ndarray]:
-        """Positions each example takes in a packed row (its prompt once with ``shared``, else once per completion)
-        and its longest sequence (prompt + longest completion)."""
+        """Positions each example takes in a packed row (its prompt once with ``shared``, else once per sequence: a
+        completion cut into segments is one per segment) and its longest sequence (prompt + longest completion)."""
         p = self.prompt_len[ids]
         total = np.asarray([int(self.completion_len[i].sum()) for i in ids], dtype=np.int64)
         longest = np.asarray([int(self.completion_len[i].max()) for i in ids], dtype=np.int64)
-        return (p if shared else p * self.sizes[ids]) + total, p + longest
+        return (p if shared else p * self.pieces(ids)) + total, p + longest
+
+    def pieces(self, ids: np.ndarray) -> np.ndarray:
+        """The sequences each example is computed as: one per completion, and one more per extra segment (a padded
+        row each)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        return self.sizes[ids] + np.asarray([int(self.extra_segments[i].sum()) for i in ids], dtype=np.int64)
 
     def real_tokens(self, ids: np.ndarray) -> np.ndarray:
         """The tokens each example counts in a step's ``tokens`` (its data's tokens, whatever is computed once):
@@ -186,6 +209,8 @@ class RankedGroups(PromptGroups):
         self.sizes = (starts[self.groups + 1] - self.first_row).astype(np.int64)  # completions per example
         self.prompt_len = prompt_len[self.first_row]
         self.completion_len = [completion_len[self.rows(i)] for i in range(len(groups))]
+        extra = store.segment_lengths()[0]  # per store row
+        self.extra_segments = [extra[self.rows(i)] for i in range(len(groups))]
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, list[np.ndarray]]:
         return self.store.ranked_group(int(self.groups[int(i)]))
@@ -260,15 +285,19 @@ class PairGroups(PromptGroups):
         for row, g in enumerate(_prompt_groups(store)):
             by_prompt.setdefault(int(g), []).append(row)
         lengths = index[:, 1:4].astype(np.int64)
-        per_pair = 2 * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]
+        extra = store.segment_lengths()[0]  # per key (2 * pair + side): segments beyond the first
+        # a pair read alone: its prompt twice, and once more per extra segment (its own sequence)
+        per_pair = (2 + extra.reshape(-1, 2).sum(axis=1)) * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]
         self.cap, self.cap_source = group_cap(store, int(per_pair.max(initial=0)))
         cap = self.cap
         self.pairs, self.keys, self.completion_len, self.pair_rows, prompt_len = [], [], [], [], []
+        self.extra_segments = []
         self.copies = np.arange(2 * len(store), dtype=np.int64)  # key -> the key of the same completion computed
 
         def add(p, keys, sizes, pairs, rows):
             self.pairs.append(pairs)
             self.keys.append(np.asarray(keys, dtype=np.int64))
+            self.extra_segments.append(extra[np.asarray(keys, dtype=np.int64)])
             self.completion_len.append(np.asarray(sizes, dtype=np.int64))
             self.pair_rows.append(rows)
             prompt_len.append(p)
@@ -281,7 +310,9 @@ class PairGroups(PromptGroups):
                 off, _, c, r = (int(x) for x in index[row, :4])
                 sides = [(_completion_key(store, off + p, c), 2 * row, c),
                          (_completion_key(store, off + p + c, r), 2 * row + 1, r)]
-                if pairs and total + sum({t: n for t, _, n in sides if t not in at}.values()) > cap:
+                # what a new completion adds: its tokens, and a prompt per extra segment (laid out unshared)
+                adds = {t: n + p * int(extra[key]) for t, key, n in sides if t not in at}
+                if pairs and total + sum(adds.values()) > cap:
                     add(p, keys, sizes, pairs, rows[start:k])
                     at, keys, sizes, pairs, start, total = {}, [], [], [], k, p
                 for t, key, n in sides:
@@ -289,7 +320,7 @@ class PairGroups(PromptGroups):
                         at[t] = len(keys)
                         keys.append(key)
                         sizes.append(n)
-                        total += n
+                        total += n + p * int(extra[key])
                     self.copies[key] = keys[at[t]]
                 pairs.append((at[sides[0][0]], at[sides[1][0]]))
             add(p, keys, sizes, pairs, rows[start:])
@@ -312,12 +343,14 @@ class PairGroups(PromptGroups):
         return self._real[np.asarray(ids, dtype=np.int64)]
 
 
-def _completion_key(store: Store, offset: int, length: int) -> tuple[bytes, bytes | None]:
-    """What makes two completions the same computation: their tokens and which of them are scored (the same tokens
-    with another mask give other sums, so they are never merged)."""
+def _completion_key(store: Store, offset: int, length: int) -> tuple[bytes, bytes | None, bytes | None]:
+    """What makes two completions the same computation: their tokens, which of them are scored and where their
+    segments start (the same tokens with another mask or other segments give other sums, so they are never
+    merged)."""
     mask = scored_mask(store.spans, offset, length)
+    cuts = segments_in(store.segments, offset, length)
     return (np.asarray(store.tokens[offset:offset + length]).tobytes(),
-            None if mask is None else np.packbits(mask).tobytes())
+            None if mask is None else np.packbits(mask).tobytes(), None if cuts is None else cuts.tobytes())
 
 
 def group_pairs(scores: np.ndarray, mode: str) -> list[tuple[int, int]]:

@@ -91,7 +91,7 @@ class PromptGroupTask(PairTask):
         ids = np.asarray(ids, dtype=np.int64)
         cost, longest = self.view.costs(ids, shared=self.shares_prompts)
         real = self.view.real_tokens(ids)
-        sizes = self.view.sizes[ids]
+        sizes = self.view.pieces(ids)  # padded rows: one per sequence, a completion's segments each one
         plans = plan_groups(cost, token_budget=s.micro_batch_tokens, packing=s.packing, row_budget=s.row_budget,
                             longest_sequence=longest, sequences_per_group=sizes,
                             pad_to_multiple_of=s.pad_to_multiple_of, seed=seed)

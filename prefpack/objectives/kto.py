@@ -197,7 +197,7 @@ class KTOTask(Objective):
         """Tokens each example costs, for balancing ranks: its sequence, twice with a KL branch (the KL
         sequence has the same prompt and a completion of another example, of similar length on average)."""
         ids = np.asarray(ids, dtype=np.int64)
-        main = self.view.prompt_len[ids] + self.view.completion_len[ids]
+        main = self.view.prompt_len[ids] * (1 + self.view.extra_segments[ids]) + self.view.completion_len[ids]
         return 2 * main if self.needs_kl else main
 
     # ---- Task protocol
@@ -227,24 +227,37 @@ class KTOTask(Objective):
         main_len = v.prompt_len[ids] + v.completion_len[ids]
         partners = self.partners_for(ids, seed) if self.needs_kl else np.full(ids.shape[0], -1, dtype=np.int64)
         kl_len = v.prompt_len[ids] + v.completion_len[np.maximum(partners, 0)]
+        # completions cut into segments: each extra segment is one more sequence (a padded row; unshared, one more
+        # copy of the prompt); none without
+        extra = v.extra_segments[ids]
+        kl_extra = np.where(partners >= 0, v.extra_segments[np.maximum(partners, 0)], 0)
+        main_real, kl_real = main_len + v.prompt_len[ids] * extra, kl_len + v.prompt_len[ids] * kl_extra
         m = s.multiple
         capacity = max((s.row_budget // m) * m, 1)
         groups = self._step_groups(ids, partners, capacity)
-        # positions a group takes in a packed row: its prompt once, then each completion (one example: its sequence)
+        # positions a group takes in a packed row: its prompt once, then each completion (one example: its sequence,
+        # a prompt again per extra segment)
         prompt = v.prompt_len[ids[[g[0] for g in groups]]]
         completion, kl_completion = v.completion_len[ids], v.completion_len[np.maximum(partners, 0)]
+        if not self.shares_prompts:
+            completion = completion + v.prompt_len[ids] * extra
+            kl_completion = kl_completion + v.prompt_len[ids] * kl_extra
         main_cost = prompt + np.array([completion[g].sum() for g in groups], dtype=np.int64)
         kl_cost = prompt + np.array([kl_completion[g].sum() for g in groups], dtype=np.int64)
+        pieces = np.array([int((1 + extra[g]).sum()) for g in groups], dtype=np.int64)  # padded rows of a group
         out = []
         for mb in plan_groups(main_cost, token_budget=s.micro_batch_tokens, packing=s.packing,
-                              row_budget=s.row_budget, pad_to_multiple_of=s.pad_to_multiple_of, seed=seed):
+                              row_budget=s.row_budget, pad_to_multiple_of=s.pad_to_multiple_of, seed=seed,
+                              longest_sequence=None if not extra.any() else
+                              np.array([int(main_len[g].max()) for g in groups], dtype=np.int64),
+                              sequences_per_group=pieces):
             rows = [[int(k) for g in r for k in groups[g]] for r in mb]
             flat = [k for r in rows for k in r]
             if s.packing:
                 main_rows = [int(main_cost[r].sum()) for r in mb]
             else:
-                main_rows = [int(main_len[flat].max())] * len(flat)
-            real = int(main_len[flat].sum())
+                main_rows = [int(main_len[flat].max())] * int((1 + extra[flat]).sum())
+            real = int(main_real[flat].sum())
             computed = computed_tokens(main_rows, m)
             kl_rows: list[list[int]] = []
             if self.needs_kl:
@@ -252,8 +265,8 @@ class KTOTask(Objective):
                     kl_rows, kl_row_sizes = kl_rows_of_groups([g for r in mb for g in r], groups, kl_cost, capacity)
                 else:
                     kl_rows = [[k] for k in range(len(flat))]
-                    kl_row_sizes = [int(kl_len[flat].max())] * len(flat)
-                real += int(kl_len[flat].sum())
+                    kl_row_sizes = [int(kl_len[flat].max())] * int((1 + kl_extra[flat]).sum())
+                real += int(kl_real[flat].sum())
                 computed += computed_tokens(kl_row_sizes, m)
             out.append(KTOPlanned(rows=[[int(ids[k]) for k in r] for r in rows], real_tokens=real,
                                   computed_tokens=computed,

@@ -65,20 +65,23 @@ class PairTask(Objective):
         return KeySpace("pairs", 2 * len(self.store), tails=True)
 
     def example_tokens(self, ids: np.ndarray) -> np.ndarray:
-        """Tokens each pair costs (its prompt twice, both completions), for balancing ranks."""
+        """Tokens each pair costs (its prompt twice, both completions; a prompt again per extra segment), for
+        balancing ranks."""
         lengths = self.pairs.lengths()[ids]
-        return 2 * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]
+        extra = self.pairs.segment_lengths()[0][ids]
+        return (2 + extra) * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]
 
     def plan(self, ids: np.ndarray, *, seed: Any) -> list[Planned]:
         s = self.settings
         lengths = self.pairs.lengths()[ids]
+        extra, longest = (x[ids] for x in self.pairs.segment_lengths())  # completions cut into segments
         share = self.shares_prompts
         plans = plan_micro_batches(lengths, token_budget=s.micro_batch_tokens, packing=s.packing,
                                    row_budget=s.row_budget, pad_to_multiple_of=s.pad_to_multiple_of, seed=seed,
-                                   share_prompts=share)
-        totals = 2 * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]
-        row_cost = totals - lengths[:, 0] if share else totals  # positions a pair takes in its row
-        seq_max = lengths[:, 0] + np.maximum(lengths[:, 1], lengths[:, 2])
+                                   share_prompts=share, segments=(extra, longest) if extra.any() else None)
+        totals = (2 + extra) * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]  # each sequence's prompt + segment
+        row_cost = lengths.sum(axis=1) if share else totals  # positions a pair takes in its row
+        seq_max = lengths[:, 0] + longest
         out = []
         for mb in plans:
             real = int(sum(int(totals[r].sum()) for r in mb))
@@ -86,7 +89,7 @@ class PairTask(Objective):
                 rows = [int(row_cost[r].sum()) for r in mb]
             else:
                 flat = [i for r in mb for i in r]
-                rows = [int(seq_max[flat].max())] * (2 * len(flat))
+                rows = [int(seq_max[flat].max())] * int((2 + extra[flat]).sum())
             out.append(Planned([[int(ids[i]) for i in r] for r in mb], real, computed_tokens(rows, s.multiple)))
         return out
 
