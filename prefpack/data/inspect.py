@@ -1,6 +1,7 @@
 """`prefpack inspect`: a store's meta, length statistics, and one example decoded (unscored completion tokens shown
-between ⟦ and ⟧, with counts of scored and total tokens; an image's run of image tokens shown as ``<|image_pad|> x N``
-with the image's size). In a ranked store an example is its row's whole prompt group: the prompt once, every
+between ⟦ and ⟧, with counts of scored and total tokens; where a completion's next segment starts, a sequence of
+its own after the prompt again, ``⟪new sequence: the prompt again⟫``; an image's run of image tokens shown as
+``<|image_pad|> x N`` with the image's size). In a ranked store an example is its row's whole prompt group: the prompt once, every
 completion ranked by score, and the pairs ``data.ranked_pairs`` draws from them, as a reader of a round's samples
 wants to judge them."""
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from prefpack.data.spans import scored_of
+from prefpack.data.spans import scored_of, segments_of
 from prefpack.data.store import FLAG_COMPLETION_TRUNCATED, FLAG_PROMPT_TRUNCATED, Store, StoreError
 from prefpack.data.store_format import grouping_pays
 from prefpack.data.truncation import describe
@@ -19,6 +20,7 @@ from prefpack.data.views import group_pairs
 from prefpack.vision_families import FAMILIES
 
 UNSCORED_OPEN, UNSCORED_CLOSE = "⟦", "⟧"
+SEGMENT_MARK = "⟪new sequence: the prompt again⟫"
 
 
 def length_stats(store: Store) -> dict[str, Any]:
@@ -27,6 +29,8 @@ def length_stats(store: Store) -> dict[str, Any]:
     comp = ("chosen_len", "rejected_len") if store.kind == "pairs" else ("completion_len",)
     stats["completion_tokens"] = int(sum(int(store.column(c).sum()) for c in comp)) if len(store) else 0
     stats["unscored_tokens"] = int((store.spans[:, 1] - store.spans[:, 0]).sum()) if len(store.spans) else 0
+    if store.num_segments:
+        stats["segments"] = store.num_segments
     if store.num_images:
         stats["images"] = store.num_images
         stats["image_tokens"] = int(np.asarray(store.image_index[:, 6]).sum())
@@ -98,10 +102,12 @@ def _decoded_part(tok, name: str, ids, image: tuple[int, str] | None) -> dict[st
     out: dict[str, Any] = {f"{name}_ids": [int(t) for t in ids]}
     out[name] = tok.decode(out[f"{name}_ids"], skip_special_tokens=False) if image is None else \
         abbreviated_text(tok, out[f"{name}_ids"], *image)
-    scored = scored_of(ids)
-    if scored is not None:
-        out[f"{name}_scored"] = [bool(x) for x in scored]
-        out[f"{name}_marked"] = marked_text(tok, out[f"{name}_ids"], out[f"{name}_scored"])
+    scored, cuts = scored_of(ids), segments_of(ids)
+    if scored is not None or cuts is not None:
+        out[f"{name}_scored"] = [True] * len(ids) if scored is None else [bool(x) for x in scored]
+        out[f"{name}_marked"] = marked_text(tok, out[f"{name}_ids"], out[f"{name}_scored"], cuts)
+    if cuts is not None:
+        out[f"{name}_segments"] = [int(k) for k in cuts]
     return out
 
 
@@ -121,7 +127,8 @@ def _ranked_group(store: Store, i: int, tok, image, mode: str) -> dict[str, Any]
                             "scored_tokens": len(comps[k]) if scored is None else sum(scored),
                             "truncated": "completion" in _truncated(store, a + k),
                             "ids": part["completion_ids"], "text": part["completion"],
-                            **({"scored": scored, "marked": part["completion_marked"]} if scored else {})})
+                            **({"scored": scored, "marked": part["completion_marked"]} if scored else {}),
+                            **({"segments": part["completion_segments"]} if "completion_segments" in part else {})})
     pairs = [{"chosen": a + c, "rejected": a + r, "gap": float(scores[c] - scores[r])}
              for c, r in group_pairs(scores, mode)]
     return {"group": g, "rows": [a, b], "score": float(store.scores()[i]),
@@ -157,13 +164,17 @@ def abbreviated_ids(ids: list[int], tid: int) -> str:
                            for image, a, b in _runs(ids, tid)) + "]"
 
 
-def marked_text(tok, ids: list[int], scored: list[bool]) -> str:
-    """The decoded completion with each run of unscored tokens between ⟦ and ⟧."""
+def marked_text(tok, ids: list[int], scored: list[bool], segments=None) -> str:
+    """The decoded completion with each run of unscored tokens between ⟦ and ⟧, and ``SEGMENT_MARK`` where a
+    segment starts (``segments``: its offsets)."""
+    cuts = {int(k) for k in segments} if segments is not None else set()
     parts, start = [], 0
     for k in range(1, len(ids) + 1):
-        if k == len(ids) or scored[k] != scored[start]:
+        if k == len(ids) or scored[k] != scored[start] or k in cuts:
             text = tok.decode(ids[start:k], skip_special_tokens=False)
             parts.append(text if scored[start] else UNSCORED_OPEN + text + UNSCORED_CLOSE)
+            if k in cuts:
+                parts.append(f"\n{SEGMENT_MARK}\n")
             start = k
     return "".join(parts)
 
@@ -188,6 +199,9 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
                         f"characters{marks})")
         if isinstance(m.get("renderer"), dict):  # stores prepared before it was recorded have none
             lines.insert(4, "renderer   " + ", ".join(f"{k} {v}" for k, v in m["renderer"].items()))
+    if stats.get("segments"):
+        lines.append(f"segments   {stats['segments']} later segments of completions start a sequence of their own "
+                     "(the prompt again, then the segment: segments.bin)")
     if m.get("train_on") or stats["unscored_tokens"]:
         lines.append(f"scoring    train_on={m.get('train_on') or '-'}; {m.get('num_spans', 0)} unscored spans: "
                      f"{stats['completion_tokens'] - stats['unscored_tokens']} of {stats['completion_tokens']} "
@@ -257,8 +271,10 @@ def _row_lines(row: dict, m: dict) -> list[str]:
     for name in ("prompt", "chosen", "rejected", "completion"):
         if name in row and name + "_scored" in row:
             n, k = len(row[name + "_ids"]), sum(row[name + "_scored"])
+            cut = row.get(name + "_segments")
+            seq = f"; {len(cut) + 1} sequences, each after the prompt, from tokens {[0, *cut]}" if cut else ""
             lines.append(f"--- {name} ({n} tokens, {k} scored; unscored text between {UNSCORED_OPEN} and "
-                         f"{UNSCORED_CLOSE}) ids={row[name + '_ids']}")
+                         f"{UNSCORED_CLOSE}{seq}) ids={row[name + '_ids']}")
             lines.append(row[name + "_marked"])
         elif name in row:
             ids = row[name + "_ids"] if "images" not in row else \
@@ -284,6 +300,8 @@ def _group_lines(row: dict) -> list[str]:
         asked = " (the row asked)" if c["row"] == row["index"] else ""
         scored = f"{c['scored_tokens']} scored; unscored text between {UNSCORED_OPEN} and {UNSCORED_CLOSE}" \
             if "scored" in c else "all scored"
+        if c.get("segments"):
+            scored += f"; {len(c['segments']) + 1} sequences, each after the prompt, from tokens {[0, *c['segments']]}"
         lines.append(f"--- #{rank} row {c['row']}{asked}: score {c['score']:g}, {c['tokens']} tokens, {scored}"
                      + (", truncated" if c["truncated"] else "") + f" ids={c['ids']}")
         lines.append(c.get("marked", c["text"]))

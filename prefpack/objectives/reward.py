@@ -33,6 +33,11 @@ __all__ = ["RewardGroupTask", "RewardPairTask"]
 class _BradleyTerry:
     """The hooks both reward objectives share: the forward they read, the loss, and no reference."""
 
+    def __init__(self, store, *args, **kwargs):
+        store.require_whole_completions("a reward model does not train on: its reward is read at the last token of "
+                                        "one sequence per completion")
+        super().__init__(store, *args, **kwargs)
+
     def forward_options(self) -> dict:
         return {"rewards": True}
 

@@ -173,6 +173,9 @@ def packed_scores(model, groups: list[tuple[np.ndarray, list[np.ndarray]]], batc
     from prefpack.batching.plan import plan_groups
     from prefpack.model.reward import sequence_rewards
 
+    if any(getattr(c, "segments", None) is not None for _, cs in groups for c in cs):
+        raise ValueError("a reward model reads one reward per completion at its sequence's last token: a completion "
+                         "cut into segments (several sequences) has none")
     prompts = np.array([len(p) for p, _ in groups], dtype=np.int64)
     comps = np.array([sum(len(c) for c in cs) for _, cs in groups], dtype=np.int64)
     sizes = np.array([len(cs) for _, cs in groups], dtype=np.int64)

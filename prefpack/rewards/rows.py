@@ -79,6 +79,10 @@ class ScoreInput:
                                       "a pair store, a ranked store, or rows with several completions")
             if self.store.num_images:
                 raise ScoreInputError(f"{self.path}: the store holds images; prefpack score reads text stores only")
+            if self.store.num_segments:
+                raise ScoreInputError(f"{self.path}: the store cuts completions into segments (segments.bin, "
+                                      "several sequences each), which prefpack score does not read: a reward is "
+                                      "read at one sequence's last token, and the scored store would lose them")
             tokenizer = tokenizer or str(self.store.tokenizer_path())
             self.meta = {"tokenizer": self.store.meta.get("tokenizer")}
         elif self.kind == "samples":
