@@ -381,6 +381,23 @@ def test_what_cannot_honour_segments_refuses_in_one_line(seg):
         packed_scores(None, [(np.arange(3), [ScoredTokens(np.arange(4), None, [2])])], 64, share_prompts=False)
 
 
+def test_token_shards_refuse_prompt_shared_segments_where_a_tokens_place_counts(seg, models):
+    """Sequence parallelism: in a prompt-shared row a later segment's first token is scored on the prompt's shard,
+    before its completion's earlier tokens, so LD-DPO tails and per-token terms are refused there (sums are not)."""
+    from prefpack.model import kernel_of
+    from prefpack.model.sharded import sharded_logps
+    from prefpack.sequence_parallel import SeqPar
+
+    pairs = StorePairs(Store(seg["seg"]))
+    shared, packed = collate_packed(pairs, ROWS, share_prompts=True), collate_packed(pairs, ROWS)
+    assert shared.segmented and packed.segmented and not collate_packed(StorePairs(Store(seg["plain"])), ROWS).segmented
+    shared.key_store = str(seg["seg"])
+    with pytest.raises(ValueError, match="segments.bin") as err:
+        sharded_logps(None, None, kernel_of(models[0]), shared, SeqPar(size=2), flatten=False, chunk_size=5,
+                      pair_tails=True)
+    assert str(seg["seg"]) in str(err.value) and "\n" not in str(err.value)
+
+
 def test_inspect_shows_where_a_new_sequence_starts(seg):
     from prefpack.data.inspect import SEGMENT_MARK, decode_row, format_text, length_stats
     from prefpack.tokenizer import load_tokenizer

@@ -117,6 +117,9 @@ class Batch:
     # A per-token term the forward sums per sequence (``prefpack.model.sums.TokenTerm``: group policy gradients'
     # clipped surrogate and KL); set by the objective, moved with the batch
     token_term: Any = None
+    # Some completion is computed as several sequences (its segments): in a prompt-shared row its later segments'
+    # first tokens are scored at the prompt's last position, before its earlier segments' tokens
+    segmented: bool = False
 
     @property
     def pair_indices(self) -> torch.Tensor:
@@ -288,7 +291,8 @@ def collate_groups(
             position_ids[r, at:] = np.arange(length - at)
     loss_mask = target_ids != IGNORE_INDEX
     completion_tokens = np.bincount(seq_index[loss_mask], minlength=int(offsets[-1])).astype(np.int64)
-    batch = _batch((input_ids, position_ids, target_ids, seq_index, token_mask), completion_tokens, ids, packed)
+    batch = _batch((input_ids, position_ids, target_ids, seq_index, token_mask), completion_tokens, ids, packed,
+                   segmented=sum(len(b) for b in built) > int(offsets[-1]))
     return (batch, torch.from_numpy(is_completion)) if completion_mask else batch
 
 
@@ -372,7 +376,8 @@ def _collate_shared(groups, rows: MicroBatch, *, ids: Sequence[int], pad_id: int
     flat_seq = np.repeat(np.arange(len(scored), dtype=np.int64), counts)
     return _batch((input_ids, position_ids, target_ids, seq_index, token_mask), np.asarray(counts, dtype=np.int64),
                   ids, True, score_positions=torch.from_numpy(flat_pos), score_targets=torch.from_numpy(flat_tgt),
-                  score_sequences=torch.from_numpy(flat_seq), shared_tokens=shared)
+                  score_sequences=torch.from_numpy(flat_seq), shared_tokens=shared,
+                  segmented=any(len(c) > 1 for _, cs in parts for c in cs))
 
 
 def _pair_groups(pairs, pair_ids: Sequence[int]) -> list[tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]]:

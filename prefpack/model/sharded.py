@@ -77,6 +77,12 @@ def sharded_logps(body: nn.Module, spec: HeadSpec, kernel: Kernel, batch: Batch,
         raise ValueError("sequence parallelism runs packed micro-batches (data.packing)")
     if not kernel.shards_sequences:
         raise ValueError(f"the {kernel.name or '?'} attention kernel does not run on token shards")
+    if batch.segmented and batch.score_positions is not None and (pair_tails or token_logps or batch.token_term):
+        # a later segment's first token is scored at the shared prompt's last position, on an earlier shard than its
+        # completion's earlier tokens: a token's place in its completion (tails, per-token terms) would be wrong
+        raise ValueError(f"store {batch.key_store!r}: completions cut into segments (segments.bin) in prompt-shared "
+                         "rows give LD-DPO tails and per-token terms on token shards in the wrong order; set "
+                         "data.prefix_sharing=false (or distributed.sequence_parallel=1)")
     device = spec.weight.device
     rows = shard_rows(batch, sp, flatten)
     row_kwargs = {"position_ids": rows.row_position_ids.to(device)}
