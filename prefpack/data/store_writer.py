@@ -221,7 +221,7 @@ class StoreWriter:
     def _append_segments(self, segments: np.ndarray, rows: np.ndarray) -> None:
         wrong = check_segments(segments, *completion_bounds(self.kind, rows))
         if wrong:
-            raise StoreError(f"completion segments while writing the store: {wrong}")
+            raise StoreError(f"{self.path}: completion segments while writing the store: {wrong}")
         if self._segments is None:
             self._segments = open(self.tmp / SEGMENTS_FILE, "wb")
         b = np.ascontiguousarray(segments + self.n_tokens).tobytes()
