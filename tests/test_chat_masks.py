@@ -186,22 +186,26 @@ def test_text_a_template_leaves_out_is_reported(tmp_path, family_toks, capsys):
 
 def test_a_generation_prompt_no_reply_continues_is_refused_naming_it(tmp_path, family_toks):
     """DeepSeek-R1-Distill's own template (forced with --chat-template tokenizer) opens the generation prompt with
-    <think> which no rendered reply continues: the refusal names that, not earlier turns, and the fix."""
+    <think> which no rendered reply continues, even scored turn by turn: the refusal names that, not earlier turns,
+    and the fix."""
     rows = [{"prompt": PROMPT, "chosen": [{"role": "assistant", "content": "Sunny."}],
              "rejected": [{"role": "assistant", "content": "Rain."}]}]
     with pytest.raises(PrepareError) as err:
         run(tmp_path, family_toks["deepseek"], rows, chat_template="tokenizer")
     msg = str(err.value)
-    assert "generation prompt '<｜Assistant｜><think>\\n'" in msg and "field 'chosen'" in msg
+    assert "generation prompt before assistant message 0 is '<｜Assistant｜><think>\\n'" in msg and "field 'chosen'" in msg
     assert "--chat-template FILE" in msg and "rows.jsonl line 1" in msg
     # Qwen3's own: a user turn in the reply drops the reasoning of the prompt's tool call
     with pytest.raises(PrepareError, match="rewrites an earlier turn once the reply in field 'chosen' follows"):
         run(tmp_path, family_toks["qwen3"], [{"prompt": PROMPT + AGENT[:3], "chosen": AGENT[3:], "rejected": PLAIN}],
             chat_template="tokenizer", train_on="all")
-    # ... and a call rendered last gets an empty <think> block it loses once its tool result follows
-    with pytest.raises(PrepareError, match="assistant message 0 of field 'chosen' renders as .* when it is last"):
-        run(tmp_path, family_toks["qwen3"], [{"prompt": PROMPT, "chosen": no_reasoning(AGENT[:4]),
-                                               "rejected": PLAIN}], chat_template="tokenizer")
+    # ... and a call rendered last gets an empty <think> block it loses once its tool result follows: no longer
+    # refused, each turn is scored where the model wrote it, the answer in a second sequence after the prompt
+    # (tests/test_chat_agent_templates.py checks such rows' contexts against the template)
+    chosen = run(tmp_path, family_toks["qwen3"], [{"prompt": PROMPT, "chosen": no_reasoning(AGENT[:4]),
+                                                   "rejected": PLAIN}], chat_template="tokenizer").pair(0).chosen
+    assert len(getattr(chosen, "segments", None) or []) == 1
+    assert "<think>\n\n</think>\n\n<tool_call>" in scored_text(load_tokenizer(family_toks["qwen3"]), chosen)
     # prefpack's DeepSeek training template with earlier reasoning dropped: a reply holding a user turn opens with a
     # turn rendered as history, which cannot continue "<think>\n"; the message names --earlier-reasoning kept
     with pytest.raises(PrepareError, match="holds a user turn.*--earlier-reasoning kept"):

@@ -125,8 +125,18 @@ def test_template_not_prefix_stable_is_reported(tmp_path, toy_tokenizers):
     tok.save_pretrained(tmp_path / "tok")
     rows = [{"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "a"}],
              "rejected": [{"role": "assistant", "content": "b"}]}]
+    # each reply still follows, after the generation prompt, exactly the context the template prompts with: stored
+    # turn by turn (docs/data.md), the reply what the template renders after its generation prompt
+    run([write_jsonl(tmp_path / "m.jsonl", rows)], tmp_path / "tok", tmp_path / "s")
+    st = Store(tmp_path / "s")
+    assert tok.decode([int(t) for t in st.pair(0).prompt]).startswith("[LAST]<|im_start|>user")
+    assert tok.decode([int(t) for t in st.pair(0).chosen]) == "a<|im_end|>\n"
+    # marking the reply's own header instead: no rendering shows the reply after the generation prompt
+    tok.chat_template = tok.chat_template.replace("{% if loop.last %}[LAST]{% endif %}<|im_start|>{{ m['role'] }}",
+                                                  "<|im_start|>{{ m['role'] }}{% if loop.last %}[LAST]{% endif %}")
+    tok.save_pretrained(tmp_path / "tok")
     with pytest.raises(PrepareError, match="not prefix-stable"):
-        run([write_jsonl(tmp_path / "m.jsonl", rows)], tmp_path / "tok", tmp_path / "s")
+        run([write_jsonl(tmp_path / "m.jsonl", rows)], tmp_path / "tok", tmp_path / "s2")
 
 
 def test_implicit_string_layout_on_real_hh_rlhf(tmp_path):

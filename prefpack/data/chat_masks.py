@@ -13,7 +13,7 @@ leaves out of a reply (content beside tool calls, reasoning, a second tool call)
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers.utils.chat_template_utils import render_jinja_template
@@ -21,6 +21,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from prefpack.data.formats import Example, InvalidRow
 from prefpack.data.template_vars import template_reads
 from prefpack.data.training_templates import OWN_TEMPLATE, ChatTemplate, has_generation_markers
+from prefpack.data.turn_contexts import TurnRefused, TurnSequence, scored_turns, split_by_turns, turn_text
 from prefpack.data.turns import Ranges, complement, turn_ranges
 
 FIX = ("render with a prefix-preserving template that marks assistant text with {% generation %}: "
@@ -33,6 +34,12 @@ class RenderedChat:
     completions: list[str]
     unscored: list[Ranges | None]
     left_out: list[str]  # text of the reply's assistant messages the template did not render, described
+    # per completion, None (one sequence) or the character offsets in it where another sequence starts again after
+    # the prompt (a template that rewrites earlier turns: ``turn_contexts``)
+    segments: list[list[int] | None] = field(default_factory=list)
+    # the prompt stops before the generation prompt (a later turn's context rewrites it): each completion starts with
+    # it, unscored, and a sampler must not take this prompt as it is
+    open_prompt: bool = False
 
 
 class Renderer:
@@ -136,25 +143,147 @@ def render_chat(tok, ex: Example, kwargs: dict[str, Any] | None = None, tools: l
         template_kwargs["documents"] = ex.documents  # is refused before rendering: tokenize._check_tool_support)
     markers = template.markers if template is not None else has_generation_markers(render.source(row_tools))
     prompt_text, _ = render(ex.prompt, template_kwargs, True, None)
-    out = RenderedChat(prompt_text, [], [], [])
+    pieces: list[list[TurnSequence]] = []  # per completion: its sequences, each from the start of the rendering
+    # turn by turn where one rendering cannot score what the model wrote; never under --train-on all (the whole reply
+    # is one completion then), nor with prefpack's training templates (--earlier-reasoning says how they score)
+    by_turns_allowed = train_on != "all" and not (template is not None and template.training)
+    left: list[list[str]] = []
     for reply, name in zip(ex.completions, ex.completion_fields):
-        conversation = list(ex.prompt) + list(reply)
-        full, spans = render(conversation, template_kwargs, False, name, spans=markers and train_on != "all")
-        if not full.startswith(prompt_text):
-            raise InvalidRow("template_not_prefix_stable", name, _prompt_cause(render, ex.prompt, template_kwargs,
-                             prompt_text, full, name, template, _history_reply(template, earlier_reasoning, reply),
-                             reply))
-        base = len(prompt_text)
-        completion = full[base:]
-        out.completions.append(completion)
-        out.left_out.extend(f"field {name!r}: {what}" for what in left_out(reply, completion))
-        if train_on == "all":
-            out.unscored.append(None)
-        elif markers:
-            out.unscored.append(_marked(render, ex.prompt, template_kwargs, prompt_text, full, spans, train_on, name))
+        try:
+            seq, missing = _one_rendering(render, ex.prompt, reply, template_kwargs, prompt_text, name, train_on,
+                                          template, earlier_reasoning, markers)
+        except InvalidRow as err:
+            if not by_turns_allowed or err.reason not in SPLIT_REASONS:
+                raise
+            seqs, missing = _by_turns(render, ex.prompt, reply, template_kwargs, name, train_on)
         else:
-            out.unscored.append(_cut(render, ex.prompt, reply, template_kwargs, prompt_text, full, train_on, name,
-                                     template))
+            seqs = [seq]
+            if by_turns_allowed and _scored_missing(reply, missing, train_on):
+                # the one rendering leaves out text of a turn it scores (an earlier turn's reasoning, dropped as
+                # history): scored where the model wrote it instead, when that shows more of what it wrote
+                try:
+                    by_turns, turn_missing = _by_turns(render, ex.prompt, reply, template_kwargs, name, train_on)
+                except InvalidRow:
+                    by_turns = None
+                if by_turns is not None and len(turn_missing) < len(missing):
+                    seqs, missing = by_turns, turn_missing
+        pieces.append(seqs)
+        left.append([f"field {name!r}: {what}" for what in missing])
+    return _assemble(render, ex, template_kwargs, prompt_text, pieces, left, train_on)
+
+
+SPLIT_REASONS = ("template_not_prefix_stable", "unverified_turn")  # refusals the turn-by-turn method may resolve
+
+
+def _one_rendering(render: Renderer, prompt, reply, kwargs, prompt_text: str, name: str, train_on: str,
+                   template: ChatTemplate | None, earlier_reasoning: str | None,
+                   markers: bool) -> tuple[TurnSequence, list[str]]:
+    """The reply as one sequence: the whole conversation rendered once, the reply what it adds after the prompt, its
+    scored ranges from generation tags or per-message cuts; and what of the reply the rendering leaves out."""
+    conversation = list(prompt) + list(reply)
+    full, spans = render(conversation, kwargs, False, name, spans=markers and train_on != "all")
+    if not full.startswith(prompt_text):
+        raise InvalidRow("template_not_prefix_stable", name, _prompt_cause(render, prompt, kwargs, prompt_text, full,
+                         name, template, _history_reply(template, earlier_reasoning, reply), reply))
+    base = len(prompt_text)
+    missing = left_out(reply, full[base:])
+    if train_on == "all":
+        unscored = None
+    elif markers:
+        unscored = _marked(render, prompt, kwargs, prompt_text, full, spans, train_on, name)
+    else:
+        unscored = _cut(render, prompt, reply, kwargs, prompt_text, full, train_on, name, template)
+    scored = complement(unscored or [], len(full) - base) or []
+    return TurnSequence(full, [(base + a, base + b) for a, b in scored]), missing
+
+
+def _scored_missing(reply: list[dict], missing: list[str], train_on: str) -> bool:
+    """Whether text the rendering left out belongs to a turn ``train_on`` scores (``missing`` as ``left_out``)."""
+    scored = set(scored_turns(reply, train_on))
+    return any(line.startswith(f"message {k}'s ") for k in scored for line in missing)
+
+
+def _by_turns(render: Renderer, prompt, reply, kwargs, name: str,
+              train_on: str) -> tuple[list[TurnSequence], list[str]]:
+    """The reply turn by turn (``turn_contexts``): each scored turn after the context its template prompts with; and
+    what of the scored turns the template leaves out. A turn it cannot show so is refused, with the cause."""
+    def by_prefix(msgs, gen):
+        return render(msgs, kwargs, gen, name)[0]
+
+    try:
+        seqs = split_by_turns(by_prefix, prompt, reply, train_on)
+    except TurnRefused as exc:
+        hint = _thinking_hint(render, prompt, reply, kwargs, name, train_on)
+        raise InvalidRow("template_not_prefix_stable", name, _turn_cause(by_prefix, prompt, reply, name, train_on,
+                         render, str(exc) + hint)) from None
+    missing = []
+    for seq in seqs:
+        for k, (a, b) in zip(seq.turns, seq.scored):
+            missing.extend(left_out([{}] * k + [reply[k]], seq.text[a:b]))
+    return seqs, missing
+
+
+def _turn_cause(by_prefix, prompt, reply, name: str, train_on: str, render: Renderer, cause: str) -> str:
+    """Why a reply cannot be scored turn by turn either, in one line: a turn without the reasoning its template's
+    generation prompt opens, or the template's own rendering (``cause``)."""
+    for k in scored_turns(reply, train_on):
+        try:
+            turn_text(by_prefix, prompt, reply, k)
+        except TurnRefused:
+            if not _reasoning_of(reply[k]):
+                probe = [*reply[:k], {**reply[k], "reasoning_content": "..."}, *reply[k + 1:]]
+                try:
+                    turn_text(by_prefix, prompt, probe, k)
+                except TurnRefused:
+                    break
+                return (f"{render.named()} always opens the model's reasoning after its generation prompt, but "
+                        f"assistant message {k} of field {name!r} has none ({cause}); give such messages their "
+                        "reasoning (reasoning_content), or render with another template: " + FIX)
+            break
+    return (f"{render.named()} is not prefix-stable, even turn by turn, so field {name!r} cannot be stored as the "
+            f"model wrote it: {cause}; {FIX}")
+
+
+def _thinking_hint(render: Renderer, prompt, reply, kwargs, name: str, train_on: str) -> str:
+    """Where the template reads ``enable_thinking`` and the other value renders every scored turn as a continuation
+    of its generation prompt (Gemma 4 closes an empty thought channel by default), the kwarg to pass."""
+    if "enable_thinking" not in render.source(kwargs.get("tools")):
+        return ""
+    flipped = {**kwargs, "enable_thinking": not kwargs.get("enable_thinking", False)}
+    try:
+        split_by_turns(lambda msgs, gen: render(msgs, flipped, gen, name)[0], prompt, reply, train_on)
+    except (TurnRefused, InvalidRow):
+        return ""
+    value = str(flipped["enable_thinking"]).lower()
+    return (f" (with enable_thinking {value} it does: --chat-template-kwargs '{{\"enable_thinking\": {value}}}' or the "
+            "row's chat_template_kwargs)")
+
+
+def _assemble(render: Renderer, ex: Example, kwargs: dict, prompt_text: str, pieces: list[list[TurnSequence]],
+              left: list[list[str]], train_on: str) -> RenderedChat:
+    """The row from each completion's sequences: the prompt they all start with (the prompt with its generation
+    prompt, or without it when a sequence rewrites that), each completion its sequences' rest back to back (a
+    segment per sequence after the first), what is not scored, and what the template left out."""
+    every = [s.text for seqs in pieces for s in seqs]
+    prompt = prompt_text
+    if not all(t.startswith(prompt) for t in every):
+        prompt, _ = render(ex.prompt, kwargs, False, None)
+        if not all(t.startswith(prompt) for t in every):
+            raise InvalidRow("template_not_prefix_stable", None, f"{render.named()} renders the prompt itself "
+                             "otherwise in a later turn's context (it rewrites the prompt's messages once the reply "
+                             f"follows), so the reply's sequences share no prompt; {FIX}")
+    base = len(prompt)
+    out = RenderedChat(prompt, [], [], [line for lines in left for line in lines], open_prompt=prompt != prompt_text)
+    for seqs in pieces:
+        text, scored, starts = "", [], []
+        for seq in seqs:
+            if text:
+                starts.append(len(text))
+            scored.extend((len(text) + a - base, len(text) + b - base) for a, b in seq.scored)
+            text += seq.text[base:]
+        out.completions.append(text)
+        out.unscored.append(complement(scored, len(text)))
+        out.segments.append(starts or None)
     return out
 
 
@@ -296,7 +425,7 @@ def _prompt_cause(render: Renderer, prompt, kwargs, prompt_text: str, full: str,
         i = _differ(prompt_text, full)
         cause = (f"the template rewrites an earlier turn once the reply in field {name!r} follows: the prompt renders "
                  f"{prompt_text[max(0, i - 30):i + 30]!r} but the whole conversation {full[max(0, i - 30):i + 30]!r}")
-    return f"the chat template is not prefix-stable{_family(template)}: {cause}; {FIX}"
+    return f"{render.named()} is not prefix-stable{_family(template)}: {cause}; {FIX}"
 
 
 def _reply_cause(render: Renderer, prompt, reply, kwargs, full: str, name: str, template: ChatTemplate | None) -> str:
@@ -322,5 +451,5 @@ def _reply_cause(render: Renderer, prompt, reply, kwargs, full: str, name: str, 
                 break
     else:
         what = f"a cut inside field {name!r} is no prefix of the whole conversation"
-    return (f"the chat template is not prefix-stable inside the reply{_family(template)}: {what}, so its assistant "
+    return (f"{render.named()} is not prefix-stable inside the reply{_family(template)}: {what}, so its assistant "
             f"messages cannot be cut out exactly; {FIX} (--train-on all would score tool results too)")

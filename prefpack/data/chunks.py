@@ -23,7 +23,7 @@ from prefpack.data.layouts import IMAGES_FIELD, RLAIFV_IMAGE
 from prefpack.data.row_checks import check_no_image_token
 from prefpack.data.sources import RawRow, Source, iter_rows
 from prefpack.data.spans import mask_to_spans
-from prefpack.data.store import FLAG_COMPLETION_TRUNCATED, FLAG_PROMPT_TRUNCATED
+from prefpack.data.store import FLAG_COMPLETION_TRUNCATED, FLAG_OPEN_PROMPT, FLAG_PROMPT_TRUNCATED
 from prefpack.data.tokenize import Dropped, ExampleTokenizer, TokenizeConfig, TokenizedExample
 from prefpack.data.truncation import BELOW_MINIMUM, TruncationStats, prompt_field
 from prefpack.tokenizer import load_tokenizer, special_tokens
@@ -137,7 +137,10 @@ def process_chunk(chunk: list[RawRow]) -> ChunkResult:
             cuts.prompts.add(res.before[0], len(res.prompt))
             for before, c in zip(res.before[1:], res.completions):
                 cuts.completions.add(before, len(c))
-        flags = 0
+        flags = FLAG_OPEN_PROMPT if res.open_prompt else 0
+        if any(res.segments):  # a reply its template forces into several sequences (turn_contexts)
+            chat["split_rows"] += 1
+            chat["split_sequences"] += sum(len(s or []) for s in res.segments)
         for what in res.truncated:
             truncated[what] += 1
             flags |= FLAG_PROMPT_TRUNCATED if what == "prompt" else FLAG_COMPLETION_TRUNCATED

@@ -232,7 +232,7 @@ def format_text(store: Store, stats: dict, row: dict | None) -> str:
     if cut:  # stores from before the cut counts have none
         lines.append(f"{'':<10} {cut}")
     kept = {k: c[k] for k in ("empty_completions", "chat_examples", "examples_with_tools",
-                               "examples_with_documents", "null_keys_dropped",
+                               "examples_with_documents", "null_keys_dropped", "rows_split_by_turns",
                                "unread_template_kwargs") if c.get(k)}
     if (c.get("repeated_prompts") or {}).get("prompts"):  # pairs sharing a prompt with other pairs
         kept["repeated_prompts"] = c["repeated_prompts"]

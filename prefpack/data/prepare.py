@@ -255,6 +255,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareReport:
                        "null_keys_dropped": dict(nulls),
                        "template_left_out": left_out_rows,
                        "prompts_at_first_difference": chat["prompt_at_difference"],
+                       "rows_split_by_turns": chat["split_rows"],  # replies scored as several sequences
+                       "sequences_added_by_turns": chat["split_sequences"],
                        "unread_template_kwargs": {k[7:]: n for k, n in chat.items() if k.startswith("unread:")},
                        **({"repeated_prompts": repeats.counts()} if kind == "pairs" else {})},
             "sources": [{"path": s.path, "kind": s.kind, "rows": rows_per_file[s.file_index],

@@ -92,6 +92,10 @@ class PrepareReport:
             lines.append(f"implicit prompts without chat markers: {self.chat['prompt_at_difference']} rows' prompts are "
                          "chosen and rejected's common prefix, cut where they first differ (TRL's extract_prompt); "
                          "give a prompt column to choose it yourself")
+        if self.chat.get("split_rows"):
+            lines.append(f"scored turn by turn: {self.chat['split_rows']} rows' replies became "
+                         f"{self.chat['split_sequences']} more sequences after their prompts, where the chat template "
+                         "rewrites earlier turns (each turn in the context the model saw; segments.bin)")
         if self.chat.get("with_tools"):
             lines.append(f"rendered with tools: {self.chat['with_tools']} of {self.chat.get('examples', 0)} chat "
                          "examples")

@@ -24,6 +24,7 @@ from prefpack.data.spans import (
 )
 from prefpack.data.store_format import (
     FLAG_COMPLETION_TRUNCATED,
+    FLAG_OPEN_PROMPT,
     FLAG_PROMPT_TRUNCATED,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -42,7 +43,7 @@ from prefpack.data.store_format import (
 from prefpack.data.store_output import check_output, foreign_entries, recover_interrupted
 from prefpack.data.store_writer import StoreWriter
 
-__all__ = ["FLAG_COMPLETION_TRUNCATED", "FLAG_PROMPT_TRUNCATED", "FORMAT_NAME", "FORMAT_VERSION", "STORE_KINDS", "Pair",
+__all__ = ["FLAG_COMPLETION_TRUNCATED", "FLAG_OPEN_PROMPT", "FLAG_PROMPT_TRUNCATED", "FORMAT_NAME", "FORMAT_VERSION", "STORE_KINDS", "Pair",
            "Store", "StoreError", "StoreWriter", "Unpaired", "check_output", "columns_for", "foreign_entries",
            "recover_interrupted", "token_dtype"]
 

@@ -73,6 +73,9 @@ RANKED_COLUMNS = ("offset", "prompt_len", "completion_len", "score", "group", "f
 STORE_KINDS = ("pairs", "unpaired", "ranked")
 FLAG_PROMPT_TRUNCATED = 1
 FLAG_COMPLETION_TRUNCATED = 2
+# a chat row whose stored prompt stops before the generation prompt: a later turn's context (``turn_contexts``) rewrites
+# it, so each completion starts with the generation prompt, unscored; a sampler cannot take this prompt as it is
+FLAG_OPEN_PROMPT = 4
 
 
 class StoreError(PrefpackError, ValueError):

@@ -11,7 +11,7 @@ text): those are character ranges (``turns``), turned into a score mask per toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prefpack.data.chat_masks import render_chat
@@ -65,6 +65,7 @@ class TokenizedExample:
     # vision rows: per image (encoded bytes, width, height, where its image tokens start in the prompt, how many)
     images: tuple[tuple[bytes, int, int, int, int], ...] = ()
     left_out: tuple[str, ...] = ()  # text of the replies' assistant messages the chat template did not render
+    open_prompt: bool = False  # the prompt stops before the generation prompt (chat_masks.RenderedChat.open_prompt)
 
 
 class Dropped(Exception):
@@ -135,31 +136,48 @@ class ExampleTokenizer:
 
     def __call__(self, examples: list[Example]) -> list[TokenizedExample | InvalidRow | Dropped]:
         texts: list[str] = []
-        rendered: list[tuple[int, int] | InvalidRow] = []  # (start in texts, number of completions)
+        # per example: (its prompt's text number, per completion the text numbers of its segments) or the error
+        rendered: list[tuple[int, list[list[int]]] | InvalidRow] = []
         masked: dict[int, Ranges] = {}  # text number -> its unscored character ranges
         images: dict[int, list] = {}  # example number -> its images (bytes, width, height, tokens)
         left_out: dict[int, tuple[str, ...]] = {}  # example number -> what its template did not render
+        open_prompts: set[int] = set()  # example numbers whose prompt stops before the generation prompt
         for e, ex in enumerate(examples):
+            segments: list[list[int] | None] = []
             try:
                 if ex.chat:
                     self._check_tool_support(ex)
                     chat = render_chat(self.tok, ex, self.cfg.chat_template_kwargs, self.cfg.tools, self.cfg.train_on,
                                        self.cfg.template, self.cfg.earlier_reasoning)
-                    prompt, comps, unscored = chat.prompt, chat.completions, chat.unscored
+                    prompt, comps, unscored, segments = chat.prompt, chat.completions, chat.unscored, chat.segments
                     if chat.left_out:
                         left_out[e] = tuple(chat.left_out)
+                    if chat.open_prompt:
+                        open_prompts.add(e)
                 else:
                     prompt, comps = ex.prompt, list(ex.completions)
                     unscored = list(ex.unscored or [None] * len(comps))
                 if ex.images:
+                    if any(segments):
+                        raise InvalidRow("images_in_split_reply", None, "the chat template rewrites earlier turns, so "
+                                         "the reply is scored as several sequences, which rows with images cannot be "
+                                         "yet; render with a prefix-preserving template (--chat-template FILE)")
                     prompt, images[e] = self._expand_images(ex, prompt, comps)
             except InvalidRow as err:
                 rendered.append(err)
                 continue
-            rendered.append((len(texts), len(comps)))
-            masked.update({len(texts) + 1 + k: u for k, u in enumerate(unscored) if u})
+            at, numbers = len(texts), []
             texts.append(prompt)
-            texts.extend(comps)
+            for k, (text, ranges) in enumerate(zip(comps, unscored)):
+                cuts = [0, *(segments[k] if k < len(segments) and segments[k] else []), len(text)]
+                numbers.append([])
+                for a, b in zip(cuts, cuts[1:]):  # each segment tokenised apart: its own sequence after the prompt
+                    piece = [(max(x, a) - a, min(y, b) - a) for x, y in ranges or [] if x < b and y > a]
+                    if piece:
+                        masked[len(texts)] = piece
+                    numbers[-1].append(len(texts))
+                    texts.append(text[a:b])
+            rendered.append((at, numbers))
         # The backend's batch encoder skips transformers' per-text dict building (half the time here); it keeps
         # no offsets, so the few texts with unscored ranges are encoded again with them.
         backend = self.tok.backend_tokenizer
@@ -173,16 +191,23 @@ class ExampleTokenizer:
             if isinstance(r, InvalidRow):
                 out.append(r)
                 continue
-            start, n = r
+            start, numbers = r
+            comps, comp_masks, starts = [], [], []
+            for parts in numbers:
+                comps.append([t for k in parts for t in ids[k]])
+                has_mask = any(k in masks for k in parts)
+                comp_masks.append([b for k in parts for b in masks.get(k, [True] * len(ids[k]))] if has_mask else None)
+                lengths = [len(ids[k]) for k in parts]
+                starts.append([sum(lengths[:j]) for j in range(1, len(parts))] or None)
             try:
-                done = self._finish(ex, ids[start], ids[start + 1 : start + 1 + n],
-                                    [masks.get(k) for k in range(start + 1, start + 1 + n)],
-                                    [cut.get(k, 0) for k in range(start, start + 1 + n)])
+                done = self._finish(ex, ids[start], comps, comp_masks,
+                                    [cut.get(k, 0) for k in (start, *(parts[0] for parts in numbers))], starts)
                 if e in images:
                     done.images = self._place_images(ex, done, images[e])
                 done.left_out = left_out.get(e, ())
+                done.open_prompt = e in open_prompts
                 out.append(done)
-                out[-1].cut = sum(k in cut for k in range(start, start + 1 + n))
+                out[-1].cut = sum(k in cut for k in (start, *(k for parts in numbers for k in parts)))
             except (InvalidRow, Dropped) as err:
                 out.append(err)
         return out
@@ -268,16 +293,18 @@ class ExampleTokenizer:
         example (``prefpack generate`` samples replies to them); no --max-length cut."""
         if ex.chat:
             self._check_tool_support(ex)
-            text = render_chat(self.tok, ex, self.cfg.chat_template_kwargs, self.cfg.tools, self.cfg.train_on,
+            alone = replace(ex, completions=(), completion_fields=())  # the prompt as a sampler prompts with it
+            text = render_chat(self.tok, alone, self.cfg.chat_template_kwargs, self.cfg.tools, self.cfg.train_on,
                                self.cfg.template, self.cfg.earlier_reasoning).prompt
         else:
             text = ex.prompt
         return self._with_prefix(self.tok.backend_tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids)
 
     def _finish(self, ex: Example, prompt: list[int], comps: list[list[int]], masks: list[list[bool] | None],
-                unseen: list[int]) -> TokenizedExample:
+                unseen: list[int], segments: list[list[int] | None] | None = None) -> TokenizedExample:
         sp = self.specials
         prompt = self._with_prefix(prompt)
+        segments = list(segments or [None] * len(comps))
         finished, scored = [], []
         for k, (c, m, name) in enumerate(zip(comps, masks, ex.completion_fields)):
             if m is not None and not any(m):
@@ -290,7 +317,13 @@ class ExampleTokenizer:
             finished.append(c)
             scored.append(m)
         before = (len(prompt) + unseen[0], *(len(c) + u for c, u in zip(finished, unseen[1:])))
-        prompt, finished, truncated = self._truncate(prompt, finished, before[0])
+        if any(segments):  # each segment is its own sequence after the prompt: only the prompt may be cut
+            pieces = [c[a:b] for c, s in zip(finished, segments) for a, b in zip([0, *(s or [])], [*(s or []), len(c)])]
+            prompt, _, truncated = self._truncate(prompt, pieces, before[0])
+            if "completion" in truncated:
+                raise Dropped("too_long")
+        else:
+            prompt, finished, truncated = self._truncate(prompt, finished, before[0])
         if len(finished) == 2 and "completion" in truncated and finished[0] == finished[1]:
             raise Dropped("identical_after_truncation")  # both cut to the same tokens: a pair with zero gradient
         scored = [m if m is None else m[: len(c)] for m, c in zip(scored, finished)]
@@ -298,7 +331,7 @@ class ExampleTokenizer:
             raise InvalidRow("no_scored_tokens", None, "--max-length cut every scored token of a completion; "
                              "raise --max-length or use --truncation drop")
         return TokenizedExample(prompt=prompt, completions=tuple(finished), label=ex.label, truncated=truncated,
-                                scored=tuple(scored), before=before)
+                                scored=tuple(scored), before=before, segments=tuple(segments))
 
     def _truncate(self, prompt: list[int], comps: list[list[int]], whole: int):
         """Cut to --max-length: the prompt's start (keeping BOS), then completions' ends; `whole` is the prompt's

@@ -24,7 +24,7 @@ from prefpack.data.row_checks import (
     parse_tools,
 )
 from prefpack.data.sources import file_sha256, iter_rows, resolve_inputs
-from prefpack.data.store import Store
+from prefpack.data.store import FLAG_OPEN_PROMPT, Store
 from prefpack.data.tokenize import ExampleTokenizer, TokenizeConfig
 from prefpack.generation.engine import GenerationError
 from prefpack.tokenizer import HASH_VERSION, load_tokenizer, special_tokens, tokenizer_hash, tokenizer_name
@@ -105,15 +105,28 @@ class StorePrompts(PromptSource):
         self.path, self.notes, self.repeats = path, [], 0
 
     def _prompts(self) -> Iterator[tuple[int, int, np.ndarray]]:
-        """(row, index.bin row of its source columns, prompt ids) of every example or group."""
+        """(row, index.bin row of its source columns, prompt ids) of every example or group; not of a chat row whose
+        stored prompt stops before the generation prompt (``FLAG_OPEN_PROMPT``: a reply scored turn by turn), which
+        a sampler would continue without it (counted in ``open_prompts``)."""
         s = self.store
+        flags = s.column("flags")
+        self.open_prompts = 0
         if s.kind == "ranked":
             starts = s.group_starts()
             for g in range(len(starts) - 1):
+                if self._open(flags, int(starts[g])):
+                    continue
                 yield g, int(starts[g]), s.ranked_group(g)[0]
         else:
             for i in range(len(s)):
+                if self._open(flags, i):
+                    continue
                 yield i, i, (s.pair(i).prompt if s.kind == "pairs" else s.unpaired(i).prompt)
+
+    def _open(self, flags, row: int) -> bool:
+        is_open = bool(int(flags[row]) & FLAG_OPEN_PROMPT)
+        self.open_prompts += is_open
+        return is_open
 
     def __iter__(self) -> Iterator[Prompt]:
         seen: set[bytes] = set()
@@ -129,9 +142,14 @@ class StorePrompts(PromptSource):
             f = int(file_col[at])
             origin = sources[f].get("path") if 0 <= f < len(sources) and isinstance(sources[f], dict) else None
             yield Prompt(row, tuple(int(t) for t in ids), None, {"source_file": origin, "source_row": int(row_col[at])})
+        self.notes = []
         if self.repeats:
-            self.notes = [f"{self.repeats} examples repeat an earlier prompt of the store; each prompt was sampled "
-                              "once (its first example's row)"]
+            self.notes.append(f"{self.repeats} examples repeat an earlier prompt of the store; each prompt was "
+                              "sampled once (its first example's row)")
+        if self.open_prompts:
+            self.notes.append(f"{self.open_prompts} examples not sampled: their stored prompt stops before the "
+                              "generation prompt (replies scored turn by turn, docs/data.md); sample from the source "
+                              "rows instead")
 
     def count(self) -> int:
         return len(self.rows())
