@@ -238,7 +238,7 @@ def _turn_cause(by_prefix, prompt, reply, name: str, train_on: str, render: Rend
                     break
                 return (f"{render.named()} always opens the model's reasoning after its generation prompt, but "
                         f"assistant message {k} of field {name!r} has none ({cause}); give such messages their "
-                        "reasoning (reasoning_content), or render with another template: " + FIX)
+                        "reasoning (reasoning_content), or " + FIX)
             break
     return (f"{render.named()} is not prefix-stable, even turn by turn, so field {name!r} cannot be stored as the "
             f"model wrote it: {cause}; {FIX}")
