@@ -136,8 +136,10 @@ def render_losses() -> str:
     for u in UNPAIRED_LOSSES.values():
         for p in u.params:
             readers[p].append(u.name)
-    for name in ("epsilon", "epsilon_high", "kl_coef", "delta", "max_completion_length"):
-        readers[name] = ["dr_grpo"] if name == "max_completion_length" else list(PG_LOSSES)
+    for name in ("epsilon", "epsilon_high", "kl_coef", "delta", "max_completion_length", "sampling_ratio_max",
+                 "sampling_ratio_min"):
+        readers[name] = (["dr_grpo"] if name == "max_completion_length" else
+                         [n for n in PG_LOSSES if n != "rloo"] if name.startswith("sampling_") else list(PG_LOSSES))
     out += ["", "## Parameters", "",
             "The `loss.*` numbers (`prefpack/loss_params.py`); `prefpack eval` takes each as a flag.", "",
             "| key | default | eval flag | read by | help |", "|---|---|---|---|---|"]

@@ -49,6 +49,11 @@ LOSS_PARAMS: dict[str, LossParam] = {p.name: p for p in (
     LossParam("kl_coef", 0.0, "train.objective=policy_gradient: weight of the KL to the reference (TRL's GRPO/RLOO "
               "beta): grpo family, the k3 estimate per token in the loss; rloo, the summed log-ratio taken off the "
               "reward; 0 = off (no reference loaded)", ()),
+    LossParam("sampling_ratio_max", 3.0, "train.objective=policy_gradient with loss.sampling_correction: the sampling "
+              "ratio's upper bound C_max (truncate modes clip it there, mask modes drop what passes it; TRL's "
+              "vllm_importance_sampling_clip_max)", ()),
+    LossParam("sampling_ratio_min", None, "train.objective=policy_gradient with loss.sampling_correction: the lower "
+              "bound C_min (null = none; TRL's vllm_importance_sampling_clip_min)", ()),
     LossParam("delta", None, "train.objective=policy_gradient: cap the unclipped ratio at delta too (two-sided "
               "clipping, TRL's delta; > 1 + epsilon_high); null = off", ()),
     LossParam("max_completion_length", None, "loss dr_grpo: the constant each completion's token sum is divided by; "

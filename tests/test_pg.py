@@ -52,16 +52,17 @@ def _advantages(scores: list[float], loss: str, scale: str = "group") -> np.ndar
     return centred / (np.std(s, ddof=1) + 1e-4) if scale == "group" else centred
 
 
-def _formula(policy, old_model, store: Store, loss: str, kl_coef: float, max_len: int) -> torch.Tensor:
+def _formula(policy, old_model, store: Store, loss: str, kl_coef: float, max_len: int, weigh=None) -> torch.Tensor:
     """The step's loss over the whole store, every completion run alone through ``policy`` (with gradient) and
-    ``old_model`` (the old policy, also the reference), in float64."""
+    ``old_model`` (the old policy, also the reference), in float64; ``weigh(row, old)`` gives a completion's
+    per-token weights of the surrogate (the sampling correction)."""
     terms, tokens, completions = [], 0, 0
     starts = store.group_starts()
     scores = store.scores()
     for g in range(len(starts) - 1):
         prompt, comps = store.ranked_group(g)
         adv = _advantages(scores[starts[g]:starts[g + 1]].tolist(), loss)
-        for c, a in zip(comps, adv):
+        for row, c, a in zip(range(starts[g], starts[g + 1]), comps, adv):
             scored = getattr(c, "scored", None)
             ids = torch.tensor([[int(t) for t in prompt] + [int(t) for t in c]])
             logits = policy(input_ids=ids, use_cache=False).logits.double()
@@ -77,6 +78,8 @@ def _formula(policy, old_model, store: Store, loss: str, kl_coef: float, max_len
                 continue
             r = torch.exp(lp - old)
             per_token = -torch.minimum(r * a, torch.clamp(r, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
+            if weigh is not None:
+                per_token = per_token * torch.as_tensor(weigh(row, old.numpy()))
             per_token = per_token + kl_coef * (torch.exp(old - lp) - (old - lp) - 1) * r  # TRL's bias correction
             terms.append(per_token.sum() / (lp.numel() if loss == "grpo" else max_len if loss == "dr_grpo" else 1))
     total = torch.stack(terms).sum()
@@ -157,6 +160,93 @@ def test_current_old_logprobs_give_the_plain_policy_gradient(ranked, toy_tokeniz
     params = [p for p in policy.parameters() if p.requires_grad]
     for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+GAP_SEED, RATIO_MIN, RATIO_MAX = 7, 0.95, 1.06
+
+
+def _weights(old: np.ndarray, sampler: np.ndarray, mode: str) -> np.ndarray:
+    """TRL 1.16's importance-sampling weights written out: exp(old - sampler) per token, or exp of its sum per
+    completion; clipped to [RATIO_MIN, RATIO_MAX] (truncate) or 0 outside it (mask)."""
+    ratio = np.exp(old - sampler) if mode.startswith("token") else np.exp((old - sampler).sum()) * np.ones_like(old)
+    if mode.endswith("truncate"):
+        return np.minimum(np.maximum(ratio, RATIO_MIN), RATIO_MAX)
+    return np.where((ratio < RATIO_MIN) | (ratio > RATIO_MAX), 0.0, ratio)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("layout", ["shared", "padded"])
+def test_sampling_correction_weights_the_surrogate_as_the_formula(ranked, toy_tokenizers, mode, layout):
+    """``loss.sampling_correction``: each token's surrogate (not its KL) times the weight from the recomputed old
+    policy and the sampler's log-probs (here: the old policy's plus seeded noise, so some ratios pass the bounds and
+    some do not), against the float64 formula with TRL's weights written out; loss, gradients and the masked share."""
+    from prefpack.model import SequenceLogps
+    from prefpack.objectives.base import Planned
+    from prefpack.objectives.pg import GroupPolicyTask
+    from prefpack.reference import CopyReference
+
+    store = ranked["plain"]
+    tok = toy_tokenizers["llama"]
+    policy, old_model = float64_llama(tok, 0), float64_llama(tok, 1)
+    task = make_task(GroupPolicyTask, store, _config("grpo", layout, f"loss.kl_coef={KL}",
+                                                     f"loss.sampling_ratio_min={RATIO_MIN}",
+                                                     f"loss.sampling_ratio_max={RATIO_MAX}"))
+    reference = CopyReference(float64_llama(tok, 1))
+    reference.configure(chunk_size=7, pair_tails=False, token_logps=True)
+    task._start(SequenceLogps(old_model, chunk_size=5, token_logps=True), reference)
+    rng = np.random.default_rng(GAP_SEED)
+    task.sampler = [o + rng.normal(0.0, 0.03, o.shape) for o in task.old]  # what a store's logprobs.bin gives
+    task.correction = mode
+    module = SequenceLogps(policy, chunk_size=7, token_logps=True, entropy=True)
+    ids = np.arange(len(task))
+    task.plan_step(ids, seed=None)
+    plans = [[[0, 1, 2]]] if layout == "shared" else [[[0]], [[1]], [[2]]]
+    outs = [task.loss(module, reference, task.collate(Planned(p, 0, 0)), None) for p in plans]
+    got = torch.cat([o.loss for o in outs]).sum() / task.units(ids)
+    want = _formula(policy, old_model, store, "grpo", KL, 16,
+                    weigh=lambda row, old: _weights(old, task.sampler[row], mode))
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    weights = np.concatenate([_weights(o, s, mode) for o, s in zip(task.old, task.sampler)])
+    assert 0 < (weights == 0).mean() < 1 if mode.endswith("mask") else 0 < (weights == RATIO_MAX).mean() < 1
+    masked = torch.cat([o.metrics["sampling_masked"] for o in outs])
+    assert (float(masked.max()) > 0) == mode.endswith("mask")
+
+
+def test_sampling_correction_follows_trl_where_it_applies(ranked, toy_tokenizers):
+    """``auto`` is TRL's default where TRL applies it: sequence_mask for a store vLLM sampled (its samples record)
+    with the old policy recomputed; none for the in-process engine's samples or a store without log-probs. An
+    explicit mode without what it reads is refused in one line."""
+    import copy
+    import dataclasses
+
+    from prefpack.data.store import StoreError
+    from prefpack.objectives.pg import GroupPolicyTask
+
+    task = make_task(GroupPolicyTask, ranked["plain"], _config("grpo", "shared"))
+    assert task.correction is None  # no logprobs.bin: nothing to correct with
+    task.store = copy.copy(task.store)
+    task.sampler = [np.zeros(int(n)) for n in task.scored]
+
+    def resolved(mode: str = "auto", engine: str = "vllm", old: str = "recompute", loss: str = "grpo"):
+        task.store.meta = {**task.store.meta, "samples": {"generation": {"engine": engine}}}
+        task.settings = dataclasses.replace(task.settings, loss=dataclasses.replace(
+            task.settings.loss, sampling_correction=mode))
+        task.old_mode, task.loss_name = old, loss
+        return task._sampling_correction()
+
+    assert resolved() == "sequence_mask" and resolved(engine="transformers") is None
+    assert resolved(old="sampler") is None and resolved(loss="rloo") is None
+    assert resolved("token_truncate", engine="transformers") == "token_truncate" and resolved("none") is None
+    with pytest.raises(ValueError, match="needs loss.old_logprobs=recompute"):
+        resolved("sequence_mask", old="current")
+    with pytest.raises(ValueError, match="loss rloo has none"):
+        resolved("token_mask", loss="rloo")
+    task.sampler = None
+    with pytest.raises(StoreError, match="does not hold"):
+        resolved("token_mask")
 
 
 def test_config_names_the_wrong_combinations():

@@ -49,6 +49,8 @@ ReferenceMode = Literal[REFERENCE_MODE_NAMES]  # the reference folder's table
 KLPairing = Literal["step", "fixed"]
 ScaleRewards = Literal["group", "batch", "none"]  # losses.pg.group_advantages
 OldLogprobs = Literal["recompute", "sampler", "current"]  # objectives.pg
+SamplingCorrection = Literal["auto", "none", "token_truncate", "token_mask", "sequence_truncate",
+                             "sequence_mask"]  # losses.pg.sampling_weights
 RankedPairs = Literal["auto", "best_vs_rest", "all_pairs"]
 FDivergence = Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"]  # losses.F_DIVERGENCES
 Schedule = Literal["cosine", "linear", "constant"]
@@ -165,6 +167,13 @@ def _loss_config() -> type:
                                          "recompute = the policy's own over the store before its first step (TRL), "
                                          "sampler = the sampler's recorded at generation, current = the policy's "
                                          "at each step, detached (ratio 1: exact when each sample trains once)")),
+        ("sampling_correction", SamplingCorrection, _f(
+            "auto", "train.objective=policy_gradient, grpo family: weight each token's surrogate by the ratio of the "
+            "recomputed old policy to the sampler (its log-probs recorded at generation), TRL's "
+            "vllm_importance_sampling_mode: per token or per completion (sequence_*), clipped to "
+            "[loss.sampling_ratio_min, loss.sampling_ratio_max] (*_truncate) or dropped outside it (*_mask); auto = "
+            "sequence_mask (TRL 1.16's default with vLLM) where the store holds vLLM's log-probs and "
+            "loss.old_logprobs=recompute, else none")),
     ])
     cls.__module__ = __name__  # make_dataclass's own module argument needs Python 3.12
     return cls

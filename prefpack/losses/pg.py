@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ADVANTAGE_EPS", "PG_AGGREGATIONS", "PG_LOSSES", "PgLossSpec", "clipped_token_terms", "completion_values", "group_advantages",
-           "rloo_advantages", "sequence_clipped_loss"]
+__all__ = ["ADVANTAGE_EPS", "PG_AGGREGATIONS", "PG_LOSSES", "SAMPLING_CORRECTIONS", "PgLossSpec", "clipped_token_terms",
+           "completion_values", "group_advantages", "rloo_advantages", "sampling_weights", "sequence_clipped_loss"]
 
 ADVANTAGE_EPS = 1e-4
 """Added to a standard deviation before dividing by it (TRL's constant)."""
@@ -104,9 +104,39 @@ def rloo_advantages(scores: np.ndarray, starts: np.ndarray, normalize: bool = Fa
     return out
 
 
+SAMPLING_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+"""How the sampler's mismatch is corrected (TRL 1.16's ``vllm_importance_sampling_mode`` values)."""
+
+
+def sampling_weights(old: np.ndarray, sampler: np.ndarray, mode: str, *, ratio_min: float | None = None,
+                     ratio_max: float | None = 3.0) -> np.ndarray:
+    """One completion's importance weights (float64, one per scored token): the old policy's probability of what the
+    sampler drew over the sampler's own, which corrects for the sampler not being the trained policy (another engine,
+    precision or kernels: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+    Training"; TRL 1.16's ``vllm_importance_sampling_correction``). ``token_*``: per token, exp(old - sampler);
+    ``sequence_*``: the completion's exp(sum(old - sampler)) on each of its tokens. ``*_truncate`` clips the ratio
+    to [ratio_min, ratio_max]; ``*_mask`` gives 0 where it lies outside. A NaN sampler log-prob counts as no gap
+    (TRL's ``nan_to_num``); a bound of None is no bound."""
+    diff = np.nan_to_num(np.asarray(old, dtype=np.float64) - np.asarray(sampler, dtype=np.float64), nan=0.0)
+    if mode.startswith("sequence_"):
+        ratio = np.full(diff.shape, np.exp(diff.sum()))
+    elif mode.startswith("token_"):
+        ratio = np.exp(diff)
+    else:
+        raise ValueError(f"unknown sampling correction {mode!r}; choose one of {', '.join(SAMPLING_CORRECTIONS)}")
+    lo = -np.inf if ratio_min is None else ratio_min
+    hi = np.inf if ratio_max is None else ratio_max
+    if mode.endswith("_truncate"):
+        return np.clip(ratio, lo, hi)
+    if mode.endswith("_mask"):
+        return np.where((ratio < lo) | (ratio > hi), 0.0, ratio)
+    raise ValueError(f"unknown sampling correction {mode!r}; choose one of {', '.join(SAMPLING_CORRECTIONS)}")
+
+
 def clipped_token_terms(logp: Tensor, old: Tensor, advantage: Tensor, *, epsilon_low: float, epsilon_high: float,
                         kl_coef: float = 0.0, ref: Tensor | None = None, delta: float | None = None,
-                        kl_ratio: bool = True, sampler: Tensor | None = None) -> dict[str, Tensor]:
+                        kl_ratio: bool = True, sampler: Tensor | None = None,
+                        weight: Tensor | None = None) -> dict[str, Tensor]:
     """Per scored token: GRPO's clipped surrogate loss ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` with
     ``r = exp(logp - old)`` (``delta``: r also capped above, two-sided clipping, TRL's ``delta``), plus
     ``kl_coef`` times the k3 estimate of KL(policy || reference), ``exp(ref - logp) - (ref - logp) - 1``, times the
@@ -116,16 +146,24 @@ def clipped_token_terms(logp: Tensor, old: Tensor, advantage: Tensor, *, epsilon
     Every input is per token ([N], ``advantage`` its completion's). Returns ``loss`` (with gradient) and, detached,
     the tokens clipped below (ratio under 1 - eps_low where A < 0) and above (over 1 + eps_high where A > 0), ``kl``
     (when ``ref`` is given) and ``sampler_gap`` |logp - sampler| (when the sampler's own log-probs are given: the
-    train/rollout mismatch). Each is summed per completion by the forward (``prefpack.model.sums``)."""
+    train/rollout mismatch). ``weight`` (per token, no gradient: ``sampling_weights``) multiplies the surrogate, not
+    the KL, as TRL 1.16 applies its importance-sampling correction; it is reported summed (``sampling_ratio``) with
+    the tokens it drops (``sampling_masked``: weight 0). Each is summed per completion by the forward
+    (``prefpack.model.sums``)."""
     ratio = torch.exp(logp - old)
     clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
     unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
     loss = -torch.minimum(unclipped * advantage, clipped * advantage)
+    if weight is not None:
+        loss = loss * weight
     with torch.no_grad():
         out = {"clip_low": ((ratio < 1.0 - epsilon_low) & (advantage < 0)).to(logp.dtype),
                "clip_high": ((ratio > 1.0 + epsilon_high) & (advantage > 0)).to(logp.dtype)}
         if sampler is not None:
             out["sampler_gap"] = (logp - sampler).abs()
+        if weight is not None:
+            out["sampling_ratio"] = weight.to(logp.dtype)
+            out["sampling_masked"] = (weight == 0).to(logp.dtype)
     if ref is not None:
         diff = ref - logp
         kl = torch.exp(diff) - diff - 1.0

@@ -13,7 +13,8 @@ and every completion is one loss unit.
   the sampler's, recorded at generation in the store (``logprobs.bin``); ``current`` = the policy's at each step,
   detached (exact only when every completion trains in its round's first step: TRL's shortcut). Where the store holds
   the sampler's, their gap to the trainer's forward is reported (``sampler_gap``, per token: the train/rollout
-  mismatch).
+  mismatch), and ``loss.sampling_correction`` weights each token's surrogate by old / sampler (TRL 1.16's
+  importance-sampling correction of vLLM's samples; ``auto``: on, ``sequence_mask``, for a vLLM-sampled store).
 - Each completion's value is the one its aggregation's mean over the step's completions makes the loss of
   (``losses.pg.completion_values``); ``dapo``/``bnpo`` read the step's scored tokens per completion, counted over
   the whole step in :meth:`plan_step` before it is dealt to ranks, so ranks and accumulation do not change it.
@@ -40,6 +41,7 @@ from prefpack.losses.pg import (
     completion_values,
     group_advantages,
     rloo_advantages,
+    sampling_weights,
     sequence_clipped_loss,
 )
 from prefpack.model.sums import TokenTerm
@@ -103,9 +105,33 @@ class GroupPolicyTask(PromptGroupTask):
             raise StoreError(f"loss.old_logprobs=sampler reads the sampler's log-probs, which store "
                              f"{str(store.path)!r} does not hold (no logprobs.bin): use loss.old_logprobs=recompute")
         self.old: list[np.ndarray] | None = self.sampler if self.old_mode == "sampler" else None
+        self.correction = self._sampling_correction()
         self._step_tokens_per_completion: float | None = None
 
     # ---- what the store gives, once -------------------------------------------------------------------------
+
+    def _sampling_correction(self) -> str | None:
+        """``loss.sampling_correction`` resolved: ``auto`` is TRL 1.16's default where TRL applies it (vLLM's samples,
+        the old policy recomputed): ``sequence_mask``; else none. An explicit mode needs what it reads."""
+        mode = self.settings.loss.sampling_correction
+        engine = ((self.store.meta.get("samples") or {}).get("generation") or {}).get("engine")
+        if mode == "auto":
+            usable = self.sampler is not None and self.old_mode == "recompute" and self.loss_name != "rloo"
+            return "sequence_mask" if usable and engine == "vllm" else None
+        if mode == "none":
+            return None
+        if self.loss_name == "rloo":
+            raise ValueError(f"loss.sampling_correction={mode} weights the grpo family's per-token surrogate; loss "
+                             "rloo has none (TRL's RLOO applies no such correction): set loss.sampling_correction=none")
+        if self.sampler is None:
+            raise StoreError(f"loss.sampling_correction={mode} reads the sampler's log-probs, which store "
+                             f"{str(self.store.path)!r} does not hold (no logprobs.bin): set "
+                             "loss.sampling_correction=none")
+        if self.old_mode != "recompute":
+            raise ValueError(f"loss.sampling_correction={mode} compares the recomputed old policy with the sampler: "
+                             f"it needs loss.old_logprobs=recompute (with {self.old_mode} the weights would not "
+                             "correct anything)")
+        return mode
 
     def _advantages(self, kl: np.ndarray | None) -> np.ndarray:
         lo = self.settings.loss
@@ -182,7 +208,7 @@ class GroupPolicyTask(PromptGroupTask):
     def as_evaluation(self) -> None:
         """Evaluating a held-out store: the old policy is the policy as it stands at each evaluation (ratio 1), so
         every evaluation scores the policy of its step, not the one of the first."""
-        self.old_mode, self.old = "current", None
+        self.old_mode, self.old, self.correction = "current", None, None
 
     def end_step(self, totals) -> None:
         """No running state: the advantages are the store's."""
@@ -255,6 +281,16 @@ class GroupPolicyTask(PromptGroupTask):
             self.advantages = self._advantages(kl)
             self._rloo_kl_done = True
 
+    def _sampling_weights(self, rows: np.ndarray) -> list[np.ndarray]:
+        """Per store row (those of ``rows`` filled): the sampling correction's weights from the recomputed old policy
+        and the sampler (``losses.pg.sampling_weights``); a list indexed like ``self.old``."""
+        lo = self.settings.loss
+        out: list[np.ndarray] = [np.zeros(0)] * len(self.store)
+        for row in rows:
+            out[int(row)] = sampling_weights(self.old[int(row)], self.sampler[int(row)], self.correction,
+                                             ratio_min=lo.sampling_ratio_min, ratio_max=lo.sampling_ratio_max)
+        return out
+
     def _matrix(self, values: list[np.ndarray], rows: np.ndarray, n_tokens: torch.Tensor) -> torch.Tensor:
         """[S, W] per-token values of the batch's sequences (sequence s's k-th scored token at [s, k])."""
         width = max(int(n_tokens.max()) if n_tokens.numel() else 0, 1)
@@ -295,6 +331,8 @@ class GroupPolicyTask(PromptGroupTask):
             else:
                 fn = surrogate
                 token_inputs["old"] = self._matrix(self.old, rows, n_tokens)
+            if self.correction is not None:
+                token_inputs["weight"] = self._matrix(self._sampling_weights(rows), rows, n_tokens)
             sequence_inputs = {"advantage": advantage}
         batch.token_term = TokenTerm(fn, token_inputs, sequence_inputs)
         try:
@@ -329,6 +367,9 @@ class GroupPolicyTask(PromptGroupTask):
                         "completion_length": n_tokens.to(device, dtype)})
         if "sampler_gap" in sums:
             metrics["sampler_gap"] = (sums["sampler_gap"] / n).detach()
+        if "sampling_ratio" in sums:  # a completion's mean weight (sequence modes: its ratio) and tokens dropped
+            metrics["sampling_ratio"] = (sums["sampling_ratio"] / n).detach()
+            metrics["sampling_masked"] = (sums["sampling_masked"] / n).detach()
         if out.entropy_mean is not None:
             metrics["entropy"] = out.entropy_mean.detach()
         value = self.weight * value

@@ -35,7 +35,8 @@ class _BradleyTerry:
 
     def __init__(self, store, *args, **kwargs):
         store.require_whole_completions("a reward model does not train on: its reward is read at the last token of "
-                                        "one sequence per completion")
+                                        "one sequence per completion; prepare the rows again with --train-on last, "
+                                        "which renders each reply once, whole, in its last turn's context")
         super().__init__(store, *args, **kwargs)
 
     def forward_options(self) -> dict:

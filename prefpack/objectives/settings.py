@@ -30,7 +30,8 @@ def _loss_params() -> type:
     rows = [(p.name, float | None) for p in LOSS_PARAMS.values()]
     extra = [("f_divergence_type", str), ("use_weighting", bool), ("kl_pairing", str), ("scale_rewards", str, "group"),
              ("normalize_advantages", bool, False), ("mask_truncated_completions", bool, False),
-             ("old_logprobs", str, "recompute"), ("use_bias_correction_kl", bool, True)]
+             ("old_logprobs", str, "recompute"), ("use_bias_correction_kl", bool, True),
+             ("sampling_correction", str, "auto")]
     extra = [(n, t) if len(rest) == 0 else (n, t, dataclasses.field(default=rest[0])) for n, t, *rest in extra]
     cls = make_dataclass("LossParams", rows + extra, frozen=True)
     cls.__module__ = __name__
@@ -113,7 +114,8 @@ def settings_from_config(cfg, *, pad_id: int, micro_batch_tokens: int | None = N
                         kl_pairing=lo.kl_pairing, scale_rewards=lo.scale_rewards,
                         normalize_advantages=bool(lo.normalize_advantages),
                         mask_truncated_completions=bool(lo.mask_truncated_completions),
-                        old_logprobs=lo.old_logprobs, use_bias_correction_kl=bool(lo.use_bias_correction_kl))
+                        old_logprobs=lo.old_logprobs, use_bias_correction_kl=bool(lo.use_bias_correction_kl),
+                        sampling_correction=lo.sampling_correction)
     return RunSettings(
         micro_batch_tokens=int(given(micro_batch_tokens or tr.micro_batch_tokens, "train.micro_batch_tokens")),
         row_tokens=int(given(row_tokens or d.max_tokens_per_row, "data.max_tokens_per_row")),
