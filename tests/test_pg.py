@@ -52,10 +52,12 @@ def _advantages(scores: list[float], loss: str, scale: str = "group") -> np.ndar
     return centred / (np.std(s, ddof=1) + 1e-4) if scale == "group" else centred
 
 
-def _formula(policy, old_model, store: Store, loss: str, kl_coef: float, max_len: int, weigh=None) -> torch.Tensor:
+def _formula(policy, old_model, store: Store, loss: str, kl_coef: float, max_len: int, weigh=None,
+             sequence: bool = False) -> torch.Tensor:
     """The step's loss over the whole store, every completion run alone through ``policy`` (with gradient) and
     ``old_model`` (the old policy, also the reference), in float64; ``weigh(row, old)`` gives a completion's
-    per-token weights of the surrogate (the sampling correction)."""
+    per-token weights of the surrogate (the sampling correction); ``sequence``: one ratio per completion, exp of
+    the mean of its tokens' log-ratios, on each token (GSPO)."""
     terms, tokens, completions = [], 0, 0
     starts = store.group_starts()
     scores = store.scores()
@@ -76,7 +78,7 @@ def _formula(policy, old_model, store: Store, loss: str, kl_coef: float, max_len
                 r = torch.exp(lp.sum() - old.sum())
                 terms.append(-torch.minimum(r * a, torch.clamp(r, 1 - EPS_LOW, 1 + EPS_HIGH) * a))
                 continue
-            r = torch.exp(lp - old)
+            r = torch.exp(lp - old) if not sequence else torch.exp((lp - old).mean()) * torch.ones_like(lp)
             per_token = -torch.minimum(r * a, torch.clamp(r, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
             if weigh is not None:
                 per_token = per_token * torch.as_tensor(weigh(row, old.numpy()))
@@ -215,6 +217,49 @@ def test_sampling_correction_weights_the_surrogate_as_the_formula(ranked, toy_to
     assert (float(masked.max()) > 0) == mode.endswith("mask")
 
 
+@pytest.mark.parametrize("loss", ["grpo", "dapo"])
+@pytest.mark.parametrize("correction", [None, "token_truncate", "sequence_mask"])
+def test_sequence_level_ratio_is_gspo_as_the_formula(ranked, toy_tokenizers, loss, correction):
+    """``loss.importance_sampling_level=sequence`` (GSPO): one ratio per completion, exp of the mean of its tokens'
+    log-ratios to the old policy, clipped and on every token; the KL times that ratio; with or without the sampling
+    correction; against the float64 formula, loss and gradients, prompts once and padded alike."""
+    from prefpack.model import SequenceLogps
+    from prefpack.objectives.base import Planned
+    from prefpack.objectives.pg import GroupPolicyTask
+    from prefpack.reference import CopyReference
+
+    store = ranked["spans"]  # unscored spans: the mean is over the scored tokens
+    tok = toy_tokenizers["llama"]
+    policy, old_model = float64_llama(tok, 0), float64_llama(tok, 1)
+    got = []
+    for layout in ("shared", "padded"):
+        task = make_task(GroupPolicyTask, store, _config(loss, layout, f"loss.kl_coef={KL}",
+                                                         "loss.importance_sampling_level=sequence",
+                                                         f"loss.sampling_ratio_min={RATIO_MIN}",
+                                                         f"loss.sampling_ratio_max={RATIO_MAX}"))
+        reference = CopyReference(float64_llama(tok, 1))
+        reference.configure(chunk_size=7, pair_tails=False, token_logps=True)
+        task._start(SequenceLogps(old_model, chunk_size=5, token_logps=True), reference)
+        rng = np.random.default_rng(GAP_SEED)
+        task.sampler = [o + rng.normal(0.0, 0.03, o.shape) for o in task.old]
+        task.correction = correction
+        module = SequenceLogps(policy, chunk_size=7, token_logps=True, entropy=True)
+        ids = np.arange(len(task))
+        task.plan_step(ids, seed=None)
+        plans = [[[0, 1, 2]]] if layout == "shared" else [[[0]], [[1]], [[2]]]
+        outs = [task.loss(module, reference, task.collate(Planned(p, 0, 0)), None) for p in plans]
+        got.append(torch.cat([o.loss for o in outs]).sum() / task.units(ids))
+    weigh = None if correction is None else (lambda row, old: _weights(old, task.sampler[row], correction))
+    want = _formula(policy, old_model, store, loss, KL, 16, weigh=weigh, sequence=True)
+    for g in got:
+        torch.testing.assert_close(g, want, rtol=1e-9, atol=1e-12)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    for a, b in zip(torch.autograd.grad(got[0], params), torch.autograd.grad(want, params), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    region = torch.cat([o.metrics["clip_ratio/region"] for o in outs])
+    assert set(region.tolist()) <= {0.0, 1.0} and 0 < float(region.sum()) < len(region)  # whole completions clip
+
+
 def test_sampling_correction_follows_trl_where_it_applies(ranked, toy_tokenizers):
     """``auto`` is TRL's default where TRL applies it: sequence_mask for a store vLLM sampled (its samples record)
     with the old policy recomputed; none for the in-process engine's samples or a store without log-probs. An
@@ -263,6 +308,10 @@ def test_config_names_the_wrong_combinations():
                                                   "loss.epsilon=1.5")
     assert "sidecar" in problems("train.objective=policy_gradient", "loss.terms=[{name: grpo}]", "loss.kl_coef=0.1",
                                  "reference.mode=precomputed")
+    assert "already the whole completion's" in problems("train.objective=policy_gradient", "loss.terms=[{name: rloo}]",
+                                                        "loss.importance_sampling_level=sequence")
+    assert "min below max" in problems("train.objective=policy_gradient", "loss.terms=[{name: grpo}]",
+                                       "loss.sampling_ratio_min=2", "loss.sampling_ratio_max=1.5")
 
 
 def _train(tmp_path, model, store, name, *extra):

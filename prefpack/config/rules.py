@@ -293,6 +293,14 @@ def _policy_gradient_problems(cfg: Config, names: tuple[str, ...], errs: list[st
     if lo.ld_alpha is not None or lo.use_weighting:
         errs.append(f"loss.ld_alpha and loss.use_weighting weight DPO pairs; train.objective={cfg.train.objective} "
                     "has none: remove them")
+    if rloo and lo.importance_sampling_level == "sequence":
+        errs.append("loss rloo's ratio is already the whole completion's (exp of its summed log-ratio): "
+                    "loss.importance_sampling_level=sequence is for the grpo family (GSPO); remove it")
+    bounds = (lo.sampling_ratio_min, lo.sampling_ratio_max)
+    if any(b is not None and not (math.isfinite(b) and b >= 0) for b in bounds) or (
+            None not in bounds and bounds[0] >= bounds[1]):
+        errs.append(f"loss.sampling_ratio_min and loss.sampling_ratio_max bound the sampling ratio: each finite and "
+                    f">= 0 (or null), min below max; got {bounds[0]} and {bounds[1]}")
 
 
 def _loss_problems(cfg: Config, errs: list[str]) -> None:

@@ -49,6 +49,7 @@ ReferenceMode = Literal[REFERENCE_MODE_NAMES]  # the reference folder's table
 KLPairing = Literal["step", "fixed"]
 ScaleRewards = Literal["group", "batch", "none"]  # losses.pg.group_advantages
 OldLogprobs = Literal["recompute", "sampler", "current"]  # objectives.pg
+ImportanceSamplingLevel = Literal["token", "sequence"]  # losses.pg: clipped_token_terms / sequence_ratio_loss
 SamplingCorrection = Literal["auto", "none", "token_truncate", "token_mask", "sequence_truncate",
                              "sequence_mask"]  # losses.pg.sampling_weights
 RankedPairs = Literal["auto", "best_vs_rest", "all_pairs"]
@@ -167,6 +168,10 @@ def _loss_config() -> type:
                                          "recompute = the policy's own over the store before its first step (TRL), "
                                          "sampler = the sampler's recorded at generation, current = the policy's "
                                          "at each step, detached (ratio 1: exact when each sample trains once)")),
+        ("importance_sampling_level", ImportanceSamplingLevel, _f(
+            "token", "train.objective=policy_gradient, grpo family: the ratio to the old policy per token (GRPO) or "
+            "one per completion, exp of the mean of its tokens' log-ratios, on each of its tokens (sequence: GSPO, "
+            "Zheng et al. 2025, arXiv:2507.18071; TRL's importance_sampling_level; GSPO's own setup is loss grpo)")),
         ("sampling_correction", SamplingCorrection, _f(
             "auto", "train.objective=policy_gradient, grpo family: weight each token's surrogate by the ratio of the "
             "recomputed old policy to the sampler (its log-probs recorded at generation), TRL's "

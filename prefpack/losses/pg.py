@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["ADVANTAGE_EPS", "PG_AGGREGATIONS", "PG_LOSSES", "SAMPLING_CORRECTIONS", "PgLossSpec", "clipped_token_terms",
-           "completion_values", "group_advantages", "rloo_advantages", "sampling_weights", "sequence_clipped_loss"]
+           "completion_values", "group_advantages", "rloo_advantages", "sampling_weights", "sequence_clipped_loss",
+           "sequence_ratio_loss", "sequence_token_terms"]
 
 ADVANTAGE_EPS = 1e-4
 """Added to a standard deviation before dividing by it (TRL's constant)."""
@@ -184,6 +185,50 @@ def sequence_clipped_loss(logp_sum: Tensor, old_sum: Tensor, advantage: Tensor, 
     ratio = torch.exp(logp_sum - old_sum)
     clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
     loss = -torch.minimum(ratio * advantage, clipped * advantage)
+    low = ((ratio < 1.0 - epsilon_low) & (advantage < 0)).to(logp_sum.dtype).detach()
+    high = ((ratio > 1.0 + epsilon_high) & (advantage > 0)).to(logp_sum.dtype).detach()
+    return loss, low, high
+
+
+def sequence_token_terms(logp: Tensor, *, ref: Tensor | None = None, sampler: Tensor | None = None,
+                         weight: Tensor | None = None) -> dict[str, Tensor]:
+    """The per-token parts of a sequence-level ratio (``loss.importance_sampling_level=sequence``, GSPO), summed per
+    completion by the forward: the k3 KL to the reference (with gradient; the ratio that corrects it is the
+    completion's, applied by :func:`sequence_ratio_loss`), the sampling correction's weights, and the reported
+    ``sampler_gap`` / ``sampling_masked``."""
+    out: dict[str, Tensor] = {}
+    with torch.no_grad():
+        if sampler is not None:
+            out["sampler_gap"] = (logp - sampler).abs()
+        if weight is not None:
+            out["sampling_ratio"] = weight.to(logp.dtype)
+            out["sampling_masked"] = (weight == 0).to(logp.dtype)
+    if ref is not None:
+        diff = ref - logp
+        out["kl"] = torch.exp(diff) - diff - 1.0
+    return out
+
+
+def sequence_ratio_loss(logp_sum: Tensor, old_sum: Tensor, n_tokens: Tensor, advantage: Tensor, *,
+                        epsilon_low: float, epsilon_high: float, delta: float | None = None, kl_coef: float = 0.0,
+                        kl_sum: Tensor | None = None, kl_ratio: bool = True,
+                        weight_sum: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """GSPO's per-completion token sum (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071;
+    TRL 1.16's ``importance_sampling_level="sequence"``): one ratio per completion, s = exp(mean over its scored
+    tokens of logp - old), clipped as GRPO's token ratio is, on each of its tokens: the surrogate ``-min(s A,
+    clip(s, 1 - eps_low, 1 + eps_high) A)`` summed over the tokens (each weighted by the sampling correction, whose
+    per-completion sum is ``weight_sum``; else their count), plus ``kl_coef`` times the summed k3 KL, times s with
+    ``kl_ratio`` (TRL broadcasts the sequence ratio onto the per-token KL). Returns that sum (with gradient through s
+    and the KL) and, detached, whether the completion clipped below and above. The aggregations of
+    :func:`completion_values` then apply as to the token-level sums."""
+    n = n_tokens.to(logp_sum.device, logp_sum.dtype)
+    ratio = torch.exp((logp_sum - old_sum) / n.clamp(min=1.0))
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    per_token = -torch.minimum(unclipped * advantage, clipped * advantage)
+    loss = per_token * (n if weight_sum is None else weight_sum)
+    if kl_sum is not None and kl_coef:
+        loss = loss + kl_coef * kl_sum * (ratio if kl_ratio else 1.0)
     low = ((ratio < 1.0 - epsilon_low) & (advantage < 0)).to(logp_sum.dtype).detach()
     high = ((ratio > 1.0 + epsilon_high) & (advantage > 0)).to(logp_sum.dtype).detach()
     return loss, low, high

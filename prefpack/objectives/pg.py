@@ -43,6 +43,8 @@ from prefpack.losses.pg import (
     rloo_advantages,
     sampling_weights,
     sequence_clipped_loss,
+    sequence_ratio_loss,
+    sequence_token_terms,
 )
 from prefpack.model.sums import TokenTerm
 from prefpack.objectives.base import StepState
@@ -90,6 +92,7 @@ class GroupPolicyTask(PromptGroupTask):
         self.epsilon_high = float(lo.epsilon if lo.epsilon_high is None else lo.epsilon_high)
         self.kl_coef = float(lo.kl_coef or 0.0)
         self.delta = None if lo.delta is None else float(lo.delta)
+        self.sequence_ratio = lo.importance_sampling_level == "sequence" and self.loss_name != "rloo"
         self.old_mode = lo.old_logprobs
         self.scores = store.scores().astype(np.float64)
         self.starts = store.group_starts()
@@ -281,6 +284,13 @@ class GroupPolicyTask(PromptGroupTask):
             self.advantages = self._advantages(kl)
             self._rloo_kl_done = True
 
+    def _tokens_per_completion(self, n_tokens: torch.Tensor, keep: torch.Tensor, rows: np.ndarray) -> float:
+        """dapo/bnpo's normaliser: the step's scored tokens per completion (plan_step's); in an evaluation (no
+        plan_step), the batch's own."""
+        if self._step_tokens_per_completion is not None:
+            return self._step_tokens_per_completion
+        return float((n_tokens.double() * keep.double().cpu()).sum()) / max(len(rows), 1)
+
     def _sampling_weights(self, rows: np.ndarray) -> list[np.ndarray]:
         """Per store row (those of ``rows`` filled): the sampling correction's weights from the recomputed old policy
         and the sampler (``losses.pg.sampling_weights``); a list indexed like ``self.old``."""
@@ -322,6 +332,11 @@ class GroupPolicyTask(PromptGroupTask):
         if rloo:
             fn = partial(_gap_only)
             sequence_inputs: dict[str, torch.Tensor] = {}
+        elif self.sequence_ratio:  # GSPO: the ratio is the completion's, taken after the forward from its sums
+            fn = sequence_token_terms
+            sequence_inputs = {}
+            if self.correction is not None:
+                token_inputs["weight"] = self._matrix(self._sampling_weights(rows), rows, n_tokens)
         else:
             surrogate = partial(clipped_token_terms, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
                                 kl_coef=self.kl_coef, delta=self.delta,
@@ -344,19 +359,27 @@ class GroupPolicyTask(PromptGroupTask):
         keep = torch.as_tensor(self.keep[rows], device=device, dtype=dtype)
         n = n_tokens.to(device, dtype).clamp(min=1.0)
         metrics: dict[str, torch.Tensor] = {}
+        old_sum = out.logp_sum.detach() if self.old is None else torch.as_tensor(
+            np.asarray([self.old[int(r)].sum() for r in rows]), device=device, dtype=dtype)
         if rloo:
-            old_sum = out.logp_sum.detach() if self.old is None else torch.as_tensor(
-                np.asarray([self.old[int(r)].sum() for r in rows]), device=device, dtype=dtype)
             value, low, high = sequence_clipped_loss(out.logp_sum, old_sum, advantage.to(device, dtype),
                                                      epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high)
             value = value * keep
+        elif self.sequence_ratio:
+            loss_sum, low, high = sequence_ratio_loss(
+                out.logp_sum, old_sum, n_tokens, advantage.to(device, dtype), epsilon_low=self.epsilon_low,
+                epsilon_high=self.epsilon_high, delta=self.delta, kl_coef=self.kl_coef, kl_sum=sums.get("kl"),
+                kl_ratio=bool(self.settings.loss.use_bias_correction_kl), weight_sum=sums.get("sampling_ratio"))
+            value = completion_values(loss_sum * keep, n_tokens, self.loss_name,
+                                      max_completion_length=self.max_completion_length,
+                                      tokens_per_completion=self._tokens_per_completion(n_tokens, keep, rows))
+            if "kl" in sums:  # as TRL logs it: the sequence ratio broadcast onto the per-token KL
+                ratio = torch.exp((out.logp_sum - old_sum) / n) if self.settings.loss.use_bias_correction_kl else 1.0
+                metrics["kl"] = (sums["kl"] * ratio / n).detach()
         else:
-            per_token = self._step_tokens_per_completion
-            if per_token is None:  # evaluation (no plan_step): the batch's own tokens per completion
-                per_token = float((n_tokens.double() * keep.double().cpu()).sum()) / max(len(rows), 1)
             value = completion_values(sums["loss"] * keep, n_tokens, self.loss_name,
                                       max_completion_length=self.max_completion_length,
-                                      tokens_per_completion=per_token)
+                                      tokens_per_completion=self._tokens_per_completion(n_tokens, keep, rows))
             low, high = sums["clip_low"] / n, sums["clip_high"] / n
             if "kl" in sums:
                 metrics["kl"] = (sums["kl"] / n).detach()

@@ -31,7 +31,7 @@ def _loss_params() -> type:
     extra = [("f_divergence_type", str), ("use_weighting", bool), ("kl_pairing", str), ("scale_rewards", str, "group"),
              ("normalize_advantages", bool, False), ("mask_truncated_completions", bool, False),
              ("old_logprobs", str, "recompute"), ("use_bias_correction_kl", bool, True),
-             ("sampling_correction", str, "auto")]
+             ("sampling_correction", str, "auto"), ("importance_sampling_level", str, "token")]
     extra = [(n, t) if len(rest) == 0 else (n, t, dataclasses.field(default=rest[0])) for n, t, *rest in extra]
     cls = make_dataclass("LossParams", rows + extra, frozen=True)
     cls.__module__ = __name__
@@ -115,7 +115,8 @@ def settings_from_config(cfg, *, pad_id: int, micro_batch_tokens: int | None = N
                         normalize_advantages=bool(lo.normalize_advantages),
                         mask_truncated_completions=bool(lo.mask_truncated_completions),
                         old_logprobs=lo.old_logprobs, use_bias_correction_kl=bool(lo.use_bias_correction_kl),
-                        sampling_correction=lo.sampling_correction)
+                        sampling_correction=lo.sampling_correction,
+                        importance_sampling_level=lo.importance_sampling_level)
     return RunSettings(
         micro_batch_tokens=int(given(micro_batch_tokens or tr.micro_batch_tokens, "train.micro_batch_tokens")),
         row_tokens=int(given(row_tokens or d.max_tokens_per_row, "data.max_tokens_per_row")),
