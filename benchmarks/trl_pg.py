@@ -15,7 +15,10 @@ tie and group 2 has two tied rewards. The `[tool_mask]` cases also carry a seede
 
 Every number comes from TRL's own code, nothing is re-implemented. Per case a trainer is built on `policy/` (float32,
 CPU, sdpa, `disable_dropout=True`, `use_cpu=True`, `report_to=[]`, 16 completions per step, gradient accumulation 1,
-`steps_per_generation=1`, no vLLM, so no importance-sampling correction) with a reward function that returns the
+`steps_per_generation=1`, no vLLM, so no importance-sampling correction, except in the `vllm_is` cases: there the
+trainer is told it uses vLLM after it is built (`use_vllm = True`, no server to sync), and the rollout hands TRL the
+sampler's per-token log-probs, the policy's own plus seeded noise (`sampler_logprobs`), so TRL recomputes the old
+policy and weights the surrogate by its own importance-sampling ratio, recorded with them) with a reward function that returns the
 case's fixed rewards, and in train mode:
 
 1. `_generate_and_score_completions(rows)` builds the batch dict (left-padded prompts, right-padded completions,
@@ -96,7 +99,27 @@ GRPO_CASES = [
     ("dapo[mask_truncated_completions]", {"loss_type": "dapo", "mask_truncated_completions": True}),
     ("grpo[tool_mask]", {"tool_mask": True}),
     ("dapo[tool_mask]", {"loss_type": "dapo", "tool_mask": True}),
+    ("grpo[importance_sampling_level=sequence]", {"importance_sampling_level": "sequence"}),
+    ("grpo[importance_sampling_level=sequence,beta=0.04]", {"importance_sampling_level": "sequence", "beta": 0.04}),
+    ("dapo[importance_sampling_level=sequence,tool_mask]", {"loss_type": "dapo", "importance_sampling_level": "sequence",
+                                                            "tool_mask": True}),
+    # the sampler's log-probs (the policy's own plus seeded noise, SAMPLER_NOISE) handed to TRL as a vLLM rollout's:
+    # TRL recomputes the old policy (the policy itself: ratio 1) and weights each token by its IS correction
+    ("grpo[vllm_is=sequence_mask]", {"sampler": True, "vllm_importance_sampling_mode": "sequence_mask",
+                                     "vllm_importance_sampling_clip_min": 0.8, "vllm_importance_sampling_clip_max": 1.25}),
+    ("grpo[vllm_is=token_truncate,beta=0.04]", {"sampler": True, "beta": 0.04,
+                                                "vllm_importance_sampling_mode": "token_truncate",
+                                                "vllm_importance_sampling_clip_min": 0.97,
+                                                "vllm_importance_sampling_clip_max": 1.03}),
+    ("dapo[vllm_is=token_mask,importance_sampling_level=sequence]", {
+        "sampler": True, "loss_type": "dapo", "importance_sampling_level": "sequence",
+        "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": 0.97,
+        "vllm_importance_sampling_clip_max": 1.03}),
+    ("grpo[vllm_is=sequence_truncate]", {"sampler": True, "vllm_importance_sampling_mode": "sequence_truncate",
+                                         "vllm_importance_sampling_clip_max": 1.1}),
 ]
+SAMPLER_NOISE = 0.05  # std of the seeded normal noise added to the policy's log-probs as the sampler's
+IS_KEYS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
 # further GRPOConfig / RLOOConfig values the loss reads, recorded at TRL's defaults (use_bias_correction_kl: True
 # multiplies GRPO's per-token KL by the unclipped ratio exp(lp - old), in the loss and in the logged kl)
 ARGS_READ = {"grpo": ("use_bias_correction_kl", "importance_sampling_level", "delta", "top_entropy_quantile",
@@ -167,7 +190,7 @@ def build_trainer(kind: str, model_dir: Path, config: dict, prompts: list[str], 
         def rollout(batch_prompts, trainer):
             prompt_ids = trainer._tokenize_prompts(batch_prompts)[0]
             out = {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": fixed["completions"],
-                   "logprobs": None}
+                   "logprobs": fixed.get("logprobs")}
             if tool:
                 out["env_mask"] = fixed["tool_mask"]
             return out
@@ -186,6 +209,24 @@ def build_trainer(kind: str, model_dir: Path, config: dict, prompts: list[str], 
     return trainer
 
 
+def sampler_logprobs(trainer, prompts: list[str], completions: list[list[int]]) -> list[list[float]]:
+    """The sampler's per-token log-probs handed to TRL: the policy's own (each prompt + completion run alone, plain
+    transformers) plus seeded normal noise of std SAMPLER_NOISE, as a sampler of other kernels or precision gives."""
+    import torch
+
+    prompt_ids = trainer._tokenize_prompts(prompts)[0]
+    rng = random.Random(SEED + 1)
+    out = []
+    with torch.no_grad():
+        for j, ids in enumerate(completions):
+            prompt = list(prompt_ids[j // K])
+            seq = torch.tensor([prompt + list(ids)])
+            lp = torch.log_softmax(trainer.model(input_ids=seq).logits.float()[0, :-1], -1)
+            lp = lp[torch.arange(seq.shape[1] - 1), seq[0, 1:]][len(prompt) - 1:]
+            out.append([float(x) + rng.gauss(0.0, SAMPLER_NOISE) for x in lp.tolist()])
+    return out
+
+
 def per_completion(t, lengths: list[int]) -> list[list[float]]:
     """Rows of a right-padded [B, T] tensor cut to each completion's own length."""
     return [[float(x) for x in row[:n]] for row, n in zip(t.detach().double().tolist(), lengths)]
@@ -195,8 +236,17 @@ def run_case(kind: str, cid: str, config: dict, old_model: str, prompts, fixed, 
     import torch
 
     tool = bool(config.pop("tool_mask", False))
+    sampler = bool(config.pop("sampler", False))
+    if sampler:
+        config["vllm_importance_sampling_correction"] = True
+        old_model = "policy"  # TRL recomputes the old policy itself when it corrects vLLM's samples
+    fixed = dict(fixed)  # this case's (the sampler's log-probs are added below)
     holder = {"rewards": fixed["rewards"]}
     trainer = build_trainer(kind, ASSETS / "policy", config, prompts, fixed, work, tool, holder)
+    if sampler:  # TRL applies its IS correction only with vLLM: as if vLLM had sampled, with no server to sync
+        trainer.use_vllm = True
+        trainer._last_loaded_step = trainer.state.global_step
+        fixed["logprobs"] = sampler_logprobs(trainer, prompts, fixed["completions"])
     ref = ref_trainer.model.eval()
     # RLOO: the batch (old_logps, KL-in-reward, advantages) is built by an RLOOTrainer on the old model, i.e. the
     # model that generated the completions; the policy's own trainer when old_model is "policy"
@@ -227,7 +277,9 @@ def run_case(kind: str, cid: str, config: dict, old_model: str, prompts, fixed, 
                                                                      batch_size=input_ids.size(0))[0]
         if "ref_per_token_logps" in batch:  # TRL's own, from trainer.ref_model: the same numbers
             assert torch.equal(batch["ref_per_token_logps"], ref_logps)
-        if kind == "grpo":  # TRL leaves it unset (aligned steps): the reference's, so that ratios differ from 1
+        if sampler:  # TRL's own recomputation (the policy's), which its IS ratio was taken against
+            rec_old = batch["old_per_token_logps"]
+        elif kind == "grpo":  # TRL leaves it unset (aligned steps): the reference's, so that ratios differ from 1
             batch["old_per_token_logps"] = rec_old = ref_logps
         else:  # the per-token values behind TRL's old_logps sums, as its generation step computed them
             rec_old = gen._get_per_token_logps_and_entropies(gen.model, input_ids, attention_mask, keep,
@@ -252,7 +304,11 @@ def run_case(kind: str, cid: str, config: dict, old_model: str, prompts, fixed, 
     mask = cmask * batch["tool_mask"] if "tool_mask" in batch else cmask
     adv = batch["advantages"].reshape(-1, 1)
     eps_low, eps_high = trainer.epsilon_low, trainer.epsilon_high
-    if kind == "grpo":
+    if kind == "grpo" and trainer.importance_sampling_level == "sequence":  # one ratio per completion
+        log_ratio = ((captured["logps"] - batch["old_per_token_logps"]) * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        ratio = torch.exp(log_ratio).reshape(-1, 1)
+        low, high = ((ratio < 1 - eps_low) & (adv < 0)).sum(), ((ratio > 1 + eps_high) & (adv > 0)).sum()
+    elif kind == "grpo":
         ratio = torch.exp(captured["logps"] - batch["old_per_token_logps"])
         low = ((ratio < 1 - eps_low) & (adv < 0) & mask.bool()).sum()
         high = ((ratio > 1 + eps_high) & (adv > 0) & mask.bool()).sum()
@@ -273,6 +329,8 @@ def run_case(kind: str, cid: str, config: dict, old_model: str, prompts, fixed, 
     out = {
         "id": cid, "trainer": "GRPOTrainer" if kind == "grpo" else "RLOOTrainer",
         "config": {**config, **{k: getattr(trainer.args, k) for k in ARGS_READ[kind]},
+                   **({k: getattr(trainer.args, k) for k in IS_KEYS} if sampler else {}),
+                   "vllm_importance_sampling_correction": sampler,
                    "epsilon_low": eps_low, "epsilon_high": eps_high,
                    "max_completion_length": MAX_COMPLETION_LENGTH, "num_generations": K, "tool_mask": tool},
         "old_model": old_model,
@@ -285,6 +343,11 @@ def run_case(kind: str, cid: str, config: dict, old_model: str, prompts, fixed, 
     if "num_items_in_batch" in batch:
         out["num_items_in_batch"] = int(batch["num_items_in_batch"])
     out["old_per_token_logps"] = per_completion(rec_old, lengths)
+    if sampler:
+        out["sampling_per_token_logps"] = fixed["logprobs"]
+        is_ratio = batch["importance_sampling_ratio"]  # TRL's: [B, T] per token, [B, 1] per completion
+        out["importance_sampling_ratio"] = (per_completion(is_ratio, lengths) if is_ratio.shape[1] > 1 else
+                                            [float(x) for x in is_ratio.reshape(-1).tolist()])
     out["ref_per_token_logps"] = per_completion(ref_logps, lengths)
     out["policy_per_token_logps"] = per_completion(captured["logps"], lengths)
     out["policy_entropies"] = per_completion(captured["entropies"], lengths)

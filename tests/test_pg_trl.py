@@ -23,6 +23,12 @@ to 0.16 that are near-cancelling means of terms of size |A| ~ 1) and 2.5e-6 (RLO
 log-probs); gradient norms within 8e-6 relative, dots with z within 2e-5 of the norm, full gradients within
 2.1e-5 of their largest entry.
 
+The GSPO cases (importance_sampling_level=sequence) map to loss.importance_sampling_level; the vLLM
+importance-sampling cases write the sampler's recorded log-probs into the store's logprobs.bin (a vLLM-sampled store,
+as ``prefpack score`` writes one) and map TRL's mode and bounds to loss.sampling_correction and
+loss.sampling_ratio_min/max; their old model is the policy, as TRL recomputes it (ratio 1), and the mean weight is
+checked against TRL's logged ``sampling/importance_sampling_ratio/mean`` (losses within 4.8e-7).
+
 A case where prefpack and TRL define the numbers differently is skipped with the difference named
 (``DIFFERENCES``). No recorded case is: TRL's RLOO ignores the tool mask, but no RLOO case carries one.
 """
@@ -69,22 +75,28 @@ def _ranked_store(path: Path, case: dict) -> Path:
     writer = StoreWriter(path, kind="ranked", vocab_size=len(tok), log=None)
     completions, rewards = RECORD["completion_ids"], case["rewards"]
     tool = case.get("tool_mask")
+    sampled = case.get("sampling_per_token_logps")  # the sampler's, as a vLLM-sampled store's logprobs.bin holds
     try:
         for g, prompt in enumerate(RECORD["prompt_ids"]):
             flat, index, spans = list(prompt), [], []
+            logprobs = [np.full(len(prompt), np.nan, np.float32)]
             for j in range(g * K, (g + 1) * K):
                 ids = completions[j]
                 flags = FLAG_COMPLETION_TRUNCATED if j in RECORD["truncated"] else 0
                 index.append([len(flat), len(prompt), len(ids), score_bits(rewards[j]), 0, flags, 0, g])
                 if tool is not None and 0 in tool[j]:
                     spans.append(mask_to_spans(np.asarray(tool[j], dtype=bool), len(flat)))
+                if sampled is not None:
+                    logprobs.append(np.asarray(sampled[j], np.float32))
                 flat.extend(ids)
             writer.append(np.asarray(flat, dtype=np.int64), np.asarray(index, dtype=np.int64),
-                          np.concatenate(spans) if spans else None)
+                          np.concatenate(spans) if spans else None,
+                          logprobs=np.concatenate(logprobs) if sampled is not None else None)
         tok.save_pretrained(writer.tmp / "tokenizer")
         specials = {"vocab_size": len(tok), "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
                     "pad_token_id": tok.pad_token_id}
-        writer.commit({"layout": "scored", "tokenizer": specials,
+        samples = {"samples": {"generation": {"engine": "vllm"}}} if sampled is not None else {}
+        writer.commit({"layout": "scored", "tokenizer": specials, **samples,
                        "sources": [{"path": "tests/data/trl_pg.json", "rows": len(RECORD["prompt_ids"])}]})
     except BaseException:
         writer.abort()
@@ -127,8 +139,15 @@ def _config(case: dict):
     if rloo:
         args.append(f"loss.normalize_advantages={str(cfg['normalize_advantages']).lower()}")
     else:
-        assert cfg["importance_sampling_level"] == "token" and cfg["top_entropy_quantile"] == 1.0
+        assert cfg["top_entropy_quantile"] == 1.0
         assert not cfg["entropy_coef"] and cfg["off_policy_mask_threshold"] is None
+        args.append(f"loss.importance_sampling_level={cfg['importance_sampling_level']}")
+        if cfg.get("vllm_importance_sampling_correction"):  # TRL's mode and bounds under prefpack's names
+            args += [f"loss.sampling_correction={cfg['vllm_importance_sampling_mode']}",
+                     f"loss.sampling_ratio_min={_yaml(cfg['vllm_importance_sampling_clip_min'])}",
+                     f"loss.sampling_ratio_max={_yaml(cfg['vllm_importance_sampling_clip_max'])}"]
+        else:
+            args.append("loss.sampling_correction=none")
         args += [f"loss.scale_rewards={cfg['scale_rewards']}",
                  f"loss.mask_truncated_completions={str(cfg['mask_truncated_completions']).lower()}",
                  f"loss.use_bias_correction_kl={str(cfg['use_bias_correction_kl']).lower()}"]
@@ -136,6 +155,10 @@ def _config(case: dict):
             args.append(f"loss.delta={cfg['delta']}")
     assert cfg["temperature"] == 1.0 and cfg["reward_weights"] is None
     return load_config(None, args)
+
+
+def _yaml(value) -> str:
+    return "null" if value is None else str(value)
 
 
 def _max_rel(got: float, want: float, scale: float) -> float:
@@ -255,13 +278,23 @@ def test_loss_and_gradients_equal_trls(case, models, projections, tmp_path, one_
         counts = {k: int(round(float(metrics[f"clip_ratio/{k}"].sum()))) for k in ("low", "high")}
         assert counts == case["clipped_sequences"]
     else:
-        counts = {k: int(round(float((metrics[f"clip_ratio/{k}"] * n_tok * weight).sum())))
+        sequence = cfg["importance_sampling_level"] == "sequence"  # a completion clips whole: counted once
+        counts = {k: int(round(float((metrics[f"clip_ratio/{k}"] * (weight if sequence else n_tok * weight)).sum())))
                   for k in ("low", "high")}
         assert counts == case["clipped_tokens"]
         tokens = float((n_tok * weight).sum())
         assert tokens == case["num_items_in_batch"]
         for k in ("low", "high"):
-            assert counts[k] / tokens == pytest.approx(case["metrics_loss"][f"clip_ratio/{k}_mean"], abs=1e-6)
+            assert counts[k] / (len(store) if sequence else tokens) == pytest.approx(
+                case["metrics_loss"][f"clip_ratio/{k}_mean"], abs=1e-6)
+        if cfg.get("vllm_importance_sampling_correction"):  # TRL's mean weight: over tokens, or over completions
+            mean = (metrics["sampling_ratio"].mean() if cfg["vllm_importance_sampling_mode"].startswith("sequence")
+                    else float((metrics["sampling_ratio"] * n_tok).sum()) / tokens)
+            assert mean == pytest.approx(case["metrics_generate"]["sampling/importance_sampling_ratio/mean"],
+                                         rel=1e-4)
+            sampler = [np.asarray(case["sampling_per_token_logps"][j], np.float32)[scored_of(j)]
+                       for j in range(len(store))]
+            assert all(np.array_equal(task.sampler[j], s.astype(np.float64)) for j, s in enumerate(sampler))
         if cfg["beta"]:
             kl = float((metrics["kl"] * n_tok * weight).sum()) / tokens
             assert kl == pytest.approx(case["metrics_loss"]["kl"], rel=1e-5)

@@ -20,6 +20,12 @@ RLOO, per completion (sequence level, completion_mask only: no tool mask):
     r = exp(sum_t lp - sum_t old),  loss = mean over completions of -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
 (the sums are TRL's float32 ones, recorded beside the per-token values: a float64 sum of those differs by up to
 ~1e-5, which moves the loss by ~2e-6; the per-token sums are checked against them to 3e-5)
+GSPO (importance_sampling_level = sequence): r = exp(sum_t(m * (lp - old)) / max(sum_t m, 1)), one per completion,
+on each of its tokens (the clip counts then count completions, and the KL carries that r).
+vLLM's importance-sampling correction (vllm_importance_sampling_correction, with the sampler's per-token log-probs
+`sampling_per_token_logps`; the old model is then the policy, as TRL recomputes it): d = m * (old - sampler), per
+token w = exp(d) (token_*) or per completion w = exp(sum_t d) (sequence_*); *_truncate clips w to
+[clip_min, clip_max], *_mask gives 0 outside; the surrogate (not the KL) is multiplied by w before the aggregation.
 """
 
 from __future__ import annotations
@@ -71,9 +77,15 @@ def grpo_loss(case: dict) -> tuple[float, dict]:
     ref = padded(case["ref_per_token_logps"])
     adv = np.array(case["advantages"], dtype=np.float64)[:, None]
     m = loss_mask(case)
-    ratio = np.exp(lp - old)
+    if cfg["importance_sampling_level"] == "sequence":
+        ratio = np.exp(((lp - old) * m).sum(1, keepdims=True) / np.maximum(m.sum(1, keepdims=True), 1.0))
+        ratio = ratio * np.ones_like(lp)
+    else:
+        ratio = np.exp(lp - old)
     clipped = np.clip(ratio, 1 - cfg["epsilon_low"], 1 + cfg["epsilon_high"])
     per_token = -np.minimum(ratio * adv, clipped * adv)
+    if cfg.get("vllm_importance_sampling_correction"):
+        per_token = per_token * is_weights(case)
     kl = np.exp(ref - lp) - (ref - lp) - 1
     if cfg["use_bias_correction_kl"]:
         kl = kl * ratio
@@ -93,9 +105,24 @@ def grpo_loss(case: dict) -> tuple[float, dict]:
         raise AssertionError(kind)
     low = (ratio < 1 - cfg["epsilon_low"]) & (adv < 0) & (m > 0)
     high = (ratio > 1 + cfg["epsilon_high"]) & (adv > 0) & (m > 0)
-    stats = {"low": int(low.sum()), "high": int(high.sum()), "tokens": float(m.sum()),
+    if cfg["importance_sampling_level"] == "sequence":  # a completion clips whole: counted once
+        low, high = low.any(1), high.any(1)
+    units = float(m.sum()) if cfg["importance_sampling_level"] == "token" else float(len(m))
+    stats = {"low": int(low.sum()), "high": int(high.sum()), "tokens": units,
              "kl": float((kl * m).sum() / m.sum())}
     return float(loss), stats
+
+
+def is_weights(case: dict) -> np.ndarray:
+    """TRL's importance-sampling weights of vLLM's samples, [B, T], from the recorded sampler log-probs."""
+    cfg = case["config"]
+    m = loss_mask(case)
+    d = (padded(case["old_per_token_logps"]) - padded(case["sampling_per_token_logps"])) * m
+    mode = cfg["vllm_importance_sampling_mode"]
+    w = np.exp(d) if mode.startswith("token") else np.exp(d.sum(1, keepdims=True)) * np.ones_like(d)
+    lo = -np.inf if cfg["vllm_importance_sampling_clip_min"] is None else cfg["vllm_importance_sampling_clip_min"]
+    hi = np.inf if cfg["vllm_importance_sampling_clip_max"] is None else cfg["vllm_importance_sampling_clip_max"]
+    return np.clip(w, lo, hi) if mode.endswith("truncate") else np.where((w < lo) | (w > hi), 0.0, w)
 
 
 def rloo_terms(case: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -149,8 +176,20 @@ def test_grpo_case(case):
         assert case["tool_mask"] == RECORD["tool_mask"]
     m = loss_mask(case)
     assert case["num_items_in_batch"] == int(m.sum())
-    # old = ref = the reference's log-probs (GRPO's old model is the reference here)
-    assert case["old_per_token_logps"] == case["ref_per_token_logps"]
+    if cfg.get("vllm_importance_sampling_correction"):  # TRL recomputed the old policy: the policy itself
+        assert case["old_model"] == "policy"
+        np.testing.assert_allclose(padded(case["old_per_token_logps"]), padded(case["policy_per_token_logps"]),
+                                   rtol=0, atol=1e-6)
+        w = is_weights(case)
+        recorded = case["importance_sampling_ratio"]
+        if isinstance(recorded[0], list):  # per token, over each completion's own tokens
+            real = padded([[1.0] * n for n in lengths]) > 0
+            np.testing.assert_allclose(padded(recorded)[real], w[real], rtol=1e-5, atol=1e-6)
+        else:  # per completion
+            np.testing.assert_allclose(recorded, w[:, 0], rtol=1e-5, atol=1e-6)
+        assert 0 < (w * m == 0).sum() - (m == 0).sum() or (w[m > 0] != 1).any()  # the correction does something
+    else:  # old = ref = the reference's log-probs (GRPO's old model is the reference here)
+        assert case["old_per_token_logps"] == case["ref_per_token_logps"]
     for i in zeroed:  # hidden from attention: TRL scores no label there, its log-probs are 0
         assert not any(case["policy_per_token_logps"][i]) and not any(case["old_per_token_logps"][i])
 
