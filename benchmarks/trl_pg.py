@@ -117,6 +117,22 @@ GRPO_CASES = [
         "vllm_importance_sampling_clip_max": 1.03}),
     ("grpo[vllm_is=sequence_truncate]", {"sampler": True, "vllm_importance_sampling_mode": "sequence_truncate",
                                          "vllm_importance_sampling_clip_max": 1.1}),
+    # TRL 1.16's other token-level terms, and DeepSeek-V3.2's off-policy sequence mask
+    ("cispo[epsilon_high=1.05]", {"loss_type": "cispo", "epsilon_high": 1.05}),
+    ("cispo[epsilon_high=1.05,beta=0.04,tool_mask]", {"loss_type": "cispo", "epsilon_high": 1.05, "beta": 0.04,
+                                                      "tool_mask": True}),
+    ("sapo", {"loss_type": "sapo"}),
+    ("sapo[beta=0.04,scale_rewards=none]", {"loss_type": "sapo", "beta": 0.04, "scale_rewards": "none"}),
+    ("luspo[importance_sampling_level=sequence]", {"loss_type": "luspo", "importance_sampling_level": "sequence"}),
+    ("grpo[off_policy_mask_threshold=0.03]", {"off_policy_mask_threshold": 0.03}),
+    ("dapo[off_policy_mask_threshold=0.03,beta=0.04]", {"loss_type": "dapo", "off_policy_mask_threshold": 0.03,
+                                                        "beta": 0.04}),
+    ("dapo[vllm_is=token_truncate,off_policy_mask_threshold=0.0]", {
+        "sampler": True, "loss_type": "dapo", "off_policy_mask_threshold": 0.0,
+        "vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 1.03}),
+    ("cispo[importance_sampling_level=sequence,vllm_is=token_truncate]", {
+        "sampler": True, "loss_type": "cispo", "epsilon_high": 1.05, "importance_sampling_level": "sequence",
+        "vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 1.03}),
 ]
 SAMPLER_NOISE = 0.05  # std of the seeded normal noise added to the policy's log-probs as the sampler's
 IS_KEYS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
@@ -124,7 +140,7 @@ IS_KEYS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
 # multiplies GRPO's per-token KL by the unclipped ratio exp(lp - old), in the loss and in the logged kl)
 ARGS_READ = {"grpo": ("use_bias_correction_kl", "importance_sampling_level", "delta", "top_entropy_quantile",
                       "entropy_coef", "off_policy_mask_threshold", "multi_objective_aggregation",
-                      "reward_weights", "temperature"),
+                      "reward_weights", "temperature", "sapo_temperature_pos", "sapo_temperature_neg"),
              "rloo": ("reward_clip_range", "reward_weights", "temperature")}
 BASE_RLOO = {"beta": 0.0, "epsilon": 0.2, "epsilon_high": None, "normalize_advantages": False}
 RLOO_CASES = [
@@ -315,6 +331,10 @@ def run_case(kind: str, cid: str, config: dict, old_model: str, prompts, fixed, 
     else:
         ratio = torch.exp((captured["logps"] * cmask).sum(1) - batch["old_logps"]).reshape(-1, 1)
         low, high = ((ratio < 1 - eps_low) & (adv < 0)).sum(), ((ratio > 1 + eps_high) & (adv > 0)).sum()
+    if kind == "grpo" and trainer.loss_type in ("cispo", "sapo"):  # as TRL's metrics count them (sapo: no clip)
+        real = mask.bool() if ratio.shape[1] > 1 else torch.ones_like(ratio, dtype=torch.bool)
+        low = torch.tensor(0)
+        high = ((ratio > eps_high) & (adv > 0) & real).sum() if trainer.loss_type == "cispo" else torch.tensor(0)
 
     grads = []
     for i, (name, p) in enumerate(model.named_parameters()):

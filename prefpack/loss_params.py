@@ -49,6 +49,14 @@ LOSS_PARAMS: dict[str, LossParam] = {p.name: p for p in (
     LossParam("kl_coef", 0.0, "train.objective=policy_gradient: weight of the KL to the reference (TRL's GRPO/RLOO "
               "beta): grpo family, the k3 estimate per token in the loss; rloo, the summed log-ratio taken off the "
               "reward; 0 = off (no reference loaded)", ()),
+    LossParam("sapo_temperature_pos", 1.0, "loss sapo: the gate's temperature for tokens of positive advantage "
+              "(TRL's sapo_temperature_pos)", ()),
+    LossParam("sapo_temperature_neg", 1.05, "loss sapo: the gate's temperature for tokens of zero or negative "
+              "advantage (TRL's sapo_temperature_neg)", ()),
+    LossParam("off_policy_mask_threshold", None, "train.objective=policy_gradient, grpo family: drop the surrogate (not "
+              "the KL) of a completion whose advantage is negative and whose mean log-ratio of the sampler (else "
+              "the old policy) to the policy passes this (DeepSeek-V3.2's off-policy sequence mask, TRL's "
+              "off_policy_mask_threshold); null = off", ()),
     LossParam("sampling_ratio_max", 3.0, "train.objective=policy_gradient with loss.sampling_correction: the sampling "
               "ratio's upper bound C_max (truncate modes clip it there, mask modes drop what passes it; TRL's "
               "vllm_importance_sampling_clip_max)", ()),

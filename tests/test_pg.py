@@ -79,16 +79,23 @@ def _formula(policy, old_model, store: Store, loss: str, kl_coef: float, max_len
                 terms.append(-torch.minimum(r * a, torch.clamp(r, 1 - EPS_LOW, 1 + EPS_HIGH) * a))
                 continue
             r = torch.exp(lp - old) if not sequence else torch.exp((lp - old).mean()) * torch.ones_like(lp)
-            per_token = -torch.minimum(r * a, torch.clamp(r, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
+            if loss == "cispo":  # the ratio clipped above at epsilon_high, detached, times A log p
+                per_token = -torch.clamp(r, max=EPS_HIGH).detach() * a * lp
+            elif loss == "sapo":  # a soft gate, temperature 1.0 for A > 0 and 1.05 otherwise (TRL's defaults)
+                tau = 1.0 if a > 0 else 1.05
+                per_token = -torch.sigmoid(tau * (r - 1)) * 4 / tau * a
+            else:
+                per_token = -torch.minimum(r * a, torch.clamp(r, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
             if weigh is not None:
                 per_token = per_token * torch.as_tensor(weigh(row, old.numpy()))
             per_token = per_token + kl_coef * (torch.exp(old - lp) - (old - lp) - 1) * r  # TRL's bias correction
-            terms.append(per_token.sum() / (lp.numel() if loss == "grpo" else max_len if loss == "dr_grpo" else 1))
+            terms.append(per_token.sum() / (lp.numel() if loss in ("grpo", "sapo") else max_len if loss == "dr_grpo"
+                                            else 1))
     total = torch.stack(terms).sum()
-    return total / (tokens if loss in ("dapo", "bnpo") else completions)
+    return total / (tokens if loss in ("dapo", "bnpo", "cispo") else completions)
 
 
-@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "bnpo", "rloo"])
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "rloo"])
 @pytest.mark.parametrize(("which", "layout"), [("plain", "shared"), ("plain", "packed"), ("plain", "padded"),
                                                ("spans", "shared")])
 def test_loss_and_gradients_equal_the_float64_formula(ranked, toy_tokenizers, loss, layout, which):
@@ -125,7 +132,7 @@ def test_loss_and_gradients_equal_the_float64_formula(ranked, toy_tokenizers, lo
     for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(want, params), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     out = task.loss(module, reference, task.collate(Planned([[0, 1, 2]], 0, 0)), None)
-    if loss != "rloo":  # the clip is active on some tokens of this pair of models, and not on all
+    if loss not in ("rloo", "sapo", "cispo"):  # the clip is active on some tokens of this pair of models, not all
         clipped = out.metrics["clip_ratio/region"]
         assert 0 < float(clipped.max()) and float(clipped.min()) < 1
 
@@ -302,7 +309,7 @@ def test_config_names_the_wrong_combinations():
             load_config(None, ["model.name_or_path=m", "data.train=s", *args]).validate()
         return str(err.value)
 
-    assert "one of grpo, dr_grpo, dapo, bnpo, rloo" in problems("train.objective=policy_gradient")
+    assert "one of grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, rloo" in problems("train.objective=policy_gradient")
     assert "set train.objective=policy_gradient" in problems("loss.terms=[{name: grpo}]")
     assert "loss.epsilon must be < 1" in problems("train.objective=policy_gradient", "loss.terms=[{name: dapo}]",
                                                   "loss.epsilon=1.5")

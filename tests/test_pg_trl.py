@@ -140,8 +140,11 @@ def _config(case: dict):
         args.append(f"loss.normalize_advantages={str(cfg['normalize_advantages']).lower()}")
     else:
         assert cfg["top_entropy_quantile"] == 1.0
-        assert not cfg["entropy_coef"] and cfg["off_policy_mask_threshold"] is None
-        args.append(f"loss.importance_sampling_level={cfg['importance_sampling_level']}")
+        assert not cfg["entropy_coef"]
+        args += [f"loss.importance_sampling_level={cfg['importance_sampling_level']}",
+                 f"loss.off_policy_mask_threshold={_yaml(cfg['off_policy_mask_threshold'])}",
+                 f"loss.sapo_temperature_pos={cfg['sapo_temperature_pos']}",
+                 f"loss.sapo_temperature_neg={cfg['sapo_temperature_neg']}"]
         if cfg.get("vllm_importance_sampling_correction"):  # TRL's mode and bounds under prefpack's names
             args += [f"loss.sampling_correction={cfg['vllm_importance_sampling_mode']}",
                      f"loss.sampling_ratio_min={_yaml(cfg['vllm_importance_sampling_clip_min'])}",
@@ -284,9 +287,11 @@ def test_loss_and_gradients_equal_trls(case, models, projections, tmp_path, one_
         assert counts == case["clipped_tokens"]
         tokens = float((n_tok * weight).sum())
         assert tokens == case["num_items_in_batch"]
-        for k in ("low", "high"):
+        logged = {"cispo": {"high": "cispo_clip_ratio"}, "sapo": {}}.get(
+            cfg["loss_type"], {k: f"clip_ratio/{k}_mean" for k in ("low", "high")})
+        for k, key in logged.items():
             assert counts[k] / (len(store) if sequence else tokens) == pytest.approx(
-                case["metrics_loss"][f"clip_ratio/{k}_mean"], abs=1e-6)
+                case["metrics_loss"][key], abs=1e-6)
         if cfg.get("vllm_importance_sampling_correction"):  # TRL's mean weight: over tokens, or over completions
             mean = (metrics["sampling_ratio"].mean() if cfg["vllm_importance_sampling_mode"].startswith("sequence")
                     else float((metrics["sampling_ratio"] * n_tok).sum()) / tokens)

@@ -26,6 +26,11 @@ vLLM's importance-sampling correction (vllm_importance_sampling_correction, with
 `sampling_per_token_logps`; the old model is then the policy, as TRL recomputes it): d = m * (old - sampler), per
 token w = exp(d) (token_*) or per completion w = exp(sum_t d) (sequence_*); *_truncate clips w to
 [clip_min, clip_max], *_mask gives 0 outside; the surrogate (not the KL) is multiplied by w before the aggregation.
+The other terms (the ratio r as above, per token or per completion): cispo, -min(r, eps_high) * A * lp (r detached),
+aggregated as dapo; sapo, -sigmoid(tau * (r - 1)) * 4 / tau * A with tau = sapo_temperature_pos where A > 0, else
+sapo_temperature_neg, aggregated as grpo; luspo, grpo's term, aggregated as the mean over completions of
+sum_t(m * per_token). The off-policy mask (off_policy_mask_threshold d): a completion keeps its surrogate where
+A >= 0 or mean_t over m of (sampler - lp) <= d (the sampler's log-probs where recorded, else old's); the KL stays.
 """
 
 from __future__ import annotations
@@ -82,8 +87,20 @@ def grpo_loss(case: dict) -> tuple[float, dict]:
         ratio = ratio * np.ones_like(lp)
     else:
         ratio = np.exp(lp - old)
-    clipped = np.clip(ratio, 1 - cfg["epsilon_low"], 1 + cfg["epsilon_high"])
-    per_token = -np.minimum(ratio * adv, clipped * adv)
+    kind = cfg["loss_type"]
+    if kind == "cispo":
+        per_token = -np.minimum(ratio, cfg["epsilon_high"]) * adv * lp
+    elif kind == "sapo":
+        tau = np.where(adv > 0, cfg["sapo_temperature_pos"], cfg["sapo_temperature_neg"])
+        per_token = -(1.0 / (1.0 + np.exp(-tau * (ratio - 1)))) * 4 / tau * adv
+    else:
+        clipped = np.clip(ratio, 1 - cfg["epsilon_low"], 1 + cfg["epsilon_high"])
+        per_token = -np.minimum(ratio * adv, clipped * adv)
+    if cfg["off_policy_mask_threshold"] is not None:
+        source = padded(case.get("sampling_per_token_logps") or case["old_per_token_logps"])
+        gap = ((source - lp) * m).sum(1, keepdims=True) / np.maximum(m.sum(1, keepdims=True), 1.0)
+        keep = (adv >= 0) | (gap <= cfg["off_policy_mask_threshold"])
+        per_token = per_token * keep
     if cfg.get("vllm_importance_sampling_correction"):
         per_token = per_token * is_weights(case)
     kl = np.exp(ref - lp) - (ref - lp) - 1
@@ -92,19 +109,24 @@ def grpo_loss(case: dict) -> tuple[float, dict]:
     if cfg["beta"] != 0.0:
         per_token = per_token + cfg["beta"] * kl
     total = (per_token * m).sum()
-    kind = cfg["loss_type"]
-    if kind == "grpo":
+    if kind in ("grpo", "sapo"):
         loss = ((per_token * m).sum(1) / np.maximum(m.sum(1), 1.0)).mean()
     elif kind == "bnpo":
         loss = total / max(m.sum(), 1.0)
     elif kind == "dr_grpo":
         loss = total / (len(m) * cfg["max_completion_length"])
-    elif kind == "dapo":
+    elif kind in ("dapo", "cispo"):
         loss = total / max(case["num_items_in_batch"], 1)
+    elif kind == "luspo":
+        loss = (per_token * m).sum(1).mean()
     else:
         raise AssertionError(kind)
     low = (ratio < 1 - cfg["epsilon_low"]) & (adv < 0) & (m > 0)
     high = (ratio > 1 + cfg["epsilon_high"]) & (adv > 0) & (m > 0)
+    if kind == "cispo":  # clipped above its cap where A > 0; nothing below
+        low, high = np.zeros_like(low), (ratio > cfg["epsilon_high"]) & (adv > 0) & (m > 0)
+    elif kind == "sapo":  # no clip
+        low = high = np.zeros_like(low)
     if cfg["importance_sampling_level"] == "sequence":  # a completion clips whole: counted once
         low, high = low.any(1), high.any(1)
     units = float(m.sum()) if cfg["importance_sampling_level"] == "token" else float(len(m))
@@ -201,8 +223,17 @@ def test_grpo_case(case):
     assert abs(loss - case["loss"]) <= TOL * max(1.0, abs(loss)), (loss, case["loss"])
     assert case["clipped_tokens"] == {"low": stats["low"], "high": stats["high"]}
     metrics = case["metrics_loss"]
-    assert math.isclose(metrics["clip_ratio/low_mean"], stats["low"] / stats["tokens"], abs_tol=1e-6)
-    assert math.isclose(metrics["clip_ratio/high_mean"], stats["high"] / stats["tokens"], abs_tol=1e-6)
+    if cfg["loss_type"] == "cispo":
+        assert math.isclose(metrics["cispo_clip_ratio"], stats["high"] / stats["tokens"], abs_tol=1e-6)
+    elif cfg["loss_type"] != "sapo":
+        assert math.isclose(metrics["clip_ratio/low_mean"], stats["low"] / stats["tokens"], abs_tol=1e-6)
+        assert math.isclose(metrics["clip_ratio/high_mean"], stats["high"] / stats["tokens"], abs_tol=1e-6)
+    if cfg["off_policy_mask_threshold"] is not None:  # the mask drops some completions' surrogate, not all
+        lp, m = padded(case["policy_per_token_logps"]), loss_mask(case)
+        source = padded(case.get("sampling_per_token_logps") or case["old_per_token_logps"])
+        gap = ((source - lp) * m).sum(1) / np.maximum(m.sum(1), 1.0)
+        dropped = (np.array(case["advantages"]) < 0) & (gap > cfg["off_policy_mask_threshold"])
+        assert 0 < dropped.sum() < (np.array(case["advantages"]) < 0).sum()
     if cfg["beta"]:
         assert math.isclose(metrics["kl"], stats["kl"], rel_tol=1e-5)
     else:

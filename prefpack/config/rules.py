@@ -293,6 +293,14 @@ def _policy_gradient_problems(cfg: Config, names: tuple[str, ...], errs: list[st
     if lo.ld_alpha is not None or lo.use_weighting:
         errs.append(f"loss.ld_alpha and loss.use_weighting weight DPO pairs; train.objective={cfg.train.objective} "
                     "has none: remove them")
+    if rloo and lo.off_policy_mask_threshold is not None:
+        errs.append("loss.off_policy_mask_threshold masks the grpo family's per-token surrogate; loss rloo has none "
+                    "(TRL's RLOO neither): remove it")
+    for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        if not (math.isfinite(getattr(lo, key)) and getattr(lo, key) > 0):
+            errs.append(f"loss.{key} must be finite and > 0, got {getattr(lo, key)}")
+    if lo.off_policy_mask_threshold is not None and not math.isfinite(lo.off_policy_mask_threshold):
+        errs.append(f"loss.off_policy_mask_threshold must be finite (or null), got {lo.off_policy_mask_threshold}")
     if rloo and lo.importance_sampling_level == "sequence":
         errs.append("loss rloo's ratio is already the whole completion's (exp of its summed log-ratio): "
                     "loss.importance_sampling_level=sequence is for the grpo family (GSPO); remove it")

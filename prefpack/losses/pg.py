@@ -24,8 +24,11 @@ __all__ = ["ADVANTAGE_EPS", "PG_AGGREGATIONS", "PG_LOSSES", "SAMPLING_CORRECTION
 ADVANTAGE_EPS = 1e-4
 """Added to a standard deviation before dividing by it (TRL's constant)."""
 
-PG_AGGREGATIONS = ("grpo", "dr_grpo", "dapo", "bnpo")
+PG_AGGREGATIONS = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo")
 """The token-level losses by TRL's ``loss_type`` names (``rloo`` is sequence-level)."""
+
+SURROGATES = {"cispo": "cispo", "sapo": "sapo"}
+"""The losses whose per-token term is not GRPO's clipped surrogate (``clipped_token_terms``'s ``surrogate``)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,17 @@ PG_LOSSES: dict[str, PgLossSpec] = {s.name: s for s in (
     PgLossSpec("bnpo", "grpo's per-token term", "GRPO (loss.scale_rewards)",
                "token sum / the step's scored tokens (TRL: the micro-batch's)",
                "Xiao et al. 2025, \"BNPO: Beta Normalization Policy Optimization\"", "2506.02864"),
+    PgLossSpec("cispo", "the ratio clipped above at epsilon_high and detached, times A times log p (no clip of the "
+               "advantage-weighted ratio)", "GRPO (loss.scale_rewards)", "token sum / the step's scored tokens",
+               "MiniMax 2025, \"MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention\"",
+               "2506.13585"),
+    PgLossSpec("sapo", "a soft gate instead of the clip: sigmoid(tau (r - 1)) 4 / tau times A (loss.sapo_temperature_pos "
+               "for A > 0, loss.sapo_temperature_neg otherwise)", "GRPO (loss.scale_rewards)",
+               "mean over completions of each one's token mean",
+               "Gao et al. 2025, \"Soft Adaptive Policy Optimization\"", "2511.20347"),
+    PgLossSpec("luspo", "grpo's per-token term (meant with loss.importance_sampling_level: sequence)",
+               "GRPO (loss.scale_rewards)", "mean over completions of each one's token sum",
+               "\"Length-Unbiased Sequence Policy Optimization\" (LUSPO)", "2602.05261"),
     PgLossSpec("rloo", "clipped ratio of the whole completion (sequence level); KL in the reward",
                "leave-one-out baseline (loss.normalize_advantages)", "mean over completions",
                "Ahmadian et al. 2024, \"Back to Basics: Revisiting REINFORCE Style Optimization for Learning from "
@@ -134,10 +148,37 @@ def sampling_weights(old: np.ndarray, sampler: np.ndarray, mode: str, *, ratio_m
     raise ValueError(f"unknown sampling correction {mode!r}; choose one of {', '.join(SAMPLING_CORRECTIONS)}")
 
 
+def surrogate_loss(ratio: Tensor, advantage: Tensor, logp: Tensor, kind: str, *, epsilon_low: float,
+                   epsilon_high: float, delta: float | None = None, temperature_pos: float = 1.0,
+                   temperature_neg: float = 1.05) -> tuple[Tensor, Tensor, Tensor]:
+    """One token's policy-gradient term given its ratio r to the old policy (per token, or its completion's under a
+    sequence-level ratio), as TRL 1.16's ``_compute_loss``: ``clip`` (grpo, dapo, ...), ``-min(r A, clip(r, 1 -
+    eps_low, 1 + eps_high) A)``, r capped at ``delta`` in the first term; ``cispo``, ``-min(r, eps_high)`` detached
+    times A times log p; ``sapo``, ``-sigmoid(tau (r - 1)) 4 / tau`` times A, tau the positive or negative
+    temperature by the sign of A. Returns the loss and the tokens clipped below and above (detached; cispo: above
+    its cap where A > 0; sapo: none)."""
+    if kind == "cispo":
+        loss = -torch.clamp(ratio, max=epsilon_high).detach() * advantage * logp
+        high = ((ratio > epsilon_high) & (advantage > 0)).to(logp.dtype).detach()
+        return loss, torch.zeros_like(high), high
+    if kind == "sapo":
+        tau = torch.where(advantage > 0, torch.full_like(ratio, temperature_pos), torch.full_like(ratio, temperature_neg))
+        loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantage
+        none = torch.zeros_like(ratio).detach()
+        return loss, none, none
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    loss = -torch.minimum(unclipped * advantage, clipped * advantage)
+    low = ((ratio < 1.0 - epsilon_low) & (advantage < 0)).to(logp.dtype).detach()
+    high = ((ratio > 1.0 + epsilon_high) & (advantage > 0)).to(logp.dtype).detach()
+    return loss, low, high
+
+
 def clipped_token_terms(logp: Tensor, old: Tensor, advantage: Tensor, *, epsilon_low: float, epsilon_high: float,
                         kl_coef: float = 0.0, ref: Tensor | None = None, delta: float | None = None,
                         kl_ratio: bool = True, sampler: Tensor | None = None,
-                        weight: Tensor | None = None) -> dict[str, Tensor]:
+                        weight: Tensor | None = None, surrogate: str = "clip", temperature_pos: float = 1.0,
+                        temperature_neg: float = 1.05, gap_source: Tensor | None = None) -> dict[str, Tensor]:
     """Per scored token: GRPO's clipped surrogate loss ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` with
     ``r = exp(logp - old)`` (``delta``: r also capped above, two-sided clipping, TRL's ``delta``), plus
     ``kl_coef`` times the k3 estimate of KL(policy || reference), ``exp(ref - logp) - (ref - logp) - 1``, times the
@@ -149,17 +190,21 @@ def clipped_token_terms(logp: Tensor, old: Tensor, advantage: Tensor, *, epsilon
     (when ``ref`` is given) and ``sampler_gap`` |logp - sampler| (when the sampler's own log-probs are given: the
     train/rollout mismatch). ``weight`` (per token, no gradient: ``sampling_weights``) multiplies the surrogate, not
     the KL, as TRL 1.16 applies its importance-sampling correction; it is reported summed (``sampling_ratio``) with
-    the tokens it drops (``sampling_masked``: weight 0). Each is summed per completion by the forward
+    the tokens it drops (``sampling_masked``: weight 0). ``surrogate`` (``surrogate_loss``): ``clip``, ``cispo`` or
+    ``sapo``. ``gap_source`` (the sampler's log-probs, else the old policy's): their gap to the policy's, detached,
+    summed as ``off_policy_gap`` (the off-policy mask's mean KL); the KL term is also given alone (``kl_loss``),
+    so that a completion's surrogate can be masked apart from it. Each is summed per completion by the forward
     (``prefpack.model.sums``)."""
     ratio = torch.exp(logp - old)
-    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
-    loss = -torch.minimum(unclipped * advantage, clipped * advantage)
+    loss, low, high = surrogate_loss(ratio, advantage, logp, surrogate, epsilon_low=epsilon_low,
+                                     epsilon_high=epsilon_high, delta=delta, temperature_pos=temperature_pos,
+                                     temperature_neg=temperature_neg)
     if weight is not None:
         loss = loss * weight
     with torch.no_grad():
-        out = {"clip_low": ((ratio < 1.0 - epsilon_low) & (advantage < 0)).to(logp.dtype),
-               "clip_high": ((ratio > 1.0 + epsilon_high) & (advantage > 0)).to(logp.dtype)}
+        out = {"clip_low": low, "clip_high": high}
+        if gap_source is not None:
+            out["off_policy_gap"] = gap_source - logp
         if sampler is not None:
             out["sampler_gap"] = (logp - sampler).abs()
         if weight is not None:
@@ -171,7 +216,8 @@ def clipped_token_terms(logp: Tensor, old: Tensor, advantage: Tensor, *, epsilon
         if kl_ratio:
             kl = kl * ratio
         if kl_coef:
-            loss = loss + kl_coef * kl
+            out["kl_loss"] = kl_coef * kl
+            loss = loss + out["kl_loss"]
         out["kl"] = kl.detach()
     out["loss"] = loss
     return out
@@ -191,13 +237,16 @@ def sequence_clipped_loss(logp_sum: Tensor, old_sum: Tensor, advantage: Tensor, 
 
 
 def sequence_token_terms(logp: Tensor, *, ref: Tensor | None = None, sampler: Tensor | None = None,
-                         weight: Tensor | None = None) -> dict[str, Tensor]:
+                         weight: Tensor | None = None, gap_source: Tensor | None = None,
+                         linear: bool = False) -> dict[str, Tensor]:
     """The per-token parts of a sequence-level ratio (``loss.importance_sampling_level=sequence``, GSPO), summed per
     completion by the forward: the k3 KL to the reference (with gradient; the ratio that corrects it is the
     completion's, applied by :func:`sequence_ratio_loss`), the sampling correction's weights, and the reported
-    ``sampler_gap`` / ``sampling_masked``."""
+    ``sampler_gap`` / ``sampling_masked`` / ``off_policy_gap`` (as :func:`clipped_token_terms`)."""
     out: dict[str, Tensor] = {}
     with torch.no_grad():
+        if gap_source is not None:
+            out["off_policy_gap"] = gap_source - logp
         if sampler is not None:
             out["sampler_gap"] = (logp - sampler).abs()
         if weight is not None:
@@ -206,31 +255,44 @@ def sequence_token_terms(logp: Tensor, *, ref: Tensor | None = None, sampler: Te
     if ref is not None:
         diff = ref - logp
         out["kl"] = torch.exp(diff) - diff - 1.0
+    if linear and weight is not None:  # cispo's term is linear in log p: its weighted sum, with gradient
+        out["weighted_logp"] = weight * logp
     return out
 
 
 def sequence_ratio_loss(logp_sum: Tensor, old_sum: Tensor, n_tokens: Tensor, advantage: Tensor, *,
                         epsilon_low: float, epsilon_high: float, delta: float | None = None, kl_coef: float = 0.0,
-                        kl_sum: Tensor | None = None, kl_ratio: bool = True,
-                        weight_sum: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                        kl_sum: Tensor | None = None, kl_ratio: bool = True, weight_sum: Tensor | None = None,
+                        surrogate: str = "clip", temperature_pos: float = 1.0, temperature_neg: float = 1.05,
+                        keep: Tensor | None = None, weighted_logp_sum: Tensor | None = None
+                        ) -> tuple[Tensor, Tensor, Tensor]:
     """GSPO's per-completion token sum (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071;
     TRL 1.16's ``importance_sampling_level="sequence"``): one ratio per completion, s = exp(mean over its scored
     tokens of logp - old), clipped as GRPO's token ratio is, on each of its tokens: the surrogate ``-min(s A,
     clip(s, 1 - eps_low, 1 + eps_high) A)`` summed over the tokens (each weighted by the sampling correction, whose
     per-completion sum is ``weight_sum``; else their count), plus ``kl_coef`` times the summed k3 KL, times s with
-    ``kl_ratio`` (TRL broadcasts the sequence ratio onto the per-token KL). Returns that sum (with gradient through s
-    and the KL) and, detached, whether the completion clipped below and above. The aggregations of
+    ``kl_ratio`` (TRL broadcasts the sequence ratio onto the per-token KL). ``surrogate`` as
+    :func:`surrogate_loss` (cispo's term is linear in log p: its sum is the clipped ratio times A times the summed
+    log-probs, weighted by the sampling correction when given, ``weighted_logp_sum``); ``keep`` (per completion,
+    0 or 1: the off-policy mask) multiplies the surrogate, not the KL. Returns that sum (with gradient through s,
+    log p and the KL) and, detached, whether the completion clipped below and above. The aggregations of
     :func:`completion_values` then apply as to the token-level sums."""
     n = n_tokens.to(logp_sum.device, logp_sum.dtype)
     ratio = torch.exp((logp_sum - old_sum) / n.clamp(min=1.0))
-    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
-    per_token = -torch.minimum(unclipped * advantage, clipped * advantage)
-    loss = per_token * (n if weight_sum is None else weight_sum)
+    if surrogate == "cispo":  # sum_t -min(s, eps_high) A log p_t
+        linear = logp_sum if weighted_logp_sum is None else weighted_logp_sum
+        per_token, low, high = surrogate_loss(ratio, advantage, linear, surrogate, epsilon_low=epsilon_low,
+                                              epsilon_high=epsilon_high)
+        loss = per_token
+    else:
+        per_token, low, high = surrogate_loss(ratio, advantage, logp_sum, surrogate, epsilon_low=epsilon_low,
+                                              epsilon_high=epsilon_high, delta=delta,
+                                              temperature_pos=temperature_pos, temperature_neg=temperature_neg)
+        loss = per_token * (n if weight_sum is None else weight_sum)
+    if keep is not None:
+        loss = loss * keep
     if kl_sum is not None and kl_coef:
         loss = loss + kl_coef * kl_sum * (ratio if kl_ratio else 1.0)
-    low = ((ratio < 1.0 - epsilon_low) & (advantage < 0)).to(logp_sum.dtype).detach()
-    high = ((ratio > 1.0 + epsilon_high) & (advantage > 0)).to(logp_sum.dtype).detach()
     return loss, low, high
 
 
@@ -240,17 +302,20 @@ def completion_values(loss_sum: Tensor, n_tokens: Tensor, aggregation: str, *, m
 
     - ``grpo``: the completion's token mean (the step's loss: the mean over completions of their token means);
     - ``dr_grpo``: its token sum / ``max_completion_length`` (Liu et al. 2025, arXiv:2503.20783);
-    - ``dapo`` and ``bnpo``: its token sum / ``tokens_per_completion`` (the step's scored tokens over its
-      completions), so the step's loss is its token sum over its token count (Yu et al. 2025, arXiv:2503.14476).
+    - ``dapo``, ``bnpo`` and ``cispo``: its token sum / ``tokens_per_completion`` (the step's scored tokens over its
+      completions), so the step's loss is its token sum over its token count (Yu et al. 2025, arXiv:2503.14476);
+    - ``sapo``: as ``grpo``; ``luspo``: its token sum (the step's loss: the mean over completions of their sums).
 
     ``loss_sum`` [S]: each completion's summed per-token loss, ``n_tokens`` [S] its scored tokens."""
     n = n_tokens.to(loss_sum.device, loss_sum.dtype)
-    if aggregation == "grpo":
+    if aggregation in ("grpo", "sapo"):
         return loss_sum / n.clamp(min=1.0)
+    if aggregation == "luspo":
+        return loss_sum
     if aggregation == "dr_grpo":
         if max_completion_length < 1:
             raise ValueError("dr_grpo needs max_completion_length >= 1")
         return loss_sum / float(max_completion_length)
-    if aggregation in ("dapo", "bnpo"):
+    if aggregation in ("dapo", "bnpo", "cispo"):
         return loss_sum / max(float(tokens_per_completion), 1e-12)
     raise ValueError(f"unknown aggregation {aggregation!r}; choose one of {', '.join(PG_AGGREGATIONS)}")

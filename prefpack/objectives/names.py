@@ -16,7 +16,7 @@ from typing import Literal
 
 __all__ = ["LAYOUTS", "OBJECTIVE_NAMES", "PG_LOSS_NAMES", "TRAIN_OBJECTIVES", "TrainObjective", "train_objective"]
 
-PG_LOSS_NAMES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "bnpo", "rloo")
+PG_LOSS_NAMES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "rloo")
 """``train.objective=policy_gradient``'s losses: GRPO's token-level aggregations by TRL's ``loss_type`` names, and
 RLOO (sequence-level ratios, leave-one-out baseline)."""
 

@@ -37,6 +37,7 @@ from prefpack.data.views import RankedGroups
 from prefpack.data.vision_inputs import check_store_vision
 from prefpack.losses import LossOutput
 from prefpack.losses.pg import (
+    SURROGATES,
     clipped_token_terms,
     completion_values,
     group_advantages,
@@ -93,6 +94,8 @@ class GroupPolicyTask(PromptGroupTask):
         self.kl_coef = float(lo.kl_coef or 0.0)
         self.delta = None if lo.delta is None else float(lo.delta)
         self.sequence_ratio = lo.importance_sampling_level == "sequence" and self.loss_name != "rloo"
+        self.surrogate = SURROGATES.get(self.loss_name, "clip")
+        self.off_policy = None if lo.off_policy_mask_threshold is None else float(lo.off_policy_mask_threshold)
         self.old_mode = lo.old_logprobs
         self.scores = store.scores().astype(np.float64)
         self.starts = store.group_starts()
@@ -284,6 +287,19 @@ class GroupPolicyTask(PromptGroupTask):
             self.advantages = self._advantages(kl)
             self._rloo_kl_done = True
 
+    def _off_policy_keep(self, sums: dict, advantage: torch.Tensor, n: torch.Tensor,
+                         metrics: dict) -> torch.Tensor | None:
+        """DeepSeek-V3.2's off-policy sequence mask (TRL's ``get_off_policy_mask``), per completion: 1 where its
+        advantage is >= 0 or its mean log-ratio of the sampler (else the old policy) to the policy is at most
+        ``loss.off_policy_mask_threshold``, else 0; None when the mask is off. Reported as ``off_policy_masked``."""
+        if self.off_policy is None or "off_policy_gap" not in sums:
+            return None
+        gap = sums["off_policy_gap"] / n
+        adv = advantage.to(gap.device, gap.dtype)
+        keep = ((adv >= 0) | (gap <= self.off_policy)).to(gap.dtype).detach()
+        metrics["off_policy_masked"] = 1.0 - keep
+        return keep
+
     def _tokens_per_completion(self, n_tokens: torch.Tensor, keep: torch.Tensor, rows: np.ndarray) -> float:
         """dapo/bnpo's normaliser: the step's scored tokens per completion (plan_step's); in an evaluation (no
         plan_step), the batch's own."""
@@ -333,14 +349,17 @@ class GroupPolicyTask(PromptGroupTask):
             fn = partial(_gap_only)
             sequence_inputs: dict[str, torch.Tensor] = {}
         elif self.sequence_ratio:  # GSPO: the ratio is the completion's, taken after the forward from its sums
-            fn = sequence_token_terms
+            fn = partial(sequence_token_terms, linear=self.surrogate == "cispo")
             sequence_inputs = {}
             if self.correction is not None:
                 token_inputs["weight"] = self._matrix(self._sampling_weights(rows), rows, n_tokens)
         else:
+            lo = self.settings.loss
             surrogate = partial(clipped_token_terms, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
                                 kl_coef=self.kl_coef, delta=self.delta,
-                                kl_ratio=bool(self.settings.loss.use_bias_correction_kl))
+                                kl_ratio=bool(self.settings.loss.use_bias_correction_kl), surrogate=self.surrogate,
+                                temperature_pos=float(lo.sapo_temperature_pos),
+                                temperature_neg=float(lo.sapo_temperature_neg))
             if self.old is None:
                 fn = partial(_current_old, fn=surrogate)
             else:
@@ -349,6 +368,10 @@ class GroupPolicyTask(PromptGroupTask):
             if self.correction is not None:
                 token_inputs["weight"] = self._matrix(self._sampling_weights(rows), rows, n_tokens)
             sequence_inputs = {"advantage": advantage}
+        if not rloo and self.off_policy is not None:  # the off-policy mask's evidence: the sampler's, else the old's
+            source = self.sampler if self.sampler is not None else self.old
+            if source is not None:
+                token_inputs["gap_source"] = self._matrix(source, rows, n_tokens)
         batch.token_term = TokenTerm(fn, token_inputs, sequence_inputs)
         try:
             out = as_sequence_output(policy(batch))
@@ -366,10 +389,14 @@ class GroupPolicyTask(PromptGroupTask):
                                                      epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high)
             value = value * keep
         elif self.sequence_ratio:
+            lo = self.settings.loss
             loss_sum, low, high = sequence_ratio_loss(
                 out.logp_sum, old_sum, n_tokens, advantage.to(device, dtype), epsilon_low=self.epsilon_low,
                 epsilon_high=self.epsilon_high, delta=self.delta, kl_coef=self.kl_coef, kl_sum=sums.get("kl"),
-                kl_ratio=bool(self.settings.loss.use_bias_correction_kl), weight_sum=sums.get("sampling_ratio"))
+                kl_ratio=bool(lo.use_bias_correction_kl), weight_sum=sums.get("sampling_ratio"),
+                surrogate=self.surrogate, temperature_pos=float(lo.sapo_temperature_pos),
+                temperature_neg=float(lo.sapo_temperature_neg), keep=self._off_policy_keep(sums, advantage, n, metrics),
+                weighted_logp_sum=sums.get("weighted_logp"))
             value = completion_values(loss_sum * keep, n_tokens, self.loss_name,
                                       max_completion_length=self.max_completion_length,
                                       tokens_per_completion=self._tokens_per_completion(n_tokens, keep, rows))
@@ -377,7 +404,12 @@ class GroupPolicyTask(PromptGroupTask):
                 ratio = torch.exp((out.logp_sum - old_sum) / n) if self.settings.loss.use_bias_correction_kl else 1.0
                 metrics["kl"] = (sums["kl"] * ratio / n).detach()
         else:
-            value = completion_values(sums["loss"] * keep, n_tokens, self.loss_name,
+            loss_sum = sums["loss"]
+            off = self._off_policy_keep(sums, advantage, n, metrics)
+            if off is not None:  # the surrogate of an off-policy completion of negative advantage dropped, not its KL
+                kl_loss = sums.get("kl_loss", torch.zeros_like(loss_sum))
+                loss_sum = (loss_sum - kl_loss) * off + kl_loss
+            value = completion_values(loss_sum * keep, n_tokens, self.loss_name,
                                       max_completion_length=self.max_completion_length,
                                       tokens_per_completion=self._tokens_per_completion(n_tokens, keep, rows))
             low, high = sums["clip_low"] / n, sums["clip_high"] / n
