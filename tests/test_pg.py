@@ -183,6 +183,25 @@ def _weights(old: np.ndarray, sampler: np.ndarray, mode: str) -> np.ndarray:
     return np.where((ratio < RATIO_MIN) | (ratio > RATIO_MAX), 0.0, ratio)
 
 
+def _sampled_task(store, tok, old_model, mode, loss, layout, *extra):
+    """A task whose old policy is recomputed from ``old_model`` and whose sampler log-probs are that plus seeded
+    noise (what a store's logprobs.bin gives), with the sampling correction ``mode``; and its reference."""
+    from prefpack.model import SequenceLogps
+    from prefpack.objectives.pg import GroupPolicyTask
+    from prefpack.reference import CopyReference
+
+    task = make_task(GroupPolicyTask, store, _config(loss, layout, f"loss.kl_coef={KL}", *extra,
+                                                     f"loss.sampling_ratio_min={RATIO_MIN}",
+                                                     f"loss.sampling_ratio_max={RATIO_MAX}"))
+    reference = CopyReference(float64_llama(tok, 1))
+    reference.configure(chunk_size=7, pair_tails=False, token_logps=True)
+    task._start(SequenceLogps(old_model, chunk_size=5, token_logps=True), reference)
+    rng = np.random.default_rng(GAP_SEED)
+    task.sampler = [o + rng.normal(0.0, 0.03, o.shape) for o in task.old]
+    task.correction = mode
+    return task, reference
+
+
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
 @pytest.mark.parametrize("layout", ["shared", "padded"])
 def test_sampling_correction_weights_the_surrogate_as_the_formula(ranked, toy_tokenizers, mode, layout):
@@ -191,21 +210,11 @@ def test_sampling_correction_weights_the_surrogate_as_the_formula(ranked, toy_to
     some do not), against the float64 formula with TRL's weights written out; loss, gradients and the masked share."""
     from prefpack.model import SequenceLogps
     from prefpack.objectives.base import Planned
-    from prefpack.objectives.pg import GroupPolicyTask
-    from prefpack.reference import CopyReference
 
     store = ranked["plain"]
     tok = toy_tokenizers["llama"]
     policy, old_model = float64_llama(tok, 0), float64_llama(tok, 1)
-    task = make_task(GroupPolicyTask, store, _config("grpo", layout, f"loss.kl_coef={KL}",
-                                                     f"loss.sampling_ratio_min={RATIO_MIN}",
-                                                     f"loss.sampling_ratio_max={RATIO_MAX}"))
-    reference = CopyReference(float64_llama(tok, 1))
-    reference.configure(chunk_size=7, pair_tails=False, token_logps=True)
-    task._start(SequenceLogps(old_model, chunk_size=5, token_logps=True), reference)
-    rng = np.random.default_rng(GAP_SEED)
-    task.sampler = [o + rng.normal(0.0, 0.03, o.shape) for o in task.old]  # what a store's logprobs.bin gives
-    task.correction = mode
+    task, reference = _sampled_task(store, tok, old_model, mode, "grpo", layout)
     module = SequenceLogps(policy, chunk_size=7, token_logps=True, entropy=True)
     ids = np.arange(len(task))
     task.plan_step(ids, seed=None)
@@ -232,24 +241,14 @@ def test_sequence_level_ratio_is_gspo_as_the_formula(ranked, toy_tokenizers, los
     correction; against the float64 formula, loss and gradients, prompts once and padded alike."""
     from prefpack.model import SequenceLogps
     from prefpack.objectives.base import Planned
-    from prefpack.objectives.pg import GroupPolicyTask
-    from prefpack.reference import CopyReference
 
     store = ranked["spans"]  # unscored spans: the mean is over the scored tokens
     tok = toy_tokenizers["llama"]
     policy, old_model = float64_llama(tok, 0), float64_llama(tok, 1)
     got = []
     for layout in ("shared", "padded"):
-        task = make_task(GroupPolicyTask, store, _config(loss, layout, f"loss.kl_coef={KL}",
-                                                         "loss.importance_sampling_level=sequence",
-                                                         f"loss.sampling_ratio_min={RATIO_MIN}",
-                                                         f"loss.sampling_ratio_max={RATIO_MAX}"))
-        reference = CopyReference(float64_llama(tok, 1))
-        reference.configure(chunk_size=7, pair_tails=False, token_logps=True)
-        task._start(SequenceLogps(old_model, chunk_size=5, token_logps=True), reference)
-        rng = np.random.default_rng(GAP_SEED)
-        task.sampler = [o + rng.normal(0.0, 0.03, o.shape) for o in task.old]
-        task.correction = correction
+        task, reference = _sampled_task(store, tok, old_model, correction, loss, layout,
+                                        "loss.importance_sampling_level=sequence")
         module = SequenceLogps(policy, chunk_size=7, token_logps=True, entropy=True)
         ids = np.arange(len(task))
         task.plan_step(ids, seed=None)

@@ -201,15 +201,7 @@ def clipped_token_terms(logp: Tensor, old: Tensor, advantage: Tensor, *, epsilon
                                      temperature_neg=temperature_neg)
     if weight is not None:
         loss = loss * weight
-    with torch.no_grad():
-        out = {"clip_low": low, "clip_high": high}
-        if gap_source is not None:
-            out["off_policy_gap"] = gap_source - logp
-        if sampler is not None:
-            out["sampler_gap"] = (logp - sampler).abs()
-        if weight is not None:
-            out["sampling_ratio"] = weight.to(logp.dtype)
-            out["sampling_masked"] = (weight == 0).to(logp.dtype)
+    out = {"clip_low": low, "clip_high": high, **_reported(logp, sampler, weight, gap_source)}
     if ref is not None:
         diff = ref - logp
         kl = torch.exp(diff) - diff - 1.0
@@ -220,6 +212,22 @@ def clipped_token_terms(logp: Tensor, old: Tensor, advantage: Tensor, *, epsilon
             loss = loss + out["kl_loss"]
         out["kl"] = kl.detach()
     out["loss"] = loss
+    return out
+
+
+@torch.no_grad()
+def _reported(logp: Tensor, sampler: Tensor | None, weight: Tensor | None,
+              gap_source: Tensor | None) -> dict[str, Tensor]:
+    """The per-token values a step reports (detached): the train/rollout gap, the sampling weights and the tokens
+    they drop, and the off-policy mask's evidence."""
+    out: dict[str, Tensor] = {}
+    if gap_source is not None:
+        out["off_policy_gap"] = gap_source - logp
+    if sampler is not None:
+        out["sampler_gap"] = (logp - sampler).abs()
+    if weight is not None:
+        out["sampling_ratio"] = weight.to(logp.dtype)
+        out["sampling_masked"] = (weight == 0).to(logp.dtype)
     return out
 
 
@@ -243,15 +251,7 @@ def sequence_token_terms(logp: Tensor, *, ref: Tensor | None = None, sampler: Te
     completion by the forward: the k3 KL to the reference (with gradient; the ratio that corrects it is the
     completion's, applied by :func:`sequence_ratio_loss`), the sampling correction's weights, and the reported
     ``sampler_gap`` / ``sampling_masked`` / ``off_policy_gap`` (as :func:`clipped_token_terms`)."""
-    out: dict[str, Tensor] = {}
-    with torch.no_grad():
-        if gap_source is not None:
-            out["off_policy_gap"] = gap_source - logp
-        if sampler is not None:
-            out["sampler_gap"] = (logp - sampler).abs()
-        if weight is not None:
-            out["sampling_ratio"] = weight.to(logp.dtype)
-            out["sampling_masked"] = (weight == 0).to(logp.dtype)
+    out = _reported(logp, sampler, weight, gap_source)
     if ref is not None:
         diff = ref - logp
         out["kl"] = torch.exp(diff) - diff - 1.0
