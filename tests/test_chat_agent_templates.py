@@ -281,5 +281,8 @@ def test_split_replies_train_and_are_reported(tmp_path, template_toks, one_threa
     last = PrepareOptions(inputs=[str(data)], tokenizer=str(template_toks["minimax-m2"]), output=str(tmp_path / "m"),
                           workers=1, train_on="last")
     prepare(last, log=lambda m: None)
+    opened = Store(tmp_path / "m")  # one sequence per reply, but prompts stopping before the generation prompt:
+    assert opened.num_segments == 0 and opened.meta["format_version"] == 5  # version 5, so older readers refuse
+    assert (opened.column("flags") & 4).all()
     prompts = StorePrompts(str(tmp_path / "m"))
     assert list(prompts) == [] and "4 examples not sampled" in " ".join(prompts.notes)

@@ -28,7 +28,9 @@ A store is one folder:
   and itself, not the completion's other segments) whose sums add up into the completion's: a chat template that
   rewrites earlier assistant turns once later messages follow has each turn scored in the context it gave the model
   at that turn (``prefpack.data.spans``). A store with segments is written as version 5 (margins may be there too;
-  images may not), so an older prefpack refuses it rather than train each completion as one sequence.
+  images may not), so an older prefpack refuses it rather than train each completion as one sequence. So is a store
+  with a row flagged 4 (``FLAG_OPEN_PROMPT``: its stored prompt stops before the generation prompt, which each of its
+  completions starts with, unscored), which an older prefpack would sample from as if it were a whole prompt.
 - `logprobs.bin` (ranked stores only, only when some completion was sampled with log-probs recorded: ``prefpack score``
   of a samples file whose ``logprobs`` generate wrote): float32, exactly one value per token of tokens.bin at the same
   position, the sampling policy's raw log-prob of that token (``generation.engine.Sample``: before temperature and

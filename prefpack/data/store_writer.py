@@ -19,6 +19,7 @@ import numpy as np
 
 from prefpack.data.spans import SEGMENTS_FILE, SPANS_FILE, check_segments
 from prefpack.data.store_format import (
+    FLAG_OPEN_PROMPT,
     FORMAT_NAME,
     FORMAT_VERSION,
     IMAGE_COLUMNS,
@@ -91,6 +92,7 @@ class StoreWriter:
         self._segments = None  # segments.bin, opened with the first block that cuts a completion into segments
         self._segment_hash = hashlib.sha256()
         self.n_segments = 0
+        self.n_open_prompts = 0  # rows flagged FLAG_OPEN_PROMPT (their prompt stops before the generation prompt)
         self._logprob_hash = hashlib.sha256()
         self.n_logprobs = 0  # completions (ranked rows) that have them
         self._img_hash = hashlib.sha256()
@@ -110,6 +112,7 @@ class StoreWriter:
         completions start, positions relative to the block (sorted, each strictly inside one completion;
         ``store_format``: segments.bin)."""
         rows_in = np.asarray(index_rows, dtype=np.int64).reshape(-1, len(self.columns))
+        self.n_open_prompts += int((rows_in[:, self.columns.index("flags")] & FLAG_OPEN_PROMPT).astype(bool).sum())
         if segments is not None and len(segments):
             if images or self.n_images:  # an image's tokens would be laid out once per segment
                 raise StoreError(f"{self.path}: completions cut into segments (a chat template that rewrites earlier "
@@ -246,7 +249,10 @@ class StoreWriter:
         full = dict(meta)
         full.update({
             "format": FORMAT_NAME,
-            "format_version": SEGMENT_FORMAT_VERSION if self.n_segments else MARGIN_FORMAT_VERSION if self.n_margins
+            # version 5: a chat store scored turn by turn (segments.bin, or prompts that stop before the generation
+            # prompt), which an older prefpack would sample or train on wrongly
+            "format_version": SEGMENT_FORMAT_VERSION if self.n_segments or self.n_open_prompts
+            else MARGIN_FORMAT_VERSION if self.n_margins
             else IMAGE_FORMAT_VERSION if self.n_images else FORMAT_VERSION,
             "kind": self.kind,
             "dtype": self.dtype.name,
