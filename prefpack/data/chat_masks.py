@@ -169,7 +169,7 @@ def render_chat(tok, ex: Example, kwargs: dict[str, Any] | None = None, tools: l
                     seqs, missing = by_turns, turn_missing
         pieces.append(seqs)
         left.append([f"field {name!r}: {what}" for what in missing])
-    return _assemble(render, ex, template_kwargs, prompt_text, pieces, left, train_on)
+    return _assemble(render, ex, template_kwargs, prompt_text, pieces, left)
 
 
 SPLIT_REASONS = ("template_not_prefix_stable", "unverified_turn")  # refusals the turn-by-turn method may resolve
@@ -197,10 +197,10 @@ def _one_rendering(render: Renderer, prompt, reply, kwargs, prompt_text: str, na
     return TurnSequence(full, [(base + a, base + b) for a, b in scored]), missing
 
 
-def _scored_missing(reply: list[dict], missing: list[str], train_on: str) -> bool:
-    """Whether text the rendering left out belongs to a turn ``train_on`` scores (``missing`` as ``left_out``)."""
+def _scored_missing(reply: list[dict], missing: list[str], train_on: str) -> int:
+    """How many pieces the rendering left out belong to turns ``train_on`` scores (``missing`` as ``left_out``)."""
     scored = set(scored_turns(reply, train_on))
-    return any(line.startswith(f"message {k}'s ") for k in scored for line in missing)
+    return sum(any(line.startswith(f"message {k}'s ") for k in scored) for line in missing)
 
 
 def _by_turns(render: Renderer, prompt, reply, kwargs, name: str,
@@ -260,7 +260,7 @@ def _thinking_hint(render: Renderer, prompt, reply, kwargs, name: str, train_on:
 
 
 def _assemble(render: Renderer, ex: Example, kwargs: dict, prompt_text: str, pieces: list[list[TurnSequence]],
-              left: list[list[str]], train_on: str) -> RenderedChat:
+              left: list[list[str]]) -> RenderedChat:
     """The row from each completion's sequences: the prompt they all start with (the prompt with its generation
     prompt, or without it when a sequence rewrites that), each completion its sequences' rest back to back (a
     segment per sequence after the first), what is not scored, and what the template left out."""
