@@ -99,3 +99,40 @@ def test_a_header_found_at_an_earlier_assistant_turn_is_not_taken_for_the_turn()
     reply = [{"role": "assistant", "content": "first"}, {"role": "assistant", "content": "second"}]
     with pytest.raises(TurnRefused):
         turn_text(renderer(source), PROMPT, reply, 1)
+
+
+def test_a_reply_past_the_turn_limit_is_refused_before_rendering(monkeypatch):
+    """Each turn renders its conversation twice, so a hostile row of thousands of turns would run for hours: past
+    MAX_TURNS it is refused at once, naming the limit."""
+    from prefpack.data import turn_contexts
+
+    calls = []
+
+    def render(messages, gen):
+        calls.append(1)
+        return renderer(DROPS)(messages, gen)
+
+    monkeypatch.setattr(turn_contexts, "MAX_TURNS", 3)
+    reply = [{"role": "assistant", "content": f"a{k}"} for k in range(4)]
+    with pytest.raises(TurnRefused, match="4 scored assistant turns are past the 3"):
+        split_by_turns(render, PROMPT, reply, "assistant")
+    assert not calls
+    assert len(split_by_turns(render, PROMPT, reply, "last")) == 1  # one scored turn: within the limit
+
+
+def test_a_prefix_stable_reply_past_the_turn_limit_is_refused_in_one_line(tmp_path, monkeypatch, toy_tokenizers):
+    """The per-message cuts of a prefix-stable template render the conversation up to each turn too: a reply past
+    MAX_TURNS is one counted bad row, not hours of rendering."""
+    from conftest import write_jsonl
+
+    from prefpack.data import chat_masks
+    from prefpack.data.prepare import PrepareOptions, prepare
+
+    monkeypatch.setattr(chat_masks, "MAX_TURNS", 3)
+    turns = [m for k in range(4) for m in ({"role": "assistant", "content": f"a{k}"}, {"role": "tool", "content": "t"})]
+    rows = [{"prompt": PROMPT, "chosen": turns[:-1], "rejected": [{"role": "assistant", "content": "no"}]},
+            {"prompt": PROMPT, "chosen": turns[:3], "rejected": [{"role": "assistant", "content": "no"}]}]
+    report = prepare(PrepareOptions(inputs=[str(write_jsonl(tmp_path / "r.jsonl", rows))], output=str(tmp_path / "s"),
+                                    tokenizer=str(toy_tokenizers["chatml"]), workers=1, skip_invalid=True),
+                     log=lambda m: None)
+    assert report.examples == 1 and report.skipped == {"too_many_turns": 1}

@@ -21,7 +21,14 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from prefpack.data.formats import Example, InvalidRow
 from prefpack.data.template_vars import template_reads
 from prefpack.data.training_templates import OWN_TEMPLATE, ChatTemplate, has_generation_markers
-from prefpack.data.turn_contexts import TurnRefused, TurnSequence, scored_turns, split_by_turns, turn_text
+from prefpack.data.turn_contexts import (
+    MAX_TURNS,
+    TurnRefused,
+    TurnSequence,
+    scored_turns,
+    split_by_turns,
+    turn_text,
+)
 from prefpack.data.turns import Ranges, complement, turn_ranges
 
 FIX = ("render with a prefix-preserving template that marks assistant text with {% generation %}: "
@@ -226,7 +233,8 @@ def _by_turns(render: Renderer, prompt, reply, kwargs, name: str,
 def _turn_cause(by_prefix, prompt, reply, name: str, train_on: str, render: Renderer, cause: str) -> str:
     """Why a reply cannot be scored turn by turn either, in one line: a turn without the reasoning its template's
     generation prompt opens, or the template's own rendering (``cause``)."""
-    for k in scored_turns(reply, train_on):
+    turns = scored_turns(reply, train_on)
+    for k in turns if len(turns) <= MAX_TURNS else ():  # (past the limit: refused for its length, not probed)
         try:
             turn_text(by_prefix, prompt, reply, k)
         except TurnRefused:
@@ -317,6 +325,13 @@ def _marked(render: Renderer, prompt, kwargs, prompt_text: str, full: str, spans
 def _cut(render: Renderer, prompt, reply, kwargs, prompt_text: str, full: str, train_on: str, name: str,
          template: ChatTemplate | None) -> Ranges | None:
     """Per-message cuts (rendering up to each assistant message), each checked to hold the message's own text."""
+    turns = scored_turns(reply, train_on)
+    if len(turns) > MAX_TURNS:  # each cut renders the conversation up to it: the square of the turns
+        raise InvalidRow("too_many_turns", name, f"field {name!r} has {len(turns)} scored assistant turns, past the "
+                         f"{MAX_TURNS} prefpack cuts out one by one; split the trajectory into shorter rows, or "
+                         "render with a template that marks assistant text with {% generation %} (--chat-template "
+                         "FILE: one rendering whatever the length)")
+
     def by_prefix(msgs, gen):
         return render(msgs, kwargs, gen, name)[0]
 

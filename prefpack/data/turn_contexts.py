@@ -19,6 +19,10 @@ from prefpack.data.turns import Ranges
 # render(messages, add_generation_prompt) -> the rendered text
 Render = Callable[[list[dict], bool], str]
 
+MAX_TURNS = 512
+"""Scored turns one reply may be split over: each renders the conversation up to it twice, so the cost grows with
+the square of the turns; a reply past this is refused rather than left to run for hours."""
+
 
 @dataclass
 class TurnSequence:
@@ -71,7 +75,11 @@ def split_by_turns(render: Render, prompt: list[dict], reply: list[dict], train_
     """The sequences the template forces on ``reply``: each scored turn after the context the template gives it,
     a turn joining the previous sequence when its context extends that sequence's text."""
     out: list[TurnSequence] = []
-    for k in scored_turns(reply, train_on):
+    turns = scored_turns(reply, train_on)
+    if len(turns) > MAX_TURNS:
+        raise TurnRefused(f"its {len(turns)} scored assistant turns are past the {MAX_TURNS} prefpack renders one by "
+                          "one (each in its own context); split the trajectory into shorter rows")
+    for k in turns:
         context, written = turn_text(render, prompt, reply, k)
         if out and context.startswith(out[-1].text):
             seq = out[-1]
