@@ -217,6 +217,7 @@ def _by_turns(render: Renderer, prompt, reply, kwargs, name: str,
     def by_prefix(msgs, gen):
         return render(msgs, kwargs, gen, name)[0]
 
+    _check_turn_count(reply, train_on, name)
     try:
         seqs = split_by_turns(by_prefix, prompt, reply, train_on)
     except TurnRefused as exc:
@@ -233,8 +234,7 @@ def _by_turns(render: Renderer, prompt, reply, kwargs, name: str,
 def _turn_cause(by_prefix, prompt, reply, name: str, train_on: str, render: Renderer, cause: str) -> str:
     """Why a reply cannot be scored turn by turn either, in one line: a turn without the reasoning its template's
     generation prompt opens, or the template's own rendering (``cause``)."""
-    turns = scored_turns(reply, train_on)
-    for k in turns if len(turns) <= MAX_TURNS else ():  # (past the limit: refused for its length, not probed)
+    for k in scored_turns(reply, train_on):
         try:
             turn_text(by_prefix, prompt, reply, k)
         except TurnRefused:
@@ -325,12 +325,7 @@ def _marked(render: Renderer, prompt, kwargs, prompt_text: str, full: str, spans
 def _cut(render: Renderer, prompt, reply, kwargs, prompt_text: str, full: str, train_on: str, name: str,
          template: ChatTemplate | None) -> Ranges | None:
     """Per-message cuts (rendering up to each assistant message), each checked to hold the message's own text."""
-    turns = scored_turns(reply, train_on)
-    if len(turns) > MAX_TURNS:  # each cut renders the conversation up to it: the square of the turns
-        raise InvalidRow("too_many_turns", name, f"field {name!r} has {len(turns)} scored assistant turns, past the "
-                         f"{MAX_TURNS} prefpack cuts out one by one; split the trajectory into shorter rows, or "
-                         "render with a template that marks assistant text with {% generation %} (--chat-template "
-                         "FILE: one rendering whatever the length)")
+    _check_turn_count(reply, train_on, name)
 
     def by_prefix(msgs, gen):
         return render(msgs, kwargs, gen, name)[0]
@@ -348,6 +343,17 @@ def _cut(render: Renderer, prompt, reply, kwargs, prompt_text: str, full: str, t
                 raise InvalidRow("unverified_turn", name, f"field {name!r}: the cut of assistant message {k} does not "
                                  f"hold its own text {_short(piece)!r}, so what it scores cannot be verified; {FIX}")
     return complement(turns, len(completion))
+
+
+def _check_turn_count(reply: list[dict], train_on: str, name: str) -> None:
+    """A reply of more scored turns than ``MAX_TURNS``, refused before rendering them one by one (cuts and the
+    turn-by-turn method render the conversation up to each turn: the square of the turns)."""
+    turns = scored_turns(reply, train_on)
+    if len(turns) > MAX_TURNS:
+        raise InvalidRow("too_many_turns", name, f"field {name!r} has {len(turns)} scored assistant turns, past the "
+                         f"{MAX_TURNS} prefpack renders one by one; split the trajectory into shorter rows, or render "
+                         "with a template that marks assistant text with {% generation %} (--chat-template FILE: one "
+                         "rendering whatever the length)")
 
 
 def own_text(message: dict) -> list[str]:
