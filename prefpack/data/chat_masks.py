@@ -194,6 +194,8 @@ def _one_rendering(render: Renderer, prompt, reply, kwargs, prompt_text: str, na
                          name, template, _history_reply(template, earlier_reasoning, reply), reply))
     base = len(prompt_text)
     missing = left_out(reply, full[base:])
+    if train_on == "last":  # earlier turns are context, shown as the template shows them: only the scored turn's
+        missing = [line for line in missing if _scored_missing(reply, [line], train_on)]
     if train_on == "all":
         unscored = None
     elif markers:
