@@ -33,7 +33,8 @@ def one_seed(root: Path, objective: str, seed: int, overrides: list[str]) -> dic
     from prefpack.rounds import run_rounds
 
     t0 = time.perf_counter()
-    built = build_arithmetic(str(root / f"seed-{seed}"), seed=seed, log=lambda m: None)
+    # this script's own folder, written again on each run (only an earlier quickstart's output is ever replaced)
+    built = build_arithmetic(str(root / f"seed-{seed}"), seed=seed, overwrite=True, log=lambda m: None)
     config = built["dpo_config" if objective == "preference" else "grpo_config"]
     cfg = load_config(config, [*overrides, "run.plot=false"])
     t1 = time.perf_counter()
