@@ -136,3 +136,13 @@ def test_a_prefix_stable_reply_past_the_turn_limit_is_refused_in_one_line(tmp_pa
                                     tokenizer=str(toy_tokenizers["chatml"]), workers=1, skip_invalid=True),
                      log=lambda m: None)
     assert report.examples == 1 and report.skipped == {"too_many_turns": 1}
+
+
+def test_a_header_inside_the_message_itself_is_not_taken_for_the_turn():
+    """A message whose own text holds the generation prompt's header: the last one found would cut the message, so
+    where the template renders history otherwise (the header is searched for), the turn is refused, never scored
+    in part."""
+    reply = [{"role": "assistant", "content": "a0"}, {"role": "tool", "content": "out"},
+             {"role": "assistant", "content": "see <A> here"}]
+    with pytest.raises(TurnRefused):
+        turn_text(renderer(MARKS), PROMPT, reply, 2)

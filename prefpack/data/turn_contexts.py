@@ -61,7 +61,9 @@ def turn_text(render: Render, prompt: list[dict], reply: list[dict], k: int) -> 
     rest = written[at + len(header):] if at >= 0 else ""
     own = reply[k].get("content") if isinstance(reply[k].get("content"), str) else ""
     earlier = [m.get("content") for m in before if m.get("role") != "assistant" or m.get("content") not in own]
-    if rest.strip() and not any(isinstance(c, str) and c.strip() and c in rest for c in earlier):
+    pieces = [p.strip() for p in (own, reply[k].get("reasoning_content")) if isinstance(p, str) and p.strip()]
+    whole = all(p in rest for p in pieces if p in written)  # (a header inside the message itself would cut it)
+    if rest.strip() and whole and not any(isinstance(c, str) and c.strip() and c in rest for c in earlier):
         return context, rest  # (a header found inside the history would bring an earlier message along)
     i = next((i for i, (a, b) in enumerate(zip(context, written)) if a != b), min(len(context), len(written)))
     if i < len(plain) or not header:
